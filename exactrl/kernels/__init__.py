@@ -1,0 +1,61 @@
+"""The only place where reduction order is decided.
+
+A model holds one `Kernels` object, chosen at load time (`kernels="exact"` or
+`"fast"`), never a hidden global. `exact` makes every op batch-invariant
+(DESIGN.md §1); `fast` uses plain torch ops (`F.linear`, SDPA) and shows the
+train/rollout mismatch that exactness removes. A GPU backend would be a third
+implementation of this same interface.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exactrl.kernels import attention as _attn
+from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
+from exactrl.kernels.linear import exact_linear, fast_linear
+from exactrl.kernels.rowwise import apply_rotary, rms_norm, rotary_tables, sampling_logprobs
+
+KERNEL_MODES = ("exact", "fast")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation of every op whose result could depend on the batch."""
+
+    mode: str  # "exact" | "fast"
+
+    def __post_init__(self):
+        if self.mode not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.mode!r}")
+
+    @property
+    def exact(self) -> bool:
+        return self.mode == "exact"
+
+    def linear(self, x, weight, bias=None):
+        return exact_linear(x, weight, bias) if self.exact else fast_linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps: float):
+        return rms_norm(x, weight, eps, pad=self.exact)
+
+    def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int):
+        if self.exact:
+            return _attn.plan_exact(layout, num_heads, num_kv_heads, block_size)
+        return _attn.plan_fast(layout, block_size)
+
+    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float):
+        if self.exact:
+            assert isinstance(plan, ExactPlan)
+            return _attn.exact_attention(q_NHD, k_pages, v_pages, plan, scale)
+        assert isinstance(plan, FastPlan)
+        return _attn.fast_attention(q_NHD, k_pages, v_pages, plan, scale)
+
+
+def get_kernels(mode: str) -> Kernels:
+    return Kernels(mode)
+
+
+__all__ = ["Kernels", "KERNEL_MODES", "TokenLayout", "get_kernels", "write_kv", "apply_rotary",
+           "rotary_tables", "sampling_logprobs"]

@@ -1,0 +1,74 @@
+"""Linear layers: the row-tiled exact matmul and the plain fast one.
+
+Why tiles: on CPU, `x[:M] @ W` picks a different GEMM kernel (and so a
+different reduction order over K) depending on M — in fp32 the first row of the
+product already changes its last bits between M <= 3 and M >= 4 (measured with
+torch 2.13). The exact kernel therefore pads the rows to a multiple of a fixed
+tile `ROW_TILE` and runs ONE batched matmul over `(n_tiles, ROW_TILE, K)` with
+the weight broadcast along the batch (stride 0). Every output element is then
+produced by the same small GEMM whatever the number of rows, the row's
+neighbours, or its place in the tile; the tests sweep these.
+
+bf16: the batched matmul runs in fp32 (operands upcast exactly, product rounded
+to bf16 once). Native bf16 `bmm` is ~15x slower than fp32 on this CPU, and the
+fp32 accumulation is what a GPU kernel would do anyway.
+
+Backward: only the forward values must be batch-invariant. The gradients use
+plain matmuls (a custom autograd function), which avoids materialising the
+(n_tiles, K, N) gradient that autograd of the broadcast weight would create.
+
+Legend: M rows, K input features, N output features, P padded rows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16  # rows per tile; part of the exactness contract — never vary it per call
+
+
+def pad_rows(x_MK: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """Zero-pads the rows of a 2-D tensor up to a (non-zero) multiple of `tile`."""
+    m = x_MK.shape[0]
+    p = max(-(-m // tile), 1) * tile
+    if p == m:
+        return x_MK
+    return F.pad(x_MK, (0, 0, 0, p - m))
+
+
+def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    m, k = x_MK.shape
+    out_dtype = x_MK.dtype
+    x_PK = pad_rows(x_MK.float())
+    n_tiles = x_PK.shape[0] // ROW_TILE
+    w_KN = w_NK.float().t()
+    y_tTN = torch.bmm(x_PK.view(n_tiles, ROW_TILE, k), w_KN.unsqueeze(0).expand(n_tiles, k, w_KN.shape[1]))
+    return y_tTN.view(n_tiles * ROW_TILE, -1)[:m].to(out_dtype)
+
+
+class _ExactLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_NK):  # type: ignore[override]
+        ctx.save_for_backward(x_MK, w_NK)
+        return _tiled_matmul(x_MK, w_NK)
+
+    @staticmethod
+    def backward(ctx, g_MN):  # type: ignore[override]
+        x_MK, w_NK = ctx.saved_tensors
+        gx = (g_MN @ w_NK) if ctx.needs_input_grad[0] else None
+        gw = (g_MN.t() @ x_MK) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b with a batch-invariant row-tiled matmul (see module docstring)."""
+    lead = x.shape[:-1]
+    y = _ExactLinear.apply(x.reshape(-1, x.shape[-1]), weight)
+    if bias is not None:
+        y = y + bias  # elementwise: invariant by construction
+    return y.view(*lead, weight.shape[0])
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain `F.linear`: the kernel torch picks depends on the number of rows."""
+    return F.linear(x, weight, bias)

@@ -1,0 +1,86 @@
+"""Per-row ops: RMSNorm, rotary embedding, and the sampling distribution.
+
+A per-row reduction (RMSNorm's mean of squares, log_softmax's log-sum-exp) is
+invariant as long as each row is reduced by one code path. torch parallelises
+a reduction over rows when there are at least as many rows as threads, but may
+split a single long row across threads when there are fewer; the exact path
+therefore pads rows to the fixed tile so that case never arises.
+
+The sampling distribution is the one contract between engine and trainer
+(DESIGN.md §1): `log_softmax` of fp32 logits divided by the temperature, with
+top-k and then top-p applied by VALUE cut-offs (ties at the cut-off are kept),
+so the result never depends on how a sort orders equal values.
+
+Legend: N rows, V vocabulary, D features.
+"""
+from __future__ import annotations
+
+import torch
+
+from exactrl.kernels.linear import pad_rows
+
+
+def rms_norm(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float, pad: bool) -> torch.Tensor:
+    """y = w · x / sqrt(mean(x²) + eps), reduced in fp32, returned in x's dtype (as HF does)."""
+    shape = x_ND.shape
+    x = x_ND.reshape(-1, shape[-1])
+    n = x.shape[0]
+    if pad:
+        x = pad_rows(x)
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    y = (xf * torch.rsqrt(var + eps)).to(x_ND.dtype)[:n]
+    return (weight_D * y).view(shape)
+
+
+def rotary_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_positions, head_dim] in fp32, computed once and indexed by absolute position."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in x's dtype (elementwise, hence invariant)."""
+    cos = cos_ND.to(x_NHD.dtype)[:, None, :]
+    sin = sin_ND.to(x_NHD.dtype)[:, None, :]
+    half = x_NHD.shape[-1] // 2
+    rotated = torch.cat([-x_NHD[..., half:], x_NHD[..., :half]], dim=-1)
+    return x_NHD * cos + rotated * sin
+
+
+def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_k_N: torch.Tensor,
+                      top_p_N: torch.Tensor) -> torch.Tensor:
+    """log of the distribution tokens are sampled from, per row: [N, V] fp32.
+
+    p = softmax(z / T) restricted to {z >= k-th largest} (top_k > 0) and then to
+    the smallest set of largest probabilities whose mass reaches top_p, then
+    renormalised. T = 0 (greedy) reports log_softmax(z), i.e. T = 1.
+    """
+    n, V = logits_NV.shape
+    z = pad_rows(logits_NV.float())
+    pad = z.shape[0] - n
+    temp = torch.nn.functional.pad(temperature_N.float(), (0, pad), value=1.0)
+    temp = torch.where(temp > 0, temp, 1.0)
+    z = z / temp[:, None]
+    top_k = torch.nn.functional.pad(top_k_N, (0, pad), value=-1)
+    top_p = torch.nn.functional.pad(top_p_N.float(), (0, pad), value=1.0)
+    need_k = bool(((top_k > 0) & (top_k < V)).any())
+    need_p = bool((top_p < 1.0).any())
+    if need_k or need_p:
+        sorted_z, _ = torch.sort(z.detach(), dim=-1, descending=True)
+        keep = torch.ones_like(z, dtype=torch.bool)
+        if need_k:
+            k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+            kth = sorted_z.gather(1, (k - 1)[:, None])
+            keep &= z >= kth
+            sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))
+        if need_p:
+            probs = torch.softmax(sorted_z, dim=-1)
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            n_keep = (mass_before < top_p[:, None]).sum(-1).clamp(min=1)
+            cut = sorted_z.gather(1, (n_keep - 1)[:, None])
+            keep &= z >= cut
+        z = z.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(z, dim=-1)[:n]

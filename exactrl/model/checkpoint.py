@@ -1,0 +1,113 @@
+"""Hugging Face checkpoint load/save: config.json + safetensors (single or sharded).
+
+Tensor names are the HF names (our module tree mirrors HF's), so loading is a
+name-for-name copy with strict checks: a missing, unexpected or mis-shaped
+tensor is an error that names it. Saving writes the same format, which
+transformers loads back (tested).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from exactrl.kernels import get_kernels
+from exactrl.model.config import ModelConfig
+from exactrl.model.transformer import DEFAULT_BLOCK_SIZE, CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name}")
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise ValueError(f"no config.json in model directory {path!s}")
+    return ModelConfig.from_hf(json.loads(p.read_text()))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!s}")
+
+
+def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
+    """Random init (normal(0, std) matrices, unit norms, zero biases), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def build_model(cfg: ModelConfig, dtype="float32", kernels: str = "exact", seed: int | None = 0,
+                block_size: int = DEFAULT_BLOCK_SIZE) -> CausalLM:
+    model = CausalLM(cfg, get_kernels(kernels), block_size)
+    if seed is not None:
+        init_weights(model, seed)
+    return model.to(_dtype(dtype))
+
+
+def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
+               block_size: int = DEFAULT_BLOCK_SIZE) -> CausalLM:
+    """Loads a Hugging Face model directory into the exactrl decoder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"model directory {path!s} does not exist")
+    cfg = read_config(path)
+    model = build_model(cfg, dtype, kernels, seed=None, block_size=block_size)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    with torch.no_grad():
+        for f in _weight_files(path):
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # tied: the embedding is the head
+                    if name not in params:
+                        raise ValueError(f"unexpected tensor {name!r} in {f.name} for a {cfg.model_type} model")
+                    t = sf.get_tensor(name)
+                    if tuple(t.shape) != tuple(params[name].shape):
+                        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                         f"expected {tuple(params[name].shape)}")
+                    params[name].copy_(t.to(params[name].dtype))
+                    seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"checkpoint {path!s} is missing tensors: {missing[:5]}"
+                         + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+    return model
+
+
+def save_model(model: CausalLM, path: str | Path) -> None:
+    """Writes config.json + model.safetensors in the Hugging Face layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf()
+    cfg["torch_dtype"] = cfg["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[model.dtype]
+    tensors = {n: p.detach().contiguous().clone() for n, p in model.named_parameters()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -1,0 +1,75 @@
+"""Model configuration read from (and written back to) a Hugging Face config.json.
+
+One decoder covers three families; they differ only in these switches:
+  qwen3: per-head RMSNorm on q and k (`qk_norm`), optional biases (`attention_bias`)
+  qwen2: biases on q/k/v, none on o
+  llama: `attention_bias` on q/k/v/o, `mlp_bias`
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    model_type: str  # "qwen3" | "qwen2" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections
+    o_bias: bool  # bias on the output projection
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3's RMSNorm over head_dim on q and k, before RoPE
+    hf: dict[str, Any] = field(default_factory=dict)  # the original config.json, kept for saving
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED:
+            raise ValueError(f"unsupported architecture model_type={mt!r} "
+                             f"(architectures={cfg.get('architectures')}); supported: {sorted(SUPPORTED)}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported (full attention only)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"unsupported rope_type={rope_type!r}; only 'default' RoPE is implemented")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        attn_bias = bool(cfg.get("attention_bias", False))
+        return ModelConfig(
+            model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if mt == "qwen2" else attn_bias,
+            o_bias=False if mt == "qwen2" else attn_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
+            qk_norm=mt == "qwen3", hf=dict(cfg))
+
+    def to_hf(self) -> dict[str, Any]:
+        out = dict(self.hf)
+        out.setdefault("architectures", [SUPPORTED[self.model_type]])
+        if not out.get("architectures"):
+            out["architectures"] = [SUPPORTED[self.model_type]]
+        return out

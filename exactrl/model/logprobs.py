@@ -1,0 +1,84 @@
+"""The trainer path: per-token logprobs of whole sequences in one batched forward.
+
+`sequence_logprobs` lays the sequences out `packed` (all tokens in one flat
+list, each with its own positions) or `padded` (every sequence extended with
+pad tokens to the longest one, as a [B, T] trainer batch would be); both go
+through the same model forward with a scratch KV store, so autograd works and
+the bits equal the engine's (DESIGN.md §1).
+
+Legend: B sequences, T tokens, N flat tokens, V vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+
+from exactrl.kernels import TokenLayout, sampling_logprobs
+from exactrl.model.transformer import CausalLM
+
+
+def pack_layout(lengths: list[int], block_size: int) -> tuple[TokenLayout, int]:
+    """Layout of whole sequences laid end to end, and the number of scratch pages."""
+    blocks = [-(-n // block_size) for n in lengths]
+    J = max(blocks)
+    table = torch.full((len(lengths), J), -1, dtype=torch.int64)
+    nxt = 0
+    for s, nb in enumerate(blocks):
+        table[s, :nb] = torch.arange(nxt, nxt + nb)
+        nxt += nb
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return TokenLayout(seq, pos, table), nxt
+
+
+def validate_token_ids(token_ids: list[list[int]], vocab_size: int) -> None:
+    if not token_ids:
+        raise ValueError("token_ids is empty: pass at least one sequence")
+    for k, seq in enumerate(token_ids):
+        if len(seq) == 0:
+            raise ValueError(f"token_ids[{k}] is empty")
+        bad = [t for t in seq if not (0 <= int(t) < vocab_size)]
+        if bad:
+            raise ValueError(f"token_ids[{k}] holds id {bad[0]} outside the vocabulary [0, {vocab_size})")
+
+
+def forward_logits(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
+                   pad_id: int = 0) -> list[torch.Tensor]:
+    """fp32 logits [len_k, V] of every sequence (the trainer's forward)."""
+    validate_token_ids(token_ids, model.config.vocab_size)
+    if layout not in ("packed", "padded"):
+        raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+    lengths = [len(s) for s in token_ids]
+    if layout == "padded":
+        T = max(lengths)
+        seqs = [list(s) + [pad_id] * (T - len(s)) for s in token_ids]
+    else:
+        seqs = token_ids
+    lay, pages = pack_layout([len(s) for s in seqs], model.block_size)
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+    hidden = model(tokens, lay, model.new_kv(pages))
+    logits = model.logits(hidden)
+    starts = torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0)
+    return [logits[int(starts[k]): int(starts[k]) + lengths[k]] for k in range(len(seqs))]
+
+
+def sequence_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0,
+                      top_k: int = -1, top_p: float = 1.0, layout: str = "packed") -> list[torch.Tensor]:
+    """lps[k][i-1] = log p(token_ids[k][i] | token_ids[k][:i]) under the sampling distribution.
+
+    The distribution is `sampling_logprobs` of the logits: temperature, then
+    top-k, then top-p, renormalised — the one the engine samples from.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    logits = forward_logits(model, token_ids, layout)
+    rows = torch.cat([lg[:-1] for lg in logits])
+    targets = torch.tensor([t for s in token_ids for t in s[1:]], dtype=torch.int64)
+    n = rows.shape[0]
+    if n == 0:
+        return [torch.zeros(0) for _ in token_ids]
+    lp_NV = sampling_logprobs(rows, torch.full((n,), float(temperature)), torch.full((n,), int(top_k)),
+                              torch.full((n,), float(top_p)))
+    lp_N = lp_NV.gather(1, targets[:, None]).squeeze(1)
+    return list(torch.split(lp_N, [len(s) - 1 for s in token_ids]))

@@ -1,0 +1,146 @@
+"""The one decoder-only transformer (Qwen3 / Qwen2 / Llama), trainer and engine alike.
+
+Inference is a mode of this model, not a second implementation: `forward`
+takes the tokens of any mix of sequences (a trainer batch, prefill chunks,
+decode steps), their `TokenLayout`, and a paged KV store to read and write.
+The engine passes its persistent cache; the trainer a scratch one. Module
+names follow Hugging Face's so a checkpoint's tensor names map one to one.
+Every op whose result could depend on the batch goes through `self.kernels`.
+
+Legend: N tokens, D hidden, H heads, Hk kv heads, Dh head dim, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from exactrl.kernels import Kernels, TokenLayout, apply_rotary, rotary_tables, write_kv
+from exactrl.model.config import ModelConfig
+
+DEFAULT_BLOCK_SIZE = 32  # keys per attention block = KV page size
+
+
+class Linear(nn.Module):
+    def __init__(self, kernels: Kernels, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x):
+        return self.kernels.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, kernels: Kernels, dim: int, eps: float):
+        super().__init__()
+        self.kernels, self.eps = kernels, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, k: Kernels):
+        super().__init__()
+        self.cfg, self.kernels = cfg, k
+        H, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = Linear(k, D, H * Dh, cfg.qkv_bias)
+        self.k_proj = Linear(k, D, Hk * Dh, cfg.qkv_bias)
+        self.v_proj = Linear(k, D, Hk * Dh, cfg.qkv_bias)
+        self.o_proj = Linear(k, H * Dh, D, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(k, Dh, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k, Dh, cfg.rms_norm_eps)
+
+    def forward(self, x_ND, cos_ND, sin_ND, layout, plan, kv_pages):
+        c = self.cfg
+        n = x_ND.shape[0]
+        q = self.q_proj(x_ND).view(n, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x_ND).view(n, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x_ND).view(n, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos_ND, sin_ND), apply_rotary(k, cos_ND, sin_ND)
+        k_pages, v_pages = write_kv(kv_pages[0], kv_pages[1], k, v, layout)
+        kv_pages[0], kv_pages[1] = k_pages, v_pages
+        o = self.kernels.attention(q, k_pages, v_pages, plan, 1.0 / math.sqrt(c.head_dim))
+        return self.o_proj(o.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, k: Kernels):
+        super().__init__()
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(k, D, F, cfg.mlp_bias)
+        self.up_proj = Linear(k, D, F, cfg.mlp_bias)
+        self.down_proj = Linear(k, F, D, cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, k: Kernels):
+        super().__init__()
+        self.self_attn = Attention(cfg, k)
+        self.mlp = MLP(cfg, k)
+        self.input_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layout, plan, kv_pages):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, plan, kv_pages)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, k: Kernels):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, k) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns final hidden states; `logits` projects them."""
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, block_size: int = DEFAULT_BLOCK_SIZE):
+        super().__init__()
+        self.config, self.kernels, self.block_size = cfg, kernels, block_size
+        self.model = Decoder(cfg, kernels)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(kernels, cfg.hidden_size, cfg.vocab_size, False)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_kv(self, num_pages: int) -> list[list[torch.Tensor]]:
+        """An empty paged KV store: per layer [k_pages, v_pages], each [P, Hk, B, Dh]."""
+        c = self.config
+        shape = (num_pages, c.num_key_value_heads, self.block_size, c.head_dim)
+        return [[torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)]
+                for _ in range(c.num_hidden_layers)]
+
+    def forward(self, tokens_N: torch.Tensor, layout: TokenLayout, kv: list[list[torch.Tensor]]) -> torch.Tensor:
+        c = self.config
+        if int(layout.pos_N.max()) >= c.max_position_embeddings:
+            raise ValueError(f"position {int(layout.pos_N.max())} is beyond max_position_embeddings="
+                             f"{c.max_position_embeddings}")
+        plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size)
+        cos, sin = self.rope_cos[layout.pos_N], self.rope_sin[layout.pos_N]
+        x = self.model.embed_tokens(tokens_N)
+        for layer, pages in zip(self.model.layers, kv):
+            x = layer(x, cos, sin, layout, plan, pages)
+        return self.model.norm(x)
+
+    def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] (computed in the model dtype, then upcast, as HF does)."""
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return self.kernels.linear(hidden_ND, w).float()

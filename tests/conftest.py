@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random Hugging Face models built and saved locally (no hub)."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
+    """Builds a randomly initialised transformers model of `arch` and saves it to `path`."""
+    import transformers
+
+    kw = {**TINY, **over}
+    cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[arch]
+    if arch == "llama":
+        kw.setdefault("attention_bias", True)
+    torch.manual_seed(seed)
+    cfg = cls[0](**kw)
+    model = cls[1](cfg).eval()
+    with torch.no_grad():  # HF inits biases and norms to trivial values; make them matter
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3")
+    make_hf_model(d, "qwen3")
+    return d
+
+
+def random_sequences(rng: random.Random, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
