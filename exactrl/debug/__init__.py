@@ -1,0 +1,1 @@
+"""Debugging tools: parity checks and the first-divergent-op finder."""

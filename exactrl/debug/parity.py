@@ -1,0 +1,154 @@
+"""Checks the exactness contract on a model and names the first op that breaks it.
+
+Each check computes the logits of one target sequence along two paths that
+must agree bitwise (DESIGN.md §1):
+
+  batch    alone  vs  packed inside a batch of other sequences (at an offset)
+  padded   alone  vs  padded inside a batch
+  decode   one full forward  vs  token-by-token decode against a paged cache
+  chunked  one full forward  vs  chunked prefill (odd chunk sizes, shuffled pages)
+  threads  1 thread  vs  2 threads
+
+On a mismatch, forward hooks on every module record the target's rows on both
+paths and the first module (in execution order) whose outputs differ is named.
+
+Legend: N tokens, V vocabulary, L target length.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from exactrl.kernels import TokenLayout
+from exactrl.model.logprobs import pack_layout
+from exactrl.model.transformer import CausalLM
+
+
+@dataclass
+class CheckResult:
+    name: str
+    exact: bool
+    max_abs_diff: float
+    first_divergent_op: str | None = None  # module name, e.g. "model.layers.0.self_attn.o_proj"
+    op_diff: float = 0.0
+
+
+@dataclass
+class _Recorder:
+    """Collects, per module, the target's rows of every forward call."""
+
+    rows: torch.Tensor | None = None  # rows of the current forward call that belong to the target
+    outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+
+    def hook(self, name):
+        def fn(_module, _inp, out):
+            if self.rows is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
+                return
+            if name not in self.outputs:
+                self.outputs[name] = []
+                self.order.append(name)
+            self.outputs[name].append(out.detach()[self.rows].clone())
+        return fn
+
+
+def _forward(model: CausalLM, tokens: list[int], layout: TokenLayout, kv, rec: _Recorder | None,
+             rows: torch.Tensor) -> torch.Tensor:
+    if rec is not None:
+        rec.rows = rows
+    hidden = model(torch.tensor(tokens, dtype=torch.int64), layout, kv)
+    return model.logits(hidden[rows])
+
+
+def full_path(model, target, others=(), offset=0, pad_to=None, rec=None):
+    """Target laid out with other sequences (packed) or alone; pad_to extends every sequence."""
+    seqs = list(others[:offset]) + [list(target)] + list(others[offset:])
+    if pad_to is not None:
+        seqs = [s + [0] * (pad_to - len(s)) for s in seqs]
+    lay, pages = pack_layout([len(s) for s in seqs], model.block_size)
+    start = sum(len(s) for s in seqs[:offset])
+    rows = torch.arange(start, start + len(target))
+    return _forward(model, [t for s in seqs for t in s], lay, model.new_kv(pages), rec, rows)
+
+
+def incremental_path(model, target, chunks, rec=None, seed=0):
+    """Prefill in the given chunk sizes, then decode one token at a time, on shuffled pages."""
+    B = model.block_size
+    nb = -(-len(target) // B)
+    pages = list(range(nb + 4))
+    random.Random(seed).shuffle(pages)
+    table = torch.tensor([pages[:nb]])
+    kv = model.new_kv(nb + 4)
+    out, i, sizes = [], 0, list(chunks)
+    while i < len(target):
+        c = min(sizes.pop(0) if sizes else 1, len(target) - i)
+        lay = TokenLayout(torch.zeros(c, dtype=torch.int64), torch.arange(i, i + c), table)
+        out.append(_forward(model, target[i:i + c], lay, kv, rec, torch.arange(c)))
+        i += c
+    return torch.cat(out)
+
+
+def _first_divergence(a: _Recorder, b: _Recorder) -> tuple[str | None, float]:
+    for name in a.order:
+        if name not in b.outputs:
+            continue
+        x, y = torch.cat(a.outputs[name]), torch.cat(b.outputs[name])
+        if x.shape == y.shape and not torch.equal(x, y):
+            return name, (x.float() - y.float()).abs().max().item()
+    return None, 0.0
+
+
+def _record(model, path) -> _Recorder:
+    rec = _Recorder()
+    handles = [m.register_forward_hook(rec.hook(n)) for n, m in model.named_modules() if n]
+    try:
+        path(rec)
+    finally:
+        for h in handles:
+            h.remove()
+    return rec
+
+
+def _compare(model, name, path_a, path_b) -> CheckResult:
+    with torch.no_grad():
+        la, lb = path_a(None), path_b(None)
+        if torch.equal(la, lb):
+            return CheckResult(name, True, 0.0)
+        op, op_diff = _first_divergence(_record(model, path_a), _record(model, path_b))
+        return CheckResult(name, False, (la - lb).abs().max().item(), op, op_diff)
+
+
+def _threads(n, fn):
+    def run(rec):
+        old = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return fn(rec)
+        finally:
+            torch.set_num_threads(old)
+    return run
+
+
+def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckResult]:
+    """Runs every check on random token sequences of the model's vocabulary."""
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    length = min(length, model.config.max_position_embeddings)
+    target = [rng.randrange(V) for _ in range(length)]
+    others = [[rng.randrange(V) for _ in range(rng.randint(1, length + 17))] for _ in range(3)]
+    short = target[:3]
+    longest = max(len(o) for o in others + [target])
+    checks = [
+        ("batch", lambda r: full_path(model, target, rec=r), lambda r: full_path(model, target, others, 2, rec=r)),
+        ("batch_short", lambda r: full_path(model, short, rec=r), lambda r: full_path(model, short, others, 1, rec=r)),
+        ("padded", lambda r: full_path(model, target, rec=r),
+         lambda r: full_path(model, target, others, 1, pad_to=longest, rec=r)),
+        ("decode", lambda r: full_path(model, target, rec=r), lambda r: incremental_path(model, target, [1], r)),
+        ("chunked", lambda r: full_path(model, target, rec=r),
+         lambda r: incremental_path(model, target, [5, 33, 17, 2], r, seed=1)),
+        ("threads", _threads(1, lambda r: full_path(model, target, others, 1, rec=r)),
+         _threads(2, lambda r: full_path(model, target, others, 1, rec=r))),
+    ]
+    return [_compare(model, name, a, b) for name, a, b in checks]

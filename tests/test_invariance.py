@@ -1,0 +1,174 @@
+"""Bitwise invariance of the exact kernels (DESIGN.md §1) and the fast-mode inverse twins.
+
+Every exact-mode property here has a twin asserting that the `fast` kernels
+produce a difference in the same scenario — proof that the comparison can fail.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import exactrl
+from exactrl.debug.parity import full_path, incremental_path, run_parity
+from exactrl.kernels.linear import exact_linear, fast_linear
+from conftest import make_hf_model, random_sequences
+
+HSET = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def models(qwen3_dir):
+    return {(k, d): exactrl.load_model(qwen3_dir, dtype=d, kernels=k)
+            for k in ("exact", "fast") for d in ("float32", "bfloat16")}
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """Wider model: bf16 SDPA only shows its split-dependent rounding on longer sequences."""
+    d = tmp_path_factory.mktemp("wide")
+    make_hf_model(d, "qwen3", hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=1)
+    return d
+
+
+# ---------------------------------------------------------------- kernels
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,N", [(64, 96), (256, 768), (100, 33)])
+def test_exact_linear_row_invariant(dtype, K, N):
+    g = torch.Generator().manual_seed(K)
+    W, X = torch.randn(N, K, generator=g).to(dtype), torch.randn(300, K, generator=g).to(dtype)
+    ref = exact_linear(X[:1], W)[0]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for M in list(range(1, 40)) + [63, 64, 65, 128, 299]:
+            assert torch.equal(exact_linear(X[:M], W)[0], ref), (M, threads)
+        for p in (1, 5, 15, 16, 17, 40):  # the same row at another place in a tile
+            assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
+
+
+def test_fast_linear_is_not_row_invariant():
+    g = torch.Generator().manual_seed(0)
+    W, X = torch.randn(768, 256, generator=g), torch.randn(300, 256, generator=g)
+    ref = fast_linear(X[:1], W)[0]
+    assert any(not torch.equal(fast_linear(X[:M], W)[0], ref) for M in range(2, 300))
+
+
+def test_exact_linear_gradients_match_plain_autograd():
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(24, 40, generator=g, requires_grad=True)
+    X = torch.randn(37, 40, generator=g, requires_grad=True)
+    exact_linear(X, W).pow(2).sum().backward()
+    gx, gw = X.grad.clone(), W.grad.clone()
+    X.grad = W.grad = None
+    (X @ W.t()).pow(2).sum().backward()
+    assert torch.allclose(gx, X.grad, atol=1e-5) and torch.allclose(gw, W.grad, atol=1e-4)
+
+
+# ---------------------------------------------------------------- batch invariance (trainer path)
+
+def _batch_case(model, data, dtype_name):
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    V = model.config.vocab_size
+    target = random_sequences(rng, 1, 2, 90, V)[0]
+    others = random_sequences(rng, rng.randint(1, 6), 1, 120, V)
+    batch = others + [target]
+    rng.shuffle(batch)
+    i = batch.index(target)
+    layout = rng.choice(["packed", "padded"])
+    threads = rng.choice([1, 2])
+    grad = rng.random() < 0.3
+    return target, batch, i, layout, threads, grad
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@given(data=st.data())
+@HSET
+def test_sequence_logprobs_batch_invariant(models, dtype, data):
+    model = models[("exact", dtype)]
+    target, batch, i, layout, threads, grad = _batch_case(model, data, dtype)
+    with torch.no_grad():
+        ref = exactrl.sequence_logprobs(model, [target])[0]
+    torch.set_num_threads(threads)
+    with torch.set_grad_enabled(grad):
+        lp = exactrl.sequence_logprobs(model, batch, layout=layout)[i]
+    assert lp.requires_grad == grad
+    assert torch.equal(lp.detach(), ref), (layout, threads, grad)
+
+
+def test_fast_batch_twin(models):
+    """Fast fp32: a short sequence alone vs inside a batch differs (GEMM choice depends on rows)."""
+    model = models[("fast", "float32")]
+    rng = random.Random(0)
+    found = False
+    for _ in range(10):
+        target = random_sequences(rng, 1, 2, 3, 211)[0]
+        with torch.no_grad():
+            ref = exactrl.sequence_logprobs(model, [target])[0]
+            lp = exactrl.sequence_logprobs(model, random_sequences(rng, 3, 20, 60, 211) + [target])[-1]
+        found |= not torch.equal(lp, ref)
+    assert found
+
+
+def test_autograd_gradients_flow(models):
+    model = models[("exact", "float32")]
+    lp = exactrl.sequence_logprobs(model, [[1, 2, 3, 4, 5], [7, 8, 9]], temperature=0.7, top_k=50)
+    torch.cat(lp).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+    model.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- prefill / chunked / decode
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@given(data=st.data())
+@HSET
+def test_prefill_chunked_decode_identical(models, dtype, data):
+    model = models[("exact", dtype)]
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    target = random_sequences(rng, 1, 1, 100, 211)[0]
+    chunks = [rng.randint(1, 40) for _ in range(rng.randint(0, 4))]
+    with torch.no_grad():
+        full = full_path(model, target)
+        inc = incremental_path(model, target, chunks, seed=rng.randrange(100))
+    assert torch.equal(full, inc), chunks
+
+
+def test_fast_decode_twin_fp32(models):
+    model = models[("fast", "float32")]
+    target = random_sequences(random.Random(3), 1, 60, 60, 211)[0]
+    with torch.no_grad():
+        assert not torch.equal(full_path(model, target), incremental_path(model, target, [1]))
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_bf16_long_chunked_prefill(wide_dir, kernels):
+    """bf16 plain ops happen to be row-invariant on this CPU; SDPA's kv split is not (exact stays equal)."""
+    model = exactrl.load_model(wide_dir, dtype="bfloat16", kernels=kernels)
+    target = random_sequences(random.Random(4), 1, 400, 400, 211)[0]
+    with torch.no_grad():
+        same = torch.equal(full_path(model, target), incremental_path(model, target, [150, 150]))
+    assert same == (kernels == "exact")
+
+
+# ---------------------------------------------------------------- parity command
+
+def test_parity_exact_passes_and_fast_names_first_op(models):
+    assert all(r.exact for r in run_parity(models[("exact", "float32")], length=50))
+    bad = [r for r in run_parity(models[("fast", "float32")], length=50) if not r.exact]
+    assert bad and all(r.first_divergent_op and r.first_divergent_op.startswith("model.") for r in bad)
+
+
+def test_parity_cli_exit_codes(qwen3_dir, capsys):
+    from exactrl.cli import main
+
+    assert main(["parity", "--model", str(qwen3_dir), "--length", "40"]) == 0
+    assert "BITWISE EXACT" in capsys.readouterr().out
+    assert main(["parity", "--model", str(qwen3_dir), "--length", "40", "--kernels", "fast"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT EXACT" in out and "first divergent op: model." in out
