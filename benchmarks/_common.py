@@ -1,0 +1,48 @@
+"""Shared helpers for the benchmarks: model sizes, timing, machine peak."""
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+# name -> HF Qwen3 config overrides; parameter counts are printed by the benchmarks
+SIZES = {
+    "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+}
+
+
+def qwen3_config(size: str, max_positions: int = 2048):
+    from exactrl.model import ModelConfig
+
+    hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rms_norm_eps": 1e-6,
+          "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+          "max_position_embeddings": max_positions, "hidden_act": "silu", **SIZES[size]}
+    return ModelConfig.from_hf(hf)
+
+
+def timeit(fn, repeat: int = 3, warmup: int = 1) -> float:
+    """Best-of-`repeat` wall time in seconds (best-of filters noise from the other core)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def matmul_peak_gflops(n: int = 1024, dtype=torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    t = timeit(lambda: a @ b, repeat=5)
+    return 2 * n**3 / t / 1e9
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

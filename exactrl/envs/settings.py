@@ -1,0 +1,21 @@
+"""Run-config section for the task (prompts and reward)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TaskSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = "arithmetic"
+    """Registered task name (see `exactrl.envs.TASKS`)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Constructor arguments of the task (difficulty knobs)."""
+    train_jsonl: str | None = None
+    """Optional JSONL file of {prompt, answer} training problems; None generates them procedurally."""
+    train_size: int = Field(4096, ge=1)
+    """Number of procedurally generated training problems (cycled by epoch)."""
+    eval_size: int = Field(200, ge=0)
+    """Held-out problems scored greedily every `eval_every` steps (0 disables evaluation)."""

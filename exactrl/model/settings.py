@@ -1,0 +1,19 @@
+"""Run-config section for the policy model."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ModelSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    path: str | None = None
+    """Hugging Face model directory; None builds (and caches) the default tiny model with a warm start."""
+    tokenizer: str | None = None
+    """Tokenizer directory; None uses `path` (or the default job's own tokenizer)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and activation dtype for both trainer and engine."""
+    kernels: Literal["exact", "fast"] = "exact"
+    """`exact` makes train/rollout logprobs bitwise equal; `fast` shows the mismatch it removes."""

@@ -1,0 +1,160 @@
+"""The run config: a tree of the sections that sit next to their components.
+
+Loaded from YAML, then `--set a.b=c` overrides (values parsed as YAML), then
+validated; an unknown key or a bad value is an error naming the dotted key.
+`exactrl train` with no file runs the defaults below: the default job.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from exactrl.envs.settings import TaskSettings
+from exactrl.model.settings import ModelSettings
+
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class RolloutSettings(BaseModel):
+    model_config = _STRICT
+
+    prompts_per_step: int = Field(32, ge=1)
+    """Prompts sampled per training step."""
+    samples_per_prompt: int = Field(8, ge=1)
+    """Group size G: completions per prompt (the engine shares their prefill)."""
+    max_tokens: int = Field(8, ge=1)
+    """Completion length limit."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature; the trainer's logprobs use the same one."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    """top-k cut-off (-1 = off); logprobs are those of the truncated, renormalised distribution."""
+
+
+class EngineSettings(BaseModel):
+    model_config = _STRICT
+
+    kv_budget_tokens: int = Field(65536, ge=1)
+    """KV cache size in tokens, allocated once."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences decoded in one step."""
+    max_num_batched_tokens: int = Field(4096, ge=1)
+    """Per-step token budget shared by prefill chunks and decodes."""
+
+
+class KLSettings(BaseModel):
+    model_config = _STRICT
+
+    coef: float = Field(0.0, ge=0.0)
+    """Weight of KL(π_θ‖π_ref); 0 disables the reference model entirely."""
+    kind: Literal["k1", "k2", "k3"] = "k3"
+    where: Literal["loss", "reward"] = "loss"
+    """`loss`: added to the loss per token; `reward`: subtracted from the sequence reward."""
+
+
+class AlgorithmSettings(BaseModel):
+    model_config = _STRICT
+
+    advantage: str = "grpo"
+    """grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline."""
+    advantage_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """e.g. {normalize_std: false} for GRPO without std normalisation."""
+    loss: str = "ppo"
+    """ppo | gspo | cispo | reinforce | sapo | topr."""
+    loss_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """e.g. {eps_low: 0.2, eps_high: 0.28, dual_clip: 3.0} for PPO."""
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"] = "token-mean"
+    """How per-token losses become one number (and its denominator)."""
+    kl: KLSettings = Field(default_factory=KLSettings)
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (subtracted from the loss)."""
+    corrections: list[dict[str, Any]] = Field(default_factory=list)
+    """Off-policy corrections, each {name: ..., **kwargs}; empty for synchronous exact training."""
+
+
+class OptimSettings(BaseModel):
+    model_config = _STRICT
+
+    lr: float = Field(2e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward; gradients accumulate over the step's batch."""
+    warmup_steps: int = Field(0, ge=0)
+
+
+class SFTSettings(BaseModel):
+    model_config = _STRICT
+
+    steps: int = Field(300, ge=0)
+    """Supervised warm-start steps for the default job's model (cached by config hash)."""
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+
+
+class RunConfig(BaseModel):
+    model_config = _STRICT
+
+    max_steps: int = Field(60, ge=0)
+    """RL steps to run."""
+    seed: int = 0
+    """Seeds data order, sampling and the default model's initialisation."""
+    run_dir: str | None = None
+    """Output directory; None creates runs/<timestamp>."""
+    resume: bool = False
+    """Continue from the latest checkpoint in run_dir (required if run_dir has checkpoints)."""
+    save_every: int = Field(20, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    eval_every: int = Field(10, ge=1)
+    progress: bool = True
+    """Live progress display on the terminal."""
+    tensorboard: bool = True
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    task: TaskSettings = Field(default_factory=TaskSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    optim: OptimSettings = Field(default_factory=OptimSettings)
+    sft: SFTSettings = Field(default_factory=SFTSettings)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"config key {dotted!r}: {k!r} is not a section")
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (optional) + `key=value` overrides -> validated RunConfig."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {p} does not exist")
+        tree = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"config file {p} must hold a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"])
+            what = "unknown config key" if err["type"] == "extra_forbidden" else "bad value for"
+            msgs.append(f"{what} {key!r}: {err['msg']}" + ("" if err["type"] == "extra_forbidden"
+                                                         else f" (got {err.get('input')!r})"))
+        raise ValueError("; ".join(msgs)) from None
