@@ -61,6 +61,39 @@ def forward_logits(model: CausalLM, token_ids: list[list[int]], layout: str = "p
     return [logits[int(starts[k]): int(starts[k]) + lengths[k]] for k in range(len(seqs))]
 
 
+def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0, top_k: int = -1,
+                   top_p: float = 1.0, layout: str = "packed", with_entropy: bool = False
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-token logprobs (and optionally the entropy of each sampling distribution).
+
+    entropies[k][i-1] = H(p(· | token_ids[k][:i])) under the same truncated,
+    tempered distribution, for the trainer's entropy bonus and metrics.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k}")
+    logits = forward_logits(model, token_ids, layout)
+    rows = torch.cat([lg[:-1] for lg in logits])
+    targets = torch.tensor([t for s in token_ids for t in s[1:]], dtype=torch.int64)
+    sizes = [len(s) - 1 for s in token_ids]
+    n = rows.shape[0]
+    if n == 0:
+        empty = [torch.zeros(0) for _ in token_ids]
+        return empty, (empty if with_entropy else None)
+    lp_NV = sampling_logprobs(rows, torch.full((n,), float(temperature)), torch.full((n,), int(top_k)),
+                              torch.full((n,), float(top_p)))
+    lp_N = lp_NV.gather(1, targets[:, None]).squeeze(1)
+    ent = None
+    if with_entropy:
+        p_NV = lp_NV.exp()
+        ent_N = -(p_NV * lp_NV.masked_fill(p_NV == 0, 0.0)).sum(-1)
+        ent = list(torch.split(ent_N, sizes))
+    return list(torch.split(lp_N, sizes)), ent
+
+
 def sequence_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0,
                       top_k: int = -1, top_p: float = 1.0, layout: str = "packed") -> list[torch.Tensor]:
     """lps[k][i-1] = log p(token_ids[k][i] | token_ids[k][:i]) under the sampling distribution.
@@ -68,17 +101,4 @@ def sequence_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: 
     The distribution is `sampling_logprobs` of the logits: temperature, then
     top-k, then top-p, renormalised — the one the engine samples from.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    logits = forward_logits(model, token_ids, layout)
-    rows = torch.cat([lg[:-1] for lg in logits])
-    targets = torch.tensor([t for s in token_ids for t in s[1:]], dtype=torch.int64)
-    n = rows.shape[0]
-    if n == 0:
-        return [torch.zeros(0) for _ in token_ids]
-    lp_NV = sampling_logprobs(rows, torch.full((n,), float(temperature)), torch.full((n,), int(top_k)),
-                              torch.full((n,), float(top_p)))
-    lp_N = lp_NV.gather(1, targets[:, None]).squeeze(1)
-    return list(torch.split(lp_N, [len(s) - 1 for s in token_ids]))
+    return token_logprobs(model, token_ids, temperature, top_k, top_p, layout)[0]
