@@ -1,0 +1,84 @@
+"""Rollouts: prompts -> engine samples -> rewards -> advantages -> a TrainBatch.
+
+Every prompt gets its own sampling seed derived from (run seed, step, prompt
+index), so a step's samples do not depend on batch composition and a resumed
+run regenerates exactly the samples the uninterrupted run would have.
+
+Legend: P prompts, G samples per prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exactrl.envs.base import Problem
+from exactrl.rl.advantages import compute_advantages
+from exactrl.rl.trainer import TrainBatch
+from exactrl.rl.warmstart import prompt_ids
+
+
+@dataclass
+class Rollout:
+    """One sampled completion with its score."""
+
+    problem: Problem
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behav_logprobs: list[float]  # μ per completion token, from the engine
+    versions: list[int]  # policy version that produced each token
+    finish_reason: str  # "stop" | "length"
+    text: str  # decoded completion (special tokens dropped)
+    reward: float
+
+
+def sampling_seed(run_seed: int, step: int, k: int) -> int:
+    return (run_seed * 1_000_003 + step * 10_007 + k) % (2**31 - 1)
+
+
+def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int,
+                    greedy: bool = False) -> list[list[Rollout]]:
+    """Samples `rs.samples_per_prompt` completions per problem (1 if greedy) and scores them."""
+    from exactrl.engine import SamplingParams
+
+    prompts = [prompt_ids(tokenizer, task, p) for p in problems]
+    params = [SamplingParams(temperature=0.0 if greedy else rs.temperature, top_p=rs.top_p, top_k=rs.top_k,
+                             max_tokens=rs.max_tokens, n=1 if greedy else rs.samples_per_prompt,
+                             seed=sampling_seed(seed, step, k)) for k in range(len(prompts))]
+    outs = engine.generate(prompts, params)
+    groups = []
+    for prob, ids, samples in zip(problems, prompts, outs):
+        group = []
+        for o in samples:
+            text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
+            group.append(Rollout(prob, ids, list(o.token_ids), list(o.logprobs), list(o.versions),
+                                 o.finish_reason, text, float(task.reward(prob, text))))
+        groups.append(group)
+    return groups
+
+
+def to_train_batch(groups: list[list[Rollout]], advantage: str, advantage_kwargs: dict) -> TrainBatch:
+    rewards_PG = torch.tensor([[r.reward for r in g] for g in groups], dtype=torch.float32)
+    adv_PG = compute_advantages(advantage, rewards_PG, **advantage_kwargs)
+    flat = [r for g in groups for r in g]
+    return TrainBatch(prompt_ids=[r.prompt_ids for r in flat], completion_ids=[r.completion_ids for r in flat],
+                      behav_logprobs=[r.behav_logprobs for r in flat], advantages=adv_PG.reshape(-1).tolist())
+
+
+def rollout_metrics(groups: list[list[Rollout]]) -> dict[str, float]:
+    flat = [r for g in groups for r in g]
+    rewards = torch.tensor([r.reward for r in flat])
+    lens = torch.tensor([len(r.completion_ids) for r in flat], dtype=torch.float32)
+    solved = sum(any(r.reward >= 1.0 for r in g) for g in groups)
+    uniform = sum(len({r.reward for r in g}) == 1 for g in groups)
+    return {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item() if len(flat) > 1 else 0.0,
+            "rollout/accuracy": (rewards >= 1.0).float().mean().item(),
+            "rollout/response_len_mean": lens.mean().item(), "rollout/response_len_max": lens.max().item(),
+            "rollout/truncated_frac": sum(r.finish_reason == "length" for r in flat) / len(flat),
+            "rollout/pass_at_group": solved / len(groups), "rollout/zero_std_group_frac": uniform / len(groups)}
+
+
+def evaluate(engine, tokenizer, task, problems: list[Problem], rs, seed: int) -> dict[str, float]:
+    """Greedy accuracy on held-out problems."""
+    groups = generate_groups(engine, tokenizer, task, problems, rs, seed, step=-1, greedy=True)
+    return {"eval/accuracy": sum(g[0].reward >= 1.0 for g in groups) / max(len(groups), 1)}

@@ -1,0 +1,27 @@
+"""`exactrl train [CONFIG.yaml] [--set key=value ...]`."""
+from __future__ import annotations
+
+import json
+
+from exactrl.rl.config import load_config
+
+
+def train_main(config_path: str | None, overrides: list[str]) -> int:
+    from exactrl.rl.loop import train
+    from exactrl.rl.report import write_report
+    from exactrl.rl.setup import build
+
+    cfg = load_config(config_path, overrides)
+    c = build(cfg)
+    (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    print(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps})")
+    try:
+        last = train(c)
+    finally:
+        c.logger.close()
+    plots = write_report(c.run_dir)
+    summary = {k: last[k] for k in ("step", "rollout/reward_mean", "eval/accuracy", "train/train_rollout_logprob_abs_diff",
+                                    "train/train_rollout_logprob_abs_diff_max") if k in last}
+    print("final:", json.dumps(summary))
+    print(f"report: {plots[0]}")
+    return 0

@@ -1,0 +1,113 @@
+"""Builds everything a run needs from its config, fresh or resumed from a checkpoint."""
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exactrl.envs import get_task
+from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
+from exactrl.model import load_model
+from exactrl.model.tokenizer import load_tokenizer
+from exactrl.model.transformer import CausalLM
+from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
+from exactrl.rl.config import RunConfig
+from exactrl.rl.corrections import build_corrections
+from exactrl.rl.logger import MetricsLogger
+from exactrl.rl.losses import build_loss
+from exactrl.rl.trainer import StepSettings
+
+
+@dataclass
+class Components:
+    cfg: RunConfig
+    run_dir: Path
+    model: CausalLM  # the trainer's copy
+    ref_model: CausalLM | None  # frozen initial weights, only when KL is on
+    engine: Any  # exactrl.Engine over its own copy of the model
+    tokenizer: Any
+    task: Any
+    prompts: PromptSource
+    eval_problems: list
+    optimizer: torch.optim.Optimizer
+    loss_fn: Any
+    step_settings: StepSettings
+    logger: MetricsLogger
+    start_step: int
+
+    def set_lr(self, step: int) -> float:
+        """Linear warm-up, then constant; a pure function of the step (resume-safe)."""
+        o = self.cfg.optim
+        lr = o.lr * min(1.0, step / o.warmup_steps) if o.warmup_steps else o.lr
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def trainer_state(self, step: int) -> dict[str, Any]:
+        return {"prompts": self.prompts.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
+                "python_rng": list(random.getstate()[1]), "config": self.cfg.model_dump()}
+
+
+def _run_dir(cfg: RunConfig) -> Path:
+    if cfg.run_dir is None:
+        cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    d = Path(cfg.run_dir)
+    ckpt = latest_checkpoint(d) if d.exists() else None
+    if ckpt is not None and not cfg.resume:
+        raise ValueError(f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, "
+                         f"or choose another run_dir")
+    if ckpt is None and (d / "metrics.jsonl").exists():
+        if cfg.resume:
+            raise ValueError(f"run_dir {d} has metrics but no checkpoint to resume from")
+        raise ValueError(f"run_dir {d} already holds a run: choose another run_dir")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def build(cfg: RunConfig, log=print) -> Components:
+    from exactrl.engine import Engine
+    from exactrl.rl.warmstart import default_model_dir
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    run_dir = _run_dir(cfg)
+    task = get_task(cfg.task.name, **cfg.task.kwargs)
+    model_dir = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg, log)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
+    model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
+    ref_model = None
+    if cfg.algorithm.kl.coef > 0:
+        ref_model = copy.deepcopy(model).requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                  weight_decay=cfg.optim.weight_decay)
+    train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
+             else make_dataset(task, cfg.task.train_size, cfg.seed))
+    prompts = PromptSource(train, seed=cfg.seed)
+    eval_problems = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919) if cfg.task.eval_size else []
+    start = 0
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                      weight_decay=cfg.optim.weight_decay)
+        optimizer.load_state_dict(opt_state)
+        prompts.load_state_dict(state["prompts"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        start = state["step"]
+        log(f"resuming {run_dir} from {ckpt.name}")
+    engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tokenizer.stop_token_ids),
+                    **cfg.engine.model_dump())
+    a = cfg.algorithm
+    settings = StepSettings(
+        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
+        grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
+        kl_in_loss=a.kl.where == "loss", corrections=build_corrections(a.corrections) if a.corrections else None)
+    logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
+    return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
+                      build_loss(a.loss, **a.loss_kwargs), settings, logger, start)

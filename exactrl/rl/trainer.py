@@ -1,0 +1,157 @@
+"""One optimisation step on a batch of scored rollouts.
+
+The batch holds, per sequence, prompt + completion token ids, the behaviour
+logprobs μ the engine reported while sampling, and the sequence advantage.
+The step runs the trainer forward micro-batch by micro-batch (gradients
+accumulate; the loss denominator `LossNorm` is computed once over the whole
+batch so the sum of micro-batch losses is the full-batch loss), then clips the
+gradient norm and steps the optimizer: one optimizer step per batch.
+
+π_old: with one optimizer step per batch the weights cannot change between
+the proximal forward and the update, so π_old is the detached value of the
+same forward that builds the graph (bitwise equal to a separate no-grad
+forward, which the invariance tests check). `train/train_rollout_logprob_abs_diff`
+compares exactly this π_old with μ.
+
+Legend: B sequences, T completion tokens (padded), P prompts, G samples per prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from exactrl.model.logprobs import token_logprobs
+from exactrl.model.transformer import CausalLM
+from exactrl.rl.aggregation import aggregate
+from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
+from exactrl.rl.kl import kl_estimate
+from exactrl.rl.types import LossInputs, LossNorm
+
+
+@dataclass
+class TrainBatch:
+    """Rollouts ready for the trainer (one entry per sequence)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # may be empty (the engine stopped at once)
+    behav_logprobs: list[list[float]]  # μ for each completion token
+    advantages: list[float]  # sequence advantage, broadcast over its tokens
+    loss_mask: list[list[int]] | None = None  # per completion token (None = all ones)
+    ref_logprobs: list[torch.Tensor] | None = None  # filled by the trainer when KL is on
+
+    def __post_init__(self):
+        n = len(self.prompt_ids)
+        if not (len(self.completion_ids) == len(self.behav_logprobs) == len(self.advantages) == n):
+            raise ValueError("TrainBatch fields must all have one entry per sequence")
+        for k, (c, lp) in enumerate(zip(self.completion_ids, self.behav_logprobs)):
+            if len(c) != len(lp):
+                raise ValueError(f"sequence {k}: {len(c)} completion tokens but {len(lp)} behaviour logprobs")
+
+    def __len__(self):
+        return len(self.prompt_ids)
+
+
+@dataclass
+class StepSettings:
+    """What the step needs from the run config (kept flat for the hot path)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    micro_batch_size: int
+    agg_mode: str
+    agg_constant: float | None
+    grad_clip: float
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    kl_in_loss: bool = True
+    corrections: object | None = None  # callable(old, behav, mask, advantages) -> (weights, mask, metrics)
+    extra: dict = field(default_factory=dict)
+
+
+def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for k, r in enumerate(rows):
+        out[k, :len(r)] = r
+    return out
+
+
+def _completion_rows(lps: list[torch.Tensor], prompt_lens: list[int]) -> list[torch.Tensor]:
+    return [lp[p - 1:] for lp, p in zip(lps, prompt_lens)]
+
+
+def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings, T: int):
+    seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
+    plens = [len(batch.prompt_ids[k]) for k in idx]
+    lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True)
+    logp_BT = _pad(_completion_rows(lps, plens), T)
+    ent_BT = _pad(_completion_rows(ents, plens), T)
+    mask_BT = torch.zeros(len(idx), T)
+    for r, k in enumerate(idx):
+        m = batch.loss_mask[k] if batch.loss_mask is not None else [1] * len(batch.completion_ids[k])
+        mask_BT[r, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    behav_BT = _pad([torch.tensor(batch.behav_logprobs[k], dtype=torch.float32) for k in idx], T)
+    adv_BT = torch.tensor([batch.advantages[k] for k in idx], dtype=torch.float32)[:, None].expand(-1, T)
+    adv_BT = adv_BT * (mask_BT > 0)
+    return logp_BT, ent_BT, mask_BT, behav_BT, adv_BT
+
+
+def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch: TrainBatch,
+               s: StepSettings, ref_model: CausalLM | None = None) -> dict[str, float]:
+    """Forward/backward over micro-batches, clip, step. Returns flat metrics."""
+    T = max(1, max(len(c) for c in batch.completion_ids))
+    n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
+    norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
+    olds, behavs, masks, sums = [], [], [], {}
+    optimizer.zero_grad(set_to_none=True)
+    order = list(range(len(batch)))
+    for start in range(0, len(batch), s.micro_batch_size):
+        idx = order[start:start + s.micro_batch_size]
+        logp_BT, ent_BT, mask_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
+        old_BT = logp_BT.detach()
+        weights_BT = torch.ones_like(old_BT)
+        if s.corrections is not None:
+            weights_BT, mask_BT, cm = s.corrections(old_BT, behav_BT, mask_BT, adv_BT)
+            _accumulate(sums, cm, len(idx))
+        inp = LossInputs(logprobs_BT=logp_BT, old_logprobs_BT=old_BT, behav_logprobs_BT=behav_BT,
+                         advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT)
+        loss, lm = loss_fn(inp, s.agg_mode, norm)
+        if s.entropy_coef:
+            loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm)
+        if ref_model is not None and s.kl_coef and s.kl_in_loss:
+            ref_BT = _ref_logprobs(ref_model, batch, idx, s, T)
+            kl_BT = kl_estimate(logp_BT, ref_BT, s.kl_kind)
+            kl = aggregate(kl_BT, mask_BT, s.agg_mode, norm)
+            loss = loss + s.kl_coef * kl
+            _accumulate(sums, {"train/kl_ref": kl.item()}, len(batch))
+        loss.backward()
+        # loss terms are already normalised by the whole batch: their micro-batch values add up
+        _accumulate(sums, {"train/loss": loss.item(),
+                           "train/entropy": (ent_BT.detach() * mask_BT).sum().item() / norm.total_tokens}, len(batch))
+        _accumulate(sums, lm, len(idx))
+        olds.append(old_BT), behavs.append(behav_BT), masks.append(mask_BT)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
+    optimizer.step()
+    metrics = {k: v / len(batch) for k, v in sums.items()}
+    old, behav, mask = torch.cat(olds), torch.cat(behavs), torch.cat(masks)
+    metrics |= logprob_diff_metrics(old, behav, mask)
+    metrics |= mismatch_metrics(old, behav, mask)
+    metrics["train/grad_norm"] = float(grad_norm)
+    return metrics
+
+
+def _ref_logprobs(ref_model, batch, idx, s: StepSettings, T: int) -> torch.Tensor:
+    seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
+    with torch.no_grad():
+        lps, _ = token_logprobs(ref_model, seqs, s.temperature, s.top_k, s.top_p)
+    return _pad(_completion_rows(lps, [len(batch.prompt_ids[k]) for k in idx]), T)
+
+
+def _accumulate(sums: dict, metrics: dict, weight: int) -> None:
+    """Sums metric·weight so that dividing by the batch size gives the sequence-weighted mean."""
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + float(v) * weight
