@@ -1,0 +1,40 @@
+"""Run config: YAML + --set overrides, errors that name the key."""
+from __future__ import annotations
+
+import pytest
+
+from exactrl.rl.config import load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("max_steps: 5\nmodel:\n  kernels: fast\nalgorithm:\n  loss: gspo\n")
+    cfg = load_config(p, ["seed=3", "algorithm.loss_kwargs={eps_low: 0.1, eps_high: 0.3}", "run_dir=/tmp/x"])
+    assert (cfg.max_steps, cfg.seed, cfg.model.kernels, cfg.algorithm.loss) == (5, 3, "fast", "gspo")
+    assert cfg.algorithm.loss_kwargs == {"eps_low": 0.1, "eps_high": 0.3}
+    assert cfg.run_dir == "/tmp/x"
+    default = load_config(None, [])
+    assert default.model.kernels == "exact" and default.max_steps > 0
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.kernals=fast", "unknown config key 'model.kernals'"),
+    ("max_stepz=3", "unknown config key 'max_stepz'"),
+    ("max_steps=-1", "bad value for 'max_steps'"),
+    ("model.kernels=turbo", "bad value for 'model.kernels'"),
+    ("rollout.top_p=1.5", "bad value for 'rollout.top_p'"),
+    ("seed", "--set expects key=value"),
+    ("max_steps.x=1", "max_steps"),
+])
+def test_bad_overrides_name_the_key(override, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("'", "'")):
+        load_config(None, [override])
+
+
+def test_missing_and_malformed_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(bad)
