@@ -128,36 +128,57 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
     return k_pages, v_pages
 
 
+GATHER_ALL_LIMIT = 4096  # tiles x blocks up to which all key blocks are gathered in one op (decode)
+
+
+def _fold_block(q_aTD, k_aBD, v_aBD, pos_aT, m_aT, l_aT, acc_aTD, j: int):
+    """One online-softmax step of the given tiles over key block j (see module docstring).
+
+    Rows that see no key of the block keep their state exactly (`torch.where`),
+    so folding a block into a tile that cannot see it is a bitwise no-op.
+    """
+    B = k_aBD.shape[1]
+    visible = (j * B + torch.arange(B))[None, None, :] <= pos_aT[:, :, None]
+    s_aTB = torch.bmm(q_aTD, k_aBD.transpose(1, 2)).masked_fill(~visible, float("-inf"))
+    # the running max only shifts the exponent; detaching it leaves the gradient exact
+    m_new = torch.maximum(m_aT, s_aTB.detach().amax(-1))
+    m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
+    p_aTB = torch.exp(s_aTB - m_use[..., None])
+    a_aT = torch.exp(m_aT - m_use)
+    seen = visible.any(-1)
+    l_new = torch.where(seen, l_aT * a_aT + p_aTB.sum(-1), l_aT)
+    acc_new = torch.where(seen[..., None], acc_aTD * a_aT[..., None] + torch.bmm(p_aTB, v_aBD), acc_aTD)
+    return m_new, l_new, acc_new
+
+
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
                     scale: float) -> torch.Tensor:
-    B = k_pages.shape[2]
+    B, J = k_pages.shape[2], plan.num_blocks
     q_tTD = (q_NHD[plan.tok_tT, plan.head_tT].float() * scale) * plan.valid_tT[..., None]
     t, T, D = q_tTD.shape
     m_tT = torch.full((t, T), float("-inf"))
     l_tT = torch.zeros(t, T)
     acc_tTD = torch.zeros(t, T, D)
-    key_off_B = torch.arange(B)
-    for j in range(plan.num_blocks):
+    pages_tJ = plan.block_table_SJ[plan.seq_t, :J].clamp(min=0)  # -1 (no page) only where fully masked
+    gather_all = t * J <= GATHER_ALL_LIMIT
+    if gather_all:  # decode-sized: one gather for every block instead of two per block
+        k_all = k_pages[pages_tJ, plan.kvh_t[:, None]].float()
+        v_all = v_pages[pages_tJ, plan.kvh_t[:, None]].float()
+    for j in range(J):
         act = torch.nonzero(plan.maxpos_t >= j * B).squeeze(1)
-        pages = plan.block_table_SJ[plan.seq_t[act], j]
-        k_aBD = k_pages[pages, plan.kvh_t[act]].float()
-        v_aBD = v_pages[pages, plan.kvh_t[act]].float()
-        visible = (j * B + key_off_B)[None, None, :] <= plan.pos_tT[act][:, :, None]
-        s_aTB = torch.bmm(q_tTD[act], k_aBD.transpose(1, 2)).masked_fill(~visible, float("-inf"))
-        m_old = m_tT[act]
-        # the running max only shifts the exponent; detaching it leaves the gradient exact
-        m_new = torch.maximum(m_old, s_aTB.detach().amax(-1))
-        m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
-        p_aTB = torch.exp(s_aTB - m_use[..., None])
-        a_aT = torch.exp(m_old - m_use)
-        l_new = l_tT[act] * a_aT + p_aTB.sum(-1)
-        acc_new = acc_tTD[act] * a_aT[..., None] + torch.bmm(p_aTB, v_aBD)
-        if len(act) == t:
-            m_tT, l_tT, acc_tTD = m_new, l_new, acc_new
+        # few tiles see block j (long prefill, causal): fold only those; otherwise fold all,
+        # which the where-guard in _fold_block makes bitwise identical
+        idx = act if 2 * len(act) < t else slice(None)
+        if gather_all:
+            k_aBD, v_aBD = k_all[idx, j], v_all[idx, j]
         else:
-            m_tT = m_tT.index_copy(0, act, m_new)
-            l_tT = l_tT.index_copy(0, act, l_new)
-            acc_tTD = acc_tTD.index_copy(0, act, acc_new)
+            k_aBD = k_pages[pages_tJ[idx, j], plan.kvh_t[idx]].float()
+            v_aBD = v_pages[pages_tJ[idx, j], plan.kvh_t[idx]].float()
+        new = _fold_block(q_tTD[idx], k_aBD, v_aBD, plan.pos_tT[idx], m_tT[idx], l_tT[idx], acc_tTD[idx], j)
+        if isinstance(idx, slice):
+            m_tT, l_tT, acc_tTD = new
+        else:
+            m_tT, l_tT, acc_tTD = (x.index_copy(0, idx, n) for x, n in zip((m_tT, l_tT, acc_tTD), new))
     o_tTD = acc_tTD / torch.where(l_tT > 0, l_tT, 1.0)[..., None]
     out = torch.zeros(q_NHD.shape, dtype=o_tTD.dtype)
     v = plan.valid_tT
