@@ -1,0 +1,86 @@
+"""Log-ratios between two policies, and Schulman's KL estimators.
+
+With samples y ~ p and the log-ratio r = log q(y) − log p(y), three unbiased
+or low-variance estimators of KL(p‖q) (J. Schulman, "Approximating KL
+Divergence", 2020):
+
+    k1 = −r            = log p − log q         unbiased, high variance, can be < 0
+    k2 = ½ r²                                  biased, low variance, ≥ 0
+    k3 = (e^r − 1) − r  (e^r = q/p)            unbiased, low variance, ≥ 0
+
+Uses here: KL to a reference policy (p = π_θ, q = π_ref; in the loss or as a
+reward penalty), and train/rollout mismatch diagnostics (p = μ, q = π_old,
+since tokens were sampled from μ). As a *loss*, note that the gradient of the
+k3 sample value is not an unbiased gradient of KL(π_θ‖π_ref); it is the
+common choice (GRPO, DeepSeekMath) and behaves like a reverse-KL penalty.
+
+Numerics shared by the losses and corrections:
+- log-ratios are formed in at least fp32 (fp64 stays fp64): two bf16
+  logprobs of −12.3 and −12.4 are each rounded to ~0.06, so their difference
+  would be noise;
+- every exp of a log-ratio goes through `exp_ratio`, which clamps the
+  exponent to ±MAX_LOG_RATIO. A sequence log-ratio is a sum over thousands of
+  tokens and easily passes 88, where fp32 exp overflows to inf; inf·0 is NaN,
+  which would poison a whole step. e^20 ≈ 4.9e8 is far beyond any clip or
+  truncation bound in use, so the clamp never changes a clipped result.
+
+Legend: B sequences, T tokens.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+MAX_LOG_RATIO = 20.0
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 at least (fp64 kept); differentiable."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def log_ratio(logp_BT: torch.Tensor, logq_BT: torch.Tensor) -> torch.Tensor:
+    """log(p/q) = logp − logq in fp32 or wider."""
+    return upcast(logp_BT) - upcast(logq_BT)
+
+
+def exp_ratio(log_ratio_BT: torch.Tensor) -> torch.Tensor:
+    """exp of a log-ratio with the exponent clamped to ±MAX_LOG_RATIO (see module doc)."""
+    return torch.exp(log_ratio_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def _k1(logp_BT: torch.Tensor, logq_BT: torch.Tensor) -> torch.Tensor:
+    """logp − logq."""
+    return log_ratio(logp_BT, logq_BT)
+
+
+def _k2(logp_BT: torch.Tensor, logq_BT: torch.Tensor) -> torch.Tensor:
+    """½ (logp − logq)²."""
+    return 0.5 * log_ratio(logp_BT, logq_BT).square()
+
+
+def _k3(logp_BT: torch.Tensor, logq_BT: torch.Tensor) -> torch.Tensor:
+    """exp(logq − logp) − (logq − logp) − 1."""
+    r_BT = log_ratio(logq_BT, logp_BT)
+    return exp_ratio(r_BT) - r_BT - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+}
+
+
+def kl_estimate(logp_BT: torch.Tensor, logq_BT: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(p‖q) from tokens sampled from p; differentiable.
+
+    No masking here: aggregate the result with `aggregation.aggregate` (loss)
+    or `aggregation.masked_mean` (metrics).
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {sorted(KL_ESTIMATORS)}")
+    if logp_BT.shape != logq_BT.shape:
+        raise ValueError(f"kl_estimate: logp {tuple(logp_BT.shape)} and logq {tuple(logq_BT.shape)} differ in shape")
+    return KL_ESTIMATORS[kind](logp_BT, logq_BT)
