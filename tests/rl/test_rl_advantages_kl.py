@@ -1,0 +1,111 @@
+"""Advantage estimators and KL estimators against hand-computed values."""
+import math
+
+import pytest
+import torch
+
+from exactrl.rl.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, reinforce_pp, rloo
+from exactrl.rl.kl import kl_estimate
+
+R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+EPS = 1e-6
+
+
+def test_grpo():
+    std = math.sqrt(4 * 0.25 / 3)  # Bessel-corrected std of 1, 0, 0, 1
+    a = 0.5 / (std + EPS)
+    assert grpo(R).flatten().tolist() == pytest.approx([a, -a, -a, a] + [0.0] * 4, rel=1e-12)
+
+
+def test_grpo_without_std_is_dr_grpo():
+    expected = [[0.5, -0.5, -0.5, 0.5], [0.0] * 4]
+    assert grpo(R, normalize_std=False).tolist() == expected
+    assert dr_grpo(R).tolist() == expected
+
+
+def test_rloo():
+    # 1 − mean(0, 0, 1) = 2/3 ; 0 − mean(1, 0, 1) = −2/3
+    assert rloo(R).flatten().tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3] + [0.0] * 4, rel=1e-12)
+
+
+def test_reinforce_pp_global_whitening():
+    xs = [1, 0, 0, 1, 2, 2, 2, 2]
+    mean = sum(xs) / 8
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / 7)
+    expected = [(x - mean) / (std + EPS) for x in xs]
+    assert reinforce_pp(R).flatten().tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_reinforce_pp_baseline_centres_groups_then_whitens():
+    centred = [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+    std = math.sqrt(sum(c * c for c in centred) / 7)
+    out = compute_advantages("reinforce_pp_baseline", R).flatten().tolist()
+    assert out == pytest.approx([c / (std + EPS) for c in centred], rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_one_sample_groups_give_finite_advantages(name):
+    out = compute_advantages(name, torch.tensor([[3.0], [5.0]]))
+    assert torch.isfinite(out).all()
+    if name == "reinforce_pp":  # the only estimator with no per-group baseline: ±1/√2 over the batch
+        assert out.flatten().tolist() == pytest.approx([-1 / (math.sqrt(2) + EPS), 1 / (math.sqrt(2) + EPS)])
+    else:
+        assert out.tolist() == [[0.0], [0.0]]
+    single = compute_advantages(name, torch.tensor([[3.0]]))
+    assert single.tolist() == [[0.0]]
+
+
+def test_registry_and_errors():
+    assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert compute_advantages("grpo", R, normalize_std=False).tolist()[0] == [0.5, -0.5, -0.5, 0.5]
+    with pytest.raises(ValueError, match="valid"):
+        compute_advantages("ppo", R)
+    with pytest.raises(ValueError, match="normalize_std"):
+        compute_advantages("rloo", R, normalize_std=True)
+    with pytest.raises(ValueError, match="2-D"):
+        grpo(torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"prompt 1, sample 2"):
+        grpo(torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, float("nan")]]))
+
+
+# ---- KL estimators: p = (0.5, 0.25, 0.25), q = (0.25, 0.25, 0.5); the sample is the first outcome
+P = [0.5, 0.25, 0.25]
+Q = [0.25, 0.25, 0.5]
+
+
+def test_kl_kinds_hand_computed():
+    logp, logq = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    assert kl_estimate(logp, logq, "k1").item() == pytest.approx(math.log(2), rel=1e-6)
+    assert kl_estimate(logp, logq, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2, rel=1e-6)
+    assert kl_estimate(logp, logq, "k3").item() == pytest.approx(0.5 - math.log(0.5) - 1, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_unbiased_kinds_have_expectation_kl(kind):
+    logp = torch.tensor([[math.log(x) for x in P]], dtype=torch.float64)
+    logq = torch.tensor([[math.log(x) for x in Q]], dtype=torch.float64)
+    expectation = sum(p * k for p, k in zip(P, kl_estimate(logp, logq, kind)[0].tolist()))
+    true_kl = sum(p * math.log(p / q) for p, q in zip(P, Q))
+    assert expectation == pytest.approx(true_kl, rel=1e-12)
+
+
+def test_k3_nonnegative_zero_on_policy_and_finite_far_off():
+    x = torch.tensor([[-1.0, -3.0]])
+    assert kl_estimate(x, x, "k3").tolist() == [[0.0, 0.0]]
+    far = kl_estimate(torch.tensor([[-1000.0]]), torch.tensor([[0.0]]), "k3")
+    assert torch.isfinite(far).all() and far.item() > 0
+
+
+def test_kl_is_differentiable_and_upcast():
+    logp = torch.tensor([[-1.0]], dtype=torch.bfloat16, requires_grad=True)
+    out = kl_estimate(logp, torch.tensor([[-2.0]], dtype=torch.bfloat16), "k2")
+    out.sum().backward()
+    assert out.dtype == torch.float32 and logp.grad.item() == pytest.approx(1.0)  # d ½(p−q)² = p − q
+
+
+def test_kl_unknown_kind_and_shape():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="k3"):
+        kl_estimate(x, x, "k4")
+    with pytest.raises(ValueError, match="shape"):
+        kl_estimate(x, torch.zeros(2, 1), "k1")
