@@ -1,0 +1,279 @@
+"""The rollout engine: continuous batching over the one model, exact logprobs.
+
+A step is: schedule (scheduler.py) -> copy-on-write page copies -> ONE model
+forward over every scheduled chunk (prefill chunks and decode tokens mixed) ->
+logits for the rows that sample only -> per-row `sampling_logprobs` and a
+counter-based draw (sampling.py) -> append, stop, fork, free.
+
+Exactness (DESIGN.md §1): with `exact` kernels every logits row is
+bitwise what the trainer's whole-sequence forward computes, whatever the batch,
+chunking or page placement; the logprob kept for a token is read from the
+same `sampling_logprobs` the trainer calls, so engine and trainer agree
+bitwise. Weight updates preempt every running sequence, so every token
+is sampled from a KV cache computed entirely under the version recorded for it
+(`Completion.versions`): token i's logprob equals the trainer's under the
+weights of version `versions[i]`.
+
+Legend: N tokens of the step, S scheduled sequences, J pages per sequence,
+R sampled rows, V vocabulary.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from exactrl.engine.cache import PagePool
+from exactrl.engine.sampling import SampleRows, SamplingParams, draw, row_logprobs, sample_uniform
+from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
+from exactrl.kernels import TokenLayout
+
+
+@dataclass
+class Completion:
+    """One sample of one prompt."""
+
+    index: int  # j, which of the prompt's n samples
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens; a stop token is included
+    logprobs: list[float]  # logprob of each token under the distribution it was sampled from
+    versions: list[int]  # engine.version that sampled each token
+    finish_reason: str | None  # "stop" | "length"; None while running
+
+
+@dataclass
+class RequestOutput:
+    """State of a request after a step (returned by `Engine.step`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]  # its n samples by index, cumulative
+    finished: bool  # all samples finished
+
+
+@dataclass
+class _Batch:
+    """Model inputs of one step and where the sampled rows go."""
+
+    tokens_N: torch.Tensor
+    layout: TokenLayout
+    rows_R: torch.Tensor  # row of the step's hidden states each sample reads
+    targets: list[Sequence]  # sequence receiving each sampled token (R of them)
+
+
+class Engine:
+    """Continuous-batching generator with bitwise-exact logprobs (in `exact` kernel mode)."""
+
+    def __init__(self, model, *, stop_token_ids=None, kv_budget_tokens: int = 16384,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None):
+        self.model = model.eval()
+        cfg = model.config
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        # kv_budget_tokens: KV memory in tokens, allocated once (rounded up to whole pages)
+        self.pool = PagePool(model, -(-kv_budget_tokens // model.block_size))
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
+        eos = cfg.hf.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.stop_token_ids = frozenset(eos) | frozenset(stop_token_ids or ())
+        self._check_ids("stop_token_ids", sorted(self.stop_token_ids))
+        self.version = 0  # incremented by every update_weights
+        self._requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()  # arrival order of sequences = scheduling priority
+        self._request_ids = itertools.count()
+        self._unclaimed: list[RequestOutput] = []  # other requests' outputs finished inside generate()
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a prompt; returns its id. Raises ValueError (engine untouched) on bad input."""
+        params = SamplingParams() if params is None else params
+        prompt = self._validate(prompt_token_ids, params, request_id)
+        while request_id is None or request_id in self._requests:
+            request_id = f"req-{next(self._request_ids)}"
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
+        req = Request(request_id, prompt, params, seed, stops)
+        req.seqs = [Sequence(next(self._seq_ids), req, j, list(prompt)) for j in range(params.n)]
+        for f in req.seqs[1:]:
+            f.status = Status.FORK_WAIT
+        req.seqs[0].followers = req.seqs[1:]
+        self._requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        return request_id
+
+    def _validate(self, prompt, params, request_id) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None and request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        self._check_ids("prompt_token_ids", prompt)
+        self._check_ids("stop_token_ids", params.stop_token_ids)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt_token_ids ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds the model's context max_model_len={self.max_model_len}")
+        capacity = self.pool.num_pages * self.pool.block_size
+        if total > capacity:
+            raise ValueError(f"prompt_token_ids + max_tokens = {total} exceeds the engine's KV budget of "
+                             f"{capacity} tokens (raise kv_budget_tokens)")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds the engine's max_num_seqs={self.scheduler.max_num_seqs}")
+        return prompt
+
+    def _check_ids(self, field: str, ids) -> None:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{field} holds {t!r}, not a token id in [0, {self.vocab_size})")
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a request and frees its pages; False if it is unknown or already finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.remove(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Runs one forward; returns the requests that got tokens or finished in it."""
+        touched = self._step()
+        outs, self._unclaimed = self._unclaimed, []
+        return outs + [self._output(r) for r in touched]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[list[Completion]]:
+        """Blocking: outs[k][j] is sample j of prompt k."""
+        params = SamplingParams() if params is None else params
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        for k, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any is queued
+            try:
+                self._validate(p, sp, None)
+            except ValueError as e:
+                raise ValueError(f"prompts[{k}]: {e}") from None
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        mine = set(ids)
+        done: dict[str, list[Completion]] = {}
+        while len(done) < len(ids):
+            for req in self._step():
+                if req.finished:
+                    out = self._output(req)
+                    if req.request_id in mine:
+                        done[req.request_id] = out.completions
+                    else:
+                        self._unclaimed.append(out)
+        return [done[i] for i in ids]
+
+    def _step(self) -> list[Request]:
+        """One scheduled forward; returns touched requests (finished ones are dropped from the engine)."""
+        if not self.scheduler.has_work():
+            return []
+        sched = self.scheduler.schedule()
+        assert sched.chunks, "work is queued but nothing could be scheduled"
+        with torch.inference_mode():
+            self.pool.copy(sched.copies)
+            batch = self._build_batch(sched)
+            hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
+            for c in sched.chunks:
+                c.seq.num_computed += c.length
+            if not batch.targets:
+                return []
+            logits_RV = self.model.logits(hidden_ND[batch.rows_R])
+            rows = self._sample_rows(batch.targets)
+            lp_RV = row_logprobs(logits_RV, rows)
+            tok_R, lp_R = draw(lp_RV, rows)
+        return self._commit(batch.targets, tok_R.tolist(), lp_R.tolist())
+
+    def _build_batch(self, sched: SchedulerOutput) -> _Batch:
+        tokens: list[int] = []
+        seq_idx: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        for s, c in enumerate(sched.chunks):
+            tokens += c.seq.tokens[c.start:c.start + c.length]
+            pos += range(c.start, c.start + c.length)
+            seq_idx += [s] * c.length
+            if c.samples:
+                # a leader finishing its prompt samples for all its followers from the same row
+                fork = c.seq.followers if c.seq.num_generated == 0 else []
+                rows += [len(tokens) - 1] * (1 + len(fork))
+                targets += [c.seq] + fork
+        J = max(len(c.seq.pages) for c in sched.chunks)
+        table = [c.seq.pages + [-1] * (J - len(c.seq.pages)) for c in sched.chunks]
+        layout = TokenLayout(torch.tensor(seq_idx), torch.tensor(pos), torch.tensor(table))
+        return _Batch(torch.tensor(tokens), layout, torch.tensor(rows, dtype=torch.int64), targets)
+
+    def _sample_rows(self, targets: list[Sequence]) -> SampleRows:
+        ps = [s.request.params for s in targets]
+        return SampleRows(
+            temperature=[float(p.temperature) for p in ps], top_k=[p.top_k for p in ps],
+            top_p=[float(p.top_p) for p in ps],
+            uniform=[sample_uniform(s.request.seed, s.index, len(s.tokens)) for s in targets],
+            flags=[p.branch_flags(self.vocab_size) for p in ps])
+
+    def _commit(self, targets: list[Sequence], toks: list[int], lps: list[float]) -> list[Request]:
+        touched: dict[str, Request] = {}
+        for seq, tok, lp in zip(targets, toks, lps):
+            if seq.followers and seq.num_generated == 0:
+                self.scheduler.fork(seq)
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self.version)
+            req = seq.request
+            if tok in req.stop_ids:
+                self.scheduler.finish(seq, "stop")
+            elif seq.num_generated >= req.params.max_tokens:
+                self.scheduler.finish(seq, "length")
+            touched[req.request_id] = req
+        for rid, req in touched.items():
+            if req.finished:
+                del self._requests[rid]
+        return list(touched.values())
+
+    def _output(self, req: Request) -> RequestOutput:
+        comps = [Completion(s.index, list(req.prompt), s.tokens[s.num_prompt:], list(s.logprobs),
+                            list(s.versions), s.finish_reason) for s in req.seqs]
+        return RequestOutput(req.request_id, list(req.prompt), comps, req.finished)
+
+    # ------------------------------------------------------------ weights
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+        """Copies the tensors into the model (bitwise when dtypes match); returns the new version.
+
+        Every running sequence is preempted: its KV cache was computed under the
+        old weights, so it is recomputed, and the tokens sampled from now on
+        are exactly the new policy's. Names are the model's parameter names (HF
+        names); a tied model ignores `lm_head.weight`. All names and shapes are
+        checked before anything is copied.
+        """
+        params = dict(self.model.named_parameters())
+        tied = self.model.config.tie_word_embeddings
+        sd = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+        missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(params[k].shape):
+                raise ValueError(f"state_dict[{k!r}] has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}")
+        with torch.no_grad():
+            for k, v in sd.items():
+                params[k].copy_(v.detach())
+        self.version += 1
+        self.scheduler.preempt_all()
+        return self.version

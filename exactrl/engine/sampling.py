@@ -1,0 +1,142 @@
+"""Sampling parameters and the seeded sampler.
+
+The distribution is the trainer's (DESIGN.md §1): `sampling_logprobs` of the
+fp32 logits — temperature, top-k, top-p, renormalised — computed per row with
+each row's own parameters. T = 0 samples the argmax and reports the T = 1
+logprob, exactly as the trainer does.
+
+Two details keep a row's result independent of the other rows of the step:
+
+* `sampling_logprobs` takes its top-k / top-p branches when ANY row needs
+  them, and a row with top_p = 1 inside a top-p batch can lose tail tokens to
+  the rounding of the cumulative mass. The trainer always calls it with one
+  set of parameters, so the engine calls it once per group of rows with the
+  same (needs top-k, needs top-p) flags — the branches each row sees are then
+  the ones the trainer's call takes.
+* Randomness is counter-based: the uniform for sample j of a request at
+  position t is a hash of (seed, j, t) (splitmix64), and the token is drawn
+  by inverse CDF (float64 cumulative sum). Nothing is shared between rows and
+  there is no generator state, so a request's tokens do not depend on its
+  batch companions, and a preempted sequence resumed by recomputation draws
+  exactly what it would have drawn. (Departs from a stateful torch.Generator
+  per request only in that; the property is the same.)
+
+Legend: R sampled rows, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exactrl.kernels import sampling_logprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the completions of one prompt. Validated on construction."""
+
+    temperature: float = 1.0
+    # 0 = greedy (argmax); the reported logprob is then the T = 1 one, as the trainer's.
+    top_p: float = 1.0
+    # nucleus mass in (0, 1]; 1 disables it.
+    top_k: int = -1
+    # keep the k largest logits (ties at the cut-off kept); -1 disables it.
+    max_tokens: int = 64
+    # generated tokens at most (the stop token counts); reaching it gives finish_reason "length".
+    n: int = 1
+    # samples of the prompt; they share one prefill.
+    seed: int | None = 0
+    # sample j draws from (seed, j, position); None draws a fresh seed per request.
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    # extra stop ids, on top of the engine's (the model's eos/end-of-turn ids).
+    ignore_eos: bool = False
+    # ignore the engine's default stop ids (benchmarks); `stop_token_ids` still stop.
+
+    def __post_init__(self):
+        _check_number("temperature", self.temperature, float)
+        _check_number("top_p", self.top_p, float)
+        _check_number("top_k", self.top_k, int)
+        _check_number("max_tokens", self.max_tokens, int)
+        _check_number("n", self.n, int)
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None:
+            _check_number("seed", self.seed, int)
+        stops = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
+        for t in stops:
+            _check_number("stop_token_ids", t, int)
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    def branch_flags(self, vocab_size: int) -> tuple[bool, bool]:
+        """(top-k active, top-p active), exactly as `sampling_logprobs` decides them."""
+        return 0 < self.top_k < vocab_size, self.top_p < 1.0
+
+
+def _check_number(field: str, value, kind: type) -> None:
+    ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool):
+        raise ValueError(f"{field} must be {'an int' if kind is int else 'a number'}, got {value!r}")
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_uniform(seed: int, index: int, position: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, sample index, position)."""
+    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ position)
+    return (h >> 11) * 2.0**-53
+
+
+@dataclass
+class SampleRows:
+    """Per-row parameters of one sampling call; lists of length R."""
+
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    uniform: list[float]  # the row's draw, from `sample_uniform`
+    flags: list[tuple[bool, bool]]  # (needs top-k, needs top-p): rows are grouped by it
+
+
+def row_logprobs(logits_RV: torch.Tensor, rows: SampleRows) -> torch.Tensor:
+    """`sampling_logprobs` with each row's parameters, called once per flag group."""
+    temp_R = torch.tensor(rows.temperature, dtype=torch.float32)
+    top_k_R = torch.tensor(rows.top_k, dtype=torch.int64)
+    top_p_R = torch.tensor(rows.top_p, dtype=torch.float32)
+    groups = set(rows.flags)
+    if len(groups) == 1:
+        return sampling_logprobs(logits_RV, temp_R, top_k_R, top_p_R)
+    out_RV = torch.empty_like(logits_RV, dtype=torch.float32)
+    for flag in groups:
+        idx = torch.tensor([i for i, f in enumerate(rows.flags) if f == flag])
+        out_RV[idx] = sampling_logprobs(logits_RV[idx], temp_R[idx], top_k_R[idx], top_p_R[idx])
+    return out_RV
+
+
+def draw(lp_RV: torch.Tensor, rows: SampleRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token of each row (inverse CDF of exp(lp), argmax for T = 0) and its logprob."""
+    V = lp_RV.shape[1]
+    cdf_RV = lp_RV.exp().double().cumsum(-1)
+    total_R = cdf_RV[:, -1]
+    # strictly below the total, so the token found has non-zero probability
+    x_R = torch.minimum(torch.tensor(rows.uniform, dtype=torch.float64) * total_R,
+                        torch.nextafter(total_R, torch.zeros_like(total_R)))
+    tok_R = torch.searchsorted(cdf_RV, x_R[:, None], right=True).squeeze(1).clamp(max=V - 1)
+    greedy_R = torch.tensor([t == 0 for t in rows.temperature])
+    tok_R = torch.where(greedy_R, lp_RV.argmax(-1), tok_R)
+    return tok_R, lp_RV.gather(1, tok_R[:, None]).squeeze(1)
