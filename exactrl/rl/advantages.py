@@ -104,7 +104,7 @@ def compute_advantages(name: str, rewards_PG: torch.Tensor, **kwargs) -> torch.T
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGES)}")
     fn = ADVANTAGES[name]
-    check_kwargs(fn, kwargs, f"advantage estimator {name!r}")
+    check_kwargs(fn, kwargs, f"advantage estimator {name!r}", positional=("rewards_PG",))
     advantages_PG = fn(rewards_PG, **kwargs)
     assert advantages_PG.shape == rewards_PG.shape
     return advantages_PG

@@ -129,9 +129,16 @@ def check_finite(name: str, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
                          f"{int(bad_BT.sum())} such tokens in total: fix the producer or mask them out")
 
 
-def check_kwargs(factory: Callable, kwargs: dict, what: str) -> None:
-    """Rejects config keys the factory does not accept, listing the ones it does."""
-    params = inspect.signature(factory).parameters
+def check_kwargs(factory: Callable, kwargs: dict, what: str, positional: tuple[str, ...] = ()) -> None:
+    """Rejects config keys the factory does not accept, and required ones that are missing.
+
+    `positional` names the arguments the caller passes itself (not from config).
+    """
+    params = {n: p for n, p in inspect.signature(factory).parameters.items() if n not in positional}
     unknown = sorted(set(kwargs) - set(params))
     if unknown:
         raise ValueError(f"{what} got unknown arguments {unknown}; accepted: {sorted(params)}")
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kwargs
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise ValueError(f"{what} needs arguments {missing}")
