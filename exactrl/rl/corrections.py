@@ -126,7 +126,8 @@ class Correction:
             torch.where(mask_BT > 0, w_BT, 1.0).to(mask_BT.dtype)
         new_mask_BT = mask_BT if keep_BT is None else mask_BT * keep_BT.to(mask_BT.dtype)
         if keep_BT is not None:
-            metrics["mask_frac"] = 1.0 - float(new_mask_BT.sum().item()) / max(float(mask_BT.sum().item()), 1.0)
+            n = float(mask_BT.sum().item())
+            metrics["mask_frac"] = (n - float(new_mask_BT.sum().item())) / max(n, 1.0)
             metrics["seq_mask_frac"] = _seq_frac(new_mask_BT.sum(dim=1) == 0, mask_BT)
         return weights_BT, new_mask_BT, {f"correction/{self.key}/{k}": v for k, v in metrics.items()}
 

@@ -19,7 +19,8 @@ difference can never round to zero.
     mismatch/token_mask_frac   tokens the corrections removed
     mismatch/seq_mask_frac     non-empty sequences the corrections removed entirely
 
-w is the applied weight (`weights_BT`, e.g. from `corrections`) on the tokens
+χ² and k1 are sample estimates over the batch's tokens, so they can be
+slightly negative when the mismatch is tiny. w is the applied weight (`weights_BT`, e.g. from `corrections`) on the tokens
 that survived (`final_mask_BT`), or ρ_t itself when no weights are given. The
 χ² and KL figures always describe the raw, uncorrected mismatch. With no
 tokens at all every figure takes its on-policy value (0, or 1 for ess and

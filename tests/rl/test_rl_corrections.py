@@ -185,3 +185,15 @@ def test_apply_bypass_takes_the_ratio_against_mu():
     assert v.item() == pytest.approx(-1.2)
     v, _ = PPOClipLoss(0.2, 0.2)(inp, "token-mean", LossNorm(2, 1))
     assert v.item() == pytest.approx(-math.exp(0.05))
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+def test_everything_masked_is_neutral(name):
+    kwargs = {"geometric_rejection": dict(lower=0.9, upper=1.1), "kl_rejection": dict(threshold=0.1),
+              "opsm": dict(delta=0.1)}.get(name, {})
+    mask = torch.zeros(2, 3, dtype=F64)
+    old = torch.full((2, 3), float("nan"), dtype=F64)
+    w, m, metrics = build_corrections([{"name": name, **kwargs}])(old, BEHAV[:2], mask, -torch.ones(2, 3))
+    assert torch.equal(w, torch.ones(2, 3, dtype=F64)) and torch.equal(m, mask)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert all(v == 0.0 for k, v in metrics.items() if k.endswith("mask_frac") or k.endswith("clip_frac"))
