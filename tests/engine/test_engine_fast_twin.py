@@ -1,0 +1,50 @@
+"""Inverse twins: with `fast` kernels the same engine-vs-trainer comparison finds a difference.
+
+Proof that the exactness tests can fail. fp32 fast already differs on plain
+decode (the GEMM kernel depends on the number of rows); bf16 fast only shows
+it on longer sequences / chunked prefill of a wider model, where SDPA's
+split-dependent rounding appears — so the bf16 twin uses those, and its
+exact-mode counterpart is checked in the same scenario.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import exactrl
+from exactrl import Engine, SamplingParams
+from conftest import make_hf_model
+from engine_helpers import mismatches
+
+V = 211
+
+
+def _run(model, prompts, sp, **config):
+    outs = Engine(model, **config).generate(prompts, sp)
+    return mismatches(model, [(p, c, sp) for p, o in zip(prompts, outs) for c in o])
+
+
+def test_fast_fp32_engine_differs_from_trainer(qwen3_dir):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 40, 77, 20)]
+    sp = SamplingParams(max_tokens=12, n=2, seed=1)
+    assert not _run(exactrl.load_model(qwen3_dir, kernels="exact"), prompts, sp)
+    assert _run(exactrl.load_model(qwen3_dir, kernels="fast"), prompts, sp)
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wide_engine")
+    make_hf_model(d, "qwen3", hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=1)
+    return d
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_bf16_long_chunked_prefill(wide_dir, kernels):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(V) for _ in range(300)] for _ in range(3)]
+    sp = SamplingParams(max_tokens=100, seed=2, ignore_eos=True)
+    bad = _run(exactrl.load_model(wide_dir, dtype="bfloat16", kernels=kernels), prompts, sp,
+               max_num_batched_tokens=150)
+    assert bool(bad) == (kernels == "fast")

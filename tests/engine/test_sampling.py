@@ -1,0 +1,88 @@
+"""Sampler units: row-grouped sampling_logprobs, seeded draws, greedy, truncation, distribution."""
+from __future__ import annotations
+
+import torch
+
+from exactrl import SamplingParams
+from exactrl.engine.cache import PagePool
+from exactrl.engine.sampling import SampleRows, draw, row_logprobs, sample_uniform
+from exactrl.kernels import sampling_logprobs
+
+
+def rows_for(params: list[SamplingParams], V: int, uniforms=None) -> SampleRows:
+    return SampleRows([float(p.temperature) for p in params], [p.top_k for p in params],
+                      [float(p.top_p) for p in params],
+                      uniforms if uniforms is not None else [0.5] * len(params),
+                      [p.branch_flags(V) for p in params])
+
+
+def test_row_logprobs_mixed_rows_equal_uniform_calls():
+    """Each row equals the trainer's call with that row's parameters for every row."""
+    torch.manual_seed(0)
+    V = 3000
+    logits = torch.randn(9, V) * 4
+    params = [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=20),
+              SamplingParams(temperature=0.5, top_k=5, top_p=0.7), SamplingParams(temperature=0),
+              SamplingParams(top_k=V + 5), SamplingParams(top_p=0.3, temperature=2.0),
+              SamplingParams(), SamplingParams(top_k=1)]
+    lp = row_logprobs(logits, rows_for(params, V))
+    for i, p in enumerate(params):
+        n = 5  # trainer-style: a batch of rows with uniform parameters
+        ref = sampling_logprobs(logits[i:i + 1].expand(n, V), torch.full((n,), float(p.temperature)),
+                                torch.full((n,), p.top_k), torch.full((n,), float(p.top_p)))
+        assert torch.equal(lp[i], ref[0]), i
+
+
+def test_uniform_is_counter_based():
+    a = [sample_uniform(7, j, t) for j in range(3) for t in range(50)]
+    assert a == [sample_uniform(7, j, t) for j in range(3) for t in range(50)]
+    assert len(set(a)) == len(a) and all(0 <= u < 1 for u in a)
+    assert sample_uniform(8, 0, 0) != sample_uniform(7, 0, 0)
+    assert 0 <= sample_uniform(-5, 0, 0) < 1
+
+
+def test_draw_greedy_topk_and_extremes():
+    torch.manual_seed(1)
+    V = 100
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=3), SamplingParams(top_k=3),
+              SamplingParams(top_p=0.5)]
+    rows = rows_for(params, V, uniforms=[0.3, 0.0, 1.0 - 2**-53, 0.9999])
+    lp = row_logprobs(logits, rows)
+    tok, tlp = draw(lp, rows)
+    assert tok[0] == logits[0].argmax()
+    for i in (1, 2):
+        assert tok[i].item() in set(logits[i].topk(3).indices.tolist())
+    assert torch.isfinite(tlp).all() and torch.equal(tlp, lp[torch.arange(4), tok])
+
+
+def test_draw_follows_the_distribution():
+    V = 6
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, -30.0]])
+    p = SamplingParams(temperature=0.8)
+    n = 20000
+    us = [sample_uniform(3, 0, t) for t in range(n)]
+    lp = row_logprobs(logits.expand(n, V), rows_for([p] * n, V, us))
+    tok, _ = draw(lp, rows_for([p] * n, V, us))
+    freq = torch.bincount(tok, minlength=V).double() / n
+    assert (freq - lp[0].exp().double()).abs().max() < 0.015
+    assert freq[5] == 0
+
+
+def test_page_pool_refcounts(qwen3_dir):
+    import exactrl
+
+    model = exactrl.load_model(qwen3_dir)
+    pool = PagePool(model, 4)
+    a = pool.allocate(3)
+    assert pool.num_free == 1
+    pool.share(a[:2])
+    assert pool.is_shared(a[0]) and not pool.is_shared(a[2])
+    pool.release(a)
+    assert pool.num_free == 2 and not pool.is_shared(a[0])
+    pool.kv[0][0][a[0]] = 1.0
+    (b,) = pool.allocate(1)
+    pool.copy([(a[0], b)])
+    assert torch.equal(pool.kv[0][0][b], pool.kv[0][0][a[0]])
+    pool.release(a[:2] + [b])
+    assert pool.num_free == 4
