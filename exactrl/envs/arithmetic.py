@@ -1,0 +1,89 @@
+"""Integer arithmetic: the default job's task, small enough for a CPU.
+
+A problem is a bare expression such as `"12+7="` and its answer the integer
+value (`"19"`). Prompts are deliberately short, with no instructions and no
+system prompt: a model trained from scratch on a CPU must learn the format and
+the task in minutes, and every prompt token costs prefill time.
+
+Expressions use the usual precedence (`*` before `+`/`-`, left to right
+otherwise); operands are non-negative, so `-` only ever appears as an operator
+in prompts (answers may still be negative unless `nonnegative=True`).
+
+Reward: 1.0 if the first integer in the completion (after dropping any
+`<think>...</think>` reasoning) equals the answer, else 0.0. "The answer is 19"
+and "19" both score; "12+7=19" does not (its first integer is 12), which
+teaches the model to answer rather than to echo the question.
+"""
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+
+from exactrl.envs.base import Problem, Task, register_task, strip_reasoning
+
+SUPPORTED_OPS = ("+", "-", "*")
+_INT = re.compile(r"-?\d+")
+_MAX_DIGITS = 64  # longer digit runs are not answers (and int() refuses > 4300 digits)
+_MAX_ATTEMPTS = 1000  # rejection-sampling budget for `nonnegative`
+
+
+def evaluate_terms(terms: Sequence[int], ops: Sequence[str]) -> int:
+    """Value of terms[0] ops[0] terms[1] ... with `*` binding tighter than `+` and `-`."""
+    assert len(ops) == len(terms) - 1
+    total, sign, product = 0, 1, terms[0]
+    for op, x in zip(ops, terms[1:]):
+        if op == "*":
+            product *= x
+        else:  # close the running product, start a new additive term
+            total += sign * product
+            sign, product = (1 if op == "+" else -1), x
+    return total + sign * product
+
+
+def first_integer(text: str) -> int | None:
+    """The first (optionally negative) integer in `text`, or None if there is none."""
+    m = _INT.search(text)
+    if m is None or len(m.group()) > _MAX_DIGITS:
+        return None
+    return int(m.group())
+
+
+@register_task
+class ArithmeticTask(Task):
+    """Random expressions like `"3+5="` over integers in [min_value, max_value]."""
+
+    name = "arithmetic"
+    system_prompt = None  # the prompt is the bare expression
+
+    def __init__(self, min_value: int = 0, max_value: int = 9, ops: Sequence[str] = ("+", "-"),
+                 num_terms: int = 2, nonnegative: bool = False):
+        ops = tuple(ops)
+        if min_value < 0:
+            raise ValueError(f"min_value must be >= 0 (operands are written without a sign), got {min_value}")
+        if max_value < min_value:
+            raise ValueError(f"max_value ({max_value}) must be >= min_value ({min_value})")
+        if not ops or any(op not in SUPPORTED_OPS for op in ops):
+            raise ValueError(f"ops must be a non-empty subset of {SUPPORTED_OPS}, got {ops}")
+        if num_terms < 2:
+            raise ValueError(f"num_terms must be >= 2, got {num_terms}")
+        self.min_value = min_value  # smallest operand
+        self.max_value = max_value  # largest operand
+        self.ops = ops  # operators drawn uniformly between operands
+        self.num_terms = num_terms  # operands per expression
+        self.nonnegative = nonnegative  # resample expressions whose value is negative
+
+    def generate(self, rng: random.Random) -> Problem:
+        for _ in range(_MAX_ATTEMPTS):
+            terms = [rng.randint(self.min_value, self.max_value) for _ in range(self.num_terms)]
+            ops = [rng.choice(self.ops) for _ in range(self.num_terms - 1)]
+            value = evaluate_terms(terms, ops)
+            if value >= 0 or not self.nonnegative:
+                expr = str(terms[0]) + "".join(op + str(x) for op, x in zip(ops, terms[1:]))
+                return Problem(prompt=expr + "=", answer=str(value))
+        raise ValueError(f"no non-negative expression found in {_MAX_ATTEMPTS} draws with ops={self.ops} over "
+                         f"[{self.min_value}, {self.max_value}]; add '+' to ops or set nonnegative=False")
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        got = first_integer(strip_reasoning(completion))
+        return 1.0 if got is not None and got == int(problem.answer) else 0.0

@@ -1,0 +1,102 @@
+"""The task protocol: one file adds a task and its verifiable reward.
+
+A task is a small object that (1) generates problems procedurally from a
+`random.Random` it is handed (never the global RNG, so a dataset is a pure
+function of its seed) and (2) scores a completion against a problem with a
+reward in [0, 1] computed by a program, not a model. Problems are plain data
+(`Problem`), so the same reward works on procedurally generated problems and on
+problems read back from a JSONL file.
+
+Adding a task:
+
+    @register_task
+    class MyTask(Task):
+        name = "my_task"
+        def generate(self, rng): ...
+        def reward(self, problem, completion): ...
+
+after which `get_task("my_task", **kwargs)` builds it (the run config names
+tasks this way). Departure from tinker-cookbook's `Env`: our tasks are
+single-turn and stateless; multi-turn tool use goes through the chat server.
+"""
+from __future__ import annotations
+
+import abc
+import inspect
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer; what datasets store and rewards read."""
+
+    prompt: str  # the user message text, e.g. "12+7="
+    answer: str  # reference answer; also the supervised target of a warm start
+    meta: dict[str, Any] = field(default_factory=dict)  # task-specific data the reward needs (JSON-serialisable)
+
+
+class Task(abc.ABC):
+    """A procedural problem generator with a verifiable reward."""
+
+    name: str = ""  # registry key; set on every concrete subclass
+    system_prompt: str | None = None  # rendered as the system message when not None
+
+    @abc.abstractmethod
+    def generate(self, rng: random.Random) -> Problem:
+        """Returns one problem drawn with `rng` only (deterministic for a given rng state)."""
+
+    @abc.abstractmethod
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Scores `completion` (decoded text, special tokens dropped) in [0, 1]; never raises on bad text."""
+
+
+T = TypeVar("T", bound=type[Task])
+
+TASKS: dict[str, type[Task]] = {}  # name -> task class, filled by @register_task
+
+
+def register_task(cls: T) -> T:
+    """Class decorator adding `cls` to `TASKS` under `cls.name`."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"register_task expects a Task subclass, got {cls!r}")
+    if not cls.name:
+        raise ValueError(f"task class {cls.__name__} must set a non-empty class attribute `name`")
+    if cls.name in TASKS and TASKS[cls.name] is not cls:
+        raise ValueError(f"task name {cls.name!r} is already registered by {TASKS[cls.name].__name__}")
+    TASKS[cls.name] = cls
+    return cls
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """Builds the registered task `name` with its constructor arguments."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    cls = TASKS[name]
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        params = ", ".join(inspect.signature(cls).parameters)
+        raise ValueError(f"bad arguments for task {name!r}: {e}; it accepts: {params}") from None
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- completion helpers
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def strip_reasoning(completion: str) -> str:
+    """The answer part of a completion: `<think>...</think>` blocks dropped.
+
+    Text before a lone `</think>` (the prompt opened the block) is reasoning too;
+    an unclosed `<think>` means the answer was never written, so nothing is kept.
+    """
+    text = _THINK.sub("", completion)
+    close_at = text.rfind("</think>")
+    if close_at >= 0:
+        text = text[close_at + len("</think>"):]
+    open_at = text.find("<think>")
+    return text if open_at < 0 else text[:open_at]

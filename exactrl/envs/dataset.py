@@ -1,0 +1,146 @@
+"""Problem datasets: JSONL files, seeded procedural datasets, a resumable prompt stream.
+
+JSONL format: one object per line with string keys "prompt" and "answer"
+(an integer answer is accepted and stored as its decimal string); every other
+key goes to `Problem.meta` and is written back out unchanged, so a task's
+reward data (e.g. countdown's numbers and target) survives a round trip.
+
+`PromptSource` walks a dataset epoch by epoch, each epoch in its own
+permutation, which is a pure function of (seed, epoch). Its position is two
+integers, so `state_dict()` fits in a checkpoint's JSON and a resumed run
+draws exactly the problems the uninterrupted run would have drawn.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from exactrl.envs.base import Problem, Task
+
+_REQUIRED = ("prompt", "answer")
+
+
+def problem_to_json(problem: Problem) -> dict[str, Any]:
+    clash = [k for k in _REQUIRED if k in problem.meta]
+    if clash:
+        raise ValueError(f"problem {problem.prompt!r} has meta keys {clash} that clash with the JSONL columns")
+    return {"prompt": problem.prompt, "answer": problem.answer, **problem.meta}
+
+
+def write_jsonl(path: str | Path, problems: Iterable[Problem]) -> None:
+    """Writes one JSON object per problem (UTF-8, non-ASCII kept as is)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for p in problems:
+            f.write(json.dumps(problem_to_json(p), ensure_ascii=False) + "\n")
+
+
+def _parse_line(line: str, where: str) -> Problem:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
+    missing = [k for k in _REQUIRED if k not in row]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}; each line needs 'prompt' and 'answer'")
+    prompt, answer = row.pop("prompt"), row.pop("answer")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(prompt, str) or not isinstance(answer, str):
+        raise ValueError(f"{where}: 'prompt' must be a string and 'answer' a string or integer, "
+                         f"got {type(prompt).__name__} and {type(answer).__name__}")
+    return Problem(prompt=prompt, answer=answer, meta=row)
+
+
+def read_jsonl(path: str | Path) -> list[Problem]:
+    """Reads problems; blank lines are skipped, any other bad line raises ValueError naming file:line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"dataset file {path} does not exist")
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                problems.append(_parse_line(line, f"{path}:{lineno}"))
+    if not problems:
+        raise ValueError(f"dataset file {path} holds no problems")
+    return problems
+
+
+def make_dataset(task: Task, n: int, seed: int) -> list[Problem]:
+    """`n` problems from `task`, a pure function of (task settings, n, seed)."""
+    if n < 0:
+        raise ValueError(f"dataset size must be >= 0, got {n}")
+    rng = random.Random(seed)
+    return [task.generate(rng) for _ in range(n)]
+
+
+def fingerprint(problems: list[Problem]) -> str:
+    """Short content hash; a resumed PromptSource checks it to refuse a changed dataset."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(json.dumps(problem_to_json(p), sort_keys=True, ensure_ascii=False).encode() + b"\n")
+    return h.hexdigest()[:16]
+
+
+class PromptSource:
+    """An endless, resumable stream of problems: a fresh seeded permutation every epoch."""
+
+    def __init__(self, problems: list[Problem], seed: int = 0, shuffle: bool = True):
+        if not problems:
+            raise ValueError("PromptSource needs at least one problem")
+        self.problems = list(problems)  # the dataset, never mutated
+        self.seed = seed  # with the epoch, determines each epoch's order
+        self.shuffle = shuffle  # False walks the dataset in file order every epoch
+        self.epoch = 0  # epochs completed so far
+        self.index = 0  # position within the current epoch's order
+        self._fingerprint = fingerprint(self.problems)
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.problems)))
+        if self.shuffle:  # a string seed hashes to the same state in every process and Python version
+            random.Random(f"exactrl.PromptSource:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[Problem]:
+        return self
+
+    def __next__(self) -> Problem:
+        if self.index == len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+        problem = self.problems[self._order[self.index]]
+        self.index += 1
+        return problem
+
+    def take(self, n: int) -> list[Problem]:
+        """The next `n` problems (crossing epoch boundaries as needed)."""
+        if n < 0:
+            raise ValueError(f"take expects n >= 0, got {n}")
+        return [next(self) for _ in range(n)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position (plus what it is valid for)."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "shuffle": self.shuffle,
+                "size": len(self.problems), "fingerprint": self._fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Moves to a saved position; ValueError if it was saved for another dataset, seed or order."""
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "size", "fingerprint"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"PromptSource state was saved with {key}={state.get(key)!r} but this source has "
+                                 f"{key}={mine[key]!r}: resume with the same dataset, seed and shuffle setting")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index <= len(self.problems):
+            raise ValueError(f"PromptSource state has an invalid position: epoch={epoch}, index={index}")
+        self.epoch, self.index = epoch, index
+        self._order = self._epoch_order(epoch)

@@ -1,0 +1,61 @@
+"""The task protocol: registration, lookup, argument errors, a task in one file."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from exactrl.envs import TASKS, ArithmeticTask, CountdownTask, Problem, Task, get_task, register_task, strip_reasoning
+
+
+def test_builtin_tasks_are_registered():
+    assert TASKS["arithmetic"] is ArithmeticTask and TASKS["countdown"] is CountdownTask
+    assert isinstance(get_task("countdown", num_numbers=4), CountdownTask)
+
+
+def test_unknown_task_lists_known_ones():
+    with pytest.raises(ValueError, match="known tasks: .*arithmetic.*countdown"):
+        get_task("nope")
+
+
+def test_bad_kwargs_name_the_accepted_ones():
+    with pytest.raises(ValueError, match="accepts: min_value, max_value"):
+        get_task("arithmetic", max_val=3)
+
+
+def test_a_user_task_in_one_file():
+    @register_task
+    class Echo(Task):
+        name = "echo_test"
+        system_prompt = "Repeat the word."
+
+        def generate(self, rng: random.Random) -> Problem:
+            word = rng.choice(["cat", "dog"])
+            return Problem(prompt=word, answer=word)
+
+        def reward(self, problem: Problem, completion: str) -> float:
+            return float(completion.strip() == problem.answer)
+
+    try:
+        task = get_task("echo_test")
+        p = task.generate(random.Random(0))
+        assert task.reward(p, p.answer + "\n") == 1.0 and task.system_prompt == "Repeat the word."
+        with pytest.raises(ValueError, match="already registered"):
+            register_task(type("Other", (Echo,), {}))
+    finally:
+        TASKS.pop("echo_test")
+
+
+def test_register_rejects_nameless_and_non_tasks():
+    with pytest.raises(ValueError, match="name"):
+        register_task(type("Nameless", (Task,), {}))
+    with pytest.raises(ValueError, match="Task subclass"):
+        register_task(int)
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("a<think>b</think>c", "ac"), ("<think>x</think>\n\n8", "\n\n8"), ("reasoning</think>8", "8"),
+    ("8<think>unfinished", "8"), ("<think>1</think>2<think>3</think>4", "24"), ("plain", "plain"),
+])
+def test_strip_reasoning(text, answer):
+    assert strip_reasoning(text) == answer
