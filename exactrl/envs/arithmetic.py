@@ -85,5 +85,7 @@ class ArithmeticTask(Task):
                          f"[{self.min_value}, {self.max_value}]; add '+' to ops or set nonnegative=False")
 
     def reward(self, problem: Problem, completion: str) -> float:
+        if not _INT.fullmatch(problem.answer.strip()):
+            raise ValueError(f"arithmetic problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
         got = first_integer(strip_reasoning(completion))
         return 1.0 if got is not None and got == int(problem.answer) else 0.0

@@ -38,6 +38,11 @@ def test_negative_answers():
     assert task.reward(p, "2") == 0.0
 
 
+def test_non_integer_reference_answer_is_a_clear_error():
+    with pytest.raises(ValueError, match="non-integer answer"):
+        ArithmeticTask().reward(Problem("3+5=", "eight"), "8")
+
+
 def test_precedence():
     assert evaluate_terms([2, 3, 4], ["+", "*"]) == 14
     assert evaluate_terms([2, 3, 4], ["*", "-"]) == 2
