@@ -1,0 +1,179 @@
+"""OpenAI chat messages -> chat-template messages, token fields, tool schemas.
+
+Everything here is validation with messages a client can act on: a bad
+message raises `ValueError` (the server answers 400). The template sees plain
+dicts in the Hugging Face convention: `content` a string, `reasoning_content`
+for `<think>` text, tool-call `arguments` as a dict.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class InconsistentTokenFieldsError(ValueError):
+    """An assistant message's token fields are partial or contradict each other."""
+
+
+@dataclass
+class TokenFields:
+    """The exact tokens of one assistant turn, as the server returned them."""
+
+    prompt_token_ids: list[int]  # everything the model saw before this turn's generation
+    generation_token_ids: list[int]  # what it generated (the stop token included)
+    generation_log_probs: list[float]  # behaviour logprob of each generated token
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt_token_ids + self.generation_token_ids
+
+
+def _text(content: Any, where: str) -> str | None:
+    """A message content (string, list of text parts or None) as one string."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}.content[{k}]: only text parts ({{'type': 'text', 'text': ...}}) "
+                                 f"are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"{where}.content must be a string, a list of text parts or null")
+
+
+def token_fields(msg: dict, index: int, vocab_size: int) -> TokenFields | None:
+    """The message's token fields: all three or none; checked for shape and range."""
+    present = [f for f in TOKEN_FIELDS if msg.get(f) is not None]
+    if not present:
+        return None
+    where = f"messages[{index}]"
+    if len(present) != len(TOKEN_FIELDS):
+        missing = [f for f in TOKEN_FIELDS if f not in present]
+        raise InconsistentTokenFieldsError(f"{where} has {present} but not {missing}: send all three token fields "
+                                           f"exactly as returned, or none")
+    if msg.get("role") != "assistant":
+        raise InconsistentTokenFieldsError(f"{where}: token fields are only valid on assistant messages, "
+                                           f"not role {msg.get('role')!r}")
+    ids = {}
+    for f in ("prompt_token_ids", "generation_token_ids"):
+        v = msg[f]
+        if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            raise InconsistentTokenFieldsError(f"{where}.{f} must be a list of integer token ids")
+        bad = [t for t in v if not 0 <= t < vocab_size]
+        if bad:
+            raise InconsistentTokenFieldsError(f"{where}.{f} holds id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        ids[f] = v
+    lps = msg["generation_log_probs"]
+    if not isinstance(lps, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
+        raise InconsistentTokenFieldsError(f"{where}.generation_log_probs must be a list of numbers")
+    if not ids["prompt_token_ids"] or not ids["generation_token_ids"]:
+        raise InconsistentTokenFieldsError(f"{where}: prompt_token_ids and generation_token_ids must be non-empty")
+    if len(lps) != len(ids["generation_token_ids"]):
+        raise InconsistentTokenFieldsError(
+            f"{where}: {len(ids['generation_token_ids'])} generation_token_ids but {len(lps)} generation_log_probs")
+    if not all(math.isfinite(x) and x <= 0 for x in lps):
+        raise InconsistentTokenFieldsError(f"{where}.generation_log_probs must be finite and <= 0")
+    return TokenFields(ids["prompt_token_ids"], ids["generation_token_ids"], [float(x) for x in lps])
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list")
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.tool_calls[{k}].function.arguments is not valid JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}.tool_calls[{k}].function.arguments must encode a JSON object")
+        out.append({"type": "function", "id": c.get("id"), "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def template_message(msg: dict, index: int) -> dict:
+    """One OpenAI message as the chat template expects it (token fields dropped)."""
+    where = f"messages[{index}]"
+    if not isinstance(msg, dict):
+        raise ValueError(f"{where} must be an object")
+    role = msg.get("role")
+    if role not in ROLES:
+        raise ValueError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
+    out: dict = {"role": "system" if role == "developer" else role, "content": _text(msg.get("content"), where)}
+    if role == "assistant":
+        if msg.get("reasoning_content") is not None:
+            out["reasoning_content"] = _text(msg["reasoning_content"], where + ".reasoning_content")
+        if msg.get("tool_calls"):
+            out["tool_calls"] = _tool_calls(msg["tool_calls"], where)
+        if out["content"] is None and "tool_calls" not in out:
+            out["content"] = ""
+    elif out["content"] is None:
+        raise ValueError(f"{where} (role {role!r}) needs a content")
+    if role == "tool":
+        if msg.get("tool_call_id") is not None:
+            out["tool_call_id"] = str(msg["tool_call_id"])
+        if msg.get("name") is not None:
+            out["name"] = str(msg["name"])
+    return out
+
+
+def validate_tools(tools: Any) -> list[dict] | None:
+    """OpenAI `tools` checked and returned in the template's form."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list of {'type': 'function', 'function': {...}}")
+    seen = set()
+    for k, t in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}")
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise ValueError(f"{where}.function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got {name!r}")
+        if name in seen:
+            raise ValueError(f"{where}.function.name {name!r} is defined twice")
+        seen.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ValueError(f"{where}.function.description must be a string")
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict) or params.get("type", "object") != "object":
+                raise ValueError(f"{where}.function.parameters must be a JSON Schema object "
+                                 f"({{'type': 'object', 'properties': ...}})")
+            if "properties" in params and not isinstance(params["properties"], dict):
+                raise ValueError(f"{where}.function.parameters.properties must be an object")
+            req = params.get("required", [])
+            if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+                raise ValueError(f"{where}.function.parameters.required must be a list of property names")
+    return [{"type": "function", "function": dict(t["function"])} for t in tools]
+
+
+def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> bool:
+    """Whether tool calls are parsed from the output. Only 'auto' and 'none' are honoured."""
+    if tool_choice is None:
+        return bool(tools)
+    if tool_choice == "none":
+        return False
+    if tool_choice == "auto":
+        if not tools:
+            raise ValueError("tool_choice='auto' needs tools")
+        return True
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        raise ValueError("tool_choice 'required' or a named function needs constrained decoding, which this server "
+                         "does not implement (it would put forced tokens into the generation); use 'auto' or 'none'")
+    raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}")

@@ -1,0 +1,185 @@
+"""Assistant text -> (reasoning, content, tool calls), for clients only.
+
+The parse is a view of the generated text for the client; it never feeds the
+training tokens (those are the generated IDs, DESIGN.md §4). The same function
+also checks, on the next turn, that an assistant message sent back still says
+what its tokens say (see splice.py).
+
+Format (Qwen / Hermes): an optional leading `<think>…</think>` block is the
+reasoning (`</think>` missing = the generation stopped inside it); every
+`<tool_call>{"name": …, "arguments": {…}}</tool_call>` block whose body is a
+valid call becomes a tool call; everything else is content. A block with an
+invalid body stays in the content as text, so nothing the model wrote is lost.
+
+`StreamParser` emits the same result as append-only deltas: text that might
+still turn into a tag, an open tool call, or trailing whitespace is held back
+until it is decided, so the concatenated deltas equal `parse_assistant_text`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict  # parsed JSON object; sent to clients as a JSON string
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass
+class ParsedAssistant:
+    reasoning: str | None  # the <think> block's text, stripped of newlines at both ends
+    content: str  # text outside reasoning and tool calls, stripped
+    tool_calls: list[ToolCall]
+
+    def to_message(self) -> dict:
+        """The OpenAI assistant message (content null when there are only tool calls)."""
+        msg = {"role": "assistant", "content": self.content if (self.content or not self.tool_calls) else None}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [tc.to_openai() for tc in self.tool_calls]
+        return msg
+
+
+def parse_tool_call_body(body: str) -> ToolCall | None:
+    """A `<tool_call>` body as a call, or None if it is not a valid one."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _TOOL_NAME.match(obj["name"]):
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models emit the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], args)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning or None, rest). Reasoning only when the text opens with `<think>`."""
+    if not text.startswith(THINK_OPEN):
+        return None, text
+    body = text[len(THINK_OPEN):]
+    end = body.find(THINK_CLOSE)
+    if end < 0:
+        return body.strip("\n"), ""
+    return body[:end].strip("\n"), body[end + len(THINK_CLOSE):]
+
+
+def split_tool_calls(text: str) -> tuple[list[str], list[ToolCall]]:
+    """(content pieces, tool calls) of text after the reasoning."""
+    pieces, calls, i = [], [], 0
+    while True:
+        start = text.find(CALL_OPEN, i)
+        if start < 0:
+            pieces.append(text[i:])
+            return pieces, calls
+        end = text.find(CALL_CLOSE, start)
+        if end < 0:  # unclosed: plain text
+            pieces.append(text[i:])
+            return pieces, calls
+        call = parse_tool_call_body(text[start + len(CALL_OPEN):end])
+        pieces.append(text[i:start] if call else text[i:end + len(CALL_CLOSE)])
+        if call:
+            calls.append(call)
+        i = end + len(CALL_CLOSE)
+
+
+def parse_assistant_text(text: str, parse_tools: bool = True) -> ParsedAssistant:
+    reasoning, rest = split_reasoning(text)
+    if not parse_tools:
+        return ParsedAssistant(reasoning, rest.strip(), [])
+    pieces, calls = split_tool_calls(rest)
+    return ParsedAssistant(reasoning, "".join(pieces).strip(), calls)
+
+
+def _held_tag_prefix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), 0, -1):
+            if text.endswith(tag[:n]):
+                best = max(best, n)
+                break
+    return best
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self):
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class StreamParser:
+    """Incremental `parse_assistant_text`: feed text chunks, get append-only deltas."""
+
+    def __init__(self, parse_tools: bool = True):
+        self.parse_tools = parse_tools
+        self.text = ""
+        self._sent_reasoning = 0  # characters of the final reasoning already sent
+        self._sent_content = 0  # characters of the stripped content already sent
+        self._sent_calls = 0
+
+    def feed(self, chunk: str) -> Delta:
+        self.text += chunk
+        return self._delta(final=False)
+
+    def finish(self) -> Delta:
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> Delta:
+        text, d = self.text, Delta()
+        if not final and THINK_OPEN.startswith(text):  # might still become "<think>"
+            return d
+        reasoning, rest = split_reasoning(text)
+        if reasoning is not None:
+            closed = THINK_CLOSE in text
+            if not closed and not final:
+                body = text[len(THINK_OPEN):]
+                body = body[:len(body) - _held_tag_prefix(body, (THINK_CLOSE,))]
+                reasoning = body.lstrip("\n").rstrip("\n")  # trailing newlines may be stripped at the end
+            d.reasoning = reasoning[self._sent_reasoning:]
+            self._sent_reasoning = len(reasoning)
+            if not closed and not final:
+                return d
+        if not final:
+            rest = self._decided_prefix(rest)
+        pieces, calls = split_tool_calls(rest) if self.parse_tools else ([rest], [])
+        content = "".join(pieces).lstrip()
+        content = content.rstrip() if final else content[:len(content.rstrip())]
+        d.content = content[self._sent_content:]
+        self._sent_content = len(content)
+        d.tool_calls = calls[self._sent_calls:]
+        self._sent_calls = len(calls)
+        return d
+
+    def _decided_prefix(self, rest: str) -> str:
+        """The part of `rest` whose parse can no longer change."""
+        if self.parse_tools:
+            open_at = rest.rfind(CALL_OPEN)
+            if open_at >= 0 and rest.find(CALL_CLOSE, open_at) < 0:
+                return rest[:open_at]  # inside an open tool call: undecided
+            return rest[:len(rest) - _held_tag_prefix(rest, (CALL_OPEN,))]
+        return rest

@@ -1,0 +1,100 @@
+"""Token-level trajectories of an agent session, with loss masks, for training.
+
+A session is every request made under one session id (an agent episode). Each
+completion is recorded as a whole token sequence, prompt + generation, with
+per-token mask (1 = sampled by the model, 0 = template, tool, user or system
+token) and behaviour logprob (the engine's; 0.0 where the mask is 0).
+
+The prompt of a new turn usually extends an earlier record (the splicer keeps
+the earlier tokens exactly): the new record inherits mask and logprobs over
+the longest common prefix with any earlier record, so a generated token keeps
+mask 1 however many turns later it is seen. The trajectories to train on are
+the records no other record extends — one per conversation branch (several
+with n > 1 or parallel sub-agents).
+
+Monotonicity events (splice.py): `split` records a fresh segment that
+inherits nothing (the old branch stays a trajectory of its own, nothing is
+trained twice); `truncate` inherits the common prefix and retires the branch
+it cut, whose tokens past the cut are no longer part of any context.
+
+Legend: T tokens of a record.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Record:
+    tokens_T: list[int]
+    mask_T: list[int]  # 1 = sampled by the model
+    logprobs_T: list[float]  # behaviour logprob where mask = 1, else 0.0
+    versions_T: list[int]  # engine weight version that sampled the token, -1 where mask = 0
+    prompt_len: int  # length of the first prompt of its branch: training completions start here
+    retired: bool = False  # cut by a `truncate`: not trained on
+
+
+@dataclass
+class Trajectory:
+    """One conversation branch, in TrainBatch's layout."""
+
+    prompt_ids: list[int]  # the first prompt of the branch
+    completion_ids: list[int]  # everything after it: generated tokens and interleaved template/tool/user tokens
+    loss_mask: list[int]  # per completion token: 1 = generated
+    behav_logprobs: list[float]  # per completion token: engine logprob, 0.0 where masked
+    versions: list[int]  # per completion token: weight version, -1 where masked
+    num_turns: int  # generations in the branch
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+@dataclass
+class Session:
+    records: list[Record] = field(default_factory=list)
+
+    def record(self, prompt: list[int], generated: list[int], logprobs: list[float], versions: list[int],
+               kind: str = "spliced") -> None:
+        """Adds one completion. `kind` is the PromptPlan kind of its prompt."""
+        assert len(generated) == len(logprobs) == len(versions)
+        parent, lcp = None, 0
+        if kind != "split":
+            for r in self.records:
+                n = _common_prefix(r.tokens_T, prompt)
+                if n > lcp:
+                    parent, lcp = r, n
+        mask = [0] * len(prompt)
+        lps = [0.0] * len(prompt)
+        vers = [-1] * len(prompt)
+        prompt_len = len(prompt)
+        if parent is not None:
+            mask[:lcp], lps[:lcp], vers[:lcp] = parent.mask_T[:lcp], parent.logprobs_T[:lcp], parent.versions_T[:lcp]
+            if lcp >= parent.prompt_len:
+                prompt_len = parent.prompt_len
+            if kind == "truncate" and lcp < len(parent.tokens_T):
+                parent.retired = True
+        self.records.append(Record(prompt + generated, mask + [1] * len(generated), lps + list(logprobs),
+                                   vers + list(versions), prompt_len))
+
+    def trajectories(self) -> list[Trajectory]:
+        """The maximal records (no other record extends them), in order of recording."""
+        out = []
+        for r in self.records:
+            if r.retired or any(o is not r and len(o.tokens_T) > len(r.tokens_T)
+                                and o.tokens_T[:len(r.tokens_T)] == r.tokens_T for o in self.records):
+                continue
+            if any(o is not r and o.tokens_T == r.tokens_T for o in self.records[:self.records.index(r)]):
+                continue  # an identical earlier record (same prompt, same sample)
+            p = r.prompt_len
+            out.append(Trajectory(r.tokens_T[:p], r.tokens_T[p:], r.mask_T[p:], r.logprobs_T[p:], r.versions_T[p:],
+                                  num_turns=_turns(r.mask_T)))
+        return out
+
+
+def _turns(mask: list[int]) -> int:
+    return sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))

@@ -1,0 +1,185 @@
+"""Token-exact prompts: earlier turns keep their exact IDs, only new text is tokenized; non-monotonic
+histories are caught and handled by the policy; bad token fields are rejected."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chat_helpers import tokenizer
+from exactrl.chat.messages import InconsistentTokenFieldsError
+from exactrl.chat.parsing import parse_assistant_text
+from exactrl.chat.splice import MonotonicityError, Splicer
+from exactrl.envs.tool_use import CALCULATOR_TOOL
+
+SYSTEM = {"role": "system", "content": "Use the calculator, then answer with the number."}
+USER = {"role": "user", "content": "Compute 12*7"}
+
+
+def byte_tokens(tok, text: str) -> list[int]:
+    """A non-canonical tokenization: one token per character (the BPE would merge them)."""
+    return [t for ch in text for t in tok.encode(ch)]
+
+
+def turn(tok, prompt: list[int], gen: list[int], eot: bool = True, **fields_override) -> dict:
+    """The assistant message the server would return for `gen` after `prompt`."""
+    gen = gen + ([tok.end_of_turn_id] if eot else [])
+    text = tok.decode(gen[:-1] if eot else gen)
+    msg = parse_assistant_text(text).to_message()
+    msg |= {"prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-0.5] * len(gen)}
+    return msg | fields_override
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.fixture(scope="module")
+def sp(tok):
+    return Splicer(tok)
+
+
+def test_fresh_prompt_is_the_template(tok, sp):
+    plan = sp.build([SYSTEM, USER])
+    assert plan.kind == "fresh" and plan.prompt_ids == tok.apply_chat_template([SYSTEM, USER])
+
+
+def test_reuses_exact_tokens_even_when_retokenization_differs(tok, sp):
+    p1 = sp.build([SYSTEM, USER]).prompt_ids
+    gen = byte_tokens(tok, "hello world, the answer")
+    assert tok.encode(tok.decode(gen)) != gen  # the text re-tokenizes differently
+    a1 = turn(tok, p1, gen)
+    msgs = [SYSTEM, USER, a1, {"role": "user", "content": "and 3+4?"}]
+    plan = sp.build(msgs)
+    assert plan.kind == "spliced" and plan.reused == len(p1) + len(gen) + 1
+    new = tok.encode("\n<|im_start|>user\nand 3+4?<|im_end|>\n<|im_start|>assistant\n")
+    assert plan.prompt_ids == p1 + gen + [tok.end_of_turn_id] + new
+    # a re-render would have changed the generated tokens: that is what splicing avoids
+    assert tok.apply_chat_template([SYSTEM, USER, {"role": "assistant", "content": a1["content"]},
+                                    msgs[-1]]) != plan.prompt_ids
+
+
+def test_tool_call_turn_is_not_rerendered(tok, sp):
+    tools = [CALCULATOR_TOOL]
+    p1 = sp.build([SYSTEM, USER], tools).prompt_ids
+    # compact JSON: the template would re-render it with spaces
+    gen = tok.encode('<tool_call>{"name":"calculator","arguments":{"expression":"12*7"}}</tool_call>')
+    a1 = turn(tok, p1, gen)
+    assert a1["content"] is None and json.loads(a1["tool_calls"][0]["function"]["arguments"]) == {"expression": "12*7"}
+    tool_msg = {"role": "tool", "tool_call_id": a1["tool_calls"][0]["id"], "content": "84"}
+    plan = sp.build([SYSTEM, USER, a1, tool_msg], tools)
+    assert plan.kind == "spliced"
+    assert plan.prompt_ids[:len(p1) + len(gen) + 1] == p1 + gen + [tok.end_of_turn_id]
+    assert tok.decode(plan.prompt_ids[plan.reused:]) == (
+        "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # third turn: two token-carrying assistant messages chain
+    gen2 = byte_tokens(tok, "84")
+    a2 = turn(tok, plan.prompt_ids, gen2)
+    plan3 = sp.build([SYSTEM, USER, a1, tool_msg, a2, {"role": "user", "content": "thanks"}], tools)
+    assert plan3.kind == "spliced" and plan3.prompt_ids[:len(plan.prompt_ids)] == plan.prompt_ids
+
+
+def test_reasoning_kept_and_stripped_reasoning_is_non_monotonic(tok, sp):
+    p1 = sp.build([USER]).prompt_ids
+    gen = tok.encode("<think>\n12 times 7\n</think>\n\n84")
+    a1 = turn(tok, p1, gen)
+    assert a1["reasoning_content"] == "12 times 7" and a1["content"] == "84"
+    follow = {"role": "user", "content": "ok"}
+    assert sp.build([USER, a1, follow]).kind == "spliced"
+    stripped = {k: v for k, v in a1.items() if k != "reasoning_content"}
+    with pytest.raises(MonotonicityError) as e:
+        sp.build([USER, stripped, follow])
+    header = len(tok.encode("\n<|im_start|>assistant\n"))
+    user_end = p1.index(tok.end_of_turn_id) + 1
+    # the first differing token is the first generated one (<think> vs the stripped render)
+    assert e.value.position == user_end + header == len(p1) and "position %d" % len(p1) in str(e.value)
+    split = sp.build([USER, stripped, follow], policy="split")
+    assert split.kind == "split" and split.prompt_ids == tok.apply_chat_template([USER, stripped, follow])
+    trunc = sp.build([USER, stripped, follow], policy="truncate")
+    assert trunc.kind == "truncate" and trunc.reused == user_end
+    assert trunc.prompt_ids[:user_end] == p1[:user_end]
+    assert tok.decode(trunc.prompt_ids) == tok.render_chat([USER, stripped, follow])
+
+
+def test_edited_or_dropped_history_is_non_monotonic(tok, sp):
+    p1 = sp.build([SYSTEM, USER]).prompt_ids
+    a1 = turn(tok, p1, byte_tokens(tok, "84"))
+    follow = {"role": "user", "content": "next"}
+    edited = {"role": "user", "content": "Compute 12*8"}
+    with pytest.raises(MonotonicityError) as e:
+        sp.build([SYSTEM, edited, a1, follow])
+    sys_end = p1.index(tok.end_of_turn_id) + 1
+    assert sys_end < e.value.position < len(p1)
+    assert p1[e.value.position] != tok.apply_chat_template([SYSTEM, edited])[e.value.position]
+    with pytest.raises(MonotonicityError):
+        sp.build([USER, a1, follow])  # system message dropped
+    with pytest.raises(MonotonicityError):
+        sp.build([SYSTEM, USER, {"role": "user", "content": "x"}, a1, follow])  # message inserted
+    with pytest.raises(MonotonicityError):
+        sp.build([SYSTEM, USER, a1, follow], tools=[CALCULATOR_TOOL])  # tools changed the system turn
+
+
+def test_unchained_assistant_messages_are_non_monotonic(tok, sp):
+    p1 = sp.build([USER]).prompt_ids
+    a1 = turn(tok, p1, byte_tokens(tok, "84"))
+    follow = {"role": "user", "content": "next"}
+    p2 = sp.build([USER, a1, follow]).prompt_ids
+    a2 = turn(tok, p2, byte_tokens(tok, "ok"))
+    other = turn(tok, p1, tok.encode("94"))  # self-consistent, but not what a2's history holds
+    with pytest.raises(MonotonicityError) as e:
+        sp.build([USER, other, follow, a2, follow])
+    assert e.value.position == len(p1)
+
+
+def test_length_cut_generation_gets_an_end_of_turn(tok, sp):
+    p1 = sp.build([USER]).prompt_ids
+    gen = byte_tokens(tok, "eighty")
+    a1 = turn(tok, p1, gen, eot=False)
+    plan = sp.build([USER, a1, {"role": "user", "content": "go on"}])
+    assert plan.prompt_ids[:len(p1) + len(gen) + 1] == p1 + gen + [tok.end_of_turn_id]
+
+
+def test_stop_string_cut_content_is_consistent(tok, sp):
+    p1 = sp.build([USER]).prompt_ids
+    gen = tok.encode("84\nmore")  # stopped by the stop string "\n": content "84", no stop token
+    a1 = turn(tok, p1, gen, eot=False, content="84")
+    assert sp.build([USER, a1, {"role": "user", "content": "x"}]).kind == "spliced"
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: m.pop("generation_log_probs"), "not \\['generation_log_probs'\\]"),
+    (lambda m: m.update(generation_log_probs=m["generation_log_probs"][:-1]), "generation_log_probs"),
+    (lambda m: m.update(prompt_token_ids=[10**6]), "outside the vocabulary"),
+    (lambda m: m.update(generation_token_ids=[1.5]), "integer token ids"),
+    (lambda m: m.update(generation_log_probs=[0.5] * len(m["generation_token_ids"])), "<= 0"),
+    (lambda m: m.update(generation_token_ids=[], generation_log_probs=[]), "non-empty"),
+    (lambda m: m.update(role="user"), "only valid on assistant"),
+])
+def test_bad_token_fields_are_rejected(tok, sp, change, match):
+    p1 = sp.build([USER]).prompt_ids
+    a1 = turn(tok, p1, byte_tokens(tok, "84"))
+    change(a1)
+    with pytest.raises(InconsistentTokenFieldsError, match=match):
+        sp.build([USER, a1, {"role": "user", "content": "x"}])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), turns=st.integers(1, 3), tools=st.booleans())
+def test_random_generations_always_splice_exactly(tok, sp, seed, turns, tools):
+    """Any generated token sequence, returned as the server would, extends the next prompt exactly."""
+    rng = random.Random(seed)
+    banned = set(tok.stop_token_ids)
+    tl = [CALCULATOR_TOOL] if tools else None
+    msgs = [SYSTEM, USER]
+    prompt = sp.build(msgs, tl).prompt_ids
+    for _ in range(turns):
+        gen = [rng.choice([t for t in range(tok.vocab_size) if t not in banned]) for _ in range(rng.randint(1, 12))]
+        msgs = msgs + [turn(tok, prompt, gen, eot=rng.random() < 0.8), {"role": "user", "content": "more"}]
+        plan = sp.build(msgs, tl)
+        assert plan.kind == "spliced"
+        assert plan.prompt_ids[:len(prompt) + len(gen)] == prompt + gen
+        prompt = plan.prompt_ids
