@@ -131,12 +131,14 @@ def row_logprobs(logits_RV: torch.Tensor, rows: SampleRows) -> torch.Tensor:
 def draw(lp_RV: torch.Tensor, rows: SampleRows) -> tuple[torch.Tensor, torch.Tensor]:
     """Token of each row (inverse CDF of exp(lp), argmax for T = 0) and its logprob."""
     V = lp_RV.shape[1]
-    cdf_RV = lp_RV.exp().double().cumsum(-1)
+    # float64 running sum: a token's share of the CDF stays resolvable down to ~1e-16
+    cdf_RV = lp_RV.exp().cumsum(-1, dtype=torch.float64)
     total_R = cdf_RV[:, -1]
     # strictly below the total, so the token found has non-zero probability
     x_R = torch.minimum(torch.tensor(rows.uniform, dtype=torch.float64) * total_R,
                         torch.nextafter(total_R, torch.zeros_like(total_R)))
     tok_R = torch.searchsorted(cdf_RV, x_R[:, None], right=True).squeeze(1).clamp(max=V - 1)
-    greedy_R = torch.tensor([t == 0 for t in rows.temperature])
-    tok_R = torch.where(greedy_R, lp_RV.argmax(-1), tok_R)
+    greedy = [t == 0 for t in rows.temperature]
+    if any(greedy):
+        tok_R = torch.where(torch.tensor(greedy), lp_RV.argmax(-1), tok_R)
     return tok_R, lp_RV.gather(1, tok_R[:, None]).squeeze(1)

@@ -1,0 +1,165 @@
+"""exactrl bench engine: generated tokens/s of the exactrl engine vs transformers' `generate`.
+
+Same tiny random Qwen3 for both (built with transformers, saved to a temp dir,
+loaded by both), sampled at T = 1 with no top-k/top-p, fixed prompt length and
+exactly `--new` generated tokens per sequence (eos ignored), batch 1 and 32,
+exact and fast kernels, all in one run. Peak memory per run is the peak
+resident set size above the level before the run (sampled every 2 ms), plus
+the process's max RSS at the end.
+
+Sizes (explicit, tied embeddings, head_dim 64, GQA):
+  20M : vocab 16384, hidden 384, 8 layers, 6 heads / 2 kv, MLP 1024   (≈18.9M params)
+  100M: vocab 32000, hidden 768, 12 layers, 12 heads / 4 kv, MLP 2048  (≈100M params)
+  tiny: vocab 512, hidden 64, 2 layers (--quick smoke run only)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import exactrl
+from exactrl import Engine, SamplingParams
+
+SIZES = {
+    "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=64),
+    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, head_dim=64),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+
+
+def build_hf_model(path: Path, size: str) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(**SIZES[size], tie_word_embeddings=True, max_position_embeddings=2048,
+                                   eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
+
+
+class PeakRSS:
+    """Peak resident set size (MB) above the level at entry, polled in a thread."""
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    def _poll(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+    @property
+    def mb(self) -> float:
+        return round(self.peak - self.base, 1)
+
+
+def run_engine(model, prompts, new: int) -> tuple[float, float, float]:
+    block = model.block_size
+    engine = Engine(model, kv_budget_tokens=len(prompts) * (len(prompts[0]) + new + block),
+                    max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=max(2048, len(prompts) * len(prompts[0])))
+    sp = SamplingParams(max_tokens=new, seed=0, ignore_eos=True)
+    engine.generate(prompts, SamplingParams(max_tokens=4, seed=1, ignore_eos=True))  # warm-up
+    with PeakRSS() as mem:
+        t = time.perf_counter()
+        outs = engine.generate(prompts, sp)
+        dt = time.perf_counter() - t
+    n = sum(len(c.token_ids) for o in outs for c in o)
+    assert n == len(prompts) * new
+    kv_mb = sum(t.numel() * t.element_size() for layer in engine.pool.kv for t in layer) / 2**20
+    return n / dt, mem.mb, round(kv_mb, 3)
+
+
+def run_hf(hf, prompts, new: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        with PeakRSS() as mem:
+            t = time.perf_counter()
+            out = hf.generate(ids, **kw)
+            dt = time.perf_counter() - t
+    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    assert n == len(prompts) * new
+    return n / dt, mem.mb
+
+
+def bench_size(size: str, batches: list[int], prompt_len: int, new: int, dtype: str, with_hf: bool) -> dict:
+    import transformers
+
+    with tempfile.TemporaryDirectory() as d:
+        build_hf_model(Path(d), size)
+        models = {k: exactrl.load_model(d, dtype=dtype, kernels=k) for k in ("exact", "fast")}
+        hf = transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval() if with_hf else None
+    res = {"params_M": round(sum(p.numel() for p in models["exact"].parameters()) / 1e6, 1), "batches": {}}
+    rng = random.Random(0)
+    V = SIZES[size]["vocab_size"]
+    for b in batches:
+        prompts = [[rng.randrange(V) for _ in range(prompt_len)] for _ in range(b)]
+        row = {}
+        for k, m in models.items():
+            tps, mb, kv_mb = run_engine(m, prompts, new)
+            row[f"{k}_tok_s"], row[f"{k}_peak_mb"], row["kv_cache_mb"] = round(tps, 1), mb, kv_mb
+        row["exact_over_fast"] = round(row["exact_tok_s"] / row["fast_tok_s"], 3)
+        if hf is not None:
+            tps, mb = run_hf(hf, prompts, new)
+            row["hf_tok_s"], row["hf_peak_mb"] = round(tps, 1), mb
+            row["exact_over_hf"] = round(row["exact_tok_s"] / tps, 2)
+            row["fast_over_hf"] = round(row["fast_tok_s"] / tps, 2)
+        res["batches"][str(b)] = row
+    return res
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="exactrl bench engine", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="20M,100M", help=f"comma-separated, from {sorted(SIZES)}")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    p.add_argument("--new", type=int, default=128, help="generated tokens per sequence")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, batch 1 and 4, 8 tokens")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.sizes, a.batches, a.prompt, a.new = "tiny", "1,4", 8, 8
+    sizes = a.sizes.split(",")
+    for s in sizes:
+        if s not in SIZES:
+            raise SystemExit(f"unknown size {s!r}; choose from {sorted(SIZES)}")
+    out = {"benchmark": "engine", "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "dtype": a.dtype, "prompt_tokens": a.prompt, "new_tokens": a.new, "sampling": "T=1, no top-k/top-p",
+           "models": {}}
+    for s in sizes:
+        out["models"][s] = bench_size(s, [int(b) for b in a.batches.split(",")], a.prompt, a.new, a.dtype,
+                                      not a.no_hf)
+    out["process_max_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
