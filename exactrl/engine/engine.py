@@ -71,7 +71,11 @@ class Engine:
         self.model = model.eval()
         cfg = model.config
         self.vocab_size = cfg.vocab_size
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, max_position_embeddings="
+                             f"{cfg.max_position_embeddings}]")
+        # prompt + max_tokens of a request must fit in it
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
         # kv_budget_tokens: KV memory in tokens, allocated once (rounded up to whole pages)
         self.pool = PagePool(model, -(-kv_budget_tokens // model.block_size))
         if max_num_batched_tokens < 1 or max_num_seqs < 1:

@@ -75,6 +75,10 @@ def test_kv_budget_and_duplicate_id_rejected(model):
         engine.add_request([1, 2], SamplingParams(max_tokens=5), request_id="a")
     with pytest.raises(ValueError, match="stop_token_ids"):
         Engine(model, stop_token_ids=[V])
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, max_model_len=10_000)
+    with pytest.raises(ValueError, match="KV budget"):
+        Engine(model, kv_budget_tokens=0)
 
 
 def test_step_streams_cumulative_outputs(model):

@@ -21,7 +21,7 @@ from exactrl import Engine, SamplingParams
 from conftest import make_hf_model
 from engine_helpers import all_pages_free, check_finish, mismatches
 
-HSET = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HSET = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 V = 211  # conftest TINY vocabulary
 
 
@@ -51,13 +51,13 @@ def run_workload(engine: Engine, requests: list[tuple[list[int], SamplingParams,
     return [(p, sp, done[k]) for k, (p, sp, _) in enumerate(requests)]
 
 
-def assert_exact(model, engine, results, extra_stops=()):
+def assert_exact(model, engine, results):
     items = [(p, c, sp) for p, sp, comps in results for c in comps]
     for p, sp, comps in results:
         assert [c.index for c in comps] == list(range(sp.n))
         for c in comps:
             assert c.prompt_token_ids == p
-            check_finish(c, sp, set(sp.stop_token_ids) | set(extra_stops))
+            check_finish(c, sp, set(sp.stop_token_ids) | (set() if sp.ignore_eos else engine.stop_token_ids))
     bad = mismatches(model, items)
     assert not bad, f"{len(bad)}/{len(items)} completions differ; first max|Δ|={bad[0][2]:.3e}"
     assert all_pages_free(engine)
@@ -209,3 +209,12 @@ def test_update_weights_mid_generation(qwen3_dir):
                 lp = exactrl.sequence_logprobs(m, [p + c.token_ids])[0][len(p) - 1:]
                 sel = torch.tensor([v == version for v in c.versions])
                 assert torch.equal(torch.tensor(c.logprobs)[sel], lp[sel])
+
+
+@pytest.mark.parametrize("arch,block_size", [("qwen2", 32), ("llama", 16), ("qwen3", 8)])
+def test_other_architectures_and_page_sizes(tmp_path, arch, block_size):
+    make_hf_model(tmp_path, arch)
+    model = exactrl.load_model(tmp_path, block_size=block_size)
+    engine = Engine(model, kv_budget_tokens=12 * block_size, max_num_batched_tokens=3 * block_size - 1)
+    results = run_workload(engine, fixed_workload(seed=5)[:6])
+    assert_exact(model, engine, results)
