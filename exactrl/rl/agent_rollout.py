@@ -1,0 +1,139 @@
+"""Agent rollouts: run async OpenAI-client environments against the server, train on their tokens.
+
+    for each problem, G episodes -> env(base_url=<server>/sessions/<id>/v1, problem, seed)
+        -> reward                                   (the environment's own score)
+        -> GET /sessions/<id>/trajectories          (token IDs, loss masks, behaviour logprobs)
+    -> group advantages -> TrainBatch -> train_step -> weights copied into the server's engine
+
+The environment never handles tokens: the server recorded every turn of the
+session (`exactrl.chat.trajectory`). A trajectory's `prompt_ids` is the first
+prompt; its completion holds the generated tokens (loss mask 1, engine
+logprobs) interleaved with template, tool and user tokens (mask 0, logprob
+0.0). An episode with several branches (parallel calls, n > 1) gives several
+trajectories, all with the episode's advantage.
+
+Seeds: episode j of problem k at step s samples with seed
+`sampling_seed(run_seed, step, k) * G + j` (turns add their index), so a step's
+episodes do not depend on how many run concurrently.
+
+Legend: P problems, G episodes per problem.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import httpx
+import torch
+
+from exactrl.chat.trajectory import Trajectory
+from exactrl.envs.base import Problem
+from exactrl.rl.advantages import compute_advantages
+from exactrl.rl.rollout import sampling_seed
+from exactrl.rl.trainer import TrainBatch
+
+EnvFn = Callable[..., Awaitable[Any]]  # async (base_url, problem, *, seed, **kwargs) -> reward or object with .reward
+
+
+@dataclass
+class AgentRollout:
+    """One episode: its reward and the token-level trajectories the server recorded."""
+
+    problem: Problem
+    reward: float
+    trajectories: list[Trajectory]
+    episode: Any  # whatever the environment returned (transcript, counters)
+
+
+async def run_episode(server_url: str, env: EnvFn, problem: Problem, seed: int, client: httpx.AsyncClient,
+                      **env_kwargs) -> AgentRollout:
+    """One episode in a fresh session; the session is deleted once its trajectories are read."""
+    sid = uuid.uuid4().hex
+    try:
+        result = await env(f"{server_url}/sessions/{sid}/v1", problem, seed=seed, **env_kwargs)
+        r = await client.get(f"{server_url}/sessions/{sid}/trajectories")
+        trajectories = [Trajectory(**t) for t in r.json()["trajectories"]] if r.status_code == 200 else []
+    finally:
+        await client.delete(f"{server_url}/sessions/{sid}")
+    reward = float(result.reward if hasattr(result, "reward") else result)
+    return AgentRollout(problem, reward, trajectories, result)
+
+
+async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,
+                               step: int, env_kwargs: dict | None = None, max_concurrency: int = 32
+                               ) -> list[list[AgentRollout]]:
+    """G episodes per problem, at most `max_concurrency` at a time; groups_P_G[k][j].
+
+    `env_kwargs` go to every `env` call (model name, sampling settings, ...).
+    """
+    sem = asyncio.Semaphore(max_concurrency)
+    async with httpx.AsyncClient(timeout=None) as client:
+        async def one(k: int, j: int) -> AgentRollout:
+            async with sem:
+                return await run_episode(server_url, env, problems[k], sampling_seed(seed, step, k) * group_size + j,
+                                         client, **(env_kwargs or {}))
+
+        flat = await asyncio.gather(*(one(k, j) for k in range(len(problems)) for j in range(group_size)))
+    return [list(flat[k * group_size:(k + 1) * group_size]) for k in range(len(problems))]
+
+
+def agent_train_batch(groups_P_G: list[list[AgentRollout]], advantage: str = "grpo",
+                      advantage_kwargs: dict | None = None) -> TrainBatch:
+    """Group-relative advantages per episode, broadcast to each of its trajectories."""
+    rewards_PG = torch.tensor([[r.reward for r in g] for g in groups_P_G], dtype=torch.float32)
+    adv_PG = compute_advantages(advantage, rewards_PG, **(advantage_kwargs or {}))
+    prompt_ids, completion_ids, behav, adv, mask = [], [], [], [], []
+    for k, g in enumerate(groups_P_G):
+        for j, r in enumerate(g):
+            for t in r.trajectories:
+                if not any(t.loss_mask):
+                    continue
+                prompt_ids.append(t.prompt_ids)
+                completion_ids.append(t.completion_ids)
+                behav.append(t.behav_logprobs)
+                mask.append(t.loss_mask)
+                adv.append(float(adv_PG[k, j]))
+    if not prompt_ids:
+        raise ValueError("no episode produced a trajectory with generated tokens: nothing to train on")
+    return TrainBatch(prompt_ids=prompt_ids, completion_ids=completion_ids, behav_logprobs=behav,
+                      advantages=adv, loss_mask=mask)
+
+
+def agent_rollout_metrics(groups_P_G: list[list[AgentRollout]]) -> dict[str, float]:
+    flat = [r for g in groups_P_G for r in g]
+    trajs = [t for r in flat for t in r.trajectories]
+    gen = [sum(t.loss_mask) for t in trajs]
+    return {"rollout/reward_mean": sum(r.reward for r in flat) / len(flat),
+            "rollout/accuracy": sum(r.reward >= 1.0 for r in flat) / len(flat),
+            "rollout/trajectories_per_episode": len(trajs) / len(flat),
+            "rollout/turns_mean": sum(t.num_turns for t in trajs) / max(len(trajs), 1),
+            "rollout/generated_tokens_mean": sum(gen) / max(len(gen), 1),
+            "rollout/masked_tokens_mean": sum(len(t.loss_mask) - g for t, g in zip(trajs, gen)) / max(len(trajs), 1),
+            "rollout/zero_std_group_frac": sum(len({r.reward for r in g}) == 1 for g in groups_P_G) / len(groups_P_G)}
+
+
+def sync_weights(server_state, model) -> int:
+    """Copies the trainer's weights into the server's engine (bitwise), between engine steps."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return server_state.loop.call(lambda engine: engine.update_weights(sd)).result()
+
+
+def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_url: str, env: EnvFn,
+                     problems: list[Problem], group_size: int, seed: int, step: int, env_kwargs: dict | None = None,
+                     advantage: str = "grpo") -> dict[str, float]:
+    """Collect episodes -> train on their trajectories -> sync the server's engine. Returns flat metrics.
+
+    `settings.temperature/top_k/top_p` must be the ones the environment samples with, so that the
+    trainer's π_old is the distribution the engine sampled from.
+    """
+    from exactrl.rl.trainer import train_step
+
+    groups = asyncio.run(collect_agent_groups(server_url, env, problems, group_size, seed, step, env_kwargs))
+    batch = agent_train_batch(groups, advantage)
+    metrics = train_step(model, optimizer, loss_fn, batch, settings)
+    metrics |= agent_rollout_metrics(groups)
+    metrics["engine/version"] = sync_weights(server_state, model)
+    metrics["step"] = step
+    return metrics

@@ -1,0 +1,351 @@
+"""POST /v1/chat/completions and /v1/completions (JSON or server-sent events).
+
+A chat request is: validate -> prompt from the splicer (token-exact history,
+monotonicity policy) -> one engine request with n samples -> parse each
+choice's text for the client (reasoning, content, tool calls) -> OpenAI's
+response, where every assistant message also carries `prompt_token_ids`,
+`generation_token_ids` and `generation_log_probs`. Inside a session
+(`/sessions/{id}/v1/...`) every choice is also recorded for training.
+
+Streaming sends one chunk per engine update: a role chunk, then content /
+reasoning / tool-call deltas (`StreamParser`), then a closing chunk per choice
+whose delta carries the three token fields and whose `finish_reason` is set;
+optionally a usage chunk, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from exactrl.chat.messages import InconsistentTokenFieldsError, check_tool_choice, validate_tools
+from exactrl.chat.parsing import StreamParser, parse_assistant_text
+from exactrl.chat.splice import MonotonicityError
+from exactrl.server.generation import Generation, score_top_logprobs
+from exactrl.server.schemas import (MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
+                                    check_common, sampling_params)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _until_done(st, coro, request: Request):
+    """Awaits coro, cancelling it (and so aborting its generation) if the client disconnects."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                st.count("server/client_disconnects")
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _drain(gen: Generation) -> Generation:
+    async for _ in gen.updates():
+        pass
+    return gen
+
+
+def _token_fields(prompt_ids, c) -> dict:
+    return {"prompt_token_ids": list(prompt_ids), "generation_token_ids": list(c.token_ids),
+            "generation_log_probs": list(c.logprobs)}
+
+
+def _usage(prompt_len: int, choices, n_prompts: int = 1) -> dict:
+    gen = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_len * n_prompts, "completion_tokens": gen, "total_tokens": prompt_len * n_prompts + gen}
+
+
+# ---------------------------------------------------------------- chat
+class _ChatJob:
+    """A checked chat request: its prompt plan, parameters and generation."""
+
+    def __init__(self, st, body: ChatCompletionRequest, session_id: str | None):
+        self.st, self.body, self.session_id = st, body, session_id
+        st.check_model(body.model)
+        stops = check_common(body)
+        try:
+            tools = validate_tools(body.tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools", code="invalid_tools") from None
+        try:
+            self.parse_tools = check_tool_choice(body.tool_choice, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "response_format other than 'text' needs constrained decoding, not implemented",
+                           param="response_format")
+        self.top = self._check_logprobs(body)
+        policy = body.monotonicity or st.config.monotonicity
+        try:
+            self.plan = st.splicer.build(body.messages, tools, policy)
+        except MonotonicityError as e:
+            st.count("chat/monotonicity_raise")
+            raise APIError(400, str(e), param="messages", code="non_monotonic_history") from None
+        except InconsistentTokenFieldsError as e:
+            raise APIError(400, str(e), param="messages", code="inconsistent_token_fields") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        st.count(f"chat/prompts_{self.plan.kind}")
+        if self.plan.kind in ("split", "truncate"):
+            st.count(f"chat/monotonicity_{self.plan.kind}")
+        st.count("chat/history_tokens_reused", self.plan.reused)
+        max_tokens = st.resolve_max_tokens(body.max_completion_tokens or body.max_tokens, len(self.plan.prompt_ids))
+        self.params = sampling_params(body, max_tokens, st.stop_token_ids)
+        self.gen = Generation(st, self.plan.prompt_ids, self.params, stops, track_text=body.stream)
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    @staticmethod
+    def _check_logprobs(body) -> int:
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
+        if top and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if top and body.stream:
+            raise APIError(400, "top_logprobs is not available with stream=true (alternatives are recomputed after "
+                                "generation); use stream=false", param="top_logprobs")
+        return top or 0
+
+    def message(self, c) -> dict:
+        msg = parse_assistant_text(c.text, self.parse_tools).to_message()
+        return msg | _token_fields(self.plan.prompt_ids, c)
+
+    def finish_reason(self, c, has_calls: bool) -> str:
+        return "tool_calls" if has_calls and c.finish_reason == "stop" else c.finish_reason
+
+    async def logprobs(self, c) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        tops = [[] for _ in c.token_ids]
+        if self.top:
+            _, tops = await asyncio.wrap_future(self.st.loop.call(lambda eng: score_top_logprobs(
+                eng, self.plan.prompt_ids + c.token_ids, len(self.plan.prompt_ids), self.params, self.top)))
+        return {"content": [self.st.logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, tops)],
+                "refusal": None}
+
+    def record(self) -> None:
+        if self.session_id is not None:
+            session = self.st.session(self.session_id)
+            for c in self.gen.choices:
+                session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind)
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+async def chat_completions(st, body: ChatCompletionRequest, request: Request, session_id: str | None = None):
+    job = _ChatJob(st, body, session_id)
+    st.count("server/chat_requests")
+    if body.stream:
+        return StreamingResponse(_chat_stream(job, request), media_type="text/event-stream")
+    if await _until_done(st, _drain(job.gen), request) is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    job.record()
+    st.count_generation(job.plan.prompt_ids, job.gen.choices)
+    choices = []
+    for c in job.gen.choices:
+        msg = job.message(c)
+        choices.append({"index": c.index, "message": msg, "logprobs": await job.logprobs(c),
+                        "finish_reason": job.finish_reason(c, "tool_calls" in msg)})
+    return JSONResponse({"id": job.id, "object": "chat.completion", "created": job.created, "model": body.model,
+                         "choices": choices, "usage": _usage(len(job.plan.prompt_ids), job.gen.choices)})
+
+
+async def _chat_stream(job: _ChatJob, request: Request):
+    gen, st = job.gen, job.st
+    parsers = [StreamParser(job.parse_tools) for _ in gen.choices]
+    n_calls = [0] * len(gen.choices)
+    yield _sse(job.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for c in gen.choices]))
+    completed = False
+    async for changed in gen.updates():
+        if await request.is_disconnected():
+            st.count("server/client_disconnects")
+            return  # leaving the generator aborts the engine request
+        out = []
+        for j in changed:
+            c = gen.choices[j]
+            d = parsers[j].feed(c.text_delta(gen.hold))
+            if c.done:
+                d2 = parsers[j].finish()
+                d.reasoning, d.content, d.tool_calls = d.reasoning + d2.reasoning, d.content + d2.content, \
+                    d.tool_calls + d2.tool_calls
+            delta = {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if d.content:
+                delta["content"] = d.content
+            if d.tool_calls:
+                delta["tool_calls"] = [{"index": n_calls[j] + k, **tc.to_openai()} for k, tc in enumerate(d.tool_calls)]
+                n_calls[j] += len(d.tool_calls)
+            lp = None
+            if job.body.logprobs and c.new_tokens:
+                new = range(len(c.token_ids) - c.new_tokens, len(c.token_ids))
+                lp = {"content": [st.logprob_entry(c.token_ids[i], c.logprobs[i], []) for i in new], "refusal": None}
+            finish = None
+            if c.done:  # the closing delta carries the turn's exact tokens
+                delta |= _token_fields(job.plan.prompt_ids, c)
+                finish = job.finish_reason(c, n_calls[j] > 0)
+            if delta or lp:
+                out.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": finish})
+        if out:
+            yield _sse(job.chunk(out))
+    completed = all(c.done for c in gen.choices)
+    if not completed:
+        return
+    job.record()
+    st.count_generation(job.plan.prompt_ids, gen.choices)
+    if (job.body.stream_options or {}).get("include_usage"):
+        yield _sse(job.chunk([], usage=_usage(len(job.plan.prompt_ids), gen.choices)))
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- completions
+def _prompts(st, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [st.tokenizer.encode(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [st.tokenizer.encode(p) for p in prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(p) for p in prompt]
+    if not prompts or any(not p for p in prompts):
+        raise APIError(400, "prompt must be non-empty", param="prompt")
+    vocab = st.tokenizer.vocab_size
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt holds token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
+    return prompts
+
+
+async def completions(st, body: CompletionRequest, request: Request, session_id: str | None = None):
+    st.check_model(body.model)
+    stops = check_common(body)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs")
+    if body.logprobs and body.stream:
+        raise APIError(400, "logprobs > 0 is not available with stream=true (alternatives are recomputed after "
+                            "generation)", param="logprobs")
+    prompts = _prompts(st, body.prompt)
+    gens = []
+    for p in prompts:
+        max_tokens = st.resolve_max_tokens(body.max_tokens if body.max_tokens is not None else 16, len(p))
+        gens.append(Generation(st, p, sampling_params(body, max_tokens, st.stop_token_ids), stops, body.stream))
+    st.count("server/completion_requests")
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        return StreamingResponse(_completion_stream(st, body, gens, cid, created, request, session_id),
+                                 media_type="text/event-stream")
+    if await _until_done(st, asyncio.gather(*(_drain(g) for g in gens)), request) is None:
+        return Response(status_code=499)
+    choices = []
+    for k, g in enumerate(gens):
+        _record(st, session_id, g)
+        st.count_generation(g.prompt_ids, g.choices)
+        prompt_text = st.tokenizer.decode(g.prompt_ids, skip_special_tokens=False) if body.echo else ""
+        for c in g.choices:
+            choices.append({"index": k * body.n + c.index, "text": prompt_text + c.text,
+                            "logprobs": await _completion_logprobs(st, body, g, c, prompt_text),
+                            "finish_reason": c.finish_reason} | _token_fields(g.prompt_ids, c))
+    usage = {"prompt_tokens": sum(len(g.prompt_ids) for g in gens),
+             "completion_tokens": sum(len(c.token_ids) for g in gens for c in g.choices)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                         "choices": choices, "usage": usage})
+
+
+def _record(st, session_id, g: Generation) -> None:
+    if session_id is not None:
+        for c in g.choices:
+            st.session(session_id).record(g.prompt_ids, c.token_ids, c.logprobs, c.versions)
+
+
+async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, prompt_text: str) -> dict | None:
+    if body.logprobs is None:
+        return None
+    ids, lps = list(c.token_ids), list(c.logprobs)
+    start = len(g.prompt_ids)
+    if body.echo or body.logprobs:
+        first = 1 if body.echo else start
+        full = g.prompt_ids + c.token_ids
+        chosen, tops = await asyncio.wrap_future(st.loop.call(
+            lambda eng: score_top_logprobs(eng, full, first, g.params, body.logprobs)))
+        if body.echo:  # the prompt's tokens are scored too (the first one has no logprob)
+            ids = full
+            lps = [None] + chosen[:start - 1] + lps
+            tops = [None] + tops
+    else:
+        tops = None
+    tokens = [st.token_str(t) for t in ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top_dicts = None if tops is None else [None if row is None else {st.token_str(t): v for t, v in row} for row in tops]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+async def _completion_stream(st, body, gens: list[Generation], cid, created, request: Request, session_id):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, g: Generation):
+        try:
+            async for changed in g.updates():
+                await queue.put((k, changed))
+        finally:
+            await queue.put((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(gens)]
+    try:
+        live = len(gens)
+        while live:
+            k, changed = await queue.get()
+            if changed is None:
+                live -= 1
+                continue
+            if await request.is_disconnected():
+                st.count("server/client_disconnects")
+                return
+            g, out = gens[k], []
+            for j in changed:
+                c = g.choices[j]
+                text = c.text_delta(g.hold)
+                if text or c.done:
+                    out.append({"index": k * body.n + j, "text": text, "logprobs": None,
+                                "finish_reason": c.finish_reason}
+                               | (_token_fields(g.prompt_ids, c) if c.done else {}))
+            if out:
+                yield _sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                            "choices": out})
+        for t in tasks:
+            t.result()  # re-raise an engine error
+        for g in gens:
+            _record(st, session_id, g)
+            st.count_generation(g.prompt_ids, g.choices)
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,278 @@
+"""The OpenAI-compatible HTTP server: app factory, state, metrics, sessions, `serve_main`.
+
+Routes (OpenAI's schema, so the official `openai` client works unchanged):
+  GET  /v1/models
+  POST /v1/chat/completions          JSON or SSE (stream=true)
+  POST /v1/completions               JSON or SSE
+  GET  /metrics                      flat JSON counters (server/…, chat/…, engine/…)
+  GET  /health
+Sessions (agent rollouts for training): the same two POST routes under
+`/sessions/{session_id}/v1/…` record every completion of the session as
+token-level trajectories with loss masks (`exactrl.chat.trajectory`);
+  GET    /sessions/{session_id}/trajectories
+  DELETE /sessions/{session_id}
+An agent only needs `base_url=<server>/sessions/<id>/v1`.
+
+Errors are OpenAI's error JSON: 400 for malformed JSON, missing or invalid
+fields, prompts beyond the context, non-monotonic histories; 404 for an
+unknown model or route; 500 (the server stays up) for anything unexpected.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from exactrl.chat.splice import POLICIES, Splicer
+from exactrl.chat.trajectory import Session
+from exactrl.server import api
+from exactrl.server.loop import EngineLoop
+from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("exactrl.server")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the id /v1/models lists; requests must name it (or an alias)
+    aliases: tuple[str, ...] = ()  # other accepted model names (e.g. the model dir's basename)
+    monotonicity: str = "raise"  # default policy for non-monotonic chat histories: raise | split | truncate
+
+    def __post_init__(self):
+        if self.monotonicity not in POLICIES:
+            raise ValueError(f"monotonicity must be one of {list(POLICIES)}, got {self.monotonicity!r}")
+
+
+class ServerState:
+    """Everything the routes share. Lives on the HTTP event loop, except `loop` (the engine thread)."""
+
+    def __init__(self, engine, tokenizer, config: ServerConfig):
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.loop = EngineLoop(engine)
+        self.splicer = Splicer(tokenizer)
+        self.stop_token_ids = sorted(set(tokenizer.stop_token_ids) | {tokenizer.end_of_turn_id})
+        self.sessions: dict[str, Session] = {}
+        self.counters: collections.Counter = collections.Counter()
+        self.started = time.time()
+        self._token_str: dict[int, str] = {}
+
+    # ------------------------------------------------------------ checks
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name and name not in self.config.aliases:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        limit = min(self.engine.max_model_len, self.engine.pool.num_pages * self.engine.pool.block_size)
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                f"{prompt_len} tokens", param="messages", code="context_length_exceeded")
+        room = limit - prompt_len
+        if requested is None:
+            return room
+        if requested < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
+        if requested > room:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens: the prompt has "
+                                f"{prompt_len} tokens and max_tokens is {requested}; lower max_tokens to at most "
+                                f"{room}", param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    # ------------------------------------------------------------ helpers
+    def session(self, session_id: str) -> Session:
+        return self.sessions.setdefault(session_id, Session())
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] += n
+
+    def count_generation(self, prompt_ids, choices) -> None:
+        self.count("server/prompt_tokens", len(prompt_ids))
+        self.count("server/generation_tokens", sum(len(c.token_ids) for c in choices))
+
+    def token_str(self, t: int) -> str:
+        s = self._token_str.get(t)
+        if s is None:
+            s = self._token_str[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+        return s
+
+    def logprob_entry(self, t: int, lp: float, top: list[tuple[int, float]]) -> dict:
+        s = self.token_str(t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode()),
+                "top_logprobs": [{"token": self.token_str(a), "logprob": v, "bytes": list(self.token_str(a).encode())}
+                                 for a, v in top]}
+
+    def metrics(self) -> dict:
+        s = self.loop.stats
+        out = {k: v for k, v in sorted(self.counters.items())}
+        for k in ("monotonicity_raise", "monotonicity_split", "monotonicity_truncate"):
+            out.setdefault(f"chat/{k}", 0)
+        out |= {f"engine/{k}": v for k, v in asdict(s).items() if k != "extra"}
+        out |= {"server/uptime_s": time.time() - self.started, "server/sessions": len(self.sessions)}
+        return out
+
+
+def _error(status: int, message: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(APIError(status, message, param, code).body(), status_code=status)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a ServerState; the engine thread runs for the app's lifetime."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.loop.start()
+        yield
+        state.loop.stop()
+
+    app = FastAPI(title="exactrl", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.exactrl = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        state.count(f"server/errors_{e.status}")
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        state.count("server/errors_400")
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        what = "missing required field" if first.get("type") == "missing" else first.get("msg", "invalid value")
+        return _error(400, f"{what}: {param}" if param else what, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        state.count(f"server/errors_{e.status_code}")
+        return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        state.count("server/errors_500")
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.config.model_name, "object": "model",
+                                            "created": int(state.started), "owned_by": "exactrl",
+                                            "max_model_len": state.engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return state.metrics()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await api.chat_completions(state, body, request)
+
+    @app.post("/v1/completions")
+    async def complete(body: CompletionRequest, request: Request):
+        return await api.completions(state, body, request)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request):
+        return await api.chat_completions(state, body, request, session_id)
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def session_complete(session_id: str, body: CompletionRequest, request: Request):
+        return await api.completions(state, body, request, session_id)
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str):
+        return await models()
+
+    @app.get("/sessions/{session_id}/trajectories")
+    async def trajectories(session_id: str):
+        if session_id not in state.sessions:
+            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+        return {"session_id": session_id,
+                "trajectories": [t.to_json() for t in state.sessions[session_id].trajectories()]}
+
+    @app.delete("/sessions/{session_id}")
+    async def drop_session(session_id: str):
+        return {"session_id": session_id, "deleted": state.sessions.pop(session_id, None) is not None}
+
+    return app
+
+
+# ---------------------------------------------------------------- running it
+class ServerThread:
+    """uvicorn in a background thread on an already-bound loopback socket (tests, benchmarks, rollouts)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30))
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                        name="exactrl-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if not self._thread.is_alive() or time.time() - t0 > timeout:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+        self.sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "float32", kernels: str = "exact",
+                monotonicity: str = "raise", model_name: str | None = None, **engine_kwargs) -> ServerState:
+    """Loads model + tokenizer from disk and wraps them in an engine and a ServerState."""
+    import exactrl
+    from exactrl.engine import Engine
+
+    tok = exactrl.load_tokenizer(tokenizer_dir or model_dir)
+    model = exactrl.load_model(model_dir, dtype=dtype, kernels=kernels)
+    engine = Engine(model, stop_token_ids=sorted(tok.stop_token_ids), **engine_kwargs)
+    name = model_name or str(model_dir)
+    return ServerState(engine, tok, ServerConfig(name, aliases=(Path(model_dir).name,), monotonicity=monotonicity))
+
+
+def serve_main(args) -> int:
+    """`exactrl serve`: blocks serving until interrupted."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO)
+    state = build_state(args.model, args.tokenizer, args.dtype, args.kernels, args.monotonicity)
+    log.info("serving %s (%s, %s kernels, monotonicity=%s) on http://%s:%d", state.config.model_name, args.dtype,
+             args.kernels, args.monotonicity, args.host, args.port)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,152 @@
+"""Following one engine request to its end: choices, stop strings, text, logprobs.
+
+A `Generation` submits one prompt with n samples to the engine loop and
+turns the engine's cumulative outputs into per-choice state. Stop strings
+are the server's business (the engine stops on token ids only): a choice
+whose text reaches one is finished here; its tokens up to and including the
+one that completed the stop string are kept — they are what the model
+generated and saw — while its text is cut before the stop string. When every
+choice is finished, whatever the engine still runs is aborted, and the same
+happens if the consumer goes away (client disconnect): the pages are freed.
+
+Top logprobs are not produced by the engine; `score_top_logprobs` recomputes
+them with one trainer-path forward over prompt + generation on the engine
+thread. In `exact` kernel mode that forward is bitwise the engine's, so the
+alternatives are those of the distribution the token was sampled from.
+
+Legend: L tokens of a sequence, V vocabulary, K top alternatives.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from exactrl.kernels import sampling_logprobs
+from exactrl.model.logprobs import forward_logits
+from exactrl.server.schemas import APIError
+
+
+@dataclass
+class Choice:
+    """One sample of a generation, as the server reports it."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)  # generated, stop token included
+    logprobs: list[float] = field(default_factory=list)  # engine logprob of each token
+    versions: list[int] = field(default_factory=list)  # weight version of each token
+    finish_reason: str | None = None  # "stop" | "length" (chat may report "tool_calls")
+    stop_string: bool = False  # finished by a stop string (the text is cut before it)
+    text: str = ""  # visible text so far (stop token excluded, stop string cut)
+    new_tokens: int = 0  # tokens added by the last update (for streaming logprobs)
+    sent_text: int = 0  # characters already streamed
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def text_delta(self, hold: int) -> str:
+        """Unsent text that can no longer change (all of it once done)."""
+        end = len(self.text)
+        if not self.done:
+            end -= hold
+            while end > self.sent_text and self.text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                end -= 1
+        delta = self.text[self.sent_text:max(end, self.sent_text)]
+        self.sent_text += len(delta)
+        return delta
+
+
+class Generation:
+    """Iterate with `async for changed in gen.updates()`; choices live in `gen.choices`."""
+
+    def __init__(self, server, prompt_ids: list[int], params, stop_strings: list[str], track_text: bool):
+        self.server, self.tok = server, server.tokenizer
+        self.prompt_ids, self.params = prompt_ids, params
+        self.stops = stop_strings
+        self.track_text = track_text or bool(stop_strings)  # decode as tokens arrive
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.choices = [Choice(j) for j in range(params.n)]
+        self.hold = max((len(s) for s in stop_strings), default=1) - 1
+
+    async def updates(self):
+        """Yields the indexes of the choices that changed, until every choice is done."""
+        loop = self.server.loop
+        rid, stream = loop.submit(self.prompt_ids, self.params, asyncio.get_running_loop())
+        finished = False
+        try:
+            while not all(c.done for c in self.choices):
+                try:
+                    out = await stream.get()
+                except ValueError as e:  # rejected by the engine: bad input
+                    finished = True
+                    raise APIError(400, str(e)) from None
+                finished = out.finished
+                changed = [j for j, comp in enumerate(out.completions) if self._advance(self.choices[j], comp)]
+                if changed:
+                    yield changed
+        finally:
+            if not finished:  # stop strings, a client gone, or an error: free the engine's pages
+                loop.abort(rid)
+        for c in self.choices:
+            if not self.track_text:
+                c.text = self.visible_text(c.token_ids, c.finish_reason)
+
+    def _advance(self, c: Choice, comp) -> bool:
+        c.new_tokens = 0
+        if c.done:
+            return False
+        start = len(c.token_ids)
+        for i in range(start, len(comp.token_ids)):
+            c.token_ids.append(comp.token_ids[i])
+            c.logprobs.append(comp.logprobs[i])
+            c.versions.append(comp.versions[i])
+            c.new_tokens += 1
+            if self.stops and self._hit_stop_string(c, comp):
+                break
+        if not c.done and comp.finish_reason is not None and len(c.token_ids) == len(comp.token_ids):
+            c.finish_reason = comp.finish_reason
+            if self.track_text:
+                c.text = self.visible_text(c.token_ids, c.finish_reason)
+        elif not c.done and self.track_text and not self.stops:
+            c.text = self.visible_text(c.token_ids, None)
+        return c.new_tokens > 0 or c.done
+
+    def _hit_stop_string(self, c: Choice, comp) -> bool:
+        last = len(c.token_ids) == len(comp.token_ids)
+        if last and comp.finish_reason == "stop" and c.token_ids[-1] in self.stop_ids:
+            return False  # the stop token itself is not text
+        before = len(c.text)
+        c.text = self.visible_text(c.token_ids, None)
+        start = max(0, before - self.hold - 1)
+        hits = [i for s in self.stops if (i := c.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        c.text = c.text[:min(hits)]
+        c.finish_reason, c.stop_string = "stop", True
+        return True
+
+    def visible_text(self, token_ids: list[int], finish_reason: str | None) -> str:
+        ids = token_ids
+        if finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
+                       ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Logprob of token_ids[i] and its top-k alternatives, for i in [start, L), under the sampling distribution."""
+    with torch.inference_mode():
+        logits_LV = forward_logits(engine.model, [token_ids])[0]
+        rows = logits_LV[start - 1:len(token_ids) - 1]
+        n = rows.shape[0]
+        lp_NV = sampling_logprobs(rows, torch.full((n,), float(params.temperature)),
+                                  torch.full((n,), int(params.top_k)), torch.full((n,), float(params.top_p)))
+        chosen = lp_NV.gather(1, torch.tensor(token_ids[start:])[:, None]).squeeze(1).tolist()
+        if k == 0:
+            return chosen, [[] for _ in range(n)]
+        vals, idx = lp_NV.topk(min(k, lp_NV.shape[1]), dim=-1)
+    tops = [[(int(t), float(v)) for t, v in zip(ti, vi) if v != float("-inf")]
+            for ti, vi in zip(idx.tolist(), vals.tolist())]
+    return chosen, tops

@@ -1,0 +1,165 @@
+"""The one thread that owns the engine.
+
+The engine is not thread-safe, so a single background thread drives it:
+it takes commands (add, abort, call) from a queue between steps, runs
+`engine.step()` while anything is unfinished, and pushes every request's
+cumulative output to that request's `RequestStream` — an asyncio queue on the
+HTTP event loop, fed with `call_soon_threadsafe`. When nothing is running it
+blocks on the command queue, so an idle server uses no CPU.
+
+Aborting a request (client gone, stop string reached) goes through the same
+queue: the engine frees its pages before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("exactrl.server")
+
+
+class RequestStream:
+    """Outputs of one engine request, consumed on an asyncio loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:  # called from the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self):
+        """The next RequestOutput (cumulative); raises the engine's error if the request failed."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+@dataclass
+class LoopStats:
+    """Snapshot published by the engine thread after every step (read by /metrics)."""
+
+    steps: int = 0
+    running: int = 0  # sequences holding KV pages
+    waiting: int = 0  # sequences queued (new or preempted)
+    unfinished_requests: int = 0
+    kv_pages_free: int = 0
+    kv_pages_total: int = 0
+    engine_version: int = 0
+    aborted: int = 0  # engine requests aborted (client gone, stop string, error)
+    busy_s: float = 0.0  # wall time spent in engine.step
+    step_errors: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self.stats = LoopStats(kv_pages_total=engine.pool.num_pages, kv_pages_free=engine.pool.num_free)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exactrl-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(("wake",))
+        self._thread.join()
+
+    # ------------------------------------------------------------ API (any thread)
+    def submit(self, prompt_ids: list[int], params, loop: asyncio.AbstractEventLoop) -> tuple[str, RequestStream]:
+        request_id = f"req-{uuid.uuid4().hex}"
+        stream = RequestStream(loop)
+        self._commands.put(("add", request_id, prompt_ids, params, stream))
+        return request_id, stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Runs fn(engine) on the engine thread between steps (scoring, weight updates)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, fut))
+        return fut
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._step()
+            self._publish()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, stream = cmd
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except ValueError as e:
+                stream.put(e)
+                return
+            self._streams[rid] = stream
+        elif kind == "abort":
+            if self._streams.pop(cmd[1], None) is not None and self.engine.abort(cmd[1]):
+                self.stats.aborted += 1
+        elif kind == "call":
+            _, fn, fut = cmd
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # handed to the caller, who re-raises it
+                    fut.set_exception(e)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # keep serving: fail the in-flight requests, free their pages
+            log.exception("engine step failed; aborting %d requests", len(self._streams))
+            self.stats.step_errors += 1
+            for rid, stream in list(self._streams.items()):
+                self.engine.abort(rid)
+                stream.put(RuntimeError(f"engine step failed: {e}"))
+            self._streams.clear()
+            return
+        self.stats.busy_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted while in the step
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _publish(self) -> None:
+        s, sched = self.stats, self.engine.scheduler
+        s.running, s.waiting = len(sched.running), len(sched.waiting)
+        s.unfinished_requests = len(self._streams)
+        s.kv_pages_free = self.engine.pool.num_free
+        s.engine_version = self.engine.version

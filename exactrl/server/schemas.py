@@ -1,0 +1,124 @@
+"""Request schemas (OpenAI's, plus a few vLLM-style extras) and OpenAI error bodies.
+
+Unknown fields are accepted and ignored, as OpenAI clients send fields a
+server may not know; fields that would change the sampling distribution
+(penalties, logit_bias) are rejected unless neutral, because the trainer could
+not reproduce the distribution the tokens were sampled from.
+
+Extras beyond OpenAI's schema:
+  top_k            keep the k most likely tokens (-1 off), as vLLM
+  stop_token_ids   extra stop token ids, as vLLM
+  ignore_eos       do not stop at the end-of-turn / eos tokens (benchmarks)
+  monotonicity     per-request override of the server's policy: raise | split | truncate
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from exactrl.engine import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or {400: "invalid_request_error", 404: "invalid_request_error",
+                             500: "internal_error"}.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = 1
+    temperature: float | None = None  # OpenAI default 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    monotonicity: Literal["raise", "split", "truncate"] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def check_common(req: _Sampling) -> list[str]:
+    """Checks the fields every endpoint shares; returns the stop strings."""
+    if req.presence_penalty or req.frequency_penalty:
+        raise _bad("presence_penalty" if req.presence_penalty else "frequency_penalty",
+                   "presence/frequency penalties are not supported: the trainer could not reproduce the "
+                   "penalised distribution (use 0)")
+    if req.logit_bias:
+        raise _bad("logit_bias", "logit_bias is not supported: the trainer could not reproduce the biased distribution")
+    if req.temperature is not None and not 0 <= req.temperature <= 2:
+        raise _bad("temperature", f"temperature must be in [0, 2], got {req.temperature}")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise _bad("top_p", f"top_p must be in (0, 1], got {req.top_p}")
+    if req.top_k is not None and (req.top_k == 0 or req.top_k < -1):
+        raise _bad("top_k", f"top_k must be -1 (off) or >= 1, got {req.top_k}")
+    if req.n < 1:
+        raise _bad("n", f"n must be >= 1, got {req.n}")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise _bad("seed", "seed must fit in 64 bits")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise _bad("stop", "stop sequences must be non-empty")
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options", "stream_options is only allowed with stream=true")
+    return stops
+
+
+def sampling_params(req: _Sampling, max_tokens: int, stop_ids: list[int]) -> SamplingParams:
+    """The engine's parameters for a checked request (max_tokens already resolved)."""
+    extra = list(req.stop_token_ids or [])
+    try:
+        return SamplingParams(
+            temperature=float(1.0 if req.temperature is None else req.temperature),
+            top_p=float(1.0 if req.top_p is None else req.top_p), top_k=-1 if req.top_k is None else req.top_k,
+            max_tokens=max_tokens, n=req.n, seed=None if req.seed is None else req.seed % 2**63,
+            stop_token_ids=extra + ([] if req.ignore_eos else list(stop_ids)), ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
