@@ -68,9 +68,11 @@ class Engine:
 
     def __init__(self, model, *, stop_token_ids=None, kv_budget_tokens: int = 16384,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None):
-        self.model = model.eval()
+        self.model = model
         cfg = model.config
         self.vocab_size = cfg.vocab_size
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, max_position_embeddings="
                              f"{cfg.max_position_embeddings}]")
@@ -78,8 +80,6 @@ class Engine:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         # kv_budget_tokens: KV memory in tokens, allocated once (rounded up to whole pages)
         self.pool = PagePool(model, -(-kv_budget_tokens // model.block_size))
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
         eos = cfg.hf.get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -117,6 +117,8 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}")
         prompt = list(prompt)
         if not prompt:
             raise ValueError("prompt_token_ids is empty")

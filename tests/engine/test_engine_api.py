@@ -36,6 +36,7 @@ def test_sampling_params_rejects(kwargs, field):
     ([1, V], SamplingParams(), "prompt_token_ids"),
     ([1, -1], SamplingParams(), "prompt_token_ids"),
     ([1, 2.0], SamplingParams(), "prompt_token_ids"),
+    (7, SamplingParams(), "prompt_token_ids"),
     ([1] * 500, SamplingParams(max_tokens=13), "max_model_len"),  # 513 > max_position_embeddings=512
     ([1] * 10, SamplingParams(max_tokens=95), "max_model_len"),  # engine max_model_len=100
     ([1] * 10, SamplingParams(stop_token_ids=[V + 3]), "stop_token_ids"),

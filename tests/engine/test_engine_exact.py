@@ -30,11 +30,25 @@ def models(qwen3_dir):
     return {d: exactrl.load_model(qwen3_dir, dtype=d, kernels="exact") for d in ("float32", "bfloat16")}
 
 
-def run_workload(engine: Engine, requests: list[tuple[list[int], SamplingParams, int]]):
-    """Adds request k at step arrive_k (staggered) and steps until all finish.
+def check_page_refs(engine: Engine) -> None:
+    """Every page's refcount is the number of live sequences holding it."""
+    refs = [0] * engine.pool.num_pages
+    for req in engine._requests.values():
+        for seq in req.seqs:
+            for p in seq.pages:
+                refs[p] += 1
+    assert refs == engine.pool._refs
+    assert engine.pool.num_free == refs.count(0)
 
-    Returns [(prompt, params, completions)] in request order, read from `step()`'s outputs.
+
+def run_workload(engine: Engine, requests: list[tuple[list[int], SamplingParams, int]],
+                 aborts: dict[int, int] | None = None):
+    """Adds request k at step arrive_k (staggered), aborts request k at step aborts[k], steps until done.
+
+    Returns [(prompt, params, completions)] in request order (None for aborted
+    requests), read from `step()`'s outputs; checks page refcounts every step.
     """
+    aborts = dict(aborts or {})
     pending = sorted(range(len(requests)), key=lambda k: requests[k][2])
     ids: dict[str, int] = {}
     done: dict[int, list] = {}
@@ -43,12 +57,17 @@ def run_workload(engine: Engine, requests: list[tuple[list[int], SamplingParams,
         while pending and requests[pending[0]][2] <= step:
             k = pending.pop(0)
             ids[engine.add_request(requests[k][0], requests[k][1])] = k
+        for rid, k in ids.items():
+            if aborts.get(k) == step:
+                engine.abort(rid)
         for out in engine.step():
             if out.finished:
                 done[ids[out.request_id]] = out.completions
+        check_page_refs(engine)
         step += 1
         assert step < 10_000
-    return [(p, sp, done[k]) for k, (p, sp, _) in enumerate(requests)]
+    return [(p, sp, done.get(k)) for k, (p, sp, _) in enumerate(requests)
+            if k not in aborts or k in done]
 
 
 def assert_exact(model, engine, results):
@@ -118,18 +137,19 @@ def workloads(draw):
             seed=draw(st.integers(0, 2**40)),
             stop_token_ids=draw(st.lists(st.integers(0, V - 1), max_size=6)))
         reqs.append((prompt, sp, draw(st.integers(0, 6))))
+    aborts = draw(st.dictionaries(st.integers(0, n_req - 1), st.integers(0, 12), max_size=2))
     config = dict(kv_budget_tokens=draw(st.sampled_from([128, 192, 320, 4096])),
                   max_num_batched_tokens=draw(st.sampled_from([7, 32, 100, 2048])),
                   max_num_seqs=draw(st.sampled_from([3, 4, 16, 64])))
-    return reqs, config
+    return reqs, aborts, config
 
 
 @HSET
 @given(w=workloads(), dtype=st.sampled_from(["float32", "bfloat16"]))
 def test_random_workloads_exact(models, w, dtype):
-    reqs, config = w
+    reqs, aborts, config = w
     engine = Engine(models[dtype], **config)
-    results = run_workload(engine, reqs)
+    results = run_workload(engine, reqs, aborts)
     assert_exact(models[dtype], engine, results)
 
 
