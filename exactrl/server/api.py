@@ -101,7 +101,8 @@ class _ChatJob:
         if self.plan.kind in ("split", "truncate"):
             st.count(f"chat/monotonicity_{self.plan.kind}")
         st.count("chat/history_tokens_reused", self.plan.reused)
-        max_tokens = st.resolve_max_tokens(body.max_completion_tokens or body.max_tokens, len(self.plan.prompt_ids))
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = st.resolve_max_tokens(requested, len(self.plan.prompt_ids))
         self.params = sampling_params(body, max_tokens, st.stop_token_ids)
         self.gen = Generation(st, self.plan.prompt_ids, self.params, stops, track_text=body.stream)
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -168,24 +169,45 @@ async def chat_completions(st, body: ChatCompletionRequest, request: Request, se
 
 
 async def _chat_stream(job: _ChatJob, request: Request):
+    st = job.st
+    yield _sse(job.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for c in job.gen.choices]))
+    completed = False
+    try:
+        async for chunk in _chat_deltas(job):
+            if await request.is_disconnected():
+                return  # leaving the generator aborts the engine request
+            yield _sse(chunk)
+        completed = True
+    except APIError as e:  # the status line is already sent: the error goes in the stream
+        completed = True
+        st.count(f"server/errors_{e.status}")
+        yield _sse(e.body())
+        return
+    finally:
+        if not completed:  # the client went away (or the stream was cancelled when it did)
+            st.count("server/client_disconnects")
+    job.record()
+    st.count_generation(job.plan.prompt_ids, job.gen.choices)
+    if (job.body.stream_options or {}).get("include_usage"):
+        yield _sse(job.chunk([], usage=_usage(len(job.plan.prompt_ids), job.gen.choices)))
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_deltas(job: _ChatJob):
+    """One chunk per engine update: reasoning / content / tool-call deltas, token fields when a choice ends."""
     gen, st = job.gen, job.st
     parsers = [StreamParser(job.parse_tools) for _ in gen.choices]
     n_calls = [0] * len(gen.choices)
-    yield _sse(job.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None} for c in gen.choices]))
-    completed = False
     async for changed in gen.updates():
-        if await request.is_disconnected():
-            st.count("server/client_disconnects")
-            return  # leaving the generator aborts the engine request
         out = []
         for j in changed:
             c = gen.choices[j]
             d = parsers[j].feed(c.text_delta(gen.hold))
             if c.done:
                 d2 = parsers[j].finish()
-                d.reasoning, d.content, d.tool_calls = d.reasoning + d2.reasoning, d.content + d2.content, \
-                    d.tool_calls + d2.tool_calls
+                d.reasoning, d.content, d.tool_calls = (d.reasoning + d2.reasoning, d.content + d2.content,
+                                                        d.tool_calls + d2.tool_calls)
             delta = {}
             if d.reasoning:
                 delta["reasoning_content"] = d.reasoning
@@ -205,15 +227,7 @@ async def _chat_stream(job: _ChatJob, request: Request):
             if delta or lp:
                 out.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": finish})
         if out:
-            yield _sse(job.chunk(out))
-    completed = all(c.done for c in gen.choices)
-    if not completed:
-        return
-    job.record()
-    st.count_generation(job.plan.prompt_ids, gen.choices)
-    if (job.body.stream_options or {}).get("include_usage"):
-        yield _sse(job.chunk([], usage=_usage(len(job.plan.prompt_ids), gen.choices)))
-    yield "data: [DONE]\n\n"
+            yield job.chunk(out)
 
 
 # ---------------------------------------------------------------- completions
@@ -318,6 +332,7 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
             await queue.put((k, None))
 
     tasks = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(gens)]
+    completed = False
     try:
         live = len(gens)
         while live:
@@ -326,7 +341,6 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
                 live -= 1
                 continue
             if await request.is_disconnected():
-                st.count("server/client_disconnects")
                 return
             g, out = gens[k], []
             for j in changed:
@@ -344,8 +358,11 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
         for g in gens:
             _record(st, session_id, g)
             st.count_generation(g.prompt_ids, g.choices)
+        completed = True
         yield "data: [DONE]\n\n"
     finally:
+        if not completed:
+            st.count("server/client_disconnects")
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,171 @@
+"""Every error comes back as OpenAI's error JSON with the right status, through the real client, and the
+server keeps serving; a client that disconnects aborts its generation and frees its KV pages."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from exactrl.envs.tool_use import CALCULATOR_TOOL
+from serving import served
+
+MSGS = [{"role": "user", "content": "hello"}]
+
+
+def post(path: str, **kw) -> httpx.Response:
+    return httpx.post(served().url + path, timeout=60, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"], err["message"]
+    return err
+
+
+def test_malformed_json_and_missing_fields():
+    s = served()
+    r = post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+    assert_error(r, 400, "malformed JSON")
+    assert_error(post("/v1/chat/completions", json={"model": s.model}), 400, "missing", "messages")
+    assert_error(post("/v1/chat/completions", json={"messages": MSGS}), 400, "model")
+    assert_error(post("/v1/completions", json={"model": s.model}), 400, "prompt")
+    assert_error(post("/v1/chat/completions", json=[1, 2]), 400)
+    assert_error(post("/v1/chat/completions", json={"model": s.model, "messages": MSGS, "temperature": "hot"}), 400,
+                 "temperature")
+    with pytest.raises(openai.BadRequestError):
+        s.client().chat.completions.create(model=s.model, messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        s.client().chat.completions.create(model=s.model, messages=[{"role": "wizard", "content": "x"}])
+
+
+def test_unknown_model_and_route_are_404():
+    s = served()
+    with pytest.raises(openai.NotFoundError) as e:
+        s.client().chat.completions.create(model="gpt-17", messages=MSGS)
+    assert e.value.body["code"] == "model_not_found"
+    assert_error(httpx.get(s.url + "/v1/nothing-here"), 404)
+    assert [m.id for m in s.client().models.list().data] == [s.model]
+
+
+def test_prompt_too_long():
+    s = served()
+    long = " ".join(["hello world"] * 300)
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client().chat.completions.create(model=s.model, messages=[{"role": "user", "content": long}])
+    assert e.value.body["code"] == "context_length_exceeded" and "maximum context length is 512" in e.value.message
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=600)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        s.client().completions.create(model=s.model, prompt=[5] * 600)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=-1), dict(temperature=2.5), dict(top_p=0), dict(top_p=1.5), dict(n=0), dict(max_tokens=0),
+    dict(max_completion_tokens=0), dict(extra_body={"top_k": 0}), dict(logprobs=True, top_logprobs=21),
+    dict(top_logprobs=2), dict(presence_penalty=0.5), dict(frequency_penalty=1.0), dict(logit_bias={"5": 10}),
+    dict(stop=["a", "b", "c", "d", "e"]), dict(stop=[""]), dict(n=1000),
+    dict(response_format={"type": "json_object"}), dict(stream=True, logprobs=True, top_logprobs=2),
+])
+def test_invalid_sampling_values(kw):
+    s = served()
+    with pytest.raises(openai.BadRequestError):
+        s.client().chat.completions.create(model=s.model, messages=MSGS, **kw)
+
+
+@pytest.mark.parametrize("tools, tool_choice", [
+    ([{"type": "function", "function": {"name": "no spaces allowed"}}], None),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None),
+    ([{"type": "code_interpreter"}], None),
+    ([CALCULATOR_TOOL, CALCULATOR_TOOL], None),
+    ([CALCULATOR_TOOL], "required"),
+    ([CALCULATOR_TOOL], {"type": "function", "function": {"name": "calculator"}}),
+    (None, "auto"),
+])
+def test_invalid_tools(tools, tool_choice):
+    s = served()
+    kw = {"tools": tools} if tools is not None else {}
+    if tool_choice is not None:
+        kw["tool_choice"] = tool_choice
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client().chat.completions.create(model=s.model, messages=MSGS, **kw)
+    assert e.value.body["param"] in ("tools", "tool_choice")
+
+
+def test_token_fields_and_monotonicity_policies():
+    s = served()
+    client = s.client()
+    r = client.chat.completions.create(model=s.model, messages=MSGS, max_tokens=6, seed=0)
+    msg = r.choices[0].message.model_dump(exclude_none=True)
+    follow = {"role": "user", "content": "more"}
+    partial = {k: v for k, v in msg.items() if k != "generation_log_probs"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=s.model, messages=MSGS + [partial, follow])
+    assert e.value.body["code"] == "inconsistent_token_fields"
+    edited = [{"role": "user", "content": "hellO"}, msg, follow]  # history changed under the tokens
+    before = httpx.get(s.url + "/metrics").json()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=s.model, messages=edited, max_tokens=4)
+    assert e.value.body["code"] == "non_monotonic_history" and "first differing token at position" in e.value.message
+    split = client.chat.completions.create(model=s.model, messages=edited, max_tokens=4,
+                                           extra_body={"monotonicity": "split"})
+    assert split.choices[0].message.prompt_token_ids == s.tokenizer.apply_chat_template(
+        [edited[0], {"role": "assistant", "content": msg["content"]}, follow])
+    client.chat.completions.create(model=s.model, messages=edited, max_tokens=4,
+                                   extra_body={"monotonicity": "truncate"})
+    after = httpx.get(s.url + "/metrics").json()
+    for k in ("raise", "split", "truncate"):
+        assert after[f"chat/monotonicity_{k}"] == before[f"chat/monotonicity_{k}"] + 1
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=s.model, messages=edited, extra_body={"monotonicity": "sometimes"})
+
+
+def test_completions_bad_prompts():
+    s = served()
+    for prompt in ([], [[]], [10**6], ""):
+        with pytest.raises(openai.BadRequestError):
+            s.client().completions.create(model=s.model, prompt=prompt, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        s.client().completions.create(model=s.model, prompt="hi", suffix="x")
+
+
+def _wait_idle(url: str, timeout: float = 20.0) -> dict:
+    t0 = time.time()
+    while True:
+        m = httpx.get(url + "/metrics").json()
+        if m["engine/unfinished_requests"] == 0 and m["engine/kv_pages_free"] == m["engine/kv_pages_total"]:
+            return m
+        assert time.time() - t0 < timeout, m
+        time.sleep(0.02)
+
+
+def _long_request(stream: bool) -> dict:
+    return {"model": served().model, "messages": MSGS, "max_tokens": 480, "n": 8, "ignore_eos": True, "seed": 1,
+            "stream": stream}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_generation(stream):
+    s = served()
+    before = _wait_idle(s.url)
+    t0 = time.time()
+    if stream:
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=_long_request(True), timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(6):  # a few chunks, then hang up
+                next(lines)
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/chat/completions", json=_long_request(False), timeout=0.5)
+    after = _wait_idle(s.url)
+    assert after["engine/aborted"] == before["engine/aborted"] + 1
+    assert after["server/client_disconnects"] == before.get("server/client_disconnects", 0) + 1
+    generated = after["server/generation_tokens"] - before["server/generation_tokens"]
+    assert generated == 0  # nothing was completed (8 x 480 tokens would have been)
+    # the server is still up and serving
+    r = s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=3)
+    assert r.choices[0].message.generation_token_ids and time.time() - t0 < 30
