@@ -154,6 +154,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def stats(self) -> dict[str, float]:
+        """Flat gauges and counters for metrics logging."""
+        sch = self.scheduler
+        return {"engine/version": self.version, "engine/num_requests": len(self._requests),
+                "engine/num_running": len(sch.running), "engine/num_waiting": len(sch.waiting),
+                "engine/num_preemptions": sch.num_preemptions,
+                "engine/kv_usage": 1.0 - self.pool.num_free / self.pool.num_pages}
+
     # ------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Runs one forward; returns the requests that got tokens or finished in it."""

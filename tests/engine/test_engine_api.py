@@ -95,6 +95,8 @@ def test_step_streams_cumulative_outputs(model):
     assert seen == [[1, 1], [2, 2], [3, 3], [4, 4]]
     assert out.finished and all(c.finish_reason == "length" for c in out.completions)
     assert out.prompt_token_ids == [3, 1, 4, 1, 5]
+    st = engine.stats()
+    assert st["engine/num_running"] == st["engine/num_requests"] == 0 and st["engine/kv_usage"] == 0.0
 
 
 def test_abort_frees_pages_and_others_finish(model):
