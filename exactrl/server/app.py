@@ -43,6 +43,22 @@ from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRe
 log = logging.getLogger("exactrl.server")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable stand-in character -> byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 @dataclass
 class ServerConfig:
     model_name: str  # the id /v1/models lists; requests must name it (or an alias)
@@ -66,6 +82,7 @@ class ServerState:
         self.counters: collections.Counter = collections.Counter()
         self.started = time.time()
         self._token_str: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------ checks
     def check_model(self, name: str) -> None:
@@ -106,10 +123,21 @@ class ServerState:
             s = self._token_str[t] = self.tokenizer.decode([t], skip_special_tokens=False)
         return s
 
+    def token_bytes(self, t: int) -> list[int]:
+        """The token's raw bytes (a byte-level BPE piece may be part of a UTF-8 character)."""
+        b = self._token_bytes.get(t)
+        if b is None:
+            piece = self.tokenizer.hf.convert_ids_to_tokens(t)
+            if t in self.tokenizer.hf.added_tokens_decoder or not all(ch in _BYTE_OF for ch in piece):
+                b = list(self.token_str(t).encode())
+            else:
+                b = [_BYTE_OF[ch] for ch in piece]
+            self._token_bytes[t] = b
+        return b
+
     def logprob_entry(self, t: int, lp: float, top: list[tuple[int, float]]) -> dict:
-        s = self.token_str(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode()),
-                "top_logprobs": [{"token": self.token_str(a), "logprob": v, "bytes": list(self.token_str(a).encode())}
+        return {"token": self.token_str(t), "logprob": lp, "bytes": self.token_bytes(t),
+                "top_logprobs": [{"token": self.token_str(a), "logprob": v, "bytes": self.token_bytes(a)}
                                  for a, v in top]}
 
     def metrics(self) -> dict:

@@ -83,11 +83,13 @@ def test_n_choices_seed_and_stop_strings():
 
 def test_logprobs_and_top_logprobs():
     s = served()
-    r = s.client().chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+    r = s.client().chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
                                            seed=1, temperature=0.8, logprobs=True, top_logprobs=3)
     m, lp = r.choices[0].message, r.choices[0].logprobs.content
     assert [e.logprob for e in lp] == m.generation_log_probs
     assert [e.token for e in lp] == [s.tokenizer.decode([t]) for t in m.generation_token_ids]
+    raw = bytes(b for e in lp for b in e.bytes)  # raw bytes, even of pieces of a UTF-8 character
+    assert raw.decode("utf-8", errors="replace") == s.tokenizer.decode(m.generation_token_ids)
     for e in lp:
         tops = [t.logprob for t in e.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= tops[0]
