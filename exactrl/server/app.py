@@ -26,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,7 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exactrl.chat.splice import POLICIES, Splicer
 from exactrl.chat.trajectory import Session
-from exactrl.server import api
+from exactrl.server import chat as chat_api
+from exactrl.server import completions as completions_api
 from exactrl.server.loop import EngineLoop
 from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -145,7 +146,7 @@ class ServerState:
         out = {k: v for k, v in sorted(self.counters.items())}
         for k in ("monotonicity_raise", "monotonicity_split", "monotonicity_truncate"):
             out.setdefault(f"chat/{k}", 0)
-        out |= {f"engine/{k}": v for k, v in asdict(s).items() if k != "extra"}
+        out |= s.flat()
         out |= {"server/uptime_s": time.time() - self.started, "server/sessions": len(self.sessions)}
         return out
 
@@ -209,19 +210,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await api.chat_completions(state, body, request)
+        return await chat_api.chat_completions(state, body, request)
 
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request):
-        return await api.completions(state, body, request)
+        return await completions_api.completions(state, body, request)
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request):
-        return await api.chat_completions(state, body, request, session_id)
+        return await chat_api.chat_completions(state, body, request, session_id)
 
     @app.post("/sessions/{session_id}/v1/completions")
     async def session_complete(session_id: str, body: CompletionRequest, request: Request):
-        return await api.completions(state, body, request, session_id)
+        return await completions_api.completions(state, body, request, session_id)
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str):

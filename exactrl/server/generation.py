@@ -14,11 +14,15 @@ them with one trainer-path forward over prompt + generation on the engine
 thread. In `exact` kernel mode that forward is bitwise the engine's, so the
 alternatives are those of the distribution the token was sampled from.
 
+The helpers at the end (SSE framing, disconnect watching, usage) are shared
+by the chat and completions endpoints.
+
 Legend: L tokens of a sequence, V vocabulary, K top alternatives.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -150,3 +154,41 @@ def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
     tops = [[(int(t), float(v)) for t, v in zip(ti, vi) if v != float("-inf")]
             for ti, vi in zip(idx.tolist(), vals.tolist())]
     return chosen, tops
+
+
+# ---------------------------------------------------------------- shared by the endpoints
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def until_done(st, coro, request):
+    """Awaits coro, cancelling it (and so aborting its generation) if the client disconnects."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                st.count("server/client_disconnects")
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def drain(gen: Generation) -> Generation:
+    async for _ in gen.updates():
+        pass
+    return gen
+
+
+def token_fields(prompt_ids, c) -> dict:
+    return {"prompt_token_ids": list(prompt_ids), "generation_token_ids": list(c.token_ids),
+            "generation_log_probs": list(c.logprobs)}
+
+
+def usage(prompt_len: int, choices, n_prompts: int = 1) -> dict:
+    gen = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_len * n_prompts, "completion_tokens": gen, "total_tokens": prompt_len * n_prompts + gen}

@@ -48,26 +48,28 @@ class LoopStats:
     """Snapshot published by the engine thread after every step (read by /metrics)."""
 
     steps: int = 0
-    running: int = 0  # sequences holding KV pages
-    waiting: int = 0  # sequences queued (new or preempted)
-    unfinished_requests: int = 0
+    unfinished_requests: int = 0  # engine requests a client is waiting on
     kv_pages_free: int = 0
     kv_pages_total: int = 0
-    engine_version: int = 0
-    aborted: int = 0  # engine requests aborted (client gone, stop string, error)
+    aborted: int = 0  # engine requests aborted (client gone, stop string reached)
     busy_s: float = 0.0  # wall time spent in engine.step
     step_errors: int = 0
-    extra: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)  # Engine.stats(): version, running, waiting, preemptions, kv usage
+
+    def flat(self) -> dict:
+        out = {f"engine/{k}": v for k, v in self.__dict__.items() if k != "engine"}
+        return out | self.engine
 
 
 class EngineLoop:
     def __init__(self, engine):
         self.engine = engine
-        self.stats = LoopStats(kv_pages_total=engine.pool.num_pages, kv_pages_free=engine.pool.num_free)
+        self.stats = LoopStats(kv_pages_total=engine.pool.num_pages)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exactrl-engine", daemon=True)
+        self._publish()  # before the thread starts, so /metrics is complete from the first request
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -158,8 +160,7 @@ class EngineLoop:
                 del self._streams[out.request_id]
 
     def _publish(self) -> None:
-        s, sched = self.stats, self.engine.scheduler
-        s.running, s.waiting = len(sched.running), len(sched.waiting)
+        s = self.stats
         s.unfinished_requests = len(self._streams)
         s.kv_pages_free = self.engine.pool.num_free
-        s.engine_version = self.engine.version
+        s.engine = self.engine.stats()

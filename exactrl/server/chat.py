@@ -1,0 +1,191 @@
+"""POST /v1/chat/completions (JSON or server-sent events).
+
+A chat request is: validate -> prompt from the splicer (token-exact history,
+monotonicity policy) -> one engine request with n samples -> parse each
+choice's text for the client (reasoning, content, tool calls) -> OpenAI's
+response, where every assistant message also carries `prompt_token_ids`,
+`generation_token_ids` and `generation_log_probs`. Inside a session
+(`/sessions/{id}/v1/...`) every choice is also recorded for training.
+
+Streaming sends one chunk per engine update: a role chunk, then content /
+reasoning / tool-call deltas (`StreamParser`); the delta that finishes a
+choice also carries the three token fields and its `finish_reason`;
+optionally a usage chunk, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from exactrl.chat.messages import InconsistentTokenFieldsError, check_tool_choice, validate_tools
+from exactrl.chat.parsing import StreamParser, parse_assistant_text
+from exactrl.chat.splice import MonotonicityError
+from exactrl.server.generation import (Generation, drain, score_top_logprobs, sse, token_fields, until_done,
+                                       usage)
+from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, sampling_params
+
+
+class _ChatJob:
+    """A checked chat request: its prompt plan, parameters and generation."""
+
+    def __init__(self, st, body: ChatCompletionRequest, session_id: str | None):
+        self.st, self.body, self.session_id = st, body, session_id
+        st.check_model(body.model)
+        stops = check_common(body)
+        try:
+            tools = validate_tools(body.tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools", code="invalid_tools") from None
+        try:
+            self.parse_tools = check_tool_choice(body.tool_choice, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "response_format other than 'text' needs constrained decoding, not implemented",
+                           param="response_format")
+        self.top = self._check_logprobs(body)
+        policy = body.monotonicity or st.config.monotonicity
+        try:
+            self.plan = st.splicer.build(body.messages, tools, policy)
+        except MonotonicityError as e:
+            st.count("chat/monotonicity_raise")
+            raise APIError(400, str(e), param="messages", code="non_monotonic_history") from None
+        except InconsistentTokenFieldsError as e:
+            raise APIError(400, str(e), param="messages", code="inconsistent_token_fields") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        st.count(f"chat/prompts_{self.plan.kind}")
+        if self.plan.kind in ("split", "truncate"):
+            st.count(f"chat/monotonicity_{self.plan.kind}")
+        st.count("chat/history_tokens_reused", self.plan.reused)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = st.resolve_max_tokens(requested, len(self.plan.prompt_ids))
+        self.params = sampling_params(body, max_tokens, st.stop_token_ids)
+        self.gen = Generation(st, self.plan.prompt_ids, self.params, stops, track_text=body.stream)
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    @staticmethod
+    def _check_logprobs(body) -> int:
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
+        if top and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if top and body.stream:
+            raise APIError(400, "top_logprobs is not available with stream=true (alternatives are recomputed after "
+                                "generation); use stream=false", param="top_logprobs")
+        return top or 0
+
+    def message(self, c) -> dict:
+        msg = parse_assistant_text(c.text, self.parse_tools).to_message()
+        return msg | token_fields(self.plan.prompt_ids, c)
+
+    def finish_reason(self, c, has_calls: bool) -> str:
+        return "tool_calls" if has_calls and c.finish_reason == "stop" else c.finish_reason
+
+    async def logprobs(self, c) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        tops = [[] for _ in c.token_ids]
+        if self.top:
+            _, tops = await asyncio.wrap_future(self.st.loop.call(lambda eng: score_top_logprobs(
+                eng, self.plan.prompt_ids + c.token_ids, len(self.plan.prompt_ids), self.params, self.top)))
+        return {"content": [self.st.logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, tops)],
+                "refusal": None}
+
+    def record(self) -> None:
+        if self.session_id is not None:
+            session = self.st.session(self.session_id)
+            for c in self.gen.choices:
+                session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind)
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+async def chat_completions(st, body: ChatCompletionRequest, request: Request, session_id: str | None = None):
+    job = _ChatJob(st, body, session_id)
+    st.count("server/chat_requests")
+    if body.stream:
+        return StreamingResponse(_chat_stream(job, request), media_type="text/event-stream")
+    if await until_done(st, drain(job.gen), request) is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    job.record()
+    st.count_generation(job.plan.prompt_ids, job.gen.choices)
+    choices = []
+    for c in job.gen.choices:
+        msg = job.message(c)
+        choices.append({"index": c.index, "message": msg, "logprobs": await job.logprobs(c),
+                        "finish_reason": job.finish_reason(c, "tool_calls" in msg)})
+    return JSONResponse({"id": job.id, "object": "chat.completion", "created": job.created, "model": body.model,
+                         "choices": choices, "usage": usage(len(job.plan.prompt_ids), job.gen.choices)})
+
+
+async def _chat_stream(job: _ChatJob, request: Request):
+    st = job.st
+    yield sse(job.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for c in job.gen.choices]))
+    completed = False
+    try:
+        async for chunk in _chat_deltas(job):
+            if await request.is_disconnected():
+                return  # leaving the generator aborts the engine request
+            yield sse(chunk)
+        completed = True
+    except APIError as e:  # the status line is already sent: the error goes in the stream
+        completed = True
+        st.count(f"server/errors_{e.status}")
+        yield sse(e.body())
+        return
+    finally:
+        if not completed:  # the client went away (or the stream was cancelled when it did)
+            st.count("server/client_disconnects")
+    job.record()
+    st.count_generation(job.plan.prompt_ids, job.gen.choices)
+    if (job.body.stream_options or {}).get("include_usage"):
+        yield sse(job.chunk([], usage=usage(len(job.plan.prompt_ids), job.gen.choices)))
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_deltas(job: _ChatJob):
+    """One chunk per engine update: reasoning / content / tool-call deltas, token fields when a choice ends."""
+    gen, st = job.gen, job.st
+    parsers = [StreamParser(job.parse_tools) for _ in gen.choices]
+    n_calls = [0] * len(gen.choices)
+    async for changed in gen.updates():
+        out = []
+        for j in changed:
+            c = gen.choices[j]
+            d = parsers[j].feed(c.text_delta(gen.hold))
+            if c.done:
+                d2 = parsers[j].finish()
+                d.reasoning, d.content, d.tool_calls = (d.reasoning + d2.reasoning, d.content + d2.content,
+                                                        d.tool_calls + d2.tool_calls)
+            delta = {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if d.content:
+                delta["content"] = d.content
+            if d.tool_calls:
+                delta["tool_calls"] = [{"index": n_calls[j] + k, **tc.to_openai()} for k, tc in enumerate(d.tool_calls)]
+                n_calls[j] += len(d.tool_calls)
+            lp = None
+            if job.body.logprobs and c.new_tokens:
+                new = range(len(c.token_ids) - c.new_tokens, len(c.token_ids))
+                lp = {"content": [st.logprob_entry(c.token_ids[i], c.logprobs[i], []) for i in new], "refusal": None}
+            finish = None
+            if c.done:  # the closing delta carries the turn's exact tokens
+                delta |= token_fields(job.plan.prompt_ids, c)
+                finish = job.finish_reason(c, n_calls[j] > 0)
+            if delta or lp:
+                out.append({"index": j, "delta": delta, "logprobs": lp, "finish_reason": finish})
+        if out:
+            yield job.chunk(out)

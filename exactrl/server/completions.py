@@ -1,0 +1,154 @@
+"""POST /v1/completions (JSON or server-sent events): text or token-id prompts, n samples each.
+
+Every choice carries `prompt_token_ids`, `generation_token_ids` and
+`generation_log_probs` next to OpenAI's fields; `logprobs=k` / `echo` are
+scored by one trainer-path forward after generation (`score_top_logprobs`).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from exactrl.server.generation import Generation, drain, score_top_logprobs, sse, token_fields, until_done
+from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common, sampling_params
+
+
+def _prompts(st, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [st.tokenizer.encode(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [st.tokenizer.encode(p) for p in prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(p) for p in prompt]
+    if not prompts or any(not p for p in prompts):
+        raise APIError(400, "prompt must be non-empty", param="prompt")
+    vocab = st.tokenizer.vocab_size
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt holds token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
+    return prompts
+
+
+async def completions(st, body: CompletionRequest, request: Request, session_id: str | None = None):
+    st.check_model(body.model)
+    stops = check_common(body)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs")
+    if body.logprobs and body.stream:
+        raise APIError(400, "logprobs > 0 is not available with stream=true (alternatives are recomputed after "
+                            "generation)", param="logprobs")
+    prompts = _prompts(st, body.prompt)
+    gens = []
+    for p in prompts:
+        max_tokens = st.resolve_max_tokens(body.max_tokens if body.max_tokens is not None else 16, len(p))
+        gens.append(Generation(st, p, sampling_params(body, max_tokens, st.stop_token_ids), stops, body.stream))
+    st.count("server/completion_requests")
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        return StreamingResponse(_completion_stream(st, body, gens, cid, created, request, session_id),
+                                 media_type="text/event-stream")
+    if await until_done(st, asyncio.gather(*(drain(g) for g in gens)), request) is None:
+        return Response(status_code=499)
+    choices = []
+    for k, g in enumerate(gens):
+        _record(st, session_id, g)
+        st.count_generation(g.prompt_ids, g.choices)
+        prompt_text = st.tokenizer.decode(g.prompt_ids, skip_special_tokens=False) if body.echo else ""
+        for c in g.choices:
+            choices.append({"index": k * body.n + c.index, "text": prompt_text + c.text,
+                            "logprobs": await _completion_logprobs(st, body, g, c, prompt_text),
+                            "finish_reason": c.finish_reason} | token_fields(g.prompt_ids, c))
+    usage = {"prompt_tokens": sum(len(g.prompt_ids) for g in gens),
+             "completion_tokens": sum(len(c.token_ids) for g in gens for c in g.choices)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                         "choices": choices, "usage": usage})
+
+
+def _record(st, session_id, g: Generation) -> None:
+    if session_id is not None:
+        for c in g.choices:
+            st.session(session_id).record(g.prompt_ids, c.token_ids, c.logprobs, c.versions)
+
+
+async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, prompt_text: str) -> dict | None:
+    if body.logprobs is None:
+        return None
+    ids, lps = list(c.token_ids), list(c.logprobs)
+    start = len(g.prompt_ids)
+    if body.echo or body.logprobs:
+        first = 1 if body.echo else start
+        full = g.prompt_ids + c.token_ids
+        chosen, tops = await asyncio.wrap_future(st.loop.call(
+            lambda eng: score_top_logprobs(eng, full, first, g.params, body.logprobs)))
+        if body.echo:  # the prompt's tokens are scored too (the first one has no logprob)
+            ids = full
+            lps = [None] + chosen[:start - 1] + lps
+            tops = [None] + tops
+    else:
+        tops = None
+    tokens = [st.token_str(t) for t in ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top_dicts = None if tops is None else [None if row is None else {st.token_str(t): v for t, v in row} for row in tops]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+async def _completion_stream(st, body, gens: list[Generation], cid, created, request: Request, session_id):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, g: Generation):
+        try:
+            async for changed in g.updates():
+                await queue.put((k, changed))
+        finally:
+            await queue.put((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(gens)]
+    completed = False
+    try:
+        live = len(gens)
+        while live:
+            k, changed = await queue.get()
+            if changed is None:
+                live -= 1
+                continue
+            if await request.is_disconnected():
+                return
+            g, out = gens[k], []
+            for j in changed:
+                c = g.choices[j]
+                text = c.text_delta(g.hold)
+                if text or c.done:
+                    out.append({"index": k * body.n + j, "text": text, "logprobs": None,
+                                "finish_reason": c.finish_reason}
+                               | (token_fields(g.prompt_ids, c) if c.done else {}))
+            if out:
+                yield sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                            "choices": out})
+        for t in tasks:
+            t.result()  # re-raise an engine error
+        for g in gens:
+            _record(st, session_id, g)
+            st.count_generation(g.prompt_ids, g.choices)
+        completed = True
+        yield "data: [DONE]\n\n"
+    finally:
+        if not completed:
+            st.count("server/client_disconnects")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
