@@ -31,6 +31,7 @@ class Record:
     logprobs_T: list[float]  # behaviour logprob where mask = 1, else 0.0
     versions_T: list[int]  # engine weight version that sampled the token, -1 where mask = 0
     prompt_len: int  # length of the first prompt of its branch: training completions start here
+    sampling: tuple[tuple, ...] = ()  # distinct (temperature, top_k, top_p) its generated tokens were sampled with
     retired: bool = False  # cut by a `truncate`: not trained on
 
 
@@ -44,6 +45,7 @@ class Trajectory:
     behav_logprobs: list[float]  # per completion token: engine logprob, 0.0 where masked
     versions: list[int]  # per completion token: weight version, -1 where masked
     num_turns: int  # generations in the branch
+    sampling: list[list[float]]  # distinct [temperature, top_k, top_p] of its generations: the trainer must use them
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -59,8 +61,8 @@ class Session:
     records: list[Record] = field(default_factory=list)
 
     def record(self, prompt: list[int], generated: list[int], logprobs: list[float], versions: list[int],
-               kind: str = "spliced") -> None:
-        """Adds one completion. `kind` is the PromptPlan kind of its prompt."""
+               kind: str = "spliced", sampling: tuple = (1.0, -1, 1.0)) -> None:
+        """Adds one completion. `kind` is the PromptPlan kind of its prompt; `sampling` (T, top_k, top_p)."""
         assert len(generated) == len(logprobs) == len(versions)
         parent, lcp = None, 0
         if kind != "split":
@@ -72,14 +74,17 @@ class Session:
         lps = [0.0] * len(prompt)
         vers = [-1] * len(prompt)
         prompt_len = len(prompt)
+        used = {tuple(sampling)}
         if parent is not None:
             mask[:lcp], lps[:lcp], vers[:lcp] = parent.mask_T[:lcp], parent.logprobs_T[:lcp], parent.versions_T[:lcp]
             if lcp >= parent.prompt_len:
                 prompt_len = parent.prompt_len
+            if any(mask[:lcp]):
+                used |= set(parent.sampling)
             if kind == "truncate" and lcp < len(parent.tokens_T):
                 parent.retired = True
         self.records.append(Record(prompt + generated, mask + [1] * len(generated), lps + list(logprobs),
-                                   vers + list(versions), prompt_len))
+                                   vers + list(versions), prompt_len, tuple(sorted(used))))
 
     def trajectories(self) -> list[Trajectory]:
         """The maximal records (no other record extends them), in order of recording."""
@@ -92,7 +97,7 @@ class Session:
                 continue  # an identical earlier record (same prompt, same sample)
             p = r.prompt_len
             out.append(Trajectory(r.tokens_T[:p], r.tokens_T[p:], r.mask_T[p:], r.logprobs_T[p:], r.versions_T[p:],
-                                  num_turns=_turns(r.mask_T)))
+                                  num_turns=_turns(r.mask_T), sampling=[list(x) for x in r.sampling]))
         return out
 
 

@@ -131,6 +131,11 @@ def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_u
     from exactrl.rl.trainer import train_step
 
     groups = asyncio.run(collect_agent_groups(server_url, env, problems, group_size, seed, step, env_kwargs))
+    want = [float(settings.temperature) or 1.0, settings.top_k, float(settings.top_p)]
+    used = {tuple(x) for g in groups for r in g for t in r.trajectories for x in t.sampling}
+    if used - {tuple(want)}:
+        raise ValueError(f"episodes sampled with (temperature, top_k, top_p) {sorted(used)} but the trainer uses "
+                         f"{tuple(want)}: its logprobs would not be the behaviour distribution")
     batch = agent_train_batch(groups, advantage)
     metrics = train_step(model, optimizer, loss_fn, batch, settings)
     metrics |= agent_rollout_metrics(groups)

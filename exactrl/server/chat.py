@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from exactrl.chat.messages import InconsistentTokenFieldsError, check_tool_choice, validate_tools
 from exactrl.chat.parsing import StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError
-from exactrl.server.generation import (Generation, drain, score_top_logprobs, sse, token_fields, until_done,
-                                       usage)
+from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, token_fields,
+                                       until_done, usage)
 from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, sampling_params
 
 
@@ -101,7 +101,8 @@ class _ChatJob:
         if self.session_id is not None:
             session = self.st.session(self.session_id)
             for c in self.gen.choices:
-                session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind)
+                session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind,
+                               sampling_key(self.params))
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,

@@ -13,7 +13,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from exactrl.server.generation import Generation, drain, score_top_logprobs, sse, token_fields, until_done
+from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, token_fields,
+                                       until_done)
 from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common, sampling_params
 
 
@@ -79,7 +80,8 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
 def _record(st, session_id, g: Generation) -> None:
     if session_id is not None:
         for c in g.choices:
-            st.session(session_id).record(g.prompt_ids, c.token_ids, c.logprobs, c.versions)
+            st.session(session_id).record(g.prompt_ids, c.token_ids, c.logprobs, c.versions,
+                                          sampling=sampling_key(g.params))
 
 
 async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, prompt_text: str) -> dict | None:

@@ -138,6 +138,11 @@ class Generation:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
+def sampling_key(params) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) as the trainer sees them (T = 0 reports the T = 1 logprobs)."""
+    return (float(params.temperature) or 1.0, int(params.top_k), float(params.top_p))
+
+
 def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
                        ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Logprob of token_ids[i] and its top-k alternatives, for i in [start, L), under the sampling distribution."""

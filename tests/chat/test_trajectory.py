@@ -11,7 +11,7 @@ def test_multi_turn_masks_and_logprobs():
     (t,) = s.trajectories()
     assert t.prompt_ids == [1, 2, 3] and t.completion_ids == [10, 11, 4, 5, 12]
     assert t.loss_mask == [1, 1, 0, 0, 1] and t.behav_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
-    assert t.versions == [0, 0, -1, -1, 1] and t.num_turns == 2
+    assert t.versions == [0, 0, -1, -1, 1] and t.num_turns == 2 and t.sampling == [[1.0, -1, 1.0]]
 
 
 def test_branches_are_separate_trajectories():
