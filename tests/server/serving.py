@@ -118,3 +118,19 @@ def warm_start(model, tokenizer, problems, steps: int, lr: float = 1e-2) -> floa
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     return loss.item()
+
+
+def check_trajectory(t: dict, turns, temperature=1.0, model=None) -> None:
+    """A recorded session trajectory: its tokens are the turns' exact tokens, mask 1 exactly on the generated
+    ones, behaviour logprobs equal to the trainer's bitwise there and 0.0 elsewhere."""
+    full = t["prompt_ids"] + t["completion_ids"]
+    assert t["prompt_ids"] == turns[0].prompt_token_ids
+    assert full == turns[-1].prompt_token_ids + turns[-1].generation_token_ids
+    want = [0] * len(full)
+    for m in turns:
+        a = len(m.prompt_token_ids)
+        want[a:a + len(m.generation_token_ids)] = [1] * len(m.generation_token_ids)
+    p = len(t["prompt_ids"])
+    assert t["loss_mask"] == want[p:] and t["num_turns"] == len(turns)
+    lps = trainer_logprobs(full, temperature, model=model)[p - 1:]
+    assert t["behav_logprobs"] == [lp if m else 0.0 for lp, m in zip(lps, t["loss_mask"])]  # bitwise

@@ -12,6 +12,7 @@ import copy
 import json
 import random
 
+import httpx
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from exactrl.rl.agent_rollout import agent_train_step
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings
 from exactrl.server.app import ServerConfig, ServerState, ServerThread, create_app
-from serving import check_turns, model_dir, warm_start
+from serving import check_trajectory, check_turns, model_dir, warm_start
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def calc():
 def test_tool_call_turns_are_token_exact(calc):
     import openai
 
-    client = openai.OpenAI(base_url=calc["url"] + "/v1", api_key="t", max_retries=0)
+    client = openai.OpenAI(base_url=calc["url"] + "/sessions/tools/v1", api_key="t", max_retries=0)
     messages = first_messages(calc["problems"][0])
     kw = dict(model="calc-agent", tools=[CALCULATOR_TOOL], temperature=0.0, max_tokens=40)
     r1 = client.chat.completions.create(messages=messages, **kw)
@@ -65,6 +66,9 @@ def test_tool_call_turns_are_token_exact(calc):
     messages += [m2, {"role": "user", "content": "Compute 1+1"}]
     m3 = client.chat.completions.create(messages=messages, **kw).choices[0].message
     check_turns(calc["tok"], [m1, m2, m3], temperature=0.0, model=calc["model"])
+    (traj,) = httpx.get(calc["url"] + "/sessions/tools/trajectories").json()["trajectories"][-1:]
+    check_trajectory(traj, [m1, m2, m3], temperature=0.0, model=calc["model"])
+    assert traj["completion_ids"][-len(m3.generation_token_ids):] == m3.generation_token_ids
     tool_turn = m2.prompt_token_ids[len(m1.prompt_token_ids) + len(m1.generation_token_ids):]
     assert calc["tok"].decode(tool_turn) == (f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>"
                                              f"<|im_end|>\n<|im_start|>assistant\n")

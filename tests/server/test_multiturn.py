@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from serving import check_turns, served, trainer_logprobs
+from serving import check_trajectory, check_turns, served, trainer_logprobs
 
 USERS = ["Compute 12*7", "hello world, and again?", "the quick brown fox", "and 3+4?"]
 
@@ -160,15 +160,7 @@ def test_session_records_training_trajectories():
         turns.append(r.choices[0].message)
         messages += [r.choices[0].message, {"role": "user", "content": f"turn {k}"}]
     (t,) = httpx.get(f"{s.url}/sessions/{sid}/trajectories").json()["trajectories"]
-    assert t["prompt_ids"] == turns[0].prompt_token_ids and t["num_turns"] == 3
-    full = t["prompt_ids"] + t["completion_ids"]
-    assert full == turns[-1].prompt_token_ids + turns[-1].generation_token_ids
-    p = len(t["prompt_ids"])
-    for m in turns:  # generated tokens: mask 1 with the engine's logprobs; everything else mask 0
-        a = len(m.prompt_token_ids) - p
-        g = len(m.generation_token_ids)
-        assert t["loss_mask"][a:a + g] == [1] * g and t["behav_logprobs"][a:a + g] == m.generation_log_probs
-    assert sum(t["loss_mask"]) == sum(len(m.generation_token_ids) for m in turns)
+    check_trajectory(t, turns)
     masked = [x for x, m in zip(t["completion_ids"], t["loss_mask"]) if m == 0]
     assert tok.decode(masked).count("<|im_start|>user") == 2
     assert httpx.delete(f"{s.url}/sessions/{sid}").json()["deleted"]
