@@ -21,7 +21,7 @@ from exactrl import Engine, SamplingParams
 from conftest import make_hf_model
 from engine_helpers import all_pages_free, check_finish, mismatches
 
-HSET = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HSET = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 V = 211  # conftest TINY vocabulary
 
 
