@@ -78,7 +78,7 @@ class AlgorithmSettings(BaseModel):
 class OptimSettings(BaseModel):
     model_config = _STRICT
 
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(5e-5, gt=0)
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
@@ -95,6 +95,11 @@ class SFTSettings(BaseModel):
     """Supervised warm-start steps for the default job's model (cached by config hash)."""
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
+    echo_frac: float = Field(0.55, ge=0.0, le=1.0)
+    """Fraction of demonstrations that restate the question before the answer ("3+9=12"). The reward
+    takes the first integer, so an echo scores 0: the warm-started model knows the sums but often
+    answers in the wrong form, and GRPO has to find the form that is rewarded (RL sharpens what
+    the model can already do, as in RL from verifiable rewards on a pretrained model)."""
 
 
 class RunConfig(BaseModel):

@@ -40,8 +40,10 @@ def prompt_ids(tokenizer, task, problem) -> list[int]:
     return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
 
 
-def answer_ids(tokenizer, problem) -> list[int]:
-    return tokenizer.encode(problem.answer) + [tokenizer.end_of_turn_id]
+def answer_ids(tokenizer, problem, echo: bool = False) -> list[int]:
+    """The demonstration: the answer, or (echo) the question restated before it, then end of turn."""
+    text = problem.prompt + problem.answer if echo else problem.answer
+    return tokenizer.encode(text) + [tokenizer.end_of_turn_id]
 
 
 def _hash(cfg) -> str:
@@ -67,20 +69,23 @@ def default_model_dir(cfg, log=print) -> Path:
     model = build_model(ModelConfig.from_hf(hf), dtype=cfg.model.dtype, kernels="exact", seed=cfg.seed)
     log(f"warm start: tokenizer ({tok.vocab_size} tokens) and a {sum(p.numel() for p in model.parameters()):,}"
         f"-parameter Qwen3; {cfg.sft.steps} SFT steps")
-    supervised_finetune(model, tok, task, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, log)
+    supervised_finetune(model, tok, task, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, log,
+                        echo_frac=cfg.sft.echo_frac)
     save_model(model, tmp)
     tmp.rename(out) if not out.exists() else shutil.rmtree(tmp)
     log(f"warm start done in {time.time() - t0:.0f}s -> {out}")
     return out
 
 
-def supervised_finetune(model, tok, task, steps: int, batch_size: int, lr: float, seed: int, log=print) -> None:
+def supervised_finetune(model, tok, task, steps: int, batch_size: int, lr: float, seed: int, log=print,
+                        echo_frac: float = 0.0) -> None:
     rng = random.Random(seed + 1)
+    echo_rng = random.Random(seed + 2)  # its own stream: echo_frac does not change which problems are drawn
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     for step in range(steps):
         probs = [task.generate(rng) for _ in range(batch_size)]
         prompts = [prompt_ids(tok, task, p) for p in probs]
-        answers = [answer_ids(tok, p) for p in probs]
+        answers = [answer_ids(tok, p, echo_rng.random() < echo_frac) for p in probs]
         lps, _ = token_logprobs(model, [a + b for a, b in zip(prompts, answers)])
         nll = -torch.cat([lp[len(a) - 1:] for lp, a in zip(lps, prompts)]).mean()
         opt.zero_grad(set_to_none=True)
