@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -169,9 +170,13 @@ class Engine:
         outs, self._unclaimed = self._unclaimed, []
         return outs + [self._output(r) for r in touched]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[list[Completion]]:
-        """Blocking: outs[k][j] is sample j of prompt k."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_step: Callable[[], object] | None = None) -> list[list[Completion]]:
+        """Blocking: outs[k][j] is sample j of prompt k.
+
+        `on_step` runs before every engine step, on this thread: the place for
+        in-flight weight updates (`update_weights` between two steps).
+        """
         params = SamplingParams() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -185,6 +190,8 @@ class Engine:
         mine = set(ids)
         done: dict[str, list[Completion]] = {}
         while len(done) < len(ids):
+            if on_step is not None:
+                on_step()
             for req in self._step():
                 if req.finished:
                     out = self._output(req)
@@ -267,8 +274,11 @@ class Engine:
         return RequestOutput(req.request_id, list(req.prompt), comps, req.finished)
 
     # ------------------------------------------------------------ weights
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Copies the tensors into the model (bitwise when dtypes match); returns the new version.
+
+        The version becomes `version` if given (a trainer numbering policies by
+        its step; it must increase), else the current one plus 1.
 
         Every running sequence is preempted: its KV cache was computed under the
         old weights, so it is recomputed, and the tokens sampled from now on
@@ -279,6 +289,8 @@ class Engine:
         params = dict(self.model.named_parameters())
         tied = self.model.config.tie_word_embeddings
         sd = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+        if version is not None and not (isinstance(version, int) and version > self.version):
+            raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
         missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
         if missing or unexpected:
             raise ValueError(f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -288,6 +300,6 @@ class Engine:
         with torch.no_grad():
             for k, v in sd.items():
                 params[k].copy_(v.detach())
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         self.scheduler.preempt_all()
         return self.version

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from exactrl.envs.settings import TaskSettings
 from exactrl.model.settings import ModelSettings
 
-_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
 
 
 class RolloutSettings(BaseModel):
@@ -73,6 +73,8 @@ class AlgorithmSettings(BaseModel):
     """Entropy bonus weight (subtracted from the loss)."""
     corrections: list[dict[str, Any]] = Field(default_factory=list)
     """Off-policy corrections, each {name: ..., **kwargs}; empty for synchronous exact training."""
+    bypass: bool = False
+    """Take the loss ratio against μ (the engine's logprobs) instead of π_old: π_θ/μ, no proximal policy."""
 
 
 class OptimSettings(BaseModel):
@@ -86,6 +88,22 @@ class OptimSettings(BaseModel):
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward; gradients accumulate over the step's batch."""
     warmup_steps: int = Field(0, ge=0)
+
+
+class AsyncSettings(BaseModel):
+    model_config = _STRICT
+
+    enabled: bool = False
+    """Generate the next batches on a second thread while the trainer trains (rl/async_loop.py)."""
+    max_staleness: int = Field(1, ge=0)
+    """Largest policy-version lag of a trained token; the rollout thread runs at most this many steps
+    ahead. 0 reproduces the synchronous loop bit for bit."""
+    inflight_updates: bool = False
+    """Apply new weights between engine steps, inside a batch (tokens of one sequence may then come
+    from several versions, each recorded)."""
+    recompute_behaviour: bool = True
+    """Keep the weights of the versions in the staleness window and recompute μ with them
+    (`async/behaviour_recompute_abs_diff_max`: 0.0 in exact mode). Costs one forward per version."""
 
 
 class SFTSettings(BaseModel):
@@ -126,6 +144,8 @@ class RunConfig(BaseModel):
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
     optim: OptimSettings = Field(default_factory=OptimSettings)
     sft: SFTSettings = Field(default_factory=SFTSettings)
+    async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
+    """Asynchronous rollouts (config key `async`)."""
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

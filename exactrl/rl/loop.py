@@ -6,40 +6,63 @@
 The trainer and the engine hold separate copies of one model definition with
 the same kernels; `engine.update_weights` copies the new weights bit for bit,
 so the next step's behaviour logprobs μ equal the trainer's π_old exactly
-(`train/train_rollout_logprob_abs_diff` = 0.0) in `exact` mode.
+(`train/train_rollout_logprob_abs_diff` = 0.0) in `exact` mode. Policy
+versions are training steps: the weights after step k are version k.
+
+`train_on` and `end_step` are shared with the asynchronous loop
+(async_loop.py), which differs only in where the rollouts come from.
 """
 from __future__ import annotations
 
 import time
 
 from exactrl.rl.checkpoint import save_checkpoint
-from exactrl.rl.rollout import evaluate, generate_groups, rollout_metrics, to_train_batch
+from exactrl.rl.rollout import Rollout, evaluate, generate_groups, rollout_metrics, to_train_batch
 from exactrl.rl.setup import Components
 from exactrl.rl.trainer import train_step
 
 
 def train(c: Components) -> dict[str, float]:
     cfg, last = c.cfg, {}
-    if c.start_step == 0 and cfg.task.eval_size:
-        c.logger.log({"step": 0, **evaluate(c.engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed)})
+    log_initial_eval(c, c.engine)
+    t_prev = time.perf_counter()
     for step in range(c.start_step + 1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
         problems = c.prompts.take(cfg.rollout.prompts_per_step)
         groups = generate_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step)
-        batch = to_train_batch(groups, cfg.algorithm.advantage, cfg.algorithm.advantage_kwargs)
         t1 = time.perf_counter()
-        lr = c.set_lr(step)
-        metrics = train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model)
-        c.engine.update_weights(c.model.state_dict())
+        metrics = train_on(c, step, groups)
+        c.engine.update_weights(c.model.state_dict(), version=step)
         t2 = time.perf_counter()
-        n_tokens = sum(len(x) for x in batch.completion_ids)
-        metrics |= rollout_metrics(groups) | {
-            "step": step, "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "perf/tokens_per_s": n_tokens / (t2 - t0),
-            "perf/completion_tokens": n_tokens, "train/lr": lr, "engine/version": c.engine.version}
-        if cfg.task.eval_size and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            metrics |= evaluate(c.engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed)
-        c.logger.log(metrics)
-        if step % cfg.save_every == 0 or step == cfg.max_steps:
-            save_checkpoint(c.run_dir, step, c.model, c.optimizer, c.trainer_state(step), cfg.keep_checkpoints)
-        last = metrics
+        metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1}
+        last = end_step(c, step, groups, metrics, t2 - t_prev, c.engine, c.prompts.state_dict())
+        t_prev = time.perf_counter()
     return last
+
+
+def log_initial_eval(c: Components, eval_engine) -> None:
+    if c.start_step == 0 and c.cfg.task.eval_size:
+        c.logger.log({"step": 0, **evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout,
+                                            c.cfg.seed)})
+
+
+def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str, float]:
+    """Advantages, one optimizer step over micro-batches; the step's training metrics."""
+    batch = to_train_batch(groups, c.cfg.algorithm.advantage, c.cfg.algorithm.advantage_kwargs)
+    lr = c.set_lr(step)
+    return train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model) | {"train/lr": lr}
+
+
+def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dict[str, float], step_s: float,
+             eval_engine, prompts_state: dict) -> dict[str, float]:
+    """Rollout metrics, throughput, evaluation, logging and checkpointing of a finished step."""
+    cfg = c.cfg
+    n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
+    metrics = metrics | rollout_metrics(groups) | {
+        "step": step, "time/step_s": step_s, "perf/tokens_per_s": n_tokens / step_s,
+        "perf/completion_tokens": n_tokens, "engine/version": step}
+    if cfg.task.eval_size and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+        metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed)
+    c.logger.log(metrics)
+    if step % cfg.save_every == 0 or step == cfg.max_steps:
+        save_checkpoint(c.run_dir, step, c.model, c.optimizer, c.trainer_state(prompts_state), cfg.keep_checkpoints)
+    return metrics

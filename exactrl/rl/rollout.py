@@ -37,15 +37,18 @@ def sampling_seed(run_seed: int, step: int, k: int) -> int:
 
 
 def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int,
-                    greedy: bool = False) -> list[list[Rollout]]:
-    """Samples `rs.samples_per_prompt` completions per problem (1 if greedy) and scores them."""
+                    greedy: bool = False, on_step=None) -> list[list[Rollout]]:
+    """Samples `rs.samples_per_prompt` completions per problem (1 if greedy) and scores them.
+
+    `on_step` is passed to `Engine.generate` (in-flight weight updates).
+    """
     from exactrl.engine import SamplingParams
 
     prompts = [prompt_ids(tokenizer, task, p) for p in problems]
     params = [SamplingParams(temperature=0.0 if greedy else rs.temperature, top_p=rs.top_p, top_k=rs.top_k,
                              max_tokens=rs.max_tokens, n=1 if greedy else rs.samples_per_prompt,
                              seed=sampling_seed(seed, step, k)) for k in range(len(prompts))]
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(prompts, params) if on_step is None else engine.generate(prompts, params, on_step=on_step)
     groups = []
     for prob, ids, samples in zip(problems, prompts, outs):
         group = []

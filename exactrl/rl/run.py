@@ -7,16 +7,18 @@ from exactrl.rl.config import load_config
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
+    from exactrl.rl.async_loop import train_async
     from exactrl.rl.loop import train
     from exactrl.rl.report import write_report
     from exactrl.rl.setup import build
 
     cfg = load_config(config_path, overrides)
     c = build(cfg)
-    (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-    print(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps})")
+    (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True), indent=2))
+    mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
+    print(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     try:
-        last = train(c)
+        last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
     finally:
         c.logger.close()
     plots = write_report(c.run_dir)

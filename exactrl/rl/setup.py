@@ -48,9 +48,11 @@ class Components:
             g["lr"] = lr
         return lr
 
-    def trainer_state(self, step: int) -> dict[str, Any]:
-        return {"prompts": self.prompts.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
-                "python_rng": list(random.getstate()[1]), "config": self.cfg.model_dump()}
+    def trainer_state(self, prompts_state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint holds besides weights and optimizer; `prompts_state` is the data position
+        after the last trained batch (the asynchronous loop's rollouts may already be further)."""
+        return {"prompts": prompts_state, "torch_rng": torch.get_rng_state().tolist(),
+                "python_rng": list(random.getstate()[1]), "config": self.cfg.model_dump(by_alias=True)}
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -102,12 +104,14 @@ def build(cfg: RunConfig, log=print) -> Components:
         log(f"resuming {run_dir} from {ckpt.name}")
     engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tokenizer.stop_token_ids),
                     **cfg.engine.model_dump())
+    engine.version = start  # policy versions are training steps, also across a resume
     a = cfg.algorithm
     settings = StepSettings(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
         grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
-        kl_in_loss=a.kl.where == "loss", corrections=build_corrections(a.corrections) if a.corrections else None)
+        kl_in_loss=a.kl.where == "loss", corrections=build_corrections(a.corrections) if a.corrections else None,
+        bypass=a.bypass)
     logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
                       build_loss(a.loss, **a.loss_kwargs), settings, logger, start)

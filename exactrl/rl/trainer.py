@@ -24,6 +24,7 @@ import torch
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.transformer import CausalLM
 from exactrl.rl.aggregation import aggregate
+from exactrl.rl.corrections import apply_bypass
 from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
 from exactrl.rl.kl import kl_estimate
 from exactrl.rl.types import LossInputs, LossNorm
@@ -68,6 +69,7 @@ class StepSettings:
     kl_kind: str = "k3"
     kl_in_loss: bool = True
     corrections: object | None = None  # callable(old, behav, mask, advantages) -> (weights, mask, metrics)
+    bypass: bool = False  # loss ratio against μ instead of π_old (corrections.apply_bypass)
     extra: dict = field(default_factory=dict)
 
 
@@ -117,6 +119,8 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
             _accumulate(sums, cm, len(idx))
         inp = LossInputs(logprobs_BT=logp_BT, old_logprobs_BT=old_BT, behav_logprobs_BT=behav_BT,
                          advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT)
+        if s.bypass:
+            inp = apply_bypass(inp)
         loss, lm = loss_fn(inp, s.agg_mode, norm)
         if s.entropy_coef:
             loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm)

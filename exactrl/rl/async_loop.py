@@ -1,0 +1,201 @@
+"""Asynchronous training: the engine generates the next batches while the trainer trains.
+
+    rollout thread:  gate -> apply newest weights -> generate batch k -> queue
+    trainer thread:  batch k from queue -> drop stale -> train -> publish weights k
+
+Versions. The weights after training step k are policy version k; the
+engine samples every token under one version and records it
+(`Completion.versions`). A token sampled under version v and trained on at
+step k has staleness (k − 1) − v.
+
+Bounded staleness. The rollout thread may start batch k only once the
+trainer has published version k − 1 − max_staleness, so no token is staler
+than `max_staleness` (AReaL's bounded-staleness gate, Fu et al. 2025). With
+`max_staleness: 0` it waits for version k − 1, takes the same prompts with the
+same seeds as the synchronous loop and samples under the same bits: the run
+is bitwise identical to `loop.train` (tested). The trainer still drops any
+group holding a token staler than the bound and counts it: a backend that
+does not receive weights (an external engine with `weight_sync: none`) only
+ever produces version-0 tokens.
+
+In-flight updates (`inflight_updates: true`): new weights are applied between
+two engine steps even in the middle of a batch; the engine preempts running
+sequences and recomputes their cache under the new weights, so every token is
+still sampled entirely under the version recorded for it — a sequence can mix
+versions, each token exact for its own.
+
+What the trainer keeps. π_old is the proximal policy, the trainer's current
+weights (computed in the step's forward, as in the synchronous loop); μ is
+the engine's. For stale data μ ≠ π_old and the corrections and `mismatch/`
+diagnostics measure it. With `recompute_behaviour` the trainer also keeps the
+weights of every version still inside the staleness window and recomputes
+each token's logprob under the version that sampled it: in exact mode this
+equals μ bitwise (`async/behaviour_recompute_abs_diff_max` = 0), proof that
+the only off-policy gap is the staleness itself.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from exactrl.model.logprobs import token_logprobs
+from exactrl.rl.config import AsyncSettings
+from exactrl.rl.loop import end_step, log_initial_eval, train_on
+from exactrl.rl.rollout import Rollout, generate_groups
+from exactrl.rl.setup import Components
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts, produced on the rollout thread."""
+
+    step: int  # the training step it is for
+    groups: list[list[Rollout]]
+    prompts_state: dict  # PromptSource position after this batch's prompts (what a checkpoint saves)
+    rollout_s: float  # generation wall time
+
+
+class RolloutWorker:
+    """Owns the rollout engine on its own thread, at most `max_staleness` steps ahead of the trainer."""
+
+    def __init__(self, c: Components, s: AsyncSettings):
+        self.c, self.s = c, s
+        self._cond = threading.Condition()
+        self._published = c.start_step  # newest version the trainer has published
+        self._pending: tuple[int, dict] | None = None  # newest weights not yet in the engine
+        self._stopping = False
+        self._out: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="exactrl-rollout", daemon=True)
+
+    def __enter__(self) -> "RolloutWorker":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Trainer thread: hands over the weights of `version` (copied: the trainer keeps updating its own)."""
+        weights = {k: v.detach().clone() for k, v in state_dict.items()}
+        with self._cond:
+            self._published, self._pending = version, (version, weights)
+            self._cond.notify_all()
+
+    def next_batch(self) -> RolloutBatch:
+        item = self._out.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError("the rollout thread failed") from item
+        return item
+
+    def _apply_pending(self) -> None:
+        with self._cond:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self.c.engine.update_weights(pending[1], version=pending[0])
+
+    def _run(self) -> None:
+        c, cfg = self.c, self.c.cfg
+        try:
+            for step in range(c.start_step + 1, cfg.max_steps + 1):
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping or self._published >= step - 1 - self.s.max_staleness)
+                    if self._stopping:
+                        return
+                self._apply_pending()
+                t0 = time.perf_counter()
+                problems = c.prompts.take(cfg.rollout.prompts_per_step)
+                groups = generate_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step,
+                                         on_step=self._apply_pending if self.s.inflight_updates else None)
+                self._out.put(RolloutBatch(step, groups, c.prompts.state_dict(), time.perf_counter() - t0))
+        except BaseException as e:  # handed to the trainer, which raises it
+            self._out.put(e)
+
+
+def drop_stale(groups: list[list[Rollout]], version: int, max_staleness: int
+               ) -> tuple[list[list[Rollout]], dict[str, float]]:
+    """Removes every group holding a token older than `version − max_staleness`; staleness metrics.
+
+    Whole groups go, so group-relative advantages never see a partial group.
+    """
+    kept, dropped = [], 0
+    ages = []
+    for g in groups:
+        g_ages = [version - v for r in g for v in r.versions]
+        if g_ages and max(g_ages) > max_staleness:
+            dropped += len(g)
+        else:
+            kept.append(g)
+            ages += g_ages
+    if not kept:
+        raise ValueError(f"every sample of the batch is staler than max_staleness={max_staleness} at version "
+                         f"{version}: is the rollout backend receiving weights (external weight_sync: none)?")
+    t = torch.tensor(ages or [0], dtype=torch.float64)
+    return kept, {"async/staleness_mean": t.mean().item(), "async/staleness_max": t.max().item(),
+                  "async/dropped_samples": float(dropped)}
+
+
+class BehaviourCheck:
+    """The weights of recent versions, to recompute each token's logprob under the version that sampled it."""
+
+    def __init__(self, model, start_version: int):
+        self.scratch = copy.deepcopy(model).requires_grad_(False)
+        self.weights = {start_version: {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+    def keep(self, version: int, model, oldest_needed: int) -> None:
+        self.weights[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for v in [v for v in self.weights if v < oldest_needed]:
+            del self.weights[v]
+
+    def max_abs_diff(self, groups: list[list[Rollout]], rs) -> float:
+        """max over tokens of |μ − log π_v(token)| with v the token's version (0.0 when exact)."""
+        flat = [r for g in groups for r in g if r.completion_ids]
+        worst = 0.0
+        for v in sorted({v for r in flat for v in r.versions}):
+            self.scratch.load_state_dict(self.weights[v])
+            rows = [r for r in flat if v in r.versions]
+            with torch.no_grad():
+                lps, _ = token_logprobs(self.scratch, [r.prompt_ids + r.completion_ids for r in rows],
+                                        rs.temperature, rs.top_k, rs.top_p)
+            for r, lp in zip(rows, lps):
+                ours = lp[len(r.prompt_ids) - 1:]
+                for i, tv in enumerate(r.versions):
+                    if tv == v:
+                        worst = max(worst, abs(float(ours[i]) - r.behav_logprobs[i]))
+        return worst
+
+
+def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
+    from exactrl.engine import Engine
+
+    cfg, last = c.cfg, {}
+    # evaluation runs on the trainer thread over the trainer's own weights; the rollout engine is busy
+    eval_engine = Engine(c.model, stop_token_ids=sorted(c.tokenizer.stop_token_ids),
+                         kv_budget_tokens=cfg.engine.kv_budget_tokens // 4) if cfg.task.eval_size else None
+    log_initial_eval(c, eval_engine)
+    check = BehaviourCheck(c.model, c.start_step) if s.recompute_behaviour else None
+    with RolloutWorker(c, s) as worker:
+        t_prev = time.perf_counter()
+        for step in range(c.start_step + 1, cfg.max_steps + 1):
+            item = worker.next_batch()
+            assert item.step == step, (item.step, step)
+            t1 = time.perf_counter()
+            groups, metrics = drop_stale(item.groups, step - 1, s.max_staleness)
+            if check is not None:
+                metrics["async/behaviour_recompute_abs_diff_max"] = check.max_abs_diff(groups, cfg.rollout)
+            metrics |= train_on(c, step, groups)
+            worker.publish(step, c.model.state_dict())
+            if check is not None:  # batch k+1 may hold versions down to k − max_staleness
+                check.keep(step, c.model, step - s.max_staleness)
+            t2 = time.perf_counter()
+            metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1}
+            last = end_step(c, step, groups, metrics, t2 - t_prev, eval_engine, item.prompts_state)
+            t_prev = time.perf_counter()
+    return last

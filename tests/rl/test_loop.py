@@ -1,0 +1,180 @@
+"""The training loop end to end: exactness per step, resume equivalence, asynchronous mode.
+
+Runs go through `exactrl train` (the CLI) on the default job's model, warm
+started for a few steps only and cached once per session in a temp dir.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from exactrl.cli import main as cli_main
+from exactrl.rl import warmstart
+from exactrl.rl.async_loop import drop_stale
+from exactrl.rl.config import load_config
+from exactrl.rl.rollout import Rollout
+
+# a few seconds per run: 4 prompts x 4 samples, short answers, a small eval set
+SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+         "task.eval_size=8", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096"]
+TIMING = ("time/", "perf/tokens_per_s")  # wall-clock metrics, the only ones allowed to differ between runs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    saved = warmstart.ARTIFACTS
+    warmstart.ARTIFACTS = root
+    try:
+        d = warmstart.default_model_dir(load_config(None, ["sft.steps=20"]), log=lambda *a: None)
+    finally:
+        warmstart.ARTIFACTS = saved
+    return d
+
+
+def run(model_dir, run_dir, *overrides) -> list[dict]:
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def training_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["step"] > 0]
+
+
+def same_metrics(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        keys = {k for k in x if not k.startswith(TIMING)}
+        assert keys == {k for k in y if not k.startswith(TIMING)}
+        diff = {k: (x[k], y[k]) for k in keys if x[k] != y[k]}
+        assert not diff, (x["step"], diff)
+
+
+# ---------------------------------------------------------------- synchronous loop
+
+
+def test_exact_run_has_zero_mismatch_every_step(model_dir, tmp_path):
+    rows = run(model_dir, tmp_path / "run", "max_steps=3")
+    assert rows[0] == {"step": 0, "eval/accuracy": rows[0]["eval/accuracy"]}
+    train = training_rows(rows)
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert r["train/train_rollout_logprob_abs_diff"] == 0.0
+        assert r["train/train_rollout_logprob_abs_diff_max"] == 0.0
+        assert r["mismatch/k3"] == 0.0
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/entropy", "train/grad_norm",
+                    "loss/clip_frac_low", "loss/clip_frac_high", "perf/tokens_per_s", "time/rollout_s",
+                    "time/train_s"):
+            assert math.isfinite(r[key]), key
+    assert "eval/accuracy" in train[1] and "eval/accuracy" in train[2]  # eval_every=2 and the last step
+    out = tmp_path / "run"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert (out / "report" / "summary.png").stat().st_size > 0
+    assert json.loads((out / "config.json").read_text())["async"]["enabled"] is False
+
+
+def test_fast_kernels_show_a_mismatch(model_dir, tmp_path):
+    """The inverse twin: the same job on plain torch kernels is not on-policy."""
+    rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=2", "model.kernels=fast"))
+    assert any(r["train/train_rollout_logprob_abs_diff"] > 0 for r in rows)
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] >= r["train/train_rollout_logprob_abs_diff"]
+               for r in rows)
+
+
+def test_resumed_run_equals_uninterrupted_run(model_dir, tmp_path):
+    full = run(model_dir, tmp_path / "full", "max_steps=4", "save_every=2")
+    part = tmp_path / "part"
+    run(model_dir, part, "max_steps=2", "save_every=2")
+    resumed = run(model_dir, part, "max_steps=4", "save_every=2", "resume=true")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # one file: steps 3-4 appended
+    same_metrics(full, resumed)
+
+
+def test_resume_refuses_to_overwrite_or_invent(model_dir, tmp_path, capsys):
+    run(model_dir, tmp_path / "r", "max_steps=1")
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=2"]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 2
+    assert "resume=true" in capsys.readouterr().err
+
+
+def test_bypass_mode_runs_and_stays_exact(model_dir, tmp_path):
+    rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=2", "algorithm.bypass=true"))
+    assert all(r["train/train_rollout_logprob_abs_diff"] == 0.0 for r in rows)
+
+
+# ---------------------------------------------------------------- asynchronous loop
+
+
+def test_async_staleness_zero_is_bitwise_the_synchronous_loop(model_dir, tmp_path):
+    sync = run(model_dir, tmp_path / "sync", "max_steps=3")
+    asyn = run(model_dir, tmp_path / "async", "max_steps=3", "async.enabled=true", "async.max_staleness=0",
+               "async.recompute_behaviour=false")
+    same_metrics(sync, [{k: v for k, v in r.items() if not k.startswith("async/")} for r in asyn])
+    assert all(r["async/staleness_max"] == 0 for r in training_rows(asyn))
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_async_run_is_stale_and_its_behaviour_policy_is_recomputed(model_dir, tmp_path, kernels):
+    rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=4", "async.enabled=true",
+                             "async.max_staleness=2", f"model.kernels={kernels}"))
+    assert max(r["async/staleness_max"] for r in rows) == 2
+    assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in rows)
+    # stale data: the engine's μ is not the trainer's π_old, and the diagnostics say so
+    assert rows[-1]["train/train_rollout_logprob_abs_diff"] > 0
+    assert rows[-1]["mismatch/k3"] > 0
+    recomputed = [r["async/behaviour_recompute_abs_diff_max"] for r in rows]
+    if kernels == "exact":  # μ is exactly the policy of the version that sampled each token
+        assert recomputed == [0.0] * len(rows)
+    else:  # inverse twin: fast kernels cannot reproduce the engine's logprobs
+        assert max(recomputed) > 0
+
+
+def test_async_inflight_updates_keep_every_token_exact(model_dir, tmp_path):
+    rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=3", "async.enabled=true",
+                             "async.max_staleness=1", "async.inflight_updates=true"))
+    assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in rows)
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+
+
+def test_async_resume_continues_from_the_trained_data_position(model_dir, tmp_path):
+    d = tmp_path / "run"
+    run(model_dir, d, "max_steps=2", "save_every=2", "async.enabled=true", "async.max_staleness=2")
+    state = json.loads((d / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["prompts"]["index"] == 2 * 4  # two batches of 4 prompts, not what the rollout thread took
+    rows = run(model_dir, d, "max_steps=3", "resume=true", "async.enabled=true", "async.max_staleness=2")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- staleness filter (unit)
+
+
+def _group(versions_per_sample: list[list[int]]) -> list[Rollout]:
+    return [Rollout(None, [1], [2] * len(v), [0.0] * len(v), v, "stop", "", 0.0) for v in versions_per_sample]
+
+
+def test_drop_stale_removes_whole_groups_and_counts_them():
+    groups = [_group([[5, 5], [5]]), _group([[2, 3], [5]]), _group([[4], []])]
+    kept, m = drop_stale(groups, version=5, max_staleness=1)
+    assert kept == [groups[0], groups[2]]
+    assert m["async/dropped_samples"] == 2.0
+    assert m["async/staleness_max"] == 1.0
+    assert m["async/staleness_mean"] == pytest.approx(1 / 4)  # ages 0, 0, 0, 1
+
+
+def test_drop_stale_refuses_a_batch_with_nothing_fresh():
+    with pytest.raises(ValueError, match="weight_sync"):
+        drop_stale([_group([[0]])], version=3, max_staleness=1)
+
+
+def test_async_config_key_and_errors():
+    cfg = load_config(None, ["async.enabled=true", "async.max_staleness=3"])
+    assert cfg.async_.enabled and cfg.async_.max_staleness == 3
+    with pytest.raises(ValueError, match="async.max_staleness"):
+        load_config(None, ["async.max_staleness=-1"])
+    with pytest.raises(ValueError, match="unknown config key 'async.staleness'"):
+        load_config(None, ["async.staleness=1"])
