@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from exactrl.envs.settings import TaskSettings
 from exactrl.model.settings import ModelSettings
+from exactrl.rl.external import RolloutBackendSettings
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
 
@@ -141,6 +142,8 @@ class RunConfig(BaseModel):
     task: TaskSettings = Field(default_factory=TaskSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    rollout_backend: RolloutBackendSettings = Field(default_factory=RolloutBackendSettings)
+    """Who samples the rollouts: the in-process engine (exact) or an external OpenAI-compatible server."""
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
     optim: OptimSettings = Field(default_factory=OptimSettings)
     sft: SFTSettings = Field(default_factory=SFTSettings)

@@ -18,6 +18,7 @@ from exactrl.model.transformer import CausalLM
 from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from exactrl.rl.config import RunConfig
 from exactrl.rl.corrections import build_corrections
+from exactrl.rl.external import ExternalEngine
 from exactrl.rl.logger import MetricsLogger
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings
@@ -29,7 +30,7 @@ class Components:
     run_dir: Path
     model: CausalLM  # the trainer's copy
     ref_model: CausalLM | None  # frozen initial weights, only when KL is on
-    engine: Any  # exactrl.Engine over its own copy of the model
+    engine: Any  # exactrl.Engine over its own copy of the model, or an ExternalEngine (rl/external.py)
     tokenizer: Any
     task: Any
     prompts: PromptSource
@@ -71,10 +72,27 @@ def _run_dir(cfg: RunConfig) -> Path:
     return d
 
 
-def build(cfg: RunConfig, log=print) -> Components:
+def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int):
+    """The in-process exactrl.Engine over its own copy of the model, or an external server (rl/external.py).
+
+    Policy versions are training steps, also across a resume: the engine starts at version `start`.
+    """
     from exactrl.engine import Engine
+
+    stops = sorted(tokenizer.stop_token_ids)
+    if cfg.rollout_backend.kind == "openai":
+        return ExternalEngine.connect(cfg.rollout_backend, model, stops, version=start)
+    engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=stops, **cfg.engine.model_dump())
+    engine.version = start
+    return engine
+
+
+def build(cfg: RunConfig, log=print) -> Components:
     from exactrl.rl.warmstart import default_model_dir
 
+    if cfg.rollout_backend.kind == "openai" and cfg.async_.enabled and cfg.async_.inflight_updates:
+        raise ValueError("async.inflight_updates needs rollout_backend.kind=engine: an external server has no hook "
+                         "between its steps to take new weights (use inflight_updates=false)")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run_dir = _run_dir(cfg)
@@ -102,9 +120,7 @@ def build(cfg: RunConfig, log=print) -> Components:
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
-    engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tokenizer.stop_token_ids),
-                    **cfg.engine.model_dump())
-    engine.version = start  # policy versions are training steps, also across a resume
+    engine = _rollout_engine(cfg, model, tokenizer, start)
     a = cfg.algorithm
     settings = StepSettings(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,

@@ -6,6 +6,9 @@ Routes (OpenAI's schema, so the official `openai` client works unchanged):
   POST /v1/completions               JSON or SSE
   GET  /metrics                      flat JSON counters (server/…, chat/…, engine/…)
   GET  /health
+  POST /update_weights_from_disk     {"model_path": DIR}: load a HF checkpoint into the engine between
+                                     two steps (SGLang's endpoint; the external rollout backend's
+                                     `weight_sync: disk`) -> {"success": true, "version": N}
 Sessions (agent rollouts for training): the same two POST routes under
 `/sessions/{session_id}/v1/…` record every completion of the session as
 token-level trajectories with loss masks (`exactrl.chat.trajectory`);
@@ -39,7 +42,7 @@ from exactrl.chat.trajectory import Session
 from exactrl.server import chat as chat_api
 from exactrl.server import completions as completions_api
 from exactrl.server.loop import EngineLoop
-from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRequest
+from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, UpdateWeightsFromDiskRequest
 
 log = logging.getLogger("exactrl.server")
 
@@ -106,6 +109,27 @@ class ServerState:
                                 f"{prompt_len} tokens and max_tokens is {requested}; lower max_tokens to at most "
                                 f"{room}", param="max_tokens", code="context_length_exceeded")
         return requested
+
+    async def load_weights(self, model_path: str) -> int:
+        """Reads a HF checkpoint off the event loop, then swaps it into the engine between two steps.
+
+        The checkpoint is loaded in the served model's dtype; names and shapes must match the
+        served model. Returns the engine's new version.
+        """
+        from exactrl.model import load_model
+
+        def read() -> dict:
+            model = load_model(model_path, dtype=self.engine.model.dtype, kernels="fast")  # kernels unused
+            return {k: v.detach() for k, v in model.named_parameters()}
+
+        try:
+            weights = await asyncio.to_thread(read)
+            version = await asyncio.wrap_future(self.loop.update_weights(weights))
+        except ValueError as e:
+            raise APIError(400, f"cannot load weights from model_path {model_path!r}: {e}",
+                           param="model_path") from None
+        self.count("server/weight_updates")
+        return version
 
     # ------------------------------------------------------------ helpers
     def session(self, session_id: str) -> Session:
@@ -215,6 +239,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request):
         return await completions_api.completions(state, body, request)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+        version = await state.load_weights(body.model_path)
+        return {"success": True, "message": f"loaded {body.model_path}", "version": version}
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request):

@@ -1,7 +1,7 @@
 """The one thread that owns the engine.
 
 The engine is not thread-safe, so a single background thread drives it:
-it takes commands (add, abort, call) from a queue between steps, runs
+it takes commands (add, abort, call, weight updates) from a queue between steps, runs
 `engine.step()` while anything is unfinished, and pushes every request's
 cumulative output to that request's `RequestStream` — an asyncio queue on the
 HTTP event loop, fed with `call_soon_threadsafe`. When nothing is running it
@@ -95,6 +95,14 @@ class EngineLoop:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", fn, fut))
         return fut
+
+    def update_weights(self, state_dict: dict) -> concurrent.futures.Future:
+        """Swaps the engine's weights between two steps; the future holds the new version.
+
+        The engine preempts its running sequences and recomputes their cache, so every token
+        generated afterwards is the new weights' (`Engine.update_weights`).
+        """
+        return self.call(lambda engine: engine.update_weights(state_dict))
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:

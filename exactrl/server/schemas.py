@@ -10,6 +10,8 @@ Extras beyond OpenAI's schema:
   stop_token_ids   extra stop token ids, as vLLM
   ignore_eos       do not stop at the end-of-turn / eos tokens (benchmarks)
   monotonicity     per-request override of the server's policy: raise | split | truncate
+  return_token_ids accepted for vLLM's dialect; the token ids are always returned
+                   (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`)
 """
 from __future__ import annotations
 
@@ -73,6 +75,15 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool | None = None  # vLLM's flag; exactrl returns the token ids in any case
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """POST /update_weights_from_disk, SGLang's name and body (its other fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str  # Hugging Face checkpoint directory (config.json + safetensors) on the server's filesystem
 
 
 MAX_STOP_STRINGS = 4

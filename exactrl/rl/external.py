@@ -1,0 +1,295 @@
+"""The external-engine rollout backend: any OpenAI-compatible server that returns token ids and logprobs.
+
+    generate        one POST {base_url}/v1/completions per prompt (token-id prompt, n samples),
+                    at most `max_concurrency` in flight  ->  exactrl Completions
+    update_weights  weight_sync none: the version is only noted
+                    weight_sync disk: HF checkpoint (exactrl.save_model) -> POST {base_url}/update_weights_from_disk
+
+`ExternalEngine` has the surface the training loops use of `exactrl.Engine`
+(`generate`, `update_weights`, `version`, `stats`), so the loops, the
+evaluation and the asynchronous rollout thread run unchanged over it
+(DESIGN.md §6: external engines through their OpenAI-compatible APIs).
+
+One dialect for every server. The request carries the prompt as token ids,
+`n`, `max_tokens`, `temperature`, `top_p`, `seed`, `logprobs: 0` (the
+sampled token's own logprob, no alternatives: vLLM, SGLang and exactrl all
+read 0 that way, and exactrl would recompute alternatives with an extra
+forward for anything above), `return_token_ids: true` (vLLM >= 0.10.2) and
+the vLLM-style extras `top_k` (omitted when off) and `stop_token_ids`. The
+answer is read from whichever of these a choice holds:
+  exactrl serve  `generation_token_ids` + `generation_log_probs`
+  vLLM           `token_ids` + `logprobs.token_logprobs`
+  SGLang         `meta_info.output_token_logprobs`: (logprob, token id, text) triples
+A server that returns neither token ids nor their logprobs is an error:
+re-tokenizing the text would not give back the sampled tokens (a string has
+many tokenizations), and the run would silently train on tokens nobody
+sampled. A server that echoes `prompt_token_ids` must echo ours unchanged.
+
+Mismatch. The server's logprobs are the behaviour policy μ; the trainer
+recomputes π_old itself, so `train/train_rollout_logprob_abs_diff` and the
+`mismatch/` diagnostics measure the gap and `algorithm.corrections` (token
+TIS, masked IS, ...) correct it. Through `exactrl serve` with `exact`
+kernels and `weight_sync: disk` the gap is 0.0, bitwise (tested): the HTTP
+path loses nothing. vLLM reports logprobs of the raw logits unless started
+with `--logprobs-mode processed_logprobs`; with temperature != 1 or top-k /
+top-p, start it so, or the measured gap includes the temperature.
+
+Versions. Every token is tagged with the version of the weights the server
+is known to hold (`version`, the trainer's numbering: training steps).
+`weight_sync: none`: the server keeps the weights it was started with, all
+tokens carry the starting version, and `update_weights` only notes the
+trainer's version (`external/trainer_version`). The data then grows staler
+every step: the synchronous loop's mismatch metrics show it growing, and the
+asynchronous loop's `drop_stale` refuses it once it is older than
+`async.max_staleness`. `weight_sync: disk`: the weights are written as a
+Hugging Face checkpoint into `sync_dir` (which the server must see under the
+same path) and loaded by the server's `update_weights_from_disk` (SGLang's
+endpoint, also `exactrl serve`'s; vLLM has none, so it runs with `none`).
+The server is loaded with the trainer's weights when the run starts, so
+`version` is known from the first batch on, also after a resume. A lock
+keeps a weight sync from overlapping a batch. In-flight updates are
+impossible (there is no hook between the server's steps): `on_step` is
+refused.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from exactrl.engine.engine import Completion
+from exactrl.engine.sampling import SamplingParams
+from exactrl.model import save_model
+from exactrl.model.transformer import CausalLM
+
+
+class RolloutBackendSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    kind: Literal["engine", "openai"] = "engine"
+    """`engine`: the in-process exactrl.Engine (bitwise exact); `openai`: an external OpenAI-compatible
+    server (vLLM, SGLang, `exactrl serve`), whose mismatch is measured and corrected."""
+    base_url: str | None = None
+    """Server root, e.g. http://127.0.0.1:8000 (requests go to {base_url}/v1/completions)."""
+    model: str | None = None
+    """Model name sent in every request: one the server serves (its /v1/models)."""
+    weight_sync: Literal["none", "disk"] = "none"
+    """`none`: the server keeps its weights (data grows stale); `disk`: after each step the weights are
+    saved to `sync_dir` and loaded by the server's /update_weights_from_disk."""
+    sync_dir: str | None = None
+    """Where `disk` writes checkpoints; the server must read the same path. None: a temp dir (same machine)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Per HTTP request (a whole completion of n samples, or one weight load)."""
+    max_concurrency: int = Field(16, ge=1)
+    """Requests (one per prompt) in flight at once."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutBackendSettings":
+        if self.kind == "openai":
+            if not self.base_url or not self.model:
+                raise ValueError("rollout_backend.kind=openai needs rollout_backend.base_url and rollout_backend.model")
+            if self.base_url.rstrip("/").endswith("/v1"):
+                raise ValueError(f"rollout_backend.base_url must be the server root, without /v1: "
+                                 f"got {self.base_url!r}")
+        return self
+
+
+class ExternalEngineError(RuntimeError):
+    """The server failed, timed out, was unreachable, or answered without what exactness needs."""
+
+
+class ExternalEngine:
+    """exactrl.Engine's rollout surface over an OpenAI-compatible HTTP server."""
+
+    def __init__(self, s: RolloutBackendSettings, stop_token_ids=(), version: int = 0,
+                 policy: CausalLM | None = None):
+        """`policy`: a copy of the policy model, used only to write `disk` checkpoints (required then)."""
+        if s.kind != "openai":
+            raise ValueError(f"ExternalEngine needs rollout_backend.kind=openai, got {s.kind!r}")
+        if s.weight_sync == "disk" and policy is None:
+            raise ValueError("weight_sync=disk needs the policy model to write checkpoints")
+        self.s = s
+        self.base_url = s.base_url.rstrip("/")
+        self.stop_token_ids = frozenset(stop_token_ids)  # sent with every request, as the in-process engine's
+        self.version = version  # weights the server is known to hold (the trainer's numbering)
+        self.trainer_version = version  # newest version offered by update_weights
+        self._policy = policy
+        self._tmp = tempfile.TemporaryDirectory(prefix="exactrl-weights-") if s.weight_sync == "disk" else None
+        self._sync_dir = Path(s.sync_dir) if s.sync_dir else Path(self._tmp.name) if self._tmp else None
+        self._last_ckpt: Path | None = None
+        self._client = httpx.Client(timeout=s.timeout_s, limits=httpx.Limits(max_connections=s.max_concurrency))
+        self._lock = threading.Lock()  # a weight sync never overlaps a batch: every token's version is known
+        self._stats = {"external/requests": 0, "external/request_s": 0.0, "external/weight_syncs": 0,
+                       "external/weight_sync_s": 0.0}
+
+    @classmethod
+    def connect(cls, s: RolloutBackendSettings, policy: CausalLM, stop_token_ids=(), version: int = 0
+                ) -> "ExternalEngine":
+        """The backend of a run: with `disk`, the server is first loaded with the policy's current weights."""
+        own = copy.deepcopy(policy).requires_grad_(False) if s.weight_sync == "disk" else None
+        engine = cls(s, stop_token_ids, version, own)
+        if own is not None:
+            engine._push(policy.state_dict(), version)
+        return engine
+
+    def close(self) -> None:
+        self._client.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # ------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_step=None) -> list[list[Completion]]:
+        """Blocking: outs[k][j] is sample j of prompt k, every token tagged with `version`."""
+        if on_step is not None:
+            raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: an "
+                             "external server has no hook between its steps")
+        params = SamplingParams() if params is None else params
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        bodies = [self.request_body(p, sp) for p, sp in zip(prompts, plist)]
+        with self._lock:
+            version, t0 = self.version, time.perf_counter()
+            answers = self._post_all("/v1/completions", bodies)
+            self._stats["external/requests"] += len(bodies)
+            self._stats["external/request_s"] += time.perf_counter() - t0
+        url = f"{self.base_url}/v1/completions"
+        return [to_completions(a, list(p), sp, version, f"{url} (prompt {k})")
+                for k, (a, p, sp) in enumerate(zip(answers, prompts, plist))]
+
+    def request_body(self, prompt: list[int], sp: SamplingParams) -> dict:
+        """The one request dialect (see the module docstring)."""
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.stop_token_ids)
+        body = {"model": self.s.model, "prompt": list(prompt), "n": sp.n, "max_tokens": sp.max_tokens,
+                "temperature": sp.temperature, "top_p": sp.top_p, "logprobs": 0, "return_token_ids": True,
+                "stop_token_ids": sorted(stops), "ignore_eos": sp.ignore_eos}
+        if sp.top_k != -1:
+            body["top_k"] = sp.top_k
+        if sp.seed is not None:
+            body["seed"] = sp.seed
+        return body
+
+    def _post_all(self, path: str, bodies: list[dict]) -> list[dict]:
+        if not bodies:
+            return []
+        with ThreadPoolExecutor(min(self.s.max_concurrency, len(bodies)), thread_name_prefix="exactrl-http") as pool:
+            futures = [pool.submit(self._post, path, b) for b in bodies]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    def _post(self, path: str, body: dict) -> dict:
+        url = f"{self.base_url}{path}"
+        try:
+            r = self._client.post(url, json=body)
+        except httpx.TimeoutException as e:
+            raise ExternalEngineError(f"{url}: no answer within rollout_backend.timeout_s={self.s.timeout_s}s "
+                                      f"({type(e).__name__})") from None
+        except httpx.TransportError as e:
+            raise ExternalEngineError(f"cannot reach the rollout server at {url}: {type(e).__name__}: {e} (is it "
+                                      f"running? rollout_backend.base_url={self.s.base_url!r})") from None
+        if r.status_code != 200:
+            raise ExternalEngineError(f"{url} answered HTTP {r.status_code}: {r.text[:1000]}")
+        try:
+            return r.json()
+        except ValueError:
+            raise ExternalEngineError(f"{url} answered with a body that is not JSON: {r.text[:200]!r}") from None
+
+    # ------------------------------------------------------------ weights
+    def update_weights(self, state_dict, version: int | None = None) -> int:
+        """`disk`: hands the weights to the server, whose tokens are then `version`; `none`: notes it only.
+
+        Returns the version the server holds (unchanged with `none`). `version`, if given, must
+        increase, as for `Engine.update_weights`.
+        """
+        if version is not None and not (isinstance(version, int) and version > self.trainer_version):
+            raise ValueError(f"version must be an int above {self.trainer_version}, got {version!r}")
+        self.trainer_version = self.trainer_version + 1 if version is None else version
+        if self.s.weight_sync == "disk":
+            self._push(state_dict, self.trainer_version)
+        return self.version
+
+    def _push(self, state_dict, version: int) -> None:
+        """Writes the weights as a HF checkpoint and has the server load them; then they are `version`."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self._policy.load_state_dict(state_dict)
+            ckpt = self._sync_dir / f"weights-v{version}"
+            save_model(self._policy, ckpt)
+            answer = self._post("/update_weights_from_disk", {"model_path": str(ckpt.resolve())})
+            if answer.get("success") is not True:
+                raise ExternalEngineError(f"{self.base_url}/update_weights_from_disk did not load {ckpt}: {answer}")
+            if self._last_ckpt is not None and self._last_ckpt != ckpt:
+                shutil.rmtree(self._last_ckpt, ignore_errors=True)
+            self._last_ckpt, self.version = ckpt, version
+            self._stats["external/weight_syncs"] += 1
+            self._stats["external/weight_sync_s"] += time.perf_counter() - t0
+
+    def stats(self) -> dict[str, float]:
+        """Flat gauges and counters for metrics logging."""
+        return {"engine/version": self.version, "external/trainer_version": self.trainer_version,
+                "external/weight_lag": self.trainer_version - self.version, **self._stats}
+
+
+# ---------------------------------------------------------------- answers
+def to_completions(answer: dict, prompt: list[int], sp: SamplingParams, version: int, where: str) -> list[Completion]:
+    """The n choices of one /v1/completions answer, by index, as Completions of `version`."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    indexes = [c.get("index") if isinstance(c, dict) else None for c in choices or ()]
+    if (not isinstance(choices, list) or len(choices) != sp.n or not all(i in range(sp.n) for i in indexes)
+            or len(set(indexes)) != sp.n):
+        raise ExternalEngineError(f"{where}: expected `choices` with indexes 0..{sp.n - 1} (n={sp.n}), got "
+                                  f"{str(answer)[:300]}")
+    out = []
+    for c in sorted(choices, key=lambda c: c["index"]):
+        ids, lps = parse_choice(c, where)
+        echoed = c.get("prompt_token_ids")
+        if echoed is not None and list(echoed) != prompt:
+            raise ExternalEngineError(f"{where}: the server changed the prompt's tokens (prompt_token_ids "
+                                      f"{list(echoed)[:8]}... vs sent {prompt[:8]}...), e.g. by adding a BOS")
+        if c.get("finish_reason") not in ("stop", "length"):
+            raise ExternalEngineError(f"{where}: choice {c['index']} has finish_reason "
+                                      f"{c.get('finish_reason')!r}, expected 'stop' or 'length'")
+        if len(ids) > sp.max_tokens:
+            raise ExternalEngineError(f"{where}: choice {c['index']} has {len(ids)} tokens, max_tokens={sp.max_tokens}")
+        out.append(Completion(c["index"], list(prompt), ids, lps, [version] * len(ids), c["finish_reason"]))
+    return out
+
+
+def parse_choice(c: dict, where: str) -> tuple[list[int], list[float]]:
+    """Generated token ids and their logprobs from one choice, in the dialect of whichever server sent it."""
+    meta = c.get("meta_info") or {}
+    if "generation_token_ids" in c:  # exactrl serve
+        ids, lps, lp_field = c["generation_token_ids"], c.get("generation_log_probs"), "generation_log_probs"
+    elif "token_ids" in c:  # vLLM with return_token_ids
+        ids, lps, lp_field = c["token_ids"], (c.get("logprobs") or {}).get("token_logprobs"), "logprobs.token_logprobs"
+    elif "output_token_logprobs" in meta:  # SGLang
+        triples = meta["output_token_logprobs"]
+        ids, lps, lp_field = [t[1] for t in triples], [t[0] for t in triples], "meta_info.output_token_logprobs"
+    else:
+        raise ExternalEngineError(
+            f"{where}: the answer holds no generated token ids (no `generation_token_ids` (exactrl), `token_ids` "
+            f"(vLLM >= 0.10.2 with return_token_ids) or `meta_info.output_token_logprobs` (SGLang); the choice "
+            f"has {sorted(c)}). The text cannot be re-tokenized instead: that would not give back the sampled "
+            f"tokens. Use a server that returns token ids.")
+    if lps is None:
+        raise ExternalEngineError(f"{where}: the answer has token ids but no logprobs (`{lp_field}` missing): "
+                                  f"the server must return the sampled tokens' logprobs (request logprobs=0)")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ExternalEngineError(f"{where}: token ids must be integers, got {ids[:8]}")
+    if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
+        raise ExternalEngineError(f"{where}: `{lp_field}` must hold one number per token ({len(ids)} tokens), "
+                                  f"got {lps[:8]}")
+    return list(ids), [float(x) for x in lps]

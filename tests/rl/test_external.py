@@ -1,0 +1,354 @@
+"""The external-engine rollout backend (exactrl/rl/external.py) against real `exactrl serve` apps over HTTP.
+
+Layers: the answer parser on hand-made vLLM / SGLang / exactrl answers; bitwise equality of the
+backend's logprobs with the trainer's through an exact-kernel server (the HTTP path loses nothing);
+disk weight sync; short training runs (sync and async loops) through exact and fast-kernel servers;
+errors (missing fields, HTTP errors, timeouts, an unreachable server, bad weight paths).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+import exactrl
+from exactrl.cli import main as cli_main
+from exactrl.engine import Engine, SamplingParams
+from exactrl.envs import get_task
+from exactrl.envs.dataset import make_dataset
+from exactrl.rl import warmstart
+from exactrl.rl.config import load_config
+from exactrl.rl.external import ExternalEngine, ExternalEngineError, RolloutBackendSettings, to_completions
+from exactrl.rl.setup import build
+from exactrl.server.app import ServerThread, build_state, create_app
+
+# an entropy bonus: the weights change every step even when the random model earns no reward
+SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+         "task.eval_size=8", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096",
+         "algorithm.entropy_coef=0.01"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The default job's model and tokenizer, without the warm start (random weights)."""
+    root = tmp_path_factory.mktemp("artifacts")
+    saved = warmstart.ARTIFACTS
+    warmstart.ARTIFACTS = root
+    try:
+        return warmstart.default_model_dir(load_config(None, ["sft.steps=0"]), log=lambda *a: None)
+    finally:
+        warmstart.ARTIFACTS = saved
+
+
+@contextlib.contextmanager
+def serving(model_dir, kernels: str = "exact"):
+    state = build_state(str(model_dir), kernels=kernels, kv_budget_tokens=8192)
+    with ServerThread(create_app(state)) as thread:
+        yield thread.url, state
+
+
+@pytest.fixture(scope="module")
+def exact_server(model_dir):
+    """Shared, never receives weights (tests that sync weights start their own)."""
+    with serving(model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return exactrl.load_tokenizer(model_dir)
+
+
+def backend(url: str, state, **kw) -> RolloutBackendSettings:
+    return RolloutBackendSettings(kind="openai", base_url=url, model=state.config.model_name, **kw)
+
+
+def prompts(tok, n: int) -> list[list[int]]:
+    task = get_task("arithmetic")
+    return [warmstart.prompt_ids(tok, task, p) for p in make_dataset(task, n, seed=3)]
+
+
+def trainer_lps(model, prompt: list[int], comp, sp: SamplingParams) -> list[float]:
+    lp = exactrl.sequence_logprobs(model, [prompt + comp.token_ids], sp.temperature or 1.0, sp.top_k, sp.top_p)[0]
+    return lp[len(prompt) - 1:].tolist()
+
+
+def run(model_dir, run_dir, *overrides) -> list[dict]:
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] > 0]
+
+
+def external(url: str, state, *extra: str) -> list[str]:
+    return ["rollout_backend.kind=openai", f"rollout_backend.base_url={url}",
+            f"rollout_backend.model={state.config.model_name}", *extra]
+
+
+# ---------------------------------------------------------------- answer parsing (no server)
+SP2 = SamplingParams(max_tokens=4, n=2)
+
+
+def test_vllm_shaped_answer_is_parsed_by_index():
+    answer = {"choices": [
+        {"index": 1, "text": "ab", "token_ids": [7, 8, 9], "prompt_token_ids": [1, 2], "finish_reason": "stop",
+         "logprobs": {"tokens": ["a", "b", "<e>"], "token_logprobs": [-0.5, -1.25, -3.0], "top_logprobs": None}},
+        {"index": 0, "text": "c", "token_ids": [5, 6, 4, 4], "prompt_token_ids": [1, 2], "finish_reason": "length",
+         "logprobs": {"tokens": ["c", "", "", ""], "token_logprobs": [-0.1, -0.2, -0.3, -0.4]}}]}
+    out = to_completions(answer, [1, 2], SP2, version=7, where="vllm")
+    assert [c.index for c in out] == [0, 1]
+    assert out[0].token_ids == [5, 6, 4, 4] and out[0].logprobs == [-0.1, -0.2, -0.3, -0.4]
+    assert out[1].token_ids == [7, 8, 9] and out[1].logprobs == [-0.5, -1.25, -3.0]
+    assert out[1].versions == [7, 7, 7] and out[1].finish_reason == "stop" and out[1].prompt_token_ids == [1, 2]
+
+
+def test_sglang_and_exactrl_shaped_answers_are_parsed():
+    sglang = {"choices": [{"index": 0, "text": "x", "finish_reason": "length",
+                           "meta_info": {"output_token_logprobs": [[-0.25, 11, None], [-2.0, 12, None]]}}]}
+    (c,) = to_completions(sglang, [1], SamplingParams(max_tokens=2), 0, "sglang")
+    assert c.token_ids == [11, 12] and c.logprobs == [-0.25, -2.0]
+    ours = {"choices": [{"index": 0, "text": "x", "finish_reason": "stop", "logprobs": None,
+                         "prompt_token_ids": [1], "generation_token_ids": [3], "generation_log_probs": [-1.5]}]}
+    (c,) = to_completions(ours, [1], SamplingParams(max_tokens=2), 0, "exactrl")
+    assert c.token_ids == [3] and c.logprobs == [-1.5]
+
+
+@pytest.mark.parametrize("choice, match", [
+    ({"text": "hi", "logprobs": {"tokens": ["hi"], "token_logprobs": [-1.0]}}, "no generated token ids"),
+    ({"token_ids": [3], "logprobs": None}, r"`logprobs.token_logprobs` missing"),
+    ({"generation_token_ids": [3]}, r"`generation_log_probs` missing"),
+    ({"token_ids": [3, 4], "logprobs": {"token_logprobs": [-1.0]}}, "one number per token"),
+    ({"token_ids": [3], "logprobs": {"token_logprobs": [None]}}, "one number per token"),
+    ({"token_ids": [3], "logprobs": {"token_logprobs": [-1.0]}, "prompt_token_ids": [0, 1]}, "changed the prompt"),
+    ({"token_ids": [3], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "abort"}, "finish_reason"),
+])
+def test_answers_without_what_exactness_needs_are_errors(choice, match):
+    c = {"index": 0, "finish_reason": "length"} | choice
+    with pytest.raises(ExternalEngineError, match=match):
+        to_completions({"choices": [c]}, [1], SamplingParams(max_tokens=4), 0, "srv")
+
+
+def test_wrong_number_of_choices_is_an_error():
+    one = {"index": 0, "finish_reason": "stop", "token_ids": [3], "logprobs": {"token_logprobs": [-1.0]}}
+    with pytest.raises(ExternalEngineError, match="indexes 0..1"):
+        to_completions({"choices": [one]}, [1], SP2, 0, "srv")
+    with pytest.raises(ExternalEngineError, match="indexes 0..1"):
+        to_completions({"choices": [one, one]}, [1], SP2, 0, "srv")
+    with pytest.raises(ExternalEngineError, match="indexes"):
+        to_completions({"detail": "nope"}, [1], SP2, 0, "srv")
+
+
+def test_request_body_speaks_one_dialect():
+    eng = ExternalEngine(RolloutBackendSettings(kind="openai", base_url="http://h:1/", model="m"), stop_token_ids=[9])
+    body = eng.request_body([1, 2], SamplingParams(temperature=0.5, top_k=5, max_tokens=3, n=2, seed=4,
+                                                   stop_token_ids=[8]))
+    assert body == {"model": "m", "prompt": [1, 2], "n": 2, "max_tokens": 3, "temperature": 0.5, "top_p": 1.0,
+                    "top_k": 5, "seed": 4, "logprobs": 0, "return_token_ids": True, "stop_token_ids": [8, 9],
+                    "ignore_eos": False}
+    assert "top_k" not in eng.request_body([1], SamplingParams())
+    with pytest.raises(ValueError, match="inflight_updates"):
+        eng.generate([[1]], SamplingParams(), on_step=lambda: None)
+
+
+def test_config_section_and_errors():
+    cfg = load_config(None, ["rollout_backend.kind=openai", "rollout_backend.base_url=http://h:8000",
+                             "rollout_backend.model=m", "rollout_backend.weight_sync=disk"])
+    assert cfg.rollout_backend.weight_sync == "disk" and load_config(None).rollout_backend.kind == "engine"
+    with pytest.raises(ValueError, match="needs rollout_backend.base_url"):
+        load_config(None, ["rollout_backend.kind=openai"])
+    with pytest.raises(ValueError, match="without /v1"):
+        load_config(None, ["rollout_backend.kind=openai", "rollout_backend.base_url=http://h/v1",
+                           "rollout_backend.model=m"])
+    with pytest.raises(ValueError, match="inflight_updates"):
+        build(load_config(None, ["rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1",
+                                 "rollout_backend.model=m", "async.enabled=true", "async.inflight_updates=true"]))
+
+
+# ---------------------------------------------------------------- through a real server
+
+
+def test_exact_server_logprobs_equal_the_trainers_bitwise(model_dir, exact_server, tok):
+    url, state = exact_server
+    stops = sorted(tok.stop_token_ids)
+    eng = ExternalEngine(backend(url, state), stops)
+    ps = prompts(tok, 3)
+    # a random model rarely ends its turn: extra stop ids make some samples stop
+    params = [SamplingParams(max_tokens=12, n=4, seed=1, stop_token_ids=list(range(3, 60))),
+              SamplingParams(temperature=0.7, top_k=20, max_tokens=12, n=3, seed=2),
+              SamplingParams(temperature=0.0, max_tokens=12, seed=3)]
+    outs = eng.generate(ps, params)
+    model = exactrl.load_model(model_dir)
+    local = Engine(model, stop_token_ids=stops).generate(ps, params)  # the same seeds sample the same tokens
+    reasons = set()
+    for p, sp, got, want in zip(ps, params, outs, local):
+        assert len(got) == sp.n
+        for c, w in zip(got, want):
+            assert c.token_ids == w.token_ids and c.finish_reason == w.finish_reason
+            assert c.logprobs == w.logprobs == trainer_lps(model, p, c, sp)  # bitwise
+            assert c.versions == [0] * len(c.token_ids) and c.prompt_token_ids == p
+            reasons.add(c.finish_reason)
+    assert reasons == {"stop", "length"}
+    assert eng.stats()["external/requests"] == 3
+
+
+def test_weight_sync_none_only_notes_the_trainers_version(model_dir, exact_server, tok):
+    url, state = exact_server
+    eng = ExternalEngine(backend(url, state), sorted(tok.stop_token_ids), version=0)
+    before = state.engine.version
+    assert eng.update_weights({}, version=3) == 0  # nothing is sent
+    (out,) = eng.generate(prompts(tok, 1), SamplingParams(max_tokens=4, n=2))
+    assert all(c.versions == [0] * len(c.token_ids) for c in out)
+    assert state.engine.version == before
+    s = eng.stats()
+    assert s["engine/version"] == 0 and s["external/trainer_version"] == 3 and s["external/weight_lag"] == 3
+    with pytest.raises(ValueError, match="above 3"):
+        eng.update_weights({}, version=3)
+
+
+def test_disk_sync_advances_the_server_and_its_logprobs_follow_the_trainer(model_dir, tok, tmp_path):
+    policy = exactrl.load_model(model_dir)
+    with serving(model_dir) as (url, state):
+        eng = ExternalEngine.connect(backend(url, state, weight_sync="disk", sync_dir=str(tmp_path)), policy,
+                                     sorted(tok.stop_token_ids), version=5)
+        assert state.engine.version == 1  # the server was loaded with the trainer's weights at once
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        assert eng.update_weights(policy.state_dict(), version=6) == 6
+        assert httpx.get(f"{url}/metrics").json()["engine/version"] == 2
+        assert [d.name for d in tmp_path.iterdir()] == ["weights-v6"]  # the previous checkpoint is gone
+        ps, sp = prompts(tok, 2), SamplingParams(max_tokens=10, n=3, seed=9)
+        outs = eng.generate(ps, sp)
+    old = exactrl.load_model(model_dir)
+    for p, group in zip(ps, outs):
+        for c in group:
+            assert c.versions == [6] * len(c.token_ids)
+            assert c.logprobs == trainer_lps(policy, p, c, sp)  # bitwise, under the new weights
+            assert c.logprobs != trainer_lps(old, p, c, sp)
+    assert eng.stats()["external/weight_syncs"] == 2
+    eng.close()
+
+
+def test_sync_training_through_an_exact_server_with_disk_sync_is_on_policy(model_dir, tmp_path):
+    with serving(model_dir) as (url, state):
+        rows = run(model_dir, tmp_path / "run", "max_steps=3",
+                   *external(url, state, "rollout_backend.weight_sync=disk"))
+        assert state.engine.version == 1 + 3  # the starting weights, then one sync per step
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 0 for r in rows)  # new weights every step, synced through the disk
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 for r in rows)
+    assert "eval/accuracy" in rows[-1]  # greedy evaluation through the server too
+
+
+def test_without_weight_sync_the_data_drifts_off_policy(model_dir, exact_server, tmp_path):
+    """The inverse twin of disk sync: the server keeps the starting weights, the trainer moves on."""
+    url, state = exact_server
+    rows = run(model_dir, tmp_path / "run", "max_steps=2", "task.eval_size=0", *external(url, state))
+    assert rows[0]["train/train_rollout_logprob_abs_diff_max"] == 0.0  # both still hold the starting weights
+    assert rows[1]["train/train_rollout_logprob_abs_diff"] > 0 and rows[1]["mismatch/k3"] > 0
+
+
+def test_fast_server_mismatch_is_measured_and_corrected(model_dir, tmp_path):
+    """The inverse twin: plain torch kernels on the server, exact trainer; token TIS corrects the gap."""
+    with serving(model_dir, kernels="fast") as (url, state):
+        rows = run(model_dir, tmp_path / "run", "max_steps=2",
+                   *external(url, state, "rollout_backend.weight_sync=disk"),
+                   "algorithm.corrections=[{name: token_tis, upper: 1.0000001}]")  # tight: the gap is ~1e-7
+    for r in rows:
+        assert r["train/train_rollout_logprob_abs_diff"] > 0
+        assert r["train/train_rollout_logprob_abs_diff_max"] >= r["train/train_rollout_logprob_abs_diff"]
+        assert r["mismatch/k3"] != 0 and 0 < r["mismatch/ess"] <= 1
+        assert r["correction/token_tis/clip_frac"] > 0 and r["correction/token_tis/weight_mean"] != 1.0
+
+
+def test_async_training_through_an_exact_server_tags_every_token_with_its_version(model_dir, tmp_path):
+    with serving(model_dir) as (url, state):
+        rows = run(model_dir, tmp_path / "run", "max_steps=3", "async.enabled=true", "async.max_staleness=1",
+                   *external(url, state, "rollout_backend.weight_sync=disk"))
+    assert max(r["async/staleness_max"] for r in rows) == 1 and all(r["train/grad_norm"] > 0 for r in rows)
+    # each token's μ is exactly the logprob under the version it was tagged with
+    assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in rows)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def fake_app() -> FastAPI:
+    """A server that misbehaves as the model name asks."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if body["model"] == "slow":
+            await asyncio.sleep(2.0)
+        if body["model"] == "broken":
+            return JSONResponse({"error": {"message": "boom: out of KV cache"}}, status_code=500)
+        return {"choices": [{"index": 0, "text": "4", "finish_reason": "length",
+                             "logprobs": {"tokens": ["4"], "token_logprobs": [-0.5]}}]}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    with ServerThread(fake_app()) as t:
+        yield t.url
+
+
+def fake(url: str, model: str, **kw) -> ExternalEngine:
+    return ExternalEngine(RolloutBackendSettings(kind="openai", base_url=url, model=model, **kw))
+
+
+def test_a_server_without_token_ids_is_refused(fake_url):
+    with pytest.raises(ExternalEngineError, match=r"v1/completions \(prompt 0\): the answer holds no generated "
+                                                  r"token ids.*cannot be re-tokenized"):
+        fake(fake_url, "plain").generate([[1, 2]], SamplingParams(max_tokens=1))
+
+
+def test_http_errors_carry_the_servers_message(fake_url, exact_server):
+    with pytest.raises(ExternalEngineError, match="HTTP 500: .*boom: out of KV cache"):
+        fake(fake_url, "broken").generate([[1, 2]], SamplingParams(max_tokens=1))
+    url, _ = exact_server
+    with pytest.raises(ExternalEngineError, match="HTTP 404: .*'nope' does not exist"):
+        fake(url, "nope").generate([[1, 2]], SamplingParams(max_tokens=1))
+
+
+def test_timeouts_and_unreachable_servers_are_errors(fake_url):
+    t0 = time.perf_counter()
+    with pytest.raises(ExternalEngineError, match=r"no answer within rollout_backend.timeout_s=0.3s"):
+        fake(fake_url, "slow", timeout_s=0.3).generate([[1, 2]], SamplingParams(max_tokens=1))
+    assert time.perf_counter() - t0 < 2.0
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ExternalEngineError, match=f"cannot reach the rollout server at http://127.0.0.1:{port}"):
+        fake(f"http://127.0.0.1:{port}", "m").generate([[1]], SamplingParams(max_tokens=1))
+
+
+def test_update_weights_from_disk_rejects_bad_checkpoints_and_keeps_serving(exact_server, tok, tmp_path):
+    from conftest import make_hf_model
+
+    url, state = exact_server
+    before = state.engine.version
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
+    assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "model_path"
+    make_hf_model(tmp_path / "other", "qwen3")  # another architecture's sizes
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "other")})
+    assert r.status_code == 400 and "does not match the model" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/update_weights_from_disk", json={})
+    assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]
+    assert state.engine.version == before
+    eng = ExternalEngine(backend(url, state), sorted(tok.stop_token_ids))
+    assert len(eng.generate(prompts(tok, 1), SamplingParams(max_tokens=3))[0]) == 1  # still serving
