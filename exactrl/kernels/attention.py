@@ -8,19 +8,23 @@ the new tokens are written into the pages first; attention then reads pages.
 
 Exact kernel (DESIGN.md §1 rule 2). Query rows are (token, head) pairs grouped
 by (sequence, kv head) and cut into tiles of `QUERY_TILE` rows. Key blocks are
-whole pages of `block_size` keys at absolute positions [jB, (j+1)B). For each
-block j in ascending order, every tile that can see it does, in fp32:
+whole pages of `block_size` keys at absolute positions [jB, (j+1)B). For a
+tile and every block j it can see, in fp32:
 
-    s = q·kᵀ (bmm of fixed shape T×D×B),  masked to -inf where key_pos > q_pos
-    m' = max(m, max_b s);  p = exp(s - m');  a = exp(m - m')
-    l' = a·l + Σ_b p;      acc' = a·acc + p·v  (bmm of fixed shape T×B×D)
+    s_j = q·k_jᵀ   (bmm of the fixed shape T×D×B, masked to -inf where key_pos > q_pos)
+    m   = max over all visible scores (a max is exact in any order)
+    p_j = exp(s_j - m);  l_j = Σ_b p_j;  pv_j = p_j·v_j   (bmm of the fixed shape T×B×D)
+    l = l_0 + l_1 + …,  acc = pv_0 + pv_1 + …   (ascending j; a block the row
+                                                  cannot see is skipped by `where`)
+    o = acc / l
 
-A block that is fully masked for a row gives a = 1, p = 0: a bitwise no-op. So
-a row's result depends only on the keys it may see, never on how many other
-rows, tokens or sequences share the call — decode against a cache, chunked
-prefill and a whole-sequence trainer forward give the same bits. Tiles that
-cannot see block j (all their positions < jB) are skipped, which is the same
-no-op done cheaper (causal savings for long sequences).
+Every product has the same shape whatever the batch, and the only reductions
+whose order could vary (over blocks) run in a fixed ascending order where an
+unseen block is a bitwise no-op. So a row's result depends only on the keys it
+may see, never on how many other rows, tokens or sequences share the call:
+decode against a cache, chunked prefill and a whole-sequence trainer forward
+give the same bits. Tiles are grouped by how many blocks they see and each
+group computes only those (causal savings; the grouping changes work, never bits).
 
 Legend: N tokens, H query heads, Hk kv heads, D head dim, S sequences,
 J blocks per sequence, P pages, B keys per block, t tiles, T rows per tile.
@@ -128,61 +132,69 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
     return k_pages, v_pages
 
 
-GATHER_ALL_LIMIT = 4096  # tiles x blocks up to which all key blocks are gathered in one op (decode)
+CHUNK_ELEMENTS = 1 << 22  # score elements (tiles x blocks x T x B) computed at once; memory only, not bits
 
 
-def _fold_block(q_aTD, k_aBD, v_aBD, pos_aT, m_aT, l_aT, acc_aTD, j: int):
-    """One online-softmax step of the given tiles over key block j (see module docstring).
+def _chunks(need_t: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, int]]:
+    """Groups the tiles by how many key blocks they see, in runs under CHUNK_ELEMENTS.
 
-    Rows that see no key of the block keep their state exactly (`torch.where`),
-    so folding a block into a tile that cannot see it is a bitwise no-op.
+    Each run computes exactly the blocks its tiles can see, so a causal prefill does
+    not pay for the masked upper triangle. Computing fewer or more blocks for a tile
+    cannot change its bits (unseen blocks are where-guarded no-ops): the grouping
+    changes work and memory only.
     """
-    B = k_aBD.shape[1]
-    visible = (j * B + torch.arange(B))[None, None, :] <= pos_aT[:, :, None]
-    s_aTB = torch.bmm(q_aTD, k_aBD.transpose(1, 2)).masked_fill(~visible, float("-inf"))
-    # the running max only shifts the exponent; detaching it leaves the gradient exact
-    m_new = torch.maximum(m_aT, s_aTB.detach().amax(-1))
-    m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
-    p_aTB = torch.exp(s_aTB - m_use[..., None])
-    a_aT = torch.exp(m_aT - m_use)
-    seen = visible.any(-1)
-    l_new = torch.where(seen, l_aT * a_aT + p_aTB.sum(-1), l_aT)
-    acc_new = torch.where(seen[..., None], acc_aTD * a_aT[..., None] + torch.bmm(p_aTB, v_aBD), acc_aTD)
-    return m_new, l_new, acc_new
+    order = torch.argsort(need_t, stable=True)
+    sorted_need = need_t[order]
+    values, counts = torch.unique_consecutive(sorted_need, return_counts=True)
+    out, start = [], 0
+    for J, n in zip(values.tolist(), counts.tolist()):
+        step = max(1, CHUNK_ELEMENTS // (J * QUERY_TILE * block_size))
+        for a in range(start, start + n, step):
+            out.append((order[a:min(a + step, start + n)], J))
+        start += n
+    return out
+
+
+def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages) -> torch.Tensor:
+    """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32."""
+    c, T, D = q_cTD.shape
+    J, B = pages_cJ.shape[1], k_pages.shape[2]
+    k_cJBD = k_pages[pages_cJ, kvh_c[:, None]].float()
+    v_cJBD = v_pages[pages_cJ, kvh_c[:, None]].float()
+    # every (tile, block) product has the fixed shape (T x D)(D x B): the same GEMM whatever c, J
+    q_xTD = q_cTD[:, None].expand(c, J, T, D).reshape(c * J, T, D)
+    s_cJTB = torch.bmm(q_xTD, k_cJBD.view(c * J, B, D).transpose(1, 2)).view(c, J, T, B)
+    visible_cJTB = (torch.arange(J * B).view(1, J, 1, B) <= pos_cT[:, None, :, None])
+    s_cJTB = s_cJTB.masked_fill(~visible_cJTB, float("-inf"))
+    # the max only shifts the exponent (it is exact in any order); detaching it keeps the gradient exact
+    m_cT = s_cJTB.detach().amax(dim=(1, 3))
+    m_cT = torch.where(m_cT == float("-inf"), 0.0, m_cT)
+    p_cJTB = torch.exp(s_cJTB - m_cT[:, None, :, None])
+    l_cJT = p_cJTB.sum(-1)
+    pv_cJTD = torch.bmm(p_cJTB.view(c * J, T, B), v_cJBD.view(c * J, B, D)).view(c, J, T, D)
+    seen_cJT = visible_cJTB[..., 0]  # block j is seen iff its first key is
+    l_cT, acc_cTD = l_cJT[:, 0], pv_cJTD[:, 0]
+    for j in range(1, J):  # ascending block order; an unseen block is skipped bitwise (where)
+        l_cT = torch.where(seen_cJT[:, j], l_cT + l_cJT[:, j], l_cT)
+        acc_cTD = torch.where(seen_cJT[:, j, :, None], acc_cTD + pv_cJTD[:, j], acc_cTD)
+    return acc_cTD / torch.where(l_cT > 0, l_cT, 1.0)[..., None]
 
 
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
                     scale: float) -> torch.Tensor:
-    B, J = k_pages.shape[2], plan.num_blocks
+    B = k_pages.shape[2]
     q_tTD = (q_NHD[plan.tok_tT, plan.head_tT].float() * scale) * plan.valid_tT[..., None]
-    t, T, D = q_tTD.shape
-    m_tT = torch.full((t, T), float("-inf"))
-    l_tT = torch.zeros(t, T)
-    acc_tTD = torch.zeros(t, T, D)
-    pages_tJ = plan.block_table_SJ[plan.seq_t, :J].clamp(min=0)  # -1 (no page) only where fully masked
-    gather_all = t * J <= GATHER_ALL_LIMIT
-    if gather_all:  # decode-sized: one gather for every block instead of two per block
-        k_all = k_pages[pages_tJ, plan.kvh_t[:, None]].float()
-        v_all = v_pages[pages_tJ, plan.kvh_t[:, None]].float()
-    for j in range(J):
-        act = torch.nonzero(plan.maxpos_t >= j * B).squeeze(1)
-        # few tiles see block j (long prefill, causal): fold only those; otherwise fold all,
-        # which the where-guard in _fold_block makes bitwise identical
-        idx = act if 2 * len(act) < t else slice(None)
-        if gather_all:
-            k_aBD, v_aBD = k_all[idx, j], v_all[idx, j]
-        else:
-            k_aBD = k_pages[pages_tJ[idx, j], plan.kvh_t[idx]].float()
-            v_aBD = v_pages[pages_tJ[idx, j], plan.kvh_t[idx]].float()
-        new = _fold_block(q_tTD[idx], k_aBD, v_aBD, plan.pos_tT[idx], m_tT[idx], l_tT[idx], acc_tTD[idx], j)
-        if isinstance(idx, slice):
-            m_tT, l_tT, acc_tTD = new
-        else:
-            m_tT, l_tT, acc_tTD = (x.index_copy(0, idx, n) for x, n in zip((m_tT, l_tT, acc_tTD), new))
-    o_tTD = acc_tTD / torch.where(l_tT > 0, l_tT, 1.0)[..., None]
+    need_t = plan.maxpos_t.clamp(min=0) // B + 1
+    outs, tiles = [], []
+    for idx, J in _chunks(need_t, B):
+        pages_cJ = plan.block_table_SJ[plan.seq_t[idx], :J].clamp(min=0)  # -1 (no page) only where masked
+        outs.append(_attend_chunk(q_tTD[idx], plan.pos_tT[idx], pages_cJ, plan.kvh_t[idx], k_pages, v_pages))
+        tiles.append(idx)
+    o_tTD = torch.cat(outs) if len(outs) > 1 else outs[0]
+    tiles_t = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
+    v = plan.valid_tT[tiles_t]
     out = torch.zeros(q_NHD.shape, dtype=o_tTD.dtype)
-    v = plan.valid_tT
-    out = out.index_put((plan.tok_tT[v], plan.head_tT[v]), o_tTD[v])
+    out = out.index_put((plan.tok_tT[tiles_t][v], plan.head_tT[tiles_t][v]), o_tTD[v])
     return out.to(q_NHD.dtype)
 
 

@@ -41,32 +41,47 @@ def validate_token_ids(token_ids: list[list[int]], vocab_size: int) -> None:
             raise ValueError(f"token_ids[{k}] holds id {bad[0]} outside the vocabulary [0, {vocab_size})")
 
 
-def forward_logits(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
-                   pad_id: int = 0) -> list[torch.Tensor]:
-    """fp32 logits [len_k, V] of every sequence (the trainer's forward)."""
+def forward_hidden(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
+                   pad_id: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """Final hidden states [N, D] of the flat batch and the offset of each sequence in it."""
     validate_token_ids(token_ids, model.config.vocab_size)
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
-    lengths = [len(s) for s in token_ids]
     if layout == "padded":
-        T = max(lengths)
+        T = max(len(s) for s in token_ids)
         seqs = [list(s) + [pad_id] * (T - len(s)) for s in token_ids]
     else:
         seqs = token_ids
     lay, pages = pack_layout([len(s) for s in seqs], model.block_size)
     tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     hidden = model(tokens, lay, model.new_kv(pages))
+    starts = [0]
+    for s in seqs[:-1]:
+        starts.append(starts[-1] + len(s))
+    return hidden, starts
+
+
+def forward_logits(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
+                   pad_id: int = 0) -> list[torch.Tensor]:
+    """fp32 logits [len_k, V] of every sequence (the trainer's forward)."""
+    hidden, starts = forward_hidden(model, token_ids, layout, pad_id)
     logits = model.logits(hidden)
-    starts = torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0)
-    return [logits[int(starts[k]): int(starts[k]) + lengths[k]] for k in range(len(seqs))]
+    return [logits[s: s + len(ids)] for s, ids in zip(starts, token_ids)]
 
 
 def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0, top_k: int = -1,
-                   top_p: float = 1.0, layout: str = "packed", with_entropy: bool = False
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                   top_p: float = 1.0, layout: str = "packed", with_entropy: bool = False,
+                   first: list[int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Per-token logprobs (and optionally the entropy of each sampling distribution).
 
-    entropies[k][i-1] = H(p(· | token_ids[k][:i])) under the same truncated,
+    lps[k][j] = log p(token_ids[k][f_k + j] | token_ids[k][:f_k + j]) with f_k = first[k]
+    (default 1: every token but the first). A trainer passes the prompt lengths as
+    `first` so that only completion tokens are projected onto the vocabulary: the
+    LM head and log-softmax over V dominate a small model's step, and the rows are
+    selected from the hidden states BEFORE the projection (one gather, whose
+    backward is one scatter, instead of a zero-filled [N, V] gradient per slice).
+    Row selection cannot change bits: every op after it is row-wise.
+    entropies[k][j] = H(p(· | token_ids[k][:f_k + j])) under the same truncated,
     tempered distribution, for the trainer's entropy bonus and metrics.
     """
     if temperature < 0:
@@ -75,16 +90,23 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k == 0 or top_k < -1:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k}")
-    logits = forward_logits(model, token_ids, layout)
-    rows = torch.cat([lg[:-1] for lg in logits])
-    targets = torch.tensor([t for s in token_ids for t in s[1:]], dtype=torch.int64)
-    sizes = [len(s) - 1 for s in token_ids]
-    n = rows.shape[0]
-    if n == 0:
+    validate_token_ids(token_ids, model.config.vocab_size)
+    first = [1] * len(token_ids) if first is None else list(first)
+    if len(first) != len(token_ids):
+        raise ValueError(f"first has {len(first)} entries for {len(token_ids)} sequences")
+    for k, (f, s) in enumerate(zip(first, token_ids)):
+        if not 1 <= f <= len(s):
+            raise ValueError(f"first[{k}]={f} must be in [1, len(token_ids[{k}])={len(s)}]")
+    hidden, starts = forward_hidden(model, token_ids, layout)
+    sizes = [len(s) - f for s, f in zip(token_ids, first)]
+    if sum(sizes) == 0:
         empty = [torch.zeros(0) for _ in token_ids]
         return empty, (empty if with_entropy else None)
-    lp_NV = sampling_logprobs(rows, torch.full((n,), float(temperature)), torch.full((n,), int(top_k)),
-                              torch.full((n,), float(top_p)))
+    rows_N = torch.cat([torch.arange(st + f - 1, st + len(s) - 1) for st, f, s in zip(starts, first, token_ids)])
+    targets = torch.tensor([t for s, f in zip(token_ids, first) for t in s[f:]], dtype=torch.int64)
+    n = rows_N.shape[0]
+    lp_NV = sampling_logprobs(model.logits(hidden[rows_N]), torch.full((n,), float(temperature)),
+                              torch.full((n,), int(top_k)), torch.full((n,), float(top_p)))
     lp_N = lp_NV.gather(1, targets[:, None]).squeeze(1)
     ent = None
     if with_entropy:

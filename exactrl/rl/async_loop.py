@@ -163,9 +163,8 @@ class BehaviourCheck:
             rows = [r for r in flat if v in r.versions]
             with torch.no_grad():
                 lps, _ = token_logprobs(self.scratch, [r.prompt_ids + r.completion_ids for r in rows],
-                                        rs.temperature, rs.top_k, rs.top_p)
-            for r, lp in zip(rows, lps):
-                ours = lp[len(r.prompt_ids) - 1:]
+                                        rs.temperature, rs.top_k, rs.top_p, first=[len(r.prompt_ids) for r in rows])
+            for r, ours in zip(rows, lps):
                 for i, tv in enumerate(r.versions):
                     if tv == v:
                         worst = max(worst, abs(float(ours[i]) - r.behav_logprobs[i]))

@@ -80,16 +80,11 @@ def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     return out
 
 
-def _completion_rows(lps: list[torch.Tensor], prompt_lens: list[int]) -> list[torch.Tensor]:
-    return [lp[p - 1:] for lp, p in zip(lps, prompt_lens)]
-
-
 def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings, T: int):
     seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
     plens = [len(batch.prompt_ids[k]) for k in idx]
-    lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True)
-    logp_BT = _pad(_completion_rows(lps, plens), T)
-    ent_BT = _pad(_completion_rows(ents, plens), T)
+    lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True, first=plens)
+    logp_BT, ent_BT = _pad(lps, T), _pad(ents, T)
     mask_BT = torch.zeros(len(idx), T)
     for r, k in enumerate(idx):
         m = batch.loss_mask[k] if batch.loss_mask is not None else [1] * len(batch.completion_ids[k])
@@ -151,8 +146,9 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
 def _ref_logprobs(ref_model, batch, idx, s: StepSettings, T: int) -> torch.Tensor:
     seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
     with torch.no_grad():
-        lps, _ = token_logprobs(ref_model, seqs, s.temperature, s.top_k, s.top_p)
-    return _pad(_completion_rows(lps, [len(batch.prompt_ids[k]) for k in idx]), T)
+        lps, _ = token_logprobs(ref_model, seqs, s.temperature, s.top_k, s.top_p,
+                                first=[len(batch.prompt_ids[k]) for k in idx])
+    return _pad(lps, T)
 
 
 def _accumulate(sums: dict, metrics: dict, weight: int) -> None:

@@ -86,8 +86,8 @@ def supervised_finetune(model, tok, task, steps: int, batch_size: int, lr: float
         probs = [task.generate(rng) for _ in range(batch_size)]
         prompts = [prompt_ids(tok, task, p) for p in probs]
         answers = [answer_ids(tok, p, echo_rng.random() < echo_frac) for p in probs]
-        lps, _ = token_logprobs(model, [a + b for a, b in zip(prompts, answers)])
-        nll = -torch.cat([lp[len(a) - 1:] for lp, a in zip(lps, prompts)]).mean()
+        lps, _ = token_logprobs(model, [a + b for a, b in zip(prompts, answers)], first=[len(a) for a in prompts])
+        nll = -torch.cat(lps).mean()
         opt.zero_grad(set_to_none=True)
         nll.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
