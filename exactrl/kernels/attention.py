@@ -159,8 +159,11 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages) -> torch.Ten
     """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32."""
     c, T, D = q_cTD.shape
     J, B = pages_cJ.shape[1], k_pages.shape[2]
-    k_cJBD = k_pages[pages_cJ, kvh_c[:, None]].float()
-    v_cJBD = v_pages[pages_cJ, kvh_c[:, None]].float()
+    # one contiguous B×D slab per (tile, block): index_select is a plain row copy, far cheaper
+    # than two-tensor advanced indexing (a copy, so no bits are involved)
+    flat_x = (pages_cJ * k_pages.shape[1] + kvh_c[:, None]).reshape(-1)
+    k_cJBD = k_pages.flatten(0, 1).index_select(0, flat_x).view(c, J, B, D).float()
+    v_cJBD = v_pages.flatten(0, 1).index_select(0, flat_x).view(c, J, B, D).float()
     # every (tile, block) product has the fixed shape (T x D)(D x B): the same GEMM whatever c, J
     q_xTD = q_cTD[:, None].expand(c, J, T, D).reshape(c * J, T, D)
     s_cJTB = torch.bmm(q_xTD, k_cJBD.view(c * J, B, D).transpose(1, 2)).view(c, J, T, B)
