@@ -172,3 +172,22 @@ def test_parity_cli_exit_codes(qwen3_dir, capsys):
     assert main(["parity", "--model", str(qwen3_dir), "--length", "40", "--kernels", "fast"]) == 1
     out = capsys.readouterr().out
     assert "NOT EXACT" in out and "first divergent op: model." in out
+
+
+def test_token_logprobs_first_selects_rows_bitwise(models):
+    """The trainer projects only completion rows (`first=`): the same bits as slicing the full result."""
+    from exactrl.model.logprobs import token_logprobs
+
+    model = models[("exact", "float32")]
+    rng = random.Random(3)
+    seqs = random_sequences(rng, 5, 2, 70, 211)
+    first = [rng.randint(1, len(s)) for s in seqs]
+    full = exactrl.sequence_logprobs(model, seqs)
+    part, ents = token_logprobs(model, seqs, first=first, with_entropy=True)
+    for k, f in enumerate(first):
+        assert torch.equal(part[k].detach(), full[k][f - 1:].detach())
+        assert len(ents[k]) == len(seqs[k]) - f
+    with pytest.raises(ValueError, match=r"first\[0\]"):
+        token_logprobs(model, [[1, 2, 3]], first=[4])
+    with pytest.raises(ValueError, match="entries"):
+        token_logprobs(model, [[1, 2, 3]], first=[1, 1])
