@@ -50,17 +50,19 @@ class TokenLayout:
 
 @dataclass
 class ExactPlan:
-    """Query tiles of the exact kernel, computed once per forward."""
+    """Query tiles of the exact kernel, computed once per forward and shared by every layer.
 
-    tok_tT: torch.Tensor  # token index of each tile row (0 for padding rows)
-    head_tT: torch.Tensor  # query head of each tile row
+    Tiles are stored in the order they are computed: grouped by how many key
+    blocks they see, so `chunks` are contiguous runs of them.
+    """
+
+    rows_x: torch.Tensor  # flat (token * H + head) row of q read by each tile row (x = t*T rows)
     pos_tT: torch.Tensor  # position of each row, -1 for padding rows
-    valid_tT: torch.Tensor  # bool, real row
     seq_t: torch.Tensor  # sequence of each tile
     kvh_t: torch.Tensor  # kv head of each tile
-    maxpos_t: torch.Tensor  # largest position in the tile
+    chunks: list[tuple[int, int, int, int]]  # (first tile, end tile, blocks seen, blocks every real row sees)
+    out_rows: torch.Tensor  # for each flat (token * H + head), its row in the tiles' output
     block_table_SJ: torch.Tensor
-    num_blocks: int  # blocks the longest query can see
 
 
 @dataclass
@@ -93,9 +95,16 @@ def plan_exact(layout: TokenLayout, num_heads: int, num_kv_heads: int, block_siz
     tok_tT = torch.where(valid_tT, order_N[sorted_idx], 0)
     head_tT = h_t[:, None] * g + i_tT % g
     pos_tT = torch.where(valid_tT, pos_N[tok_tT], -1)
-    maxpos_t = pos_tT.amax(1)
-    return ExactPlan(tok_tT, head_tT, pos_tT, valid_tT, s_t, h_t, maxpos_t,
-                     layout.block_table_SJ, int(pos_N.max()) // block_size + 1)
+    order_t, runs = _chunks(pos_tT.amax(1).clamp(min=0) // block_size + 1, block_size)
+    # blocks that every real row of a run sees need no where-guard (padding rows are discarded)
+    minpos_t = torch.where(valid_tT, pos_tT, 1 << 62).amin(1)[order_t].tolist()
+    chunks = [(a, b, J, min(J, min(minpos_t[a:b]) // block_size + 1)) for a, b, J in runs]
+    rows_tT = (tok_tT * num_heads + head_tT)[order_t]
+    valid_x = valid_tT[order_t].reshape(-1)
+    out_rows = torch.empty(len(seq_N) * num_heads, dtype=torch.int64)
+    out_rows[rows_tT.reshape(-1)[valid_x]] = torch.nonzero(valid_x).squeeze(1)
+    return ExactPlan(rows_tT.reshape(-1), pos_tT[order_t], s_t[order_t], h_t[order_t], chunks, out_rows,
+                     layout.block_table_SJ)
 
 
 def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
@@ -135,8 +144,8 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
 CHUNK_ELEMENTS = 1 << 22  # score elements (tiles x blocks x T x B) computed at once; memory only, not bits
 
 
-def _chunks(need_t: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, int]]:
-    """Groups the tiles by how many key blocks they see, in runs under CHUNK_ELEMENTS.
+def _chunks(need_t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Orders the tiles by how many key blocks they see; runs of them under CHUNK_ELEMENTS.
 
     Each run computes exactly the blocks its tiles can see, so a causal prefill does
     not pay for the masked upper triangle. Computing fewer or more blocks for a tile
@@ -144,19 +153,20 @@ def _chunks(need_t: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, i
     changes work and memory only.
     """
     order = torch.argsort(need_t, stable=True)
-    sorted_need = need_t[order]
-    values, counts = torch.unique_consecutive(sorted_need, return_counts=True)
-    out, start = [], 0
+    values, counts = torch.unique_consecutive(need_t[order], return_counts=True)
+    runs, start = [], 0
     for J, n in zip(values.tolist(), counts.tolist()):
         step = max(1, CHUNK_ELEMENTS // (J * QUERY_TILE * block_size))
-        for a in range(start, start + n, step):
-            out.append((order[a:min(a + step, start + n)], J))
+        runs += [(a, min(a + step, start + n), J) for a in range(start, start + n, step)]
         start += n
-    return out
+    return order, runs
 
 
-def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages) -> torch.Tensor:
-    """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32."""
+def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int) -> torch.Tensor:
+    """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32.
+
+    Every real row sees blocks 0..full-1: those are summed without the where-guard.
+    """
     c, T, D = q_cTD.shape
     J, B = pages_cJ.shape[1], k_pages.shape[2]
     # one contiguous B×D slab per (tile, block): index_select is a plain row copy, far cheaper
@@ -178,27 +188,27 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages) -> torch.Ten
     seen_cJT = visible_cJTB[..., 0]  # block j is seen iff its first key is
     l_cT, acc_cTD = l_cJT[:, 0], pv_cJTD[:, 0]
     for j in range(1, J):  # ascending block order; an unseen block is skipped bitwise (where)
-        l_cT = torch.where(seen_cJT[:, j], l_cT + l_cJT[:, j], l_cT)
-        acc_cTD = torch.where(seen_cJT[:, j, :, None], acc_cTD + pv_cJTD[:, j], acc_cTD)
+        if j < full:
+            l_cT, acc_cTD = l_cT + l_cJT[:, j], acc_cTD + pv_cJTD[:, j]
+        else:
+            l_cT = torch.where(seen_cJT[:, j], l_cT + l_cJT[:, j], l_cT)
+            acc_cTD = torch.where(seen_cJT[:, j, :, None], acc_cTD + pv_cJTD[:, j], acc_cTD)
     return acc_cTD / torch.where(l_cT > 0, l_cT, 1.0)[..., None]
 
 
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
                     scale: float) -> torch.Tensor:
-    B = k_pages.shape[2]
-    q_tTD = (q_NHD[plan.tok_tT, plan.head_tT].float() * scale) * plan.valid_tT[..., None]
-    need_t = plan.maxpos_t.clamp(min=0) // B + 1
-    outs, tiles = [], []
-    for idx, J in _chunks(need_t, B):
-        pages_cJ = plan.block_table_SJ[plan.seq_t[idx], :J].clamp(min=0)  # -1 (no page) only where masked
-        outs.append(_attend_chunk(q_tTD[idx], plan.pos_tT[idx], pages_cJ, plan.kvh_t[idx], k_pages, v_pages))
-        tiles.append(idx)
-    o_tTD = torch.cat(outs) if len(outs) > 1 else outs[0]
-    tiles_t = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
-    v = plan.valid_tT[tiles_t]
-    out = torch.zeros(q_NHD.shape, dtype=o_tTD.dtype)
-    out = out.index_put((plan.tok_tT[tiles_t][v], plan.head_tT[tiles_t][v]), o_tTD[v])
-    return out.to(q_NHD.dtype)
+    N, H, D = q_NHD.shape
+    # padding rows read row 0 and are zeroed; gathers and scatters are copies, no bits involved
+    q_tTD = q_NHD.reshape(N * H, D).index_select(0, plan.rows_x).view(-1, QUERY_TILE, D).float() * scale
+    q_tTD = q_tTD * (plan.pos_tT >= 0)[..., None]
+    outs = []
+    for a, b, J, full in plan.chunks:
+        pages_cJ = plan.block_table_SJ[plan.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
+        outs.append(_attend_chunk(q_tTD[a:b], plan.pos_tT[a:b], pages_cJ, plan.kvh_t[a:b], k_pages, v_pages,
+                                  full))
+    o_xD = (torch.cat(outs) if len(outs) > 1 else outs[0]).view(-1, D)
+    return o_xD.index_select(0, plan.out_rows).view(N, H, D).to(q_NHD.dtype)
 
 
 def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan,
