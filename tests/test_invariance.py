@@ -191,3 +191,15 @@ def test_token_logprobs_first_selects_rows_bitwise(models):
         token_logprobs(model, [[1, 2, 3]], first=[4])
     with pytest.raises(ValueError, match="entries"):
         token_logprobs(model, [[1, 2, 3]], first=[1, 1])
+
+
+def test_entropy_without_grad_has_the_same_values(models):
+    """A metric-only entropy (`entropy_grad=False`) skips autograd but keeps its value bit for bit."""
+    from exactrl.model.logprobs import token_logprobs
+
+    model = models[("exact", "float32")]
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    _, with_grad = token_logprobs(model, seqs, with_entropy=True, entropy_grad=True)
+    _, without = token_logprobs(model, seqs, with_entropy=True, entropy_grad=False)
+    assert all(e.requires_grad for e in with_grad) and not any(e.requires_grad for e in without)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(with_grad, without))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from exactrl.kernels.linear import pad_rows
+from exactrl.kernels.linear import ROW_TILE, pad_rows
 
 
 def rms_norm(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float, pad: bool) -> torch.Tensor:
@@ -59,11 +59,14 @@ def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_
     renormalised. T = 0 (greedy) reports log_softmax(z), i.e. T = 1.
     """
     n, V = logits_NV.shape
-    z = pad_rows(logits_NV.float())
+    # fewer rows than threads could split one row's reduction across threads: pad small
+    # batches to a tile; a large batch is already reduced row by row (and is not copied)
+    z = pad_rows(logits_NV.float()) if n < ROW_TILE else logits_NV.float()
     pad = z.shape[0] - n
     temp = torch.nn.functional.pad(temperature_N.float(), (0, pad), value=1.0)
     temp = torch.where(temp > 0, temp, 1.0)
-    z = z / temp[:, None]
+    if bool((temp != 1.0).any()):  # z / 1 == z exactly: skipping it saves a pass over [N, V]
+        z = z / temp[:, None]
     top_k = torch.nn.functional.pad(top_k_N, (0, pad), value=-1)
     top_p = torch.nn.functional.pad(top_p_N.float(), (0, pad), value=1.0)
     need_k = bool(((top_k > 0) & (top_k < V)).any())

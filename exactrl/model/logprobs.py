@@ -71,7 +71,8 @@ def forward_logits(model: CausalLM, token_ids: list[list[int]], layout: str = "p
 
 def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0, top_k: int = -1,
                    top_p: float = 1.0, layout: str = "packed", with_entropy: bool = False,
-                   first: list[int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                   first: list[int] | None = None, entropy_grad: bool = True
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Per-token logprobs (and optionally the entropy of each sampling distribution).
 
     lps[k][j] = log p(token_ids[k][f_k + j] | token_ids[k][:f_k + j]) with f_k = first[k]
@@ -82,7 +83,9 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
     backward is one scatter, instead of a zero-filled [N, V] gradient per slice).
     Row selection cannot change bits: every op after it is row-wise.
     entropies[k][j] = H(p(· | token_ids[k][:f_k + j])) under the same truncated,
-    tempered distribution, for the trainer's entropy bonus and metrics.
+    tempered distribution, for the trainer's entropy bonus and metrics. With
+    `entropy_grad=False` (no entropy bonus: a metric only) it is computed outside
+    autograd, which spares the step three [N, V] tensors kept for the backward.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -110,8 +113,9 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
     lp_N = lp_NV.gather(1, targets[:, None]).squeeze(1)
     ent = None
     if with_entropy:
-        p_NV = lp_NV.exp()
-        ent_N = -(p_NV * lp_NV.masked_fill(p_NV == 0, 0.0)).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            p_NV = lp_NV.exp()
+            ent_N = -(p_NV * lp_NV.masked_fill(p_NV == 0, 0.0)).sum(-1)
         ent = list(torch.split(ent_N, sizes))
     return list(torch.split(lp_N, sizes)), ent
 

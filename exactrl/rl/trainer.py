@@ -83,7 +83,8 @@ def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings, T: int):
     seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
     plens = [len(batch.prompt_ids[k]) for k in idx]
-    lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True, first=plens)
+    lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True, first=plens,
+                               entropy_grad=bool(s.entropy_coef))
     logp_BT, ent_BT = _pad(lps, T), _pad(ents, T)
     mask_BT = torch.zeros(len(idx), T)
     for r, k in enumerate(idx):
