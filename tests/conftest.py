@@ -39,6 +39,19 @@ def qwen3_dir(tmp_path_factory):
     return d
 
 
+def default_job_model(tmp_path_factory, sft_steps: int):
+    """The default job's tokenizer and tiny Qwen3 after `sft_steps` warm-start steps, built in a temp dir."""
+    from exactrl.rl import warmstart
+    from exactrl.rl.config import load_config
+
+    root = tmp_path_factory.mktemp("artifacts")
+    saved, warmstart.ARTIFACTS = warmstart.ARTIFACTS, root
+    try:
+        return warmstart.default_model_dir(load_config(None, [f"sft.steps={sft_steps}"]), log=lambda *a: None)
+    finally:
+        warmstart.ARTIFACTS = saved
+
+
 def random_sequences(rng: random.Random, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import exactrl
+from conftest import default_job_model
 from exactrl.cli import main as cli_main
 from exactrl.engine import Engine, SamplingParams
 from exactrl.envs import get_task
@@ -39,13 +40,7 @@ SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "r
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The default job's model and tokenizer, without the warm start (random weights)."""
-    root = tmp_path_factory.mktemp("artifacts")
-    saved = warmstart.ARTIFACTS
-    warmstart.ARTIFACTS = root
-    try:
-        return warmstart.default_model_dir(load_config(None, ["sft.steps=0"]), log=lambda *a: None)
-    finally:
-        warmstart.ARTIFACTS = saved
+    return default_job_model(tmp_path_factory, sft_steps=0)
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
+from conftest import default_job_model
 from exactrl.cli import main as cli_main
-from exactrl.rl import warmstart
 from exactrl.rl.async_loop import drop_stale
 from exactrl.rl.config import load_config
 from exactrl.rl.rollout import Rollout
@@ -24,14 +24,7 @@ TIMING = ("time/", "perf/tokens_per_s")  # wall-clock metrics, the only ones all
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("artifacts")
-    saved = warmstart.ARTIFACTS
-    warmstart.ARTIFACTS = root
-    try:
-        d = warmstart.default_model_dir(load_config(None, ["sft.steps=20"]), log=lambda *a: None)
-    finally:
-        warmstart.ARTIFACTS = saved
-    return d
+    return default_job_model(tmp_path_factory, sft_steps=20)
 
 
 def run(model_dir, run_dir, *overrides) -> list[dict]:
