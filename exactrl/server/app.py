@@ -179,17 +179,8 @@ def _error(status: int, message: str, param=None, code=None) -> JSONResponse:
     return JSONResponse(APIError(status, message, param, code).body(), status_code=status)
 
 
-def create_app(state: ServerState) -> FastAPI:
-    """The FastAPI app over a ServerState; the engine thread runs for the app's lifetime."""
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        state.loop.start()
-        yield
-        state.loop.stop()
-
-    app = FastAPI(title="exactrl", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.exactrl = state
-
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error as OpenAI's error JSON with its status, counted under server/errors_<status>."""
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         state.count(f"server/errors_{e.status}")
@@ -217,6 +208,20 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("internal error on %s", request.url.path)
         state.count("server/errors_500")
         return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a ServerState; the engine thread runs for the app's lifetime."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.loop.start()
+        yield
+        state.loop.stop()
+
+    app = FastAPI(title="exactrl", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.exactrl = state
+
+    _install_error_handlers(app, state)
 
     @app.get("/health")
     async def health():
