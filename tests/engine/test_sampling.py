@@ -69,6 +69,33 @@ def test_draw_follows_the_distribution():
     assert freq[5] == 0
 
 
+def test_draw_two_levels_across_blocks():
+    """Blocks of DRAW_BLOCK tokens: the distribution holds across block edges and a
+    masked token is never drawn, even for u -> 1 with the last kept token in an early block."""
+    from exactrl.engine.sampling import DRAW_BLOCK
+
+    V = 2 * DRAW_BLOCK + 37  # ragged last block
+    logits = torch.full((1, V), -1e9)
+    hot = [0, DRAW_BLOCK - 1, DRAW_BLOCK, 2 * DRAW_BLOCK + 36]  # both sides of each edge, and the last id
+    logits[0, hot] = torch.tensor([0.0, 1.0, 0.5, -0.5])
+    p = SamplingParams()
+    n = 20000
+    us = [sample_uniform(5, 0, t) for t in range(n)]
+    lp = row_logprobs(logits.expand(n, V), rows_for([p] * n, V, us))
+    tok, tlp = draw(lp, rows_for([p] * n, V, us))
+    freq = torch.bincount(tok, minlength=V).double() / n
+    assert set(tok.unique().tolist()) == set(hot)
+    assert (freq - lp[0].exp().double()).abs().max() < 0.015
+    assert torch.equal(tlp, lp[torch.arange(n), tok])
+    # top-k keeps only tokens of the first block: u at the very top must stay inside it
+    logits2 = torch.randn(3, V)
+    logits2[:, :4] += 50.0
+    params = [SamplingParams(top_k=4)] * 3
+    rows = rows_for(params, V, uniforms=[0.0, 0.5, 1.0 - 2**-53])
+    tok2, tlp2 = draw(row_logprobs(logits2, rows), rows)
+    assert all(0 <= t < 4 for t in tok2.tolist()) and torch.isfinite(tlp2).all()
+
+
 def test_page_pool_refcounts(qwen3_dir):
     import exactrl
 
