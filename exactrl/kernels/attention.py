@@ -63,6 +63,14 @@ class ExactPlan:
     chunks: list[tuple[int, int, int, int]]  # (first tile, end tile, blocks seen, blocks every real row sees)
     out_rows: torch.Tensor  # for each flat (token * H + head), its row in the tiles' output
     block_table_SJ: torch.Tensor
+    layout: TokenLayout  # for the backward (`_ExactAttention`)
+    block_size: int
+    _fast: FastPlan | None = None  # built on the first backward, shared by every layer
+
+    def fast(self) -> FastPlan:
+        if self._fast is None:
+            self._fast = plan_fast(self.layout, self.block_size)
+        return self._fast
 
 
 @dataclass
@@ -104,7 +112,7 @@ def plan_exact(layout: TokenLayout, num_heads: int, num_kv_heads: int, block_siz
     out_rows = torch.empty(len(seq_N) * num_heads, dtype=torch.int64)
     out_rows[rows_tT.reshape(-1)[valid_x]] = torch.nonzero(valid_x).squeeze(1)
     return ExactPlan(rows_tT.reshape(-1), pos_tT[order_t], s_t[order_t], h_t[order_t], chunks, out_rows,
-                     layout.block_table_SJ)
+                     layout.block_table_SJ, layout, block_size)
 
 
 def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
@@ -198,6 +206,12 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int) -
 
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
                     scale: float) -> torch.Tensor:
+    if torch.is_grad_enabled() and (q_NHD.requires_grad or k_pages.requires_grad or v_pages.requires_grad):
+        return _ExactAttention.apply(q_NHD, k_pages, v_pages, plan, scale)
+    return _exact_attention(q_NHD, k_pages, v_pages, plan, scale)
+
+
+def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> torch.Tensor:
     N, H, D = q_NHD.shape
     # padding rows read row 0 and are zeroed; gathers and scatters are copies, no bits involved
     q_tTD = q_NHD.reshape(N * H, D).index_select(0, plan.rows_x).view(-1, QUERY_TILE, D).float() * scale
@@ -209,6 +223,34 @@ def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
                                   full))
     o_xD = (torch.cat(outs) if len(outs) > 1 else outs[0]).view(-1, D)
     return o_xD.index_select(0, plan.out_rows).view(N, H, D).to(q_NHD.dtype)
+
+
+class _ExactAttention(torch.autograd.Function):
+    """Exact forward values; the backward is SDPA's (the same function, differentiated by its kernel).
+
+    Only forward values must be batch-invariant (DESIGN.md §1), as for the
+    linear layers' plain-matmul backward. Differentiating the tiled kernel with
+    autograd kept every gathered K/V slab, score and probability tile for the
+    backward (~350 MB per layer for 64 x 160 tokens at the 20M shape) and paid
+    scatter-adds for the gathers; here nothing but the inputs is kept and the
+    backward recomputes attention with SDPA under autograd, in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q_NHD, k_pages, v_pages, plan, scale):  # type: ignore[override]
+        ctx.save_for_backward(q_NHD, k_pages, v_pages)
+        ctx.plan, ctx.scale = plan, scale
+        return _exact_attention(q_NHD, k_pages, v_pages, plan, scale)
+
+    @staticmethod
+    def backward(ctx, g_NHD):  # type: ignore[override]
+        q_NHD, k_pages, v_pages = ctx.saved_tensors
+        raw = (q_NHD, k_pages, v_pages)
+        with torch.enable_grad():  # in fp32 whatever the model dtype, as the forward computes
+            ins = [t.detach().float().requires_grad_(need) for t, need in zip(raw, ctx.needs_input_grad)]
+            o = fast_attention(*ins, ctx.plan.fast(), ctx.scale)
+            got = iter(torch.autograd.grad(o, [t for t in ins if t.requires_grad], g_NHD.float()))
+        return tuple(next(got).to(r.dtype) if t.requires_grad else None for t, r in zip(ins, raw)) + (None, None)
 
 
 def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan,

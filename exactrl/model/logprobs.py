@@ -107,17 +107,87 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
         return empty, (empty if with_entropy else None)
     rows_N = torch.cat([torch.arange(st + f - 1, st + len(s) - 1) for st, f, s in zip(starts, first, token_ids)])
     targets = torch.tensor([t for s, f in zip(token_ids, first) for t in s[f:]], dtype=torch.int64)
-    n = rows_N.shape[0]
-    lp_NV = sampling_logprobs(model.logits(hidden[rows_N]), torch.full((n,), float(temperature)),
-                              torch.full((n,), int(top_k)), torch.full((n,), float(top_p)))
-    lp_N = lp_NV.gather(1, targets[:, None]).squeeze(1)
-    ent = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            p_NV = lp_NV.exp()
-            ent_N = -(p_NV * lp_NV.masked_fill(p_NV == 0, 0.0)).sum(-1)
-        ent = list(torch.split(ent_N, sizes))
+    dist = (float(temperature), int(top_k), float(top_p))
+    w = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+    lp_N, ent_N = _head_logprobs(model, hidden[rows_N], w, targets, dist, with_entropy,
+                                 with_entropy and entropy_grad and torch.is_grad_enabled())
+    ent = list(torch.split(ent_N, sizes)) if with_entropy else None
     return list(torch.split(lp_N, sizes)), ent
+
+
+HEAD_CHUNK_ROWS = 256  # rows projected onto the vocabulary at once; memory and speed only, not bits
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """LM head + sampling distribution + target gather, in row chunks, with a hand-written backward.
+
+    Forward, per chunk of HEAD_CHUNK_ROWS rows: lp = sampling_logprobs(h W^T),
+    lp_t = lp[target], and H = -Σ p·lp with p = exp(lp). The chunks keep the
+    [chunk, V] temporaries in cache and let the allocator reuse them, where
+    unchunked autograd made half a dozen fresh [N, V] tensors per step (8192 x
+    16k fp32 is 537 MB each; their page faults alone cost seconds on this CPU).
+    Only lp is kept for the backward, as log_softmax's autograd would keep it.
+
+    Backward, with z' = z / T the tempered logits (T = 1 for greedy) and the
+    top-k/top-p cut-offs constant (as autograd treats them):
+        ∂lp_t/∂z'_j = 1[j = t] − p_j          (no 1[j = t] when t itself was cut off)
+        ∂H/∂z'_j    = −p_j (lp_j + H)          (0 where p_j = 0)
+    then ∂/∂h = ∂z·W and ∂/∂W = ∂zᵀ·h with plain matmuls (only forward values
+    must be batch-invariant). Chunking changes no forward bit: every op after
+    the row-tiled projection is row-wise (tested against the unchunked path).
+    """
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad):  # type: ignore[override]
+        temp, top_k, top_p = dist
+        lps, ents, keep = [], [], []
+        for a in range(0, h_ND.shape[0], HEAD_CHUNK_ROWS):
+            h_cD, tgt_c = h_ND[a:a + HEAD_CHUNK_ROWS], tgt_N[a:a + HEAD_CHUNK_ROWS]
+            n = h_cD.shape[0]
+            lp_cV = sampling_logprobs(model.kernels.linear(h_cD, w_VD).float(), torch.full((n,), temp),
+                                      torch.full((n,), top_k), torch.full((n,), top_p))
+            lps.append(lp_cV.gather(1, tgt_c[:, None]).squeeze(1))
+            if with_entropy:
+                p_cV = lp_cV.exp()
+                ents.append(-(p_cV * lp_cV.masked_fill(p_cV == 0, 0.0)).sum(-1))
+            keep.append(lp_cV)
+        lp_N = torch.cat(lps)
+        ent_N = torch.cat(ents) if with_entropy else h_ND.new_zeros(0, dtype=torch.float32)
+        ctx.save_for_backward(h_ND, w_VD, tgt_N, lp_N, ent_N)
+        ctx.chunks, ctx.temp, ctx.entropy_grad = keep, (temp if temp > 0 else 1.0), entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent_N)
+        return lp_N, ent_N
+
+    @staticmethod
+    def backward(ctx, g_lp_N, g_ent_N):  # type: ignore[override]
+        h_ND, w_VD, tgt_N, lp_N, ent_N = ctx.saved_tensors
+        gh_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
+        gw_VD = torch.zeros_like(w_VD, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        g_hit_N = g_lp_N * torch.isfinite(lp_N)  # a cut-off target's own logit is a constant (-inf)
+        w_f = w_VD.float()
+        for c, lp_cV in enumerate(ctx.chunks):
+            sl = slice(c * HEAD_CHUNK_ROWS, c * HEAD_CHUNK_ROWS + lp_cV.shape[0])
+            p_cV = lp_cV.exp()
+            gz_cV = p_cV * -g_lp_N[sl, None]
+            gz_cV.scatter_add_(1, tgt_N[sl, None], g_hit_N[sl, None])
+            if ctx.entropy_grad and g_ent_N is not None:
+                lpm_cV = lp_cV.masked_fill(p_cV == 0, 0.0)
+                gz_cV -= g_ent_N[sl, None] * p_cV * (lpm_cV + ent_N[sl, None])
+            if ctx.temp != 1.0:
+                gz_cV /= ctx.temp
+            if gh_ND is not None:
+                gh_ND[sl] = (gz_cV @ w_f).to(h_ND.dtype)
+            if gw_VD is not None:
+                gw_VD += gz_cV.t() @ h_ND[sl].float()
+        ctx.chunks = None
+        return gh_ND, (gw_VD.to(w_VD.dtype) if gw_VD is not None else None), None, None, None, None, None
+
+
+def _head_logprobs(model, h_ND, w_VD, tgt_N, dist, with_entropy: bool, entropy_grad: bool):
+    """(logprobs [N], entropies [N] or None) through `_HeadLogprobs` (see there)."""
+    lp_N, ent_N = _HeadLogprobs.apply(h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad)
+    return lp_N, (ent_N if with_entropy else None)
 
 
 def sequence_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0,

@@ -1,0 +1,118 @@
+"""Hand-written backwards against plain autograd of the same forward.
+
+Only forward values carry the bitwise contract; the gradients of the chunked
+LM head (`_HeadLogprobs`) and of exact attention (`_ExactAttention`, which
+back-propagates through SDPA) must still be the gradients of that forward, to
+fp32 rounding. The references differentiate the unchunked, untiled ops with
+autograd.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import exactrl
+import exactrl.model.logprobs as LP
+from exactrl.kernels import attention as A
+from exactrl.kernels import sampling_logprobs
+from exactrl.model.logprobs import pack_layout, token_logprobs
+
+
+def _reference_head(model, h, w, tgt, temp, top_k, top_p, ent_coef):
+    n = h.shape[0]
+    lp_NV = sampling_logprobs(model.kernels.linear(h, w).float(), torch.full((n,), temp), torch.full((n,), top_k),
+                              torch.full((n,), top_p))
+    lp = lp_NV.gather(1, tgt[:, None]).squeeze(1)
+    p = lp_NV.exp()
+    ent = -(p * lp_NV.masked_fill(p == 0, 0.0)).sum(-1)
+    return lp, ent
+
+
+@pytest.mark.parametrize("temp,top_k,top_p,ent_coef", [(1.0, -1, 1.0, 0.0), (0.7, 20, 1.0, 0.3),
+                                                        (1.3, -1, 0.8, 0.5), (0.0, -1, 1.0, 0.0)])
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_head_logprobs_values_and_gradients(qwen3_dir, monkeypatch, kernels, temp, top_k, top_p, ent_coef):
+    monkeypatch.setattr(LP, "HEAD_CHUNK_ROWS", 7)  # several chunks, a ragged last one
+    model = exactrl.load_model(qwen3_dir, kernels=kernels)
+    g = torch.Generator().manual_seed(0)
+    V, D = model.config.vocab_size, model.config.hidden_size
+    h = (torch.randn(30, D, generator=g) * 3).requires_grad_()
+    w = model.model.embed_tokens.weight
+    tgt = torch.randint(V, (30,), generator=g)
+    coef = torch.randn(30, generator=g)
+    lp, ent = LP._head_logprobs(model, h, w, tgt, (temp, top_k, top_p), True, ent_coef != 0)
+    ((lp.masked_fill(~torch.isfinite(lp), 0) * coef).sum() + ent_coef * ent.sum()).backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad, w.grad = None, None
+    ref_lp, ref_ent = _reference_head(model, h, w, tgt, temp, top_k, top_p, ent_coef)
+    if kernels == "exact":  # forward: the same bits (fast linears depend on the chunk's row count)
+        assert torch.equal(lp, ref_lp) and torch.equal(ent, ref_ent)
+    else:
+        assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    ((ref_lp.masked_fill(~torch.isfinite(ref_lp), 0) * coef).sum() + ent_coef * ref_ent.sum()).backward()
+    assert torch.allclose(gh, h.grad, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(gw, w.grad, rtol=1e-4, atol=1e-6)
+    assert gh.abs().sum() > 0
+
+
+def test_head_logprobs_cut_off_target_matches_autograd(qwen3_dir):
+    """A target outside top-k has logprob -inf; its own logit gets no gradient, the others still do."""
+    model = exactrl.load_model(qwen3_dir)
+    h = torch.randn(4, model.config.hidden_size, requires_grad=True)
+    w = model.model.embed_tokens.weight
+    with torch.no_grad():
+        tgt = model.logits(h).argmin(-1)
+    lp, _ = LP._head_logprobs(model, h, w, tgt, (1.0, 3, 1.0), False, False)
+    assert torch.isinf(lp).all()
+    (gh,) = torch.autograd.grad(lp.sum(), h)
+    ref, _ = _reference_head(model, h, w, tgt, 1.0, 3, 1.0, 0.0)
+    (rh,) = torch.autograd.grad(ref.sum(), h)
+    assert torch.allclose(gh, rh, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_attention_gradient_is_the_attention_gradient(dtype):
+    """Backward through SDPA vs autograd through the tiled exact kernel itself."""
+    g = torch.Generator().manual_seed(1)
+    lengths, H, Hk, D, B = [37, 5, 64], 6, 2, 16, 8
+    lay, pages = pack_layout(lengths, B)
+    n = sum(lengths)
+    q = torch.randn(n, H, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(n, Hk, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(n, Hk, D, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(n, H, D, generator=g)
+
+    def run(attend):
+        kp, vp = A.write_kv(torch.zeros(pages, Hk, B, D, dtype=dtype), torch.zeros(pages, Hk, B, D, dtype=dtype),
+                            k, v, lay)
+        o = attend(q, kp, vp, A.plan_exact(lay, H, Hk, B), 0.25)
+        return o, torch.autograd.grad((o.float() * w).sum(), (q, k, v))
+
+    o, grads = run(A.exact_attention)
+    ref_o, ref_grads = run(A._exact_attention)  # autograd through the tiles
+    assert torch.equal(o, ref_o)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a.float(), b.float(), **tol)
+        assert a.float().abs().sum() > 0
+
+
+def test_trainer_path_gradients_match_unchunked_autograd(qwen3_dir, monkeypatch):
+    """`token_logprobs` end to end: same values, same parameter gradients as plain autograd."""
+    model = exactrl.load_model(qwen3_dir)
+    seqs = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [5] * 40]
+    first = [3, 1, 10]
+    lps, _ = token_logprobs(model, seqs, first=first)
+    torch.cat(lps).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(A, "exact_attention", A._exact_attention)
+
+    def plain(model, h, w, tgt, dist, with_entropy, entropy_grad):
+        return _reference_head(model, h, w, tgt, *dist, 0.0)[0], None
+    monkeypatch.setattr(LP, "_head_logprobs", plain)
+    ref, _ = token_logprobs(model, seqs, first=first)
+    assert all(torch.equal(a, b) for a, b in zip(lps, ref))
+    torch.cat(ref).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-3, atol=1e-6), n
