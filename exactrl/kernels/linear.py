@@ -84,7 +84,11 @@ class _ExactLinear(torch.autograd.Function):
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b with a batch-invariant row-tiled matmul (see module docstring)."""
     lead = x.shape[:-1]
-    y = _ExactLinear.apply(x.reshape(-1, x.shape[-1]), weight)
+    x_MK = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y = _ExactLinear.apply(x_MK, weight)
+    else:  # inference (the engine): no autograd node to build
+        y = _tiled_matmul(x_MK, weight)
     if bias is not None:
         y = y + bias  # elementwise: invariant by construction
     return y.view(*lead, weight.shape[0])
