@@ -116,3 +116,21 @@ def test_trainer_path_gradients_match_unchunked_autograd(qwen3_dir, monkeypatch)
     torch.cat(ref).sum().backward()
     for n, p in model.named_parameters():
         assert torch.allclose(got[n], p.grad, rtol=1e-3, atol=1e-6), n
+
+
+def test_head_logprobs_keeps_nothing_without_grad(qwen3_dir, monkeypatch):
+    """Under no_grad (reference model, behaviour recompute) no [chunk, V] tensor is held."""
+    monkeypatch.setattr(LP, "HEAD_CHUNK_ROWS", 8)
+    model = exactrl.load_model(qwen3_dir)
+    kept = []
+    orig = LP._HeadLogprobs.forward
+
+    def spy(ctx, *args):
+        out = orig(ctx, *args)
+        kept.append(len(ctx.chunks))
+        return out
+    monkeypatch.setattr(LP._HeadLogprobs, "forward", staticmethod(spy))
+    with torch.no_grad():
+        token_logprobs(model, [[1, 2, 3] * 10])
+    token_logprobs(model, [[1, 2, 3] * 10])
+    assert kept == [0, 4]  # 29 rows: 4 chunks of 8 kept only when a backward can follow

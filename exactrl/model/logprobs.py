@@ -138,7 +138,7 @@ class _HeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad):  # type: ignore[override]
+    def forward(ctx, h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad, backward):  # type: ignore[override]
         temp, top_k, top_p = dist
         lps, ents, keep = [], [], []
         for a in range(0, h_ND.shape[0], HEAD_CHUNK_ROWS):
@@ -150,7 +150,8 @@ class _HeadLogprobs(torch.autograd.Function):
             if with_entropy:
                 p_cV = lp_cV.exp()
                 ents.append(-(p_cV * lp_cV.masked_fill(p_cV == 0, 0.0)).sum(-1))
-            keep.append(lp_cV)
+            if backward:  # under no_grad (reference model, behaviour recompute) nothing is kept
+                keep.append(lp_cV)
         lp_N = torch.cat(lps)
         ent_N = torch.cat(ents) if with_entropy else h_ND.new_zeros(0, dtype=torch.float32)
         ctx.save_for_backward(h_ND, w_VD, tgt_N, lp_N, ent_N)
@@ -181,12 +182,13 @@ class _HeadLogprobs(torch.autograd.Function):
             if gw_VD is not None:
                 gw_VD += gz_cV.t() @ h_ND[sl].float()
         ctx.chunks = None
-        return gh_ND, (gw_VD.to(w_VD.dtype) if gw_VD is not None else None), None, None, None, None, None
+        return gh_ND, (gw_VD.to(w_VD.dtype) if gw_VD is not None else None), None, None, None, None, None, None
 
 
 def _head_logprobs(model, h_ND, w_VD, tgt_N, dist, with_entropy: bool, entropy_grad: bool):
     """(logprobs [N], entropies [N] or None) through `_HeadLogprobs` (see there)."""
-    lp_N, ent_N = _HeadLogprobs.apply(h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad)
+    backward = torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad)
+    lp_N, ent_N = _HeadLogprobs.apply(h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad, backward)
     return lp_N, (ent_N if with_entropy else None)
 
 
