@@ -1,6 +1,6 @@
 """Off-policy experiment: the default job on-policy, off-policy, and off-policy corrected.
 
-    python examples/offpolicy.py [--steps 30] [--out runs/offpolicy] [--variants a,b,...]
+    python examples/offpolicy.py [--steps 60] [--out runs/offpolicy] [--variants a,b,...]
 
 Runs the default GRPO job (arithmetic, tiny warm-started Qwen3) in several
 variants, one after the other in this process, and writes
@@ -111,7 +111,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--out", default="runs/offpolicy")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--replot", action="store_true", help="only redraw the plot and summary from OUT's runs")
@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    from exactrl.runtime import tune_allocator
+
+    tune_allocator()  # as the `exactrl` CLI does
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.replot:
