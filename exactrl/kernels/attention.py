@@ -60,7 +60,8 @@ class ExactPlan:
     pos_tT: torch.Tensor  # position of each row, -1 for padding rows
     seq_t: torch.Tensor  # sequence of each tile
     kvh_t: torch.Tensor  # kv head of each tile
-    chunks: list[tuple[int, int, int, int]]  # (first tile, end tile, blocks seen, blocks every real row sees)
+    chunks: list[tuple[int, int, int, int, int]]  # (first tile, end tile, blocks seen, blocks every real
+    #                                                 row sees, real rows in its fullest tile)
     out_rows: torch.Tensor  # for each flat (token * H + head), its row in the tiles' output
     block_table_SJ: torch.Tensor
     layout: TokenLayout  # for the backward (`_ExactAttention`)
@@ -106,7 +107,9 @@ def plan_exact(layout: TokenLayout, num_heads: int, num_kv_heads: int, block_siz
     order_t, runs = _chunks(pos_tT.amax(1).clamp(min=0) // block_size + 1, block_size)
     # blocks that every real row of a run sees need no where-guard (padding rows are discarded)
     minpos_t = torch.where(valid_tT, pos_tT, 1 << 62).amin(1)[order_t].tolist()
-    chunks = [(a, b, J, min(J, min(minpos_t[a:b]) // block_size + 1)) for a, b, J in runs]
+    # real rows are a prefix of every tile; a run's softmax works on its longest prefix only
+    real_t = valid_tT.sum(1)[order_t].tolist()
+    chunks = [(a, b, J, min(J, min(minpos_t[a:b]) // block_size + 1), max(real_t[a:b])) for a, b, J in runs]
     rows_tT = (tok_tT * num_heads + head_tT)[order_t]
     valid_x = valid_tT[order_t].reshape(-1)
     out_rows = torch.empty(len(seq_N) * num_heads, dtype=torch.int64)
@@ -170,10 +173,14 @@ def _chunks(need_t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[t
     return order, runs
 
 
-def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int) -> torch.Tensor:
+def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int, r: int) -> torch.Tensor:
     """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32.
 
     Every real row sees blocks 0..full-1: those are summed without the where-guard.
+    Real rows are the first `r` of every tile (a decode step: its token's query
+    heads of one kv head, e.g. 3 of 16). The two products keep the fixed T-row
+    shape; everything between them is row-wise and runs on the r real rows only
+    (made contiguous, so a row is reduced exactly as in a full tile).
     """
     c, T, D = q_cTD.shape
     J, B = pages_cJ.shape[1], k_pages.shape[2]
@@ -185,6 +192,8 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int) -
     # every (tile, block) product has the fixed shape (T x D)(D x B): the same GEMM whatever c, J
     q_xTD = q_cTD[:, None].expand(c, J, T, D).reshape(c * J, T, D)
     s_cJTB = torch.bmm(q_xTD, k_cJBD.view(c * J, B, D).transpose(1, 2)).view(c, J, T, B)
+    if r < T:
+        s_cJTB, pos_cT = s_cJTB[:, :, :r].contiguous(), pos_cT[:, :r]
     visible_cJTB = (torch.arange(J * B).view(1, J, 1, B) <= pos_cT[:, None, :, None])
     s_cJTB = s_cJTB.masked_fill(~visible_cJTB, float("-inf"))
     # the max only shifts the exponent (it is exact in any order); detaching it keeps the gradient exact
@@ -192,7 +201,9 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int) -
     m_cT = torch.where(m_cT == float("-inf"), 0.0, m_cT)
     p_cJTB = torch.exp(s_cJTB - m_cT[:, None, :, None])
     l_cJT = p_cJTB.sum(-1)
-    pv_cJTD = torch.bmm(p_cJTB.view(c * J, T, B), v_cJBD.view(c * J, B, D)).view(c, J, T, D)
+    if r < T:  # back to the fixed T-row shape for the second product; padding rows are zero
+        p_cJTB = torch.cat([p_cJTB, p_cJTB.new_zeros(c, J, T - r, B)], 2)
+    pv_cJTD = torch.bmm(p_cJTB.view(c * J, T, B), v_cJBD.view(c * J, B, D)).view(c, J, T, D)[:, :, :r]
     seen_cJT = visible_cJTB[..., 0]  # block j is seen iff its first key is
     l_cT, acc_cTD = l_cJT[:, 0], pv_cJTD[:, 0]
     for j in range(1, J):  # ascending block order; an unseen block is skipped bitwise (where)
@@ -201,7 +212,8 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int) -
         else:
             l_cT = torch.where(seen_cJT[:, j], l_cT + l_cJT[:, j], l_cT)
             acc_cTD = torch.where(seen_cJT[:, j, :, None], acc_cTD + pv_cJTD[:, j], acc_cTD)
-    return acc_cTD / torch.where(l_cT > 0, l_cT, 1.0)[..., None]
+    o_crD = acc_cTD / torch.where(l_cT > 0, l_cT, 1.0)[..., None]
+    return o_crD if r == T else torch.cat([o_crD, o_crD.new_zeros(c, T - r, D)], 1)
 
 
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
@@ -217,10 +229,10 @@ def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> 
     q_tTD = q_NHD.reshape(N * H, D).index_select(0, plan.rows_x).view(-1, QUERY_TILE, D).float() * scale
     q_tTD = q_tTD * (plan.pos_tT >= 0)[..., None]
     outs = []
-    for a, b, J, full in plan.chunks:
+    for a, b, J, full, r in plan.chunks:
         pages_cJ = plan.block_table_SJ[plan.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
         outs.append(_attend_chunk(q_tTD[a:b], plan.pos_tT[a:b], pages_cJ, plan.kvh_t[a:b], k_pages, v_pages,
-                                  full))
+                                  full, r))
     o_xD = (torch.cat(outs) if len(outs) > 1 else outs[0]).view(-1, D)
     return o_xD.index_select(0, plan.out_rows).view(N, H, D).to(q_NHD.dtype)
 
