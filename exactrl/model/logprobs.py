@@ -108,14 +108,13 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
     rows_N = torch.cat([torch.arange(st + f - 1, st + len(s) - 1) for st, f, s in zip(starts, first, token_ids)])
     targets = torch.tensor([t for s, f in zip(token_ids, first) for t in s[f:]], dtype=torch.int64)
     dist = (float(temperature), int(top_k), float(top_p))
-    w = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
-    lp_N, ent_N = _head_logprobs(model, hidden[rows_N], w, targets, dist, with_entropy,
+    lp_N, ent_N = _head_logprobs(model, hidden[rows_N], model.head_weight, targets, dist, with_entropy,
                                  with_entropy and entropy_grad and torch.is_grad_enabled())
     ent = list(torch.split(ent_N, sizes)) if with_entropy else None
     return list(torch.split(lp_N, sizes)), ent
 
 
-HEAD_CHUNK_ROWS = 256  # rows projected onto the vocabulary at once; memory and speed only, not bits
+HEAD_CHUNK_ROWS = 256  # rows projected onto the vocabulary at once; memory and speed only (no exact-mode bit)
 
 
 class _HeadLogprobs(torch.autograd.Function):

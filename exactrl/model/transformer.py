@@ -140,7 +140,11 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, layout, plan, pages)
         return self.model.norm(x)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[V, D] weight of the vocabulary projection (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] (computed in the model dtype, then upcast, as HF does)."""
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return self.kernels.linear(hidden_ND, w).float()
+        return self.kernels.linear(hidden_ND, self.head_weight).float()
