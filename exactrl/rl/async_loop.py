@@ -45,7 +45,7 @@ import torch
 
 from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.config import AsyncSettings
-from exactrl.rl.loop import end_step, log_initial_eval, train_on
+from exactrl.rl.loop import end_step, engine_metrics, log_initial_eval, train_on
 from exactrl.rl.rollout import Rollout, generate_groups
 from exactrl.rl.setup import Components
 
@@ -58,6 +58,7 @@ class RolloutBatch:
     groups: list[list[Rollout]]
     prompts_state: dict  # PromptSource position after this batch's prompts (what a checkpoint saves)
     rollout_s: float  # generation wall time
+    engine_stats: dict[str, float]  # `external/` gauges of the engine when the batch was done (empty in process)
 
 
 class RolloutWorker:
@@ -114,7 +115,9 @@ class RolloutWorker:
                 problems = c.prompts.take(cfg.rollout.prompts_per_step)
                 groups = generate_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step,
                                          on_step=self._apply_pending if self.s.inflight_updates else None)
-                self._out.put(RolloutBatch(step, groups, c.prompts.state_dict(), time.perf_counter() - t0))
+                # read here, on the thread that drives the engine; the trainer only logs the snapshot
+                stats = {k: v for k, v in engine_metrics(c.engine).items() if k.startswith("external/")}
+                self._out.put(RolloutBatch(step, groups, c.prompts.state_dict(), time.perf_counter() - t0, stats))
         except BaseException as e:  # handed to the trainer, which raises it
             self._out.put(e)
 
@@ -194,7 +197,8 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
             if check is not None:  # batch k+1 may hold versions down to k − max_staleness
                 check.keep(step, c.model, step - s.max_staleness)
             t2 = time.perf_counter()
-            metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1}
+            metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1,
+                        "engine/version": step} | item.engine_stats  # the version published to the engine
             last = end_step(c, step, groups, metrics, t2 - t_prev, eval_engine, item.prompts_state)
             t_prev = time.perf_counter()
     return last

@@ -33,7 +33,7 @@ def train(c: Components) -> dict[str, float]:
         metrics = train_on(c, step, groups)
         c.engine.update_weights(c.model.state_dict(), version=step)
         t2 = time.perf_counter()
-        metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1}
+        metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1} | engine_metrics(c.engine)
         last = end_step(c, step, groups, metrics, t2 - t_prev, c.engine, c.prompts.state_dict())
         t_prev = time.perf_counter()
     return last
@@ -43,6 +43,16 @@ def log_initial_eval(c: Components, eval_engine) -> None:
     if c.start_step == 0 and c.cfg.task.eval_size:
         c.logger.log({"step": 0, **evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout,
                                             c.cfg.seed)})
+
+
+def engine_metrics(engine) -> dict[str, float]:
+    """The version the rollout engine holds now and, for an external server, its weight lag and counters.
+
+    `engine/version` is the engine's own: the step just synced in process or with
+    `weight_sync: disk`, the starting 0 with `weight_sync: none`, where
+    `external/weight_lag` (trainer version − server version) shows how far behind it is.
+    """
+    return {k: v for k, v in engine.stats().items() if k == "engine/version" or k.startswith("external/")}
 
 
 def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str, float]:
@@ -59,7 +69,7 @@ def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dic
     n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
     metrics = metrics | rollout_metrics(groups) | {
         "step": step, "time/step_s": step_s, "perf/tokens_per_s": n_tokens / step_s,
-        "perf/completion_tokens": n_tokens, "engine/version": step}
+        "perf/completion_tokens": n_tokens}
     if cfg.task.eval_size and (step % cfg.eval_every == 0 or step == cfg.max_steps):
         metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed)
     c.logger.log(metrics)

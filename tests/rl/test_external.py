@@ -242,6 +242,7 @@ def test_sync_training_through_an_exact_server_with_disk_sync_is_on_policy(model
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 for r in rows)  # new weights every step, synced through the disk
     assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 for r in rows)
+    assert [(r["engine/version"], r["external/weight_lag"]) for r in rows] == [(1, 0), (2, 0), (3, 0)]
     assert "eval/accuracy" in rows[-1]  # greedy evaluation through the server too
 
 
@@ -251,6 +252,8 @@ def test_without_weight_sync_the_data_drifts_off_policy(model_dir, exact_server,
     rows = run(model_dir, tmp_path / "run", "max_steps=2", "task.eval_size=0", *external(url, state))
     assert rows[0]["train/train_rollout_logprob_abs_diff_max"] == 0.0  # both still hold the starting weights
     assert rows[1]["train/train_rollout_logprob_abs_diff"] > 0 and rows[1]["mismatch/k3"] > 0
+    # the log says so: the server still holds version 0 while the trainer is at the step
+    assert [(r["engine/version"], r["external/weight_lag"]) for r in rows] == [(0, 1), (0, 2)]
 
 
 def test_fast_server_mismatch_is_measured_and_corrected(model_dir, tmp_path):
@@ -271,6 +274,8 @@ def test_async_training_through_an_exact_server_tags_every_token_with_its_versio
         rows = run(model_dir, tmp_path / "run", "max_steps=3", "async.enabled=true", "async.max_staleness=1",
                    *external(url, state, "rollout_backend.weight_sync=disk"))
     assert max(r["async/staleness_max"] for r in rows) == 1 and all(r["train/grad_norm"] > 0 for r in rows)
+    # the server's lag, read on the rollout thread when each batch was done: within the staleness bound
+    assert all(r["external/weight_lag"] == 0 and r["external/requests"] > 0 for r in rows)
     # each token's μ is exactly the logprob under the version it was tagged with
     assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in rows)
 

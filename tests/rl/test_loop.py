@@ -59,6 +59,7 @@ def test_exact_run_has_zero_mismatch_every_step(model_dir, tmp_path):
         assert r["train/train_rollout_logprob_abs_diff"] == 0.0
         assert r["train/train_rollout_logprob_abs_diff_max"] == 0.0
         assert r["mismatch/k3"] == 0.0
+        assert r["engine/version"] == r["step"] and not any(k.startswith("external/") for k in r)
         for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/entropy", "train/grad_norm",
                     "loss/clip_frac_low", "loss/clip_frac_high", "perf/tokens_per_s", "time/rollout_s",
                     "time/train_s"):
