@@ -44,5 +44,23 @@ def matmul_peak_gflops(n: int = 1024, dtype=torch.float32) -> float:
     return 2 * n**3 / t / 1e9
 
 
+def linear_weights(hf_model) -> list[torch.Tensor]:
+    """Every matmul weight a token passes through in a transformers causal LM, the LM head last."""
+    body = [m.weight for name, m in hf_model.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return body + [hf_model.lm_head.weight]
+
+
+def gemm_floor_s(weights: list[torch.Tensor], rows: int, repeat: int = 5) -> float:
+    """Best-of-`repeat` wall time of `rows` rows through every weight with plain `F.linear`.
+
+    A forward step is these matmuls plus everything else (attention, norms,
+    sampling, Python), so `rows / gemm_floor_s` bounds the tokens/s of ANY
+    implementation using torch's own fp32 GEMM on this machine.
+    """
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    with torch.inference_mode():
+        return timeit(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], repeat=repeat)
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -8,6 +8,12 @@ memory per configuration is the peak resident set size above the level before
 it (sampled every 2 ms; for our engine it includes the KV pool, allocated
 then, for transformers its dynamic cache), plus the process's max RSS at the end.
 
+Ceiling. `gemm_floor_tok_s` is batch / (time of one decode step's matmuls
+alone: every layer's projections and the LM head, plain `F.linear` on
+`batch` rows). Any engine's step is those matmuls plus attention, norms and
+sampling, so `gemm_floor_over_hf` bounds the speed-up over transformers that
+any implementation on torch's fp32 GEMM can reach on this machine.
+
 Sizes (explicit, tied embeddings, head_dim 64, GQA):
   20M : vocab 16384, hidden 384, 8 layers, 6 heads / 2 kv, MLP 1024   (≈18.9M params)
   100M: vocab 32000, hidden 768, 12 layers, 12 heads / 4 kv, MLP 2048  (≈100M params)
@@ -19,6 +25,7 @@ import argparse
 import json
 import random
 import resource
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +35,9 @@ import torch
 
 import exactrl
 from exactrl import Engine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import gemm_floor_s, linear_weights  # noqa: E402
 
 SIZES = {
     "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
@@ -135,6 +145,10 @@ def bench_size(size: str, batches: list[int], prompt_len: int, new: int, dtype: 
             row["hf_tok_s"], row["hf_peak_mb"] = round(tps, 1), mb
             row["exact_over_hf"] = round(row["exact_tok_s"] / tps, 2)
             row["fast_over_hf"] = round(row["fast_tok_s"] / tps, 2)
+            # ceiling: a decode step that were nothing but its matmuls (torch's GEMM, b rows)
+            floor = gemm_floor_s(linear_weights(hf), b)
+            row["gemm_floor_tok_s"] = round(b / floor, 1)
+            row["gemm_floor_over_hf"] = round(b / floor / tps, 2)
         res["batches"][str(b)] = row
     return res
 

@@ -35,7 +35,9 @@ includes its data loading and logging hooks, as exactrl's loop timing does).
 Both trainers run one forward/backward over the whole batch (no
 micro-batching). `phase_ratio_*` splits the speed-up: rollout (engine vs
 transformers `generate`, timed around TRL's call) and the rest of the step.
-Other processes on the machine slow both sides (and small decode ops the
+`flop_floor` is the step's matmul FLOPs at the fp32 matmul peak measured in
+the same run, and `ceiling_over_trl` TRL's step time over that floor: the
+most any implementation could gain on this CPU. Other processes on the machine slow both sides (and small decode ops the
 most); the 1-minute load average at start and end is in the output.
 
 TRL's train/rollout logprob difference. Without vLLM, TRL keeps no sampling
@@ -77,7 +79,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SIZES  # noqa: E402
+from _common import SIZES, linear_weights, matmul_peak_gflops  # noqa: E402
 
 TRL_MISSING = "not installed (pip install 'exactrl[bench]')"
 DIFF, DIFF_MAX = "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"
@@ -110,8 +112,10 @@ def build_model_dir(out: Path, size: str, seed: int) -> dict:
                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     hf = transformers.Qwen3ForCausalLM(cfg)
     hf.save_pretrained(out)
+    body, head = linear_weights(hf)[:-1], linear_weights(hf)[-1]
     return {"size": size, "params": sum(p.numel() for p in hf.parameters()), "vocab_size": tok.vocab_size,
-            "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "dtype": "float32"}
+            "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "dtype": "float32",
+            "matmul_params_body": sum(w.numel() for w in body), "matmul_params_head": head.numel()}
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[str]:
@@ -370,6 +374,30 @@ def ratios(exactrl: dict, trl: dict) -> dict:
     return out
 
 
+def flop_floor(model: dict, a, trl: dict | None) -> dict:
+    """The step's matmul FLOPs at the machine's measured fp32 matmul peak: a floor for any implementation.
+
+    Rollout: the prompt's prefill once per prompt (P·prompt rows) and one row per
+    generated token through the layers; the LM head on generated tokens only.
+    Training: forward + backward (3 × 2 FLOPs per weight and row) over all B·(prompt + N)
+    rows through the layers, the LM head on the completion rows only (as TRL's
+    `logits_to_keep`). Attention scores, norms and the optimizer are left out, so the
+    floor is lower than any real step; `ceiling_over_trl` = TRL's step time / floor
+    bounds the speed-up any implementation on this CPU can show.
+    """
+    body, head = model["matmul_params_body"], model["matmul_params_head"]
+    B = a.prompts * a.group
+    rollout = 2 * body * (a.prompts * a.prompt + B * a.new) + 2 * head * B * a.new
+    train = 6 * body * B * (a.prompt + a.new) + 6 * head * B * a.new
+    peak = matmul_peak_gflops()
+    floor_s = (rollout + train) / 1e9 / peak
+    out = {"gflop_rollout": round(rollout / 1e9, 3), "gflop_train": round(train / 1e9, 3),
+           "matmul_peak_gflops_fp32": round(peak, 1), "floor_step_s": float(f"{floor_s:.3g}")}
+    if trl is not None:
+        out["ceiling_over_trl"] = round(trl["step_s_mean"] / floor_s, 2)
+    return out
+
+
 def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(prog="exactrl bench train", description=__doc__.splitlines()[0])
     p.add_argument("--size", default="20M", choices=sorted(SIZES), help="model shape (benchmarks/_common.py)")
@@ -415,6 +443,7 @@ def main(argv: list[str]) -> None:
             out["trl"] = "skipped (--no-trl)" if a.no_trl else TRL_MISSING
     if with_trl:
         out |= ratios(out["exactrl"], out["trl"])
+    out["flop_floor"] = flop_floor(out["model"], a, out["trl"] if with_trl else None)
     out["load_avg_1min_end"] = os.getloadavg()[0]
     out["threads_after"] = torch.get_num_threads()  # TRL/accelerate must not have changed the thread count
     print(json.dumps(out, indent=2))

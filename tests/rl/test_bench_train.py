@@ -38,6 +38,12 @@ def test_bench_train_quick_exactrl_side(capsys):
     check_side(exact), check_side(fast)
     assert exact[DIFF] == 0.0 and exact[DIFF_MAX] == 0.0
     assert fast[DIFF_MAX] > 0.0  # the inverse check: the metric can see a mismatch
+    floor = out["flop_floor"]  # --quick: 2 prompts x 4 samples of 8 + 8 tokens
+    m, B = out["model"], 2 * 4
+    flop = 6 * m["matmul_params_body"] * B * 16 + 6 * m["matmul_params_head"] * B * 8
+    assert floor["gflop_train"] == pytest.approx(flop / 1e9, abs=5e-4)
+    assert floor["floor_step_s"] > 0 and floor["matmul_peak_gflops_fp32"] > 0
+    assert "ceiling_over_trl" not in floor
 
 
 def test_bench_train_quick_trl_side(capsys):
@@ -50,4 +56,5 @@ def test_bench_train_quick_trl_side(capsys):
     assert 0.0 <= trl[DIFF] <= trl[DIFF_MAX] < 1e-3  # fp32: small, measured, not assumed
     assert out["exactrl"]["exact"][DIFF] == 0.0
     assert out["ratio_exact_over_trl"] > 0 and "ratio_fast_over_trl" not in out
+    assert out["flop_floor"]["ceiling_over_trl"] > 0
     assert out["phase_ratio_exact_over_trl"]["rollout"] > 0 and out["phase_ratio_exact_over_trl"]["rest"] > 0
