@@ -69,7 +69,8 @@ def run_variant(name: str, overrides: list[str], out: Path, steps: int) -> list[
 
 def summarise(rows: list[dict]) -> dict[str, float]:
     steps = [r for r in rows if r.get("step", 0) > 0]
-    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    evals = ([r["eval/initial_accuracy"] for r in rows if "eval/initial_accuracy" in r]
+             + [r["eval/accuracy"] for r in rows if "eval/accuracy" in r])
     last = steps[-5:]
 
     def mean(key, rs):
@@ -95,6 +96,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     for ax, (key, title, log) in zip(axes, PLOTS):
         for name, rows in results.items():
             pts = [(r["step"], r[key]) for r in rows if key in r]
+            if key == "eval/accuracy":  # the accuracy before training rides on step 1's row
+                pts = [(0, r["eval/initial_accuracy"]) for r in rows if "eval/initial_accuracy" in r] + pts
             if log:  # zero cannot be drawn on a log axis: show it at the floor, labelled
                 pts = [(s, max(v, FLOOR)) for s, v in pts]
             if pts:

@@ -45,7 +45,7 @@ import torch
 
 from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.config import AsyncSettings
-from exactrl.rl.loop import end_step, engine_metrics, log_initial_eval, train_on
+from exactrl.rl.loop import end_step, engine_metrics, initial_eval, train_on
 from exactrl.rl.rollout import Rollout, generate_groups
 from exactrl.rl.setup import Components
 
@@ -181,7 +181,7 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
     # evaluation runs on the trainer thread over the trainer's own weights; the rollout engine is busy
     eval_engine = Engine(c.model, stop_token_ids=sorted(c.tokenizer.stop_token_ids),
                          kv_budget_tokens=cfg.engine.kv_budget_tokens // 4) if cfg.task.eval_size else None
-    log_initial_eval(c, eval_engine)
+    initial = initial_eval(c, eval_engine)
     check = BehaviourCheck(c.model, c.start_step) if s.recompute_behaviour else None
     with RolloutWorker(c, s) as worker:
         t_prev = time.perf_counter()
@@ -198,7 +198,7 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
                 check.keep(step, c.model, step - s.max_staleness)
             t2 = time.perf_counter()
             metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1,
-                        "engine/version": step} | item.engine_stats  # the version published to the engine
+                        "engine/version": step} | item.engine_stats | initial  # version: published to the engine
             last = end_step(c, step, groups, metrics, t2 - t_prev, eval_engine, item.prompts_state)
-            t_prev = time.perf_counter()
+            initial, t_prev = {}, time.perf_counter()
     return last

@@ -24,7 +24,7 @@ from exactrl.rl.trainer import train_step
 
 def train(c: Components) -> dict[str, float]:
     cfg, last = c.cfg, {}
-    log_initial_eval(c, c.engine)
+    initial = initial_eval(c, c.engine)
     t_prev = time.perf_counter()
     for step in range(c.start_step + 1, cfg.max_steps + 1):
         problems = c.prompts.take(cfg.rollout.prompts_per_step)
@@ -33,16 +33,22 @@ def train(c: Components) -> dict[str, float]:
         metrics = train_on(c, step, groups)
         c.engine.update_weights(c.model.state_dict(), version=step)
         t2 = time.perf_counter()
-        metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1} | engine_metrics(c.engine)
+        metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1} | engine_metrics(c.engine) | initial
         last = end_step(c, step, groups, metrics, t2 - t_prev, c.engine, c.prompts.state_dict())
-        t_prev = time.perf_counter()
+        initial, t_prev = {}, time.perf_counter()
     return last
 
 
-def log_initial_eval(c: Components, eval_engine) -> None:
-    if c.start_step == 0 and c.cfg.task.eval_size:
-        c.logger.log({"step": 0, **evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout,
-                                            c.cfg.seed)})
+def initial_eval(c: Components, eval_engine) -> dict[str, float]:
+    """Held-out accuracy before any training, as `eval/initial_accuracy` of the first step's row.
+
+    It rides on step 1's row (a run resumed later has it already): every row
+    of metrics.jsonl is a training step with the keys DESIGN.md §3 promises.
+    """
+    if c.start_step != 0 or not c.cfg.task.eval_size:
+        return {}
+    acc = evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout, c.cfg.seed)["eval/accuracy"]
+    return {"eval/initial_accuracy": acc}
 
 
 def engine_metrics(engine) -> dict[str, float]:

@@ -8,6 +8,7 @@ from exactrl.rl.logger import read_metrics
 PANELS = [("reward", ["rollout/reward_mean"]), ("accuracy", ["eval/accuracy", "rollout/accuracy"]),
           ("logprob_diff", ["train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"]),
           ("response_length", ["rollout/response_len_mean"])]
+INITIAL = "eval/initial_accuracy"
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
@@ -27,6 +28,8 @@ def write_report(run_dir: str | Path) -> list[Path]:
         for a in (ax, ax_all):
             for k in keys:
                 pts = [(r["step"], r[k]) for r in rows if k in r]
+                if k == "eval/accuracy":  # the accuracy before training rides on step 1's row
+                    pts = [(0, r[INITIAL]) for r in rows if INITIAL in r] + pts
                 if pts:
                     a.plot(*zip(*pts), marker=".", label=k)
             a.set_title(name.replace("_", " "))

@@ -52,7 +52,11 @@ def same_metrics(a: list[dict], b: list[dict]) -> None:
 
 def test_exact_run_has_zero_mismatch_every_step(model_dir, tmp_path):
     rows = run(model_dir, tmp_path / "run", "max_steps=3")
-    assert rows[0] == {"step": 0, "eval/accuracy": rows[0]["eval/accuracy"]}
+    # every row is a training step with DESIGN.md §3's keys; the accuracy before training rides on step 1
+    contract = ("step", "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max",
+                "rollout/reward_mean")
+    assert all(k in r for r in rows for k in contract)
+    assert 0.0 <= rows[0]["eval/initial_accuracy"] <= 1.0 and not any("eval/initial_accuracy" in r for r in rows[1:])
     train = training_rows(rows)
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:
@@ -84,7 +88,7 @@ def test_resumed_run_equals_uninterrupted_run(model_dir, tmp_path):
     part = tmp_path / "part"
     run(model_dir, part, "max_steps=2", "save_every=2")
     resumed = run(model_dir, part, "max_steps=4", "save_every=2", "resume=true")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # one file: steps 3-4 appended
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # one file: steps 3-4 appended
     same_metrics(full, resumed)
 
 
@@ -141,7 +145,7 @@ def test_async_resume_continues_from_the_trained_data_position(model_dir, tmp_pa
     state = json.loads((d / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["prompts"]["index"] == 2 * 4  # two batches of 4 prompts, not what the rollout thread took
     rows = run(model_dir, d, "max_steps=3", "resume=true", "async.enabled=true", "async.max_staleness=2")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------- staleness filter (unit)
