@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from exactrl.argcheck import check_arg_types
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -80,6 +82,7 @@ def get_task(name: str, **kwargs: Any) -> Task:
     except TypeError as e:
         params = ", ".join(inspect.signature(cls).parameters)
         raise ValueError(f"bad arguments for task {name!r}: {e}; it accepts: {params}") from None
+    check_arg_types(cls, kwargs, f"task {name!r}")
     return cls(**kwargs)
 
 

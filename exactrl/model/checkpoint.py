@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from exactrl.kernels import get_kernels
@@ -31,22 +31,49 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def _read_json_object(p: Path) -> dict:
+    try:
+        obj = json.loads(p.read_text())
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+        raise ValueError(f"{p} is not valid JSON: {e}; restore the file from the original checkpoint") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{p} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_config(path: str | Path) -> ModelConfig:
     p = Path(path) / "config.json"
     if not p.is_file():
         raise ValueError(f"no config.json in model directory {path!s}")
-    return ModelConfig.from_hf(json.loads(p.read_text()))
+    hf = _read_json_object(p)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:  # from_hf knows the keys, not the file
+        raise ValueError(f"model directory {path!s}: {e}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object (tensor name -> shard file)")
+        shards = [path / s for s in sorted(set(weight_map.values()))]
+        absent = [s.name for s in shards if not s.is_file()]
+        if absent:
+            raise ValueError(f"{index} names shard files that are not in {path!s}: {absent}")
+        return shards
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!s}")
+
+
+def _open_safetensors(f: Path):
+    try:
+        return safe_open(str(f), framework="pt")
+    except SafetensorError as e:  # truncated or corrupt: the header cannot be read
+        raise ValueError(f"{f} is not a valid safetensors file ({e}); re-save or re-copy the checkpoint") from None
 
 
 def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
@@ -83,7 +110,7 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
     seen: set[str] = set()
     with torch.no_grad():
         for f in _weight_files(path):
-            with safe_open(str(f), framework="pt") as sf:
+            with _open_safetensors(f) as sf:
                 for name in sf.keys():
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # tied: the embedding is the head

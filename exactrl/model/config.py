@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -39,6 +40,10 @@ class ModelConfig:
         if mt not in SUPPORTED:
             raise ValueError(f"unsupported architecture model_type={mt!r} "
                              f"(architectures={cfg.get('architectures')}); supported: {sorted(SUPPORTED)}")
+        missing = [k for k in REQUIRED if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json is missing {', '.join(map(repr, missing))}; a {mt} config needs "
+                             f"{', '.join(REQUIRED)} (restore the file from the original checkpoint)")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")

@@ -18,7 +18,10 @@ turn (Qwen groups consecutive ones). So every message ends with exactly one
 `load_tokenizer` wraps any fast tokenizer directory (ours or, e.g., a real
 Qwen3 one) in a small `Tokenizer` with the ids the engine and trainer need.
 Chat token ids are the rendered text encoded without added special tokens,
-which is what transformers' own `apply_chat_template` does.
+which is what transformers' own `apply_chat_template` does. The wrapper also
+answers the transformers calls user code makes most (`tok(text)`,
+`batch_decode`, `apply_chat_template(..., tokenize=False)`); the full
+transformers tokenizer is `tok.hf`.
 """
 from __future__ import annotations
 
@@ -211,6 +214,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        """`decode` of each sequence, as transformers' `batch_decode`."""
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        """`{"input_ids": [...]}` for one string, as transformers' `tokenizer(text)` (its BatchEncoding
+        without the attention mask). Like transformers it adds the tokenizer's bos/eos by default
+        (ours and Qwen's add none); `encode` never adds them."""
+        if not isinstance(text, str):
+            raise ValueError(f"tokenizer(text) takes one string, got {type(text).__name__}; "
+                             f"for a batch use [tok(t) for t in texts]")
+        return {"input_ids": self.hf.encode(text, add_special_tokens=add_special_tokens)}
+
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages` (and `tools`, when the template supports them)."""
@@ -226,9 +242,11 @@ class Tokenizer:
             raise ValueError(f"chat template of {self.path} rejected the messages: {e}") from None
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `render_chat(...)`."""
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt))
+                            add_generation_prompt: bool = True, tokenize: bool = True) -> list[int] | str:
+        """Token ids of `render_chat(...)`; with `tokenize=False` the rendered text itself, as in
+        transformers (whose `add_generation_prompt` defaults to False, ours to True)."""
+        text = self.render_chat(messages, tools, add_generation_prompt)
+        return self.encode(text) if tokenize else text
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -239,9 +257,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.is_dir():
         raise ValueError(f"tokenizer directory {path} does not exist")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ValueError(f"{path} holds no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); "
-                         f"build one with exactrl.model.tokenizer.build_tokenizer or point at a model directory")
-    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        raise ValueError(f"{path} holds no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); a "
+                         f"training checkpoint has none: pass the tokenizer's directory separately (exactrl serve "
+                         f"--tokenizer DIR, or model.tokenizer in a run config), or build one with "
+                         f"exactrl.model.tokenizer.build_tokenizer")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except OSError as e:  # transformers' error for unreadable files, e.g. a config.json that is not JSON
+        raise ValueError(f"cannot load the tokenizer in {path}: {e}") from None
     if not hf.is_fast:
         raise ValueError(f"tokenizer at {path} is not a fast (Rust) tokenizer; add a tokenizer.json")
     vocab = hf.get_vocab()

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from exactrl.argcheck import check_arg_types
 from exactrl.rl.types import check_kwargs
 
 
@@ -105,6 +106,7 @@ def compute_advantages(name: str, rewards_PG: torch.Tensor, **kwargs) -> torch.T
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGES)}")
     fn = ADVANTAGES[name]
     check_kwargs(fn, kwargs, f"advantage estimator {name!r}", positional=("rewards_PG",))
+    check_arg_types(fn, kwargs, f"advantage estimator {name!r}")
     advantages_PG = fn(rewards_PG, **kwargs)
     assert advantages_PG.shape == rewards_PG.shape
     return advantages_PG

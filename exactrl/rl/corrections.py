@@ -41,6 +41,7 @@ from typing import Sequence
 
 import torch
 
+from exactrl.argcheck import check_arg_types
 from exactrl.rl.aggregation import masked_mean, masked_values, seq_mean, seq_sum
 from exactrl.rl.kl import exp_ratio, kl_estimate
 from exactrl.rl.types import LossInputs, check_finite, check_kwargs, check_mask, check_same_shape
@@ -310,6 +311,7 @@ def build_corrections(specs: Sequence[dict]) -> Composed:
             raise ValueError(f"unknown correction {name!r}; valid: {sorted(CORRECTIONS)} "
                              "(bypass mode is `apply_bypass`, not a correction)")
         check_kwargs(CORRECTIONS[name], kwargs, f"correction {name!r}")
+        check_arg_types(CORRECTIONS[name], kwargs, f"correction {name!r}")
         built.append(CORRECTIONS[name](**kwargs))
     return compose(built)
 

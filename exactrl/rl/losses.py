@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from exactrl.argcheck import check_arg_types
 from exactrl.rl.aggregation import aggregate, masked_mean, masked_values, seq_mean, seq_sum
 from exactrl.rl.kl import MAX_LOG_RATIO, exp_ratio, upcast
 from exactrl.rl.types import LossInputs, LossNorm, check_kwargs
@@ -226,4 +227,5 @@ def build_loss(name: str, **kwargs) -> PolicyLoss:
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; valid losses: {sorted(LOSSES)}")
     check_kwargs(LOSSES[name], kwargs, f"loss {name!r}")
+    check_arg_types(LOSSES[name], kwargs, f"loss {name!r}")
     return LOSSES[name](**kwargs)

@@ -322,8 +322,8 @@ def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "
     import exactrl
     from exactrl.engine import Engine
 
+    model = exactrl.load_model(model_dir, dtype=dtype, kernels=kernels)  # first: a bad --model is named as such
     tok = exactrl.load_tokenizer(tokenizer_dir or model_dir)
-    model = exactrl.load_model(model_dir, dtype=dtype, kernels=kernels)
     engine = Engine(model, stop_token_ids=sorted(tok.stop_token_ids), **engine_kwargs)
     name = model_name or str(model_dir)
     return ServerState(engine, tok, ServerConfig(name, aliases=(Path(model_dir).name,), monotonicity=monotonicity))

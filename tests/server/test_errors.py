@@ -2,6 +2,7 @@
 server keeps serving; a client that disconnects aborts its generation and frees its KV pages."""
 from __future__ import annotations
 
+import shutil
 import time
 
 import httpx
@@ -9,7 +10,7 @@ import openai
 import pytest
 
 from exactrl.envs.tool_use import CALCULATOR_TOOL
-from serving import served
+from serving import model_dir, served
 
 MSGS = [{"role": "user", "content": "hello"}]
 
@@ -131,6 +132,23 @@ def test_completions_bad_prompts():
             s.client().completions.create(model=s.model, prompt=prompt, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="suffix"):
         s.client().completions.create(model=s.model, prompt="hi", suffix="x")
+
+
+def test_update_weights_from_a_damaged_directory_is_400_and_the_server_keeps_serving(tmp_path):
+    s = served()
+    version = s.state.engine.version
+    bad = {name: shutil.copytree(model_dir(), tmp_path / name) for name in ("nokey", "trunc", "nojson")}
+    (bad["nokey"] / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 512}')
+    (bad["trunc"] / "model.safetensors").write_bytes((bad["trunc"] / "model.safetensors").read_bytes()[:100])
+    (bad["nojson"] / "config.json").write_text("{")
+    for name, words in [("nokey", ["config.json is missing 'hidden_size'"]),
+                        ("trunc", [f"{bad['trunc'] / 'model.safetensors'} is not a valid safetensors file"]),
+                        ("nojson", [f"{bad['nojson'] / 'config.json'} is not valid JSON"])]:
+        err = assert_error(post("/update_weights_from_disk", json={"model_path": str(bad[name])}), 400, *words)
+        assert err["param"] == "model_path"
+    assert s.state.engine.version == version
+    r = s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=2)
+    assert r.choices[0].message.generation_token_ids  # still serving
 
 
 def _wait_idle(url: str, timeout: float = 20.0) -> dict:

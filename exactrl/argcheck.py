@@ -1,0 +1,61 @@
+"""Config values against the annotations of the component they configure.
+
+Losses, corrections, advantage estimators and tasks are chosen by name and
+take free-form `*_kwargs` from YAML; a wrong type there (`eps_low: abc`)
+must be a ValueError naming the component and the argument, not a TypeError
+deep inside the first step.
+"""
+from __future__ import annotations
+
+import collections.abc
+import types
+import typing
+from typing import Any, Callable
+
+_TYPE_NAMES = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "null"}
+
+
+def check_arg_types(factory: Callable, kwargs: dict[str, Any], what: str) -> None:
+    """Raises a ValueError naming `what` and the argument when a config value does not fit the
+    factory's annotation, e.g. `loss 'ppo' argument eps_low: expected a number, got 'abc'`.
+
+    Checks the annotations config values can have (int, float, bool, str, None, unions and
+    sequences of these); others are left to the constructor. Argument names must already be valid.
+    Shared by every "component chosen by name + free-form kwargs" (tasks, losses, corrections,
+    advantage estimators).
+    """
+    if not kwargs:
+        return
+    hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
+    for name, value in kwargs.items():
+        if name in hints and not _fits(value, hints[name]):
+            raise ValueError(f"{what} argument {name}: expected {_describe(hints[name])}, got {value!r}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin in (list, tuple, collections.abc.Sequence):  # YAML gives lists; a str is a Sequence[str]
+        is_seq = isinstance(value, (list, tuple)) or (origin is collections.abc.Sequence and isinstance(value, str))
+        return is_seq and all(_fits(v, _item(args)) for v in value)
+    if hint in (int, float):  # YAML's 1 is a fine float; true is not a number
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint in _TYPE_NAMES:
+        return isinstance(value, hint)
+    return True
+
+
+def _item(args: tuple) -> Any:
+    """The element type of a homogeneous sequence annotation (list[X], Sequence[X], tuple[X, ...]), else Any."""
+    return args[0] if len(args) == 1 or args[1:] == (...,) else Any
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin in (list, tuple, collections.abc.Sequence):
+        item = _item(args)
+        return "a list" if item is Any else f"a list ({_describe(item)} each)"
+    return _TYPE_NAMES.get(hint, str(hint))

@@ -1,0 +1,114 @@
+"""A damaged model directory is a one-line ValueError naming the file and the problem (config.json
+missing a key or not JSON, a truncated or absent safetensors file); the server names a bad --model
+as the model and points a tokenizer-less checkpoint at --tokenizer. Also the transformers-style
+calls of `Tokenizer`: tok(text), batch_decode, apply_chat_template(..., tokenize=False)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import exactrl
+from exactrl.envs import ArithmeticTask
+from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer
+from exactrl.server.app import build_state
+
+
+@pytest.fixture
+def damaged(qwen3_dir, tmp_path):
+    """A fresh copy of the tiny model to break."""
+    return shutil.copytree(qwen3_dir, tmp_path / "m")
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    for k in [k for k, v in changes.items() if v is ...]:
+        del cfg[k]
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("value", [..., None])  # key absent, or null
+def test_config_missing_a_key(damaged, value):
+    _edit_config(damaged, hidden_size=value)
+    with pytest.raises(ValueError, match=f"model directory {damaged}: config.json is missing 'hidden_size'"):
+        exactrl.load_model(damaged)
+
+
+def test_config_not_json(damaged):
+    (damaged / "config.json").write_text('{"model_type": \n')
+    with pytest.raises(ValueError, match=f"{damaged / 'config.json'} is not valid JSON: Expecting value"):
+        exactrl.load_model(damaged)
+    (damaged / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json must hold a JSON object, got list"):
+        exactrl.load_model(damaged)
+
+
+@pytest.mark.parametrize("keep", [5, 100, -10])  # header length cut, header cut, data cut
+def test_truncated_safetensors(damaged, keep):
+    f = damaged / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:keep] if keep > 0 else data[:len(data) + keep])
+    with pytest.raises(ValueError, match=f"{f} is not a valid safetensors file"):
+        exactrl.load_model(damaged)
+
+
+def test_sharded_index_problems(damaged):
+    index = damaged / "model.safetensors.index.json"
+    index.write_text("{")
+    with pytest.raises(ValueError, match="index.json is not valid JSON"):
+        exactrl.load_model(damaged)
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="no 'weight_map'"):
+        exactrl.load_model(damaged)
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match=r"shard files that are not in .*model-00002-of-00002"):
+        exactrl.load_model(damaged)
+
+
+def test_server_names_a_bad_model_path(tmp_path):
+    with pytest.raises(ValueError, match=f"model directory {tmp_path / 'nope'} does not exist"):
+        build_state(str(tmp_path / "nope"))
+
+
+def test_server_points_a_checkpoint_without_tokenizer_at_the_tokenizer_flag(qwen3_dir):
+    with pytest.raises(ValueError, match=f"{qwen3_dir} holds no tokenizer files.*exactrl serve --tokenizer DIR"):
+        build_state(str(qwen3_dir))
+
+
+# --------------------------------------------------------------------------- transformers-style tokenizer calls
+
+MSGS = [{"role": "user", "content": "12+7="}]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d, default_tokenizer_corpus([ArithmeticTask()], 100, seed=0), vocab_size=300)
+    return load_tokenizer(d)
+
+
+def test_tokenizer_with_a_broken_config_json_is_named(tok, tmp_path):
+    shutil.copytree(tok.path, tmp_path / "t")
+    (tmp_path / "t" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer in {tmp_path / 't'}: .*config.json"):
+        load_tokenizer(tmp_path / "t")
+
+
+def test_apply_chat_template_tokenize_false_gives_the_text(tok):
+    text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+    assert text == tok.render_chat(MSGS) == tok.hf.apply_chat_template(MSGS, tokenize=False,
+                                                                        add_generation_prompt=True)
+    assert tok.apply_chat_template(MSGS) == tok.encode(text)  # the default is still token ids
+    assert tok.apply_chat_template(MSGS, None, False, False) == tok.render_chat(MSGS, add_generation_prompt=False)
+
+
+def test_call_and_batch_decode_answer_like_transformers(tok):
+    assert tok("12+7=") == {"input_ids": tok.hf("12+7=")["input_ids"]}
+    assert tok("12+7=")["input_ids"] == tok.encode("12+7=")  # this tokenizer adds no bos/eos
+    with pytest.raises(ValueError, match="one string"):
+        tok(["a", "b"])
+    seqs = [tok.encode("1+2="), tok.encode("<|im_end|>3")]
+    assert tok.batch_decode(seqs) == ["1+2=", "<|im_end|>3"] == tok.hf.batch_decode(seqs)
+    assert tok.batch_decode(seqs, skip_special_tokens=True) == ["1+2=", "3"]
