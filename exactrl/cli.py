@@ -33,10 +33,17 @@ def _parity(args) -> int:
 
 
 def _bench(args) -> int:
+    if not BENCH_DIR.is_dir():  # the wheel packages exactrl/ only
+        raise ValueError(f"benchmarks run from a source checkout of exactrl: the benchmarks/ folder is not "
+                         f"installed with the package (looked in {BENCH_DIR}); clone the repository and run "
+                         f"exactrl bench there")
+    known = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+    if args.name is None:
+        print(f"available benchmarks: {', '.join(known)}  (exactrl bench NAME [options]; NAME --help lists them)")
+        return 0
     path = BENCH_DIR / f"{args.name}.py"
     if not path.is_file():
-        known = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
-        raise SystemExit(f"unknown benchmark {args.name!r}; available: {known} (looked in {BENCH_DIR})")
+        raise ValueError(f"unknown benchmark {args.name!r}; available: {known} (looked in {BENCH_DIR})")
     spec = importlib.util.spec_from_file_location(f"exactrl_bench_{args.name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -45,9 +52,17 @@ def _bench(args) -> int:
 
 
 def _train(args) -> int:
+    from exactrl.rl.external import ExternalEngineError
     from exactrl.rl.run import train_main
 
-    return train_main(args.config, args.set)
+    try:
+        return train_main(args.config, args.set)
+    except ExternalEngineError as e:  # the rollout server is down or answered an error: its message says which
+        return _fail(args.command, e)
+    except RuntimeError as e:  # the asynchronous loop re-raises its rollout thread's error as the cause
+        if isinstance(e.__cause__, ExternalEngineError):
+            return _fail(args.command, e.__cause__)
+        raise
 
 
 def _serve(args) -> int:
@@ -64,6 +79,18 @@ def _report(args) -> int:
     return 0
 
 
+def _int_in(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {f'in {lo}..{hi}' if hi is not None else f'>= {lo}'}, "
+                                             f"got {value}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exactrl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,25 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     t.set_defaults(fn=_train)
     s = sub.add_parser("serve", help="OpenAI-compatible server over the engine")
-    s.add_argument("--model", required=True)
-    s.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    s.add_argument("--kernels", default="exact", choices=["exact", "fast"])
-    s.add_argument("--monotonicity", default="raise", choices=["raise", "split", "truncate"])
+    s.add_argument("--model", required=True, help="Hugging Face model directory to serve (config.json + safetensors)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: all interfaces)")
+    s.add_argument("--port", type=_int_in(0, 65535), default=8000, help="TCP port to listen on, 0..65535")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="parameter and activation dtype")
+    s.add_argument("--kernels", default="exact", choices=["exact", "fast"],
+                   help="exact: logprobs bitwise equal to the trainer's (and batch-invariant); fast: plain torch")
+    s.add_argument("--monotonicity", default="raise", choices=["raise", "split", "truncate"],
+                   help="when a chat history no longer matches the tokens the server returned: raise (HTTP 400), "
+                        "split (render it afresh as a new segment) or truncate (keep the tokens up to the last "
+                        "matching turn, render the rest); a request's `monotonicity` field overrides it")
     s.set_defaults(fn=_serve)
     q = sub.add_parser("parity", help="check the exactness contract on a model")
     q.add_argument("--model", required=True, help="Hugging Face model directory")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     q.add_argument("--kernels", default="exact", choices=["exact", "fast"])
-    q.add_argument("--length", type=int, default=80, help="target sequence length")
+    q.add_argument("--length", type=_int_in(1), default=80,
+                   help="target sequence length, >= 1 (capped at the model's context)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--json", action="store_true", help="also print the results as JSON")
     q.set_defaults(fn=_parity)
     b = sub.add_parser("bench", help="benchmarks (prints JSON): kernels | engine | train | serve")
-    b.add_argument("name")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.add_argument("name", nargs="?", help="benchmark to run; none lists them")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
     b.set_defaults(fn=_bench)
     r = sub.add_parser("report", help="PNG plots of a run directory")
     r.add_argument("run_dir")
@@ -106,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ValueError as e:  # bad input: a clear message, no traceback
-        print(f"exactrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args.command, e)
+
+
+def _fail(command: str, e: Exception) -> int:
+    print(f"exactrl {command}: error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -133,6 +133,8 @@ def _threads(n, fn):
 
 def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckResult]:
     """Runs every check on random token sequences of the model's vocabulary."""
+    if length < 1:
+        raise ValueError(f"parity length must be >= 1, got {length}")
     rng = random.Random(seed)
     V = model.config.vocab_size
     length = min(length, model.config.max_position_embeddings)

@@ -1,11 +1,13 @@
 """The run config: a tree of the sections that sit next to their components.
 
-Loaded from YAML, then `--set a.b=c` overrides (values parsed as YAML), then
-validated; an unknown key or a bad value is an error naming the dotted key.
+Loaded from YAML, then `--set a.b=c` overrides (values parsed as YAML; a
+number or date given to a string field keeps its text), then validated; an
+unknown key or a bad value is an error naming the dotted key.
 `exactrl train` with no file runs the defaults below: the default job.
 """
 from __future__ import annotations
 
+from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
@@ -161,21 +163,66 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _is_str_field(dotted: str) -> bool:
+    """Whether the dotted key names a `str` or `str | None` field (keys inside free-form dicts do not)."""
+    node: Any = RunConfig
+    for k in dotted.split("."):
+        if not (isinstance(node, type) and issubclass(node, BaseModel)):
+            return False
+        field = next((f for n, f in node.model_fields.items() if k in (n, f.alias)), None)
+        if field is None:
+            return False
+        node = field.annotation
+    return node in (str, str | None)
+
+
+def _parse_override(key: str, raw: str) -> Any:
+    """A --set value parsed as YAML; for a string field, a number or date keeps the text as typed.
+
+    So `run_dir=2024-01-01` and `rollout_backend.model=007` mean what they say. true/false and
+    null are not turned into text: a string field refuses a bool, and null means None.
+    """
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--set {key}: not valid YAML ({_yaml_problem(e)}): {raw!r}; "
+                         f"quote the value if it is meant as text") from None
+    if isinstance(value, (int, float, date)) and not isinstance(value, bool) and _is_str_field(key):
+        return raw.strip()
+    return value
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """yaml's own description of the error, on one line and without its position (the caller gives that)."""
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+    return " ".join(what.split())
+
+
+def _load_file(p: Path) -> dict:
+    if p.is_dir():
+        raise ValueError(f"config file {p} is a directory: pass a YAML file")
+    if not p.is_file():
+        raise ValueError(f"config file {p} does not exist")
+    text = p.read_text()
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)  # an error at the end of the stream points at the last line
+        where = f"line {min(mark.line + 1, len(text.splitlines()))}: " if mark is not None else ""
+        raise ValueError(f"config file {p}: {where}not valid YAML ({_yaml_problem(e)})") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"config file {p} must hold a mapping at the top level")
+    return tree
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """YAML file (optional) + `key=value` overrides -> validated RunConfig."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {p} does not exist")
-        tree = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ValueError(f"config file {p} must hold a mapping at the top level")
+    tree = _load_file(Path(path)) if path is not None else {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        _set_dotted(tree, key.strip(), _parse_override(key.strip(), raw))
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
@@ -184,5 +231,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             key = ".".join(str(x) for x in err["loc"])
             what = "unknown config key" if err["type"] == "extra_forbidden" else "bad value for"
             msgs.append(f"{what} {key!r}: {err['msg']}" + ("" if err["type"] == "extra_forbidden"
-                                                         else f" (got {err.get('input')!r})"))
+                                                         else f" (got {err.get('input')!r})")
+                        + ("; quote it in YAML to pass it as text" if err["type"] == "string_type" else ""))
         raise ValueError("; ".join(msgs)) from None

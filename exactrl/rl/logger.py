@@ -63,4 +63,16 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                             f"fix or delete that line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object of metrics, got {type(row).__name__}")
+        rows.append(row)
+    return rows

@@ -14,6 +14,11 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
 
     cfg = load_config(config_path, overrides)
     c = build(cfg)
+    if c.start_step >= cfg.max_steps:
+        c.logger.close()
+        print(f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
+              f"raise max_steps with --set max_steps=N to continue it")
+        return 0
     (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True), indent=2))
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
     print(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")

@@ -15,6 +15,7 @@ from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
 from exactrl.model import load_model
 from exactrl.model.tokenizer import load_tokenizer
 from exactrl.model.transformer import CausalLM
+from exactrl.rl.advantages import compute_advantages
 from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from exactrl.rl.config import RunConfig
 from exactrl.rl.corrections import build_corrections
@@ -57,9 +58,12 @@ class Components:
 
 
 def _run_dir(cfg: RunConfig) -> Path:
+    """The run directory, checked but not created (build creates it once nothing else can fail)."""
     if cfg.run_dir is None:
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     d = Path(cfg.run_dir)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"run_dir {d} is a file: choose another run_dir")
     ckpt = latest_checkpoint(d) if d.exists() else None
     if ckpt is not None and not cfg.resume:
         raise ValueError(f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, "
@@ -68,8 +72,17 @@ def _run_dir(cfg: RunConfig) -> Path:
         if cfg.resume:
             raise ValueError(f"run_dir {d} has metrics but no checkpoint to resume from")
         raise ValueError(f"run_dir {d} already holds a run: choose another run_dir")
-    d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def _check_paths(cfg: RunConfig) -> None:
+    """The directories the user named, before anything is loaded from them."""
+    for key, path, fix in (
+            ("model.path", cfg.model.path, "a Hugging Face model directory, or unset it for the default model"),
+            ("model.tokenizer", cfg.model.tokenizer, "a tokenizer directory, or unset it to use model.path's")):
+        if path is not None and not Path(path).is_dir():
+            what = "is not a directory" if Path(path).exists() else "does not exist"
+            raise ValueError(f"{key} {path} {what}: set {key} to {fix}")
 
 
 def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int):
@@ -88,6 +101,8 @@ def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int):
 
 
 def build(cfg: RunConfig, log=print) -> Components:
+    """Everything that bad input can make fail is checked or loaded before the warm start (~90 s) and
+    before the run directory is created, so a failed start costs little and leaves no empty run behind."""
     from exactrl.rl.warmstart import default_model_dir
 
     if cfg.rollout_backend.kind == "openai" and cfg.async_.enabled and cfg.async_.inflight_updates:
@@ -96,21 +111,28 @@ def build(cfg: RunConfig, log=print) -> Components:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run_dir = _run_dir(cfg)
+    _check_paths(cfg)
     task = get_task(cfg.task.name, **cfg.task.kwargs)
+    a = cfg.algorithm
+    loss_fn = build_loss(a.loss, **a.loss_kwargs)
+    corrections = build_corrections(a.corrections) if a.corrections else None
+    # a dry run on one group of two zero rewards: a bad estimator name or argument fails now, with the
+    # checks and message of the first training step (rl/rollout.py to_train_batch)
+    compute_advantages(a.advantage, torch.zeros(1, 2), **a.advantage_kwargs)
+    train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
+             else make_dataset(task, cfg.task.train_size, cfg.seed))
+    prompts = PromptSource(train, seed=cfg.seed)
+    eval_problems = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919) if cfg.task.eval_size else []
     model_dir = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg, log)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     ref_model = None
     if cfg.algorithm.kl.coef > 0:
         ref_model = copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay)
-    train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
-             else make_dataset(task, cfg.task.train_size, cfg.seed))
-    prompts = PromptSource(train, seed=cfg.seed)
-    eval_problems = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919) if cfg.task.eval_size else []
     start = 0
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     if ckpt is not None:
         model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
@@ -121,13 +143,12 @@ def build(cfg: RunConfig, log=print) -> Components:
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
     engine = _rollout_engine(cfg, model, tokenizer, start)
-    a = cfg.algorithm
     settings = StepSettings(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
         grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
-        kl_in_loss=a.kl.where == "loss", corrections=build_corrections(a.corrections) if a.corrections else None,
-        bypass=a.bypass)
+        kl_in_loss=a.kl.where == "loss", corrections=corrections, bypass=a.bypass)
+    run_dir.mkdir(parents=True, exist_ok=True)
     logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
-                      build_loss(a.loss, **a.loss_kwargs), settings, logger, start)
+                      loss_fn, settings, logger, start)

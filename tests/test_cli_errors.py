@@ -1,0 +1,215 @@
+"""User-facing errors of the CLI: one line `exactrl CMD: error: ...` naming the key, file or flag, exit code 2.
+
+Every test goes through `exactrl.cli.main` in process. Runs that train use the default job's tokenizer
+and tiny model without the warm start (a few seconds at most); runs that must fail before the warm start
+replace it with a function that fails the test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from conftest import default_job_model
+from exactrl import cli
+from exactrl.cli import main
+from exactrl.rl import warmstart
+from exactrl.rl.config import load_config
+
+TINY = ["progress=false", "tensorboard=false", "task.eval_size=0", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2", "engine.kv_budget_tokens=2048"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The default job's tokenizer and tiny Qwen3, random weights (no SFT)."""
+    return default_job_model(tmp_path_factory, sft_steps=0)
+
+
+@pytest.fixture
+def no_warm_start(monkeypatch, tmp_path):
+    """Runs in tmp_path (a default run_dir lands in tmp_path/runs); the warm start must not be reached."""
+    monkeypatch.chdir(tmp_path)
+
+    def fail(*_a, **_k):
+        raise AssertionError("the warm start ran before the config was checked")
+    monkeypatch.setattr(warmstart, "default_model_dir", fail)
+
+
+def train(*overrides: str, config: str | None = None) -> int:
+    return main(["train"] + ([config] if config else []) + [x for o in overrides for x in ("--set", o)])
+
+
+def error_of(capsys, command: str) -> str:
+    """The one-line error the CLI printed (stderr), checked for its form."""
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"exactrl {command}: error: ") and "\n" not in err, err
+    return err
+
+
+# ---------------------------------------------------------------- 1. rollout server errors
+
+
+def test_unreachable_rollout_server_is_a_one_line_error(model_dir, no_warm_start, tmp_path, capsys):
+    server = ["rollout_backend.kind=openai", "rollout_backend.base_url=http://127.0.0.1:1", "rollout_backend.model=x"]
+    # disk sync pushes the weights while the run is built; none fails at the first batch, sync or async
+    for extra in (["rollout_backend.weight_sync=disk"], [], ["async.enabled=true"]):
+        assert train(*TINY, f"model.path={model_dir}", "max_steps=1", *server, *extra) == 2
+        assert "cannot reach the rollout server at http://127.0.0.1:1" in error_of(capsys, "train")
+
+
+# ---------------------------------------------------------------- 3. checked before the run dir and the warm start
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("algorithm.advantage=nosuch", "unknown advantage estimator 'nosuch'"),
+    ("algorithm.advantage_kwargs={foo: 1}", "advantage estimator 'grpo' got unknown arguments ['foo']"),
+    ("algorithm.advantage_kwargs={eps: abc}", "advantage estimator 'grpo' argument eps"),
+    ("algorithm.loss=bad", "unknown loss 'bad'"),
+    ("task.name=nosuch", "unknown task 'nosuch'"),
+    ("algorithm.corrections=[{name: nosuch}]", "unknown correction 'nosuch'"),
+    ("task.train_jsonl=/nonexistent.jsonl", "dataset file /nonexistent.jsonl does not exist"),
+    ("model.path=/nonexistent", "model.path /nonexistent does not exist"),
+    ("model.tokenizer=/nonexistent", "model.tokenizer /nonexistent does not exist"),
+])
+def test_bad_config_fails_before_warm_start_and_leaves_no_run_dir(override, needle, no_warm_start, tmp_path, capsys):
+    assert train("progress=false", override) == 2
+    assert needle in error_of(capsys, "train")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_start_keeps_an_existing_run_dir(no_warm_start, tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    assert train("progress=false", "run_dir=mine", "algorithm.loss=bad") == 2
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "x"
+
+
+def test_a_bad_advantage_does_not_spoil_the_run_dir(model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    base = [*TINY, "task.eval_size=4", f"model.path={model_dir}", f"run_dir={run_dir}", "max_steps=1"]
+    assert train(*base, "algorithm.advantage=nosuch") == 2
+    assert not run_dir.exists()  # the step-0 eval never ran
+    capsys.readouterr()
+    assert train(*base) == 0  # the corrected command reuses the run_dir
+
+
+def test_run_dir_that_is_a_file(no_warm_start, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert train("run_dir=f") == 2
+    assert "run_dir f is a file" in error_of(capsys, "train")
+
+
+# ---------------------------------------------------------------- 4. malformed YAML
+
+
+def test_malformed_yaml_in_set_names_the_key(capsys):
+    assert train("rollout.max_tokens=[1,") == 2
+    assert "--set rollout.max_tokens: not valid YAML" in error_of(capsys, "train")
+
+
+def test_malformed_yaml_file_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 1\nrollout:\n  max_tokens: [1,\n")
+    assert train(config=str(bad)) == 2
+    assert f"config file {bad}: line 3: not valid YAML" in error_of(capsys, "train")
+    bad.write_text("a: b: c\n")
+    assert train(config=str(bad)) == 2
+    assert f"config file {bad}: line 1: not valid YAML" in error_of(capsys, "train")
+
+
+def test_config_path_that_is_a_directory(tmp_path, capsys):
+    assert train(config=str(tmp_path)) == 2
+    assert f"config file {tmp_path} is a directory" in error_of(capsys, "train")
+
+
+# ---------------------------------------------------------------- 6. warm-start cache key
+
+
+def test_warm_start_key_ignores_task_fields_it_does_not_use():
+    default = warmstart._hash(load_config(None, []))
+    assert default == "db305121dee7"  # artifacts/default-db305121dee7 is cached on machines: keep it
+    unused = ["task.train_jsonl=x.jsonl", "task.eval_size=0", "task.train_size=7", "max_steps=1", "run_dir=r"]
+    assert warmstart._hash(load_config(None, unused)) == default
+    for used in ("task.kwargs={max_value: 50}", "seed=1", "sft.steps=3", "model.dtype=bfloat16"):
+        assert warmstart._hash(load_config(None, [used])) != default, used
+
+
+# ---------------------------------------------------------------- 10, 11. bench
+
+
+def test_bench_outside_a_source_checkout(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "site" / "benchmarks")
+    assert main(["bench", "kernels", "--quick"]) == 2
+    assert "benchmarks run from a source checkout of exactrl" in error_of(capsys, "bench")
+
+
+def test_bench_without_a_name_lists_them(capsys):
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "available benchmarks:" in out and "kernels" in out and "engine" in out
+    assert main(["bench", "nosuch"]) == 2
+    assert "unknown benchmark 'nosuch'; available: [" in error_of(capsys, "bench")
+
+
+# ---------------------------------------------------------------- 11. small ones
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["parity", "--model", "m", "--length", "0"], "argument --length: must be >= 1, got 0"),
+    (["parity", "--model", "m", "--length", "-5"], "argument --length: must be >= 1, got -5"),
+    (["serve", "--model", "m", "--port", "99999"], "argument --port: must be in 0..65535, got 99999"),
+    (["serve", "--model", "m", "--port", "-1"], "argument --port: must be in 0..65535, got -1"),
+    (["serve", "--model", "m", "--port", "x"], "argument --port: invalid int value: 'x'"),
+])
+def test_integer_flags_are_range_checked(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_run_parity_refuses_a_length_below_one(model_dir):
+    import exactrl
+    from exactrl.debug.parity import run_parity
+
+    with pytest.raises(ValueError, match="parity length must be >= 1, got 0"):
+        run_parity(exactrl.load_model(model_dir), length=0)
+
+
+def test_report_names_file_and_line_of_a_bad_metrics_row(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n\n{"step": 2\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'metrics.jsonl'}:3: not valid JSON" in error_of(capsys, "report")
+
+
+def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
+    cfg = load_config(None, ["run_dir=123", "rollout_backend.model=007", "model.path=1.10",
+                             "algorithm.advantage=2024-01-01", "algorithm.loss_kwargs={eps_low: 0.1}"])
+    assert (cfg.run_dir, cfg.rollout_backend.model, cfg.model.path) == ("123", "007", "1.10")
+    assert cfg.algorithm.advantage == "2024-01-01"
+    assert cfg.algorithm.loss_kwargs == {"eps_low": 0.1}  # free-form dicts keep YAML's types
+    assert load_config(None, ["run_dir=null", "seed=3"]).run_dir is None
+    with pytest.raises(ValueError, match=r"bad value for 'run_dir'.*got True\); quote it"):
+        load_config(None, ["run_dir=true"])  # a bool is not silently a directory name
+    with pytest.raises(ValueError, match="bad value for 'task.name'"):
+        load_config(None, ["task.name=null"])
+
+
+def test_serve_help_describes_every_option():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
+    mono = next(a for a in sub._actions if a.dest == "monotonicity").help
+    assert all(w in mono for w in ("raise", "split", "truncate"))
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(model_dir, tmp_path, capsys):
+    base = [*TINY, f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=1"]
+    assert train(*base) == 0
+    rows = (tmp_path / "r" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert train(*base, "resume=true") == 0
+    assert f"nothing to do: run {tmp_path / 'r'} is already at step 1 (max_steps=1)" in capsys.readouterr().out
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == rows
+    assert json.loads(rows.splitlines()[-1])["step"] == 1
