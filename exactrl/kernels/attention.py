@@ -272,8 +272,8 @@ def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Te
     pages_SJ = plan.block_table_SJ[:, :J].clamp(min=0)
     S = pages_SJ.shape[0]
 
-    def gather(pages):  # [S*J, Hk, B, D] -> [S, Hk, J*B, D]
-        x = pages[pages_SJ.reshape(-1)]
+    def gather(pages):  # [S*J, Hk, B, D] -> [S, Hk, J*B, D]; index_select: a plain row copy (as in exact)
+        x = pages.index_select(0, pages_SJ.reshape(-1))
         Hk, D = x.shape[1], x.shape[3]
         return x.view(S, J, Hk, B, D).permute(0, 2, 1, 3, 4).reshape(S, Hk, J * B, D)
 
