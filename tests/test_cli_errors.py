@@ -72,6 +72,8 @@ def test_unreachable_rollout_server_is_a_one_line_error(model_dir, no_warm_start
     ("task.train_jsonl=/nonexistent.jsonl", "dataset file /nonexistent.jsonl does not exist"),
     ("model.path=/nonexistent", "model.path /nonexistent does not exist"),
     ("model.tokenizer=/nonexistent", "model.tokenizer /nonexistent does not exist"),
+    ("task.module=no_such_pkg.tasks", "cannot import task module 'no_such_pkg.tasks'"),
+    ("rollout.temperature=1.0e-9", "rollout.temperature"),
 ])
 def test_bad_config_fails_before_warm_start_and_leaves_no_run_dir(override, needle, no_warm_start, tmp_path, capsys):
     assert train("progress=false", override) == 2

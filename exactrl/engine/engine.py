@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -30,6 +30,18 @@ from exactrl.engine.cache import PagePool
 from exactrl.engine.sampling import SampleRows, SamplingParams, draw, row_logprobs, sample_uniform
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The logits of some requests hold NaN/inf (non-finite weights, e.g. a diverged update).
+
+    Those requests are aborted; the engine keeps every other request and can keep stepping.
+    """
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"non-finite logits (NaN or inf) for request(s) {request_ids}: the model's weights or "
+                         f"activations are not finite (a diverged update?); those requests were aborted")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -211,15 +223,29 @@ class Engine:
             self.pool.copy(sched.copies)
             batch = self._build_batch(sched)
             hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
-            for c in sched.chunks:
-                c.seq.num_computed += c.length
-            if not batch.targets:
-                return []
-            logits_RV = self.model.logits(hidden_ND[batch.rows_R])
-            rows = self._sample_rows(batch.targets)
-            lp_RV = row_logprobs(logits_RV, rows)
-            tok_R, lp_R = draw(lp_RV, rows)
+            if batch.targets:
+                logits_RV = self.model.logits(hidden_ND[batch.rows_R])
+                rows = self._sample_rows(batch.targets)
+                lp_RV = row_logprobs(logits_RV, rows)
+                self._check_finite(lp_RV, batch.targets)
+                tok_R, lp_R = draw(lp_RV, rows)
+        # only now is the step's work kept: if anything above raised, every chunk is simply
+        # computed again by the next step (its KV slots are rewritten with the same values)
+        for c in sched.chunks:
+            c.seq.num_computed += c.length
+        if not batch.targets:
+            return []
         return self._commit(batch.targets, tok_R.tolist(), lp_R.tolist())
+
+    def _check_finite(self, lp_RV: torch.Tensor, targets: list[Sequence]) -> None:
+        """A row with a NaN or no finite logprob cannot be sampled: its requests are aborted, the step raises."""
+        bad_R = torch.isnan(lp_RV).any(-1) | ~torch.isfinite(lp_RV).any(-1)
+        if not bool(bad_R.any()):
+            return
+        ids = sorted({targets[i].request.request_id for i in bad_R.nonzero().flatten().tolist()})
+        for rid in ids:
+            self.abort(rid)
+        raise NonFiniteLogitsError(ids)
 
     def _build_batch(self, sched: SchedulerOutput) -> _Batch:
         tokens: list[int] = []
@@ -275,7 +301,7 @@ class Engine:
 
     # ------------------------------------------------------------ weights
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
-        """Copies the tensors into the model (bitwise when dtypes match); returns the new version.
+        """Copies the tensors into the model bit for bit; returns the new version.
 
         The version becomes `version` if given (a trainer numbering policies by
         its step; it must increase), else the current one plus 1.
@@ -283,9 +309,11 @@ class Engine:
         Every running sequence is preempted: its KV cache was computed under the
         old weights, so it is recomputed, and the tokens sampled from now on
         are exactly the new policy's. Names are the model's parameter names (HF
-        names); a tied model ignores `lm_head.weight`. All names and shapes are
-        checked before anything is copied.
+        names); a tied model ignores `lm_head.weight`. All names, shapes and
+        dtypes are checked before anything is copied (a dtype cast would not be bitwise).
         """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"state_dict must be a mapping of parameter name -> tensor, got {type(state_dict).__name__}")
         params = dict(self.model.named_parameters())
         tied = self.model.config.tie_word_embeddings
         sd = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
@@ -295,8 +323,13 @@ class Engine:
         if missing or unexpected:
             raise ValueError(f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for k, v in sd.items():
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"state_dict[{k!r}] is a {type(v).__name__}, not a tensor")
             if tuple(v.shape) != tuple(params[k].shape):
                 raise ValueError(f"state_dict[{k!r}] has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}")
+            if v.dtype != params[k].dtype:  # a cast is not the bitwise copy exactness needs (DESIGN.md §3)
+                raise ValueError(f"state_dict[{k!r}] is {v.dtype}, the engine's model is {params[k].dtype}: the copy "
+                                 f"would not be bitwise; cast it yourself (v.to({params[k].dtype})) if you mean it")
         with torch.no_grad():
             for k, v in sd.items():
                 params[k].copy_(v.detach())

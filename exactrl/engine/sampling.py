@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from exactrl.kernels import sampling_logprobs
+from exactrl.kernels.rowwise import check_temperature
 
 _MASK64 = (1 << 64) - 1
 
@@ -40,6 +41,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     # 0 = greedy (argmax); the reported logprob is then the T = 1 one, as the trainer's.
+    # Otherwise finite and >= 1e-5 (MIN_TEMPERATURE): below it z / T overflows fp32.
     top_p: float = 1.0
     # nucleus mass in (0, 1]; 1 disables it.
     top_k: int = -1
@@ -56,13 +58,11 @@ class SamplingParams:
     # ignore the engine's default stop ids (benchmarks); `stop_token_ids` still stop.
 
     def __post_init__(self):
-        _check_number("temperature", self.temperature, float)
+        check_temperature(self.temperature)
         _check_number("top_p", self.top_p, float)
         _check_number("top_k", self.top_k, int)
         _check_number("max_tokens", self.max_tokens, int)
         _check_number("n", self.n, int)
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -73,6 +73,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None:
             _check_number("seed", self.seed, int)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         stops = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
         for t in stops:
             _check_number("stop_token_ids", t, int)

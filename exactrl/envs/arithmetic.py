@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from exactrl.envs.base import Problem, Task, register_task, strip_reasoning
 
 SUPPORTED_OPS = ("+", "-", "*")
-_INT = re.compile(r"-?\d+")
-_MAX_DIGITS = 64  # longer digit runs are not answers (and int() refuses > 4300 digits)
+_INT = re.compile(r"-?[0-9]+")  # ASCII digits only (\d would also take e.g. Arabic-Indic digits)
+_MAX_DIGITS = 64  # longer digit runs are not answers, unless the answer itself is (int() refuses > 4300 digits)
 _MAX_ATTEMPTS = 1000  # rejection-sampling budget for `nonnegative`
 
 
@@ -41,10 +41,10 @@ def evaluate_terms(terms: Sequence[int], ops: Sequence[str]) -> int:
     return total + sign * product
 
 
-def first_integer(text: str) -> int | None:
-    """The first (optionally negative) integer in `text`, or None if there is none."""
+def first_integer(text: str, max_digits: int = _MAX_DIGITS) -> int | None:
+    """The first (optionally negative) integer in `text`, or None if there is none (or it is too long)."""
     m = _INT.search(text)
-    if m is None or len(m.group()) > _MAX_DIGITS:
+    if m is None or len(m.group()) > max_digits:
         return None
     return int(m.group())
 
@@ -87,5 +87,5 @@ class ArithmeticTask(Task):
     def reward(self, problem: Problem, completion: str) -> float:
         if not _INT.fullmatch(problem.answer.strip()):
             raise ValueError(f"arithmetic problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
-        got = first_integer(strip_reasoning(completion))
+        got = first_integer(strip_reasoning(completion), max(_MAX_DIGITS, len(problem.answer.strip())))
         return 1.0 if got is not None and got == int(problem.answer) else 0.0

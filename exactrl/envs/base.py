@@ -16,7 +16,7 @@ Adding a task:
         def reward(self, problem, completion): ...
 
 after which `get_task("my_task", **kwargs)` builds it (the run config names
-tasks this way). Departure from tinker-cookbook's `Env`: our tasks are
+tasks this way: `--set task.module=path/to/my_task.py --set task.name=my_task`). Departure from tinker-cookbook's `Env`: our tasks are
 single-turn and stateless; multi-turn tool use goes through the chat server.
 """
 from __future__ import annotations
@@ -70,6 +70,30 @@ def register_task(cls: T) -> T:
         raise ValueError(f"task name {cls.name!r} is already registered by {TASKS[cls.name].__name__}")
     TASKS[cls.name] = cls
     return cls
+
+
+def import_task_module(module: str) -> None:
+    """Imports a module (dotted name or .py file path) so the tasks it registers can be named."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if module.endswith(".py"):
+        path = Path(module)
+        if not path.is_file():
+            raise ValueError(f"task module file {module} does not exist")
+        name = f"exactrl_user_tasks_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses and pickling look modules up by name
+        spec.loader.exec_module(mod)
+        return
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot import task module {module!r}: {e} (give a module on sys.path or a .py file path)") \
+            from None
 
 
 def get_task(name: str, **kwargs: Any) -> Task:

@@ -11,6 +11,9 @@ class TaskSettings(BaseModel):
 
     name: str = "arithmetic"
     """Registered task name (see `exactrl.envs.TASKS`)."""
+    module: str | None = None
+    """Python module imported before `name` is looked up: a dotted name (`mypkg.tasks`) or a .py file path.
+    A task it registers with `@register_task` can then be named in `name` (a task of your own, from the CLI)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Constructor arguments of the task (difficulty knobs)."""
     train_jsonl: str | None = None

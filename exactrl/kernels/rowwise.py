@@ -50,6 +50,18 @@ def apply_rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor
     return x_NHD * cos + rotated * sin
 
 
+MIN_TEMPERATURE = 1e-5  # below it (but above 0) z / T can overflow fp32 to inf and the distribution to NaN
+
+
+def check_temperature(temperature) -> None:
+    """The sampling temperatures the distribution is defined for: 0 (greedy) or in [MIN_TEMPERATURE, inf)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number, got {temperature!r}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < float("inf")):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones "
+                         f"overflow fp32 logits / T), got {temperature}")
+
+
 def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_k_N: torch.Tensor,
                       top_p_N: torch.Tensor) -> torch.Tensor:
     """log of the distribution tokens are sampled from, per row: [N, V] fp32.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from exactrl.kernels import TokenLayout, sampling_logprobs
+from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.transformer import CausalLM
 
 
@@ -30,21 +31,38 @@ def pack_layout(lengths: list[int], block_size: int) -> tuple[TokenLayout, int]:
     return TokenLayout(seq, pos, table), nxt
 
 
-def validate_token_ids(token_ids: list[list[int]], vocab_size: int) -> None:
+def validate_token_ids(token_ids, vocab_size: int) -> list[list[int]]:
+    """The sequences as lists of ints (a 2-D tensor or lists of tensors are accepted); ValueError otherwise."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 2:
+            raise ValueError(f"token_ids as a tensor must be 2-D [sequences, tokens], got shape {tuple(token_ids.shape)}")
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f"token_ids must be a list of sequences (lists of token ids), got {type(token_ids).__name__}")
     if not token_ids:
         raise ValueError("token_ids is empty: pass at least one sequence")
+    out = []
     for k, seq in enumerate(token_ids):
+        if isinstance(seq, torch.Tensor):
+            seq = seq.tolist()
+        if not isinstance(seq, (list, tuple)):
+            raise ValueError(f"token_ids[{k}] is {seq!r}, not a list of token ids (for one sequence pass [[...]])")
         if len(seq) == 0:
             raise ValueError(f"token_ids[{k}] is empty")
-        bad = [t for t in seq if not (0 <= int(t) < vocab_size)]
+        not_int = [t for t in seq if isinstance(t, bool) or not isinstance(t, int)]
+        if not_int:
+            raise ValueError(f"token_ids[{k}] holds {not_int[0]!r}, not an int token id")
+        bad = [t for t in seq if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token_ids[{k}] holds id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        out.append(list(seq))
+    return out
 
 
 def forward_hidden(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
                    pad_id: int = 0) -> tuple[torch.Tensor, list[int]]:
     """Final hidden states [N, D] of the flat batch and the offset of each sequence in it."""
-    validate_token_ids(token_ids, model.config.vocab_size)
+    token_ids = validate_token_ids(token_ids, model.config.vocab_size)
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
     if layout == "padded":
@@ -87,13 +105,12 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
     `entropy_grad=False` (no entropy bonus: a metric only) it is computed outside
     autograd, which spares the step three [N, V] tensors kept for the backward.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_temperature(temperature)
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k == 0 or top_k < -1:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k}")
-    validate_token_ids(token_ids, model.config.vocab_size)
+    token_ids = validate_token_ids(token_ids, model.config.vocab_size)
     first = [1] * len(token_ids) if first is None else list(first)
     if len(first) != len(token_ids):
         raise ValueError(f"first has {len(first)} entries for {len(token_ids)} sequences")

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from exactrl.envs.settings import TaskSettings
+from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
 from exactrl.rl.external import RolloutBackendSettings
 
@@ -31,10 +32,16 @@ class RolloutSettings(BaseModel):
     max_tokens: int = Field(8, ge=1)
     """Completion length limit."""
     temperature: float = Field(1.0, ge=0.0)
-    """Sampling temperature; the trainer's logprobs use the same one."""
+    """Sampling temperature (0 = greedy, else >= 1e-5); the trainer's logprobs use the same one."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
     """top-k cut-off (-1 = off); logprobs are those of the truncated, renormalised distribution."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        check_temperature(v)  # the engine's and the trainer's rule, checked before the run starts
+        return v
 
 
 class EngineSettings(BaseModel):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from exactrl.envs import get_task
+from exactrl.envs import get_task, import_task_module
 from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
 from exactrl.model import load_model
 from exactrl.model.tokenizer import load_tokenizer
@@ -112,6 +112,8 @@ def build(cfg: RunConfig, log=print) -> Components:
     random.seed(cfg.seed)
     run_dir = _run_dir(cfg)
     _check_paths(cfg)
+    if cfg.task.module:
+        import_task_module(cfg.task.module)
     task = get_task(cfg.task.name, **cfg.task.kwargs)
     a = cfg.algorithm
     loss_fn = build_loss(a.loss, **a.loss_kwargs)

@@ -49,10 +49,11 @@ def answer_ids(tokenizer, problem, echo: bool = False) -> list[int]:
 
 def _hash(cfg) -> str:
     # The warm start reads only task.name and task.kwargs of the task section. The other task fields
-    # (train_jsonl, train_size, eval_size) enter the key at their defaults, so changing them reuses the
-    # cache and every key computed before stays valid (the default job's is still default-db305121dee7).
+    # (train_jsonl, train_size, eval_size) enter the key at their defaults and `module` not at all, so
+    # changing them reuses the cache and every key computed before stays valid (the default job's is
+    # still default-db305121dee7).
     task = type(cfg.task)(name=cfg.task.name, kwargs=cfg.task.kwargs)
-    key = json.dumps({"task": task.model_dump(), "sft": cfg.sft.model_dump(), "seed": cfg.seed,
+    key = json.dumps({"task": task.model_dump(exclude={"module"}), "sft": cfg.sft.model_dump(), "seed": cfg.seed,
                       "dtype": cfg.model.dtype, "tiny": TINY_QWEN3, "v": 1}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 

@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from exactrl.engine import NonFiniteLogitsError
+
 log = logging.getLogger("exactrl.server")
 
 
@@ -149,6 +151,14 @@ class EngineLoop:
         t0 = time.perf_counter()
         try:
             outs = self.engine.step()
+        except NonFiniteLogitsError as e:  # only those requests fail (the engine aborted them); the rest go on
+            log.error("%s", e)
+            self.stats.step_errors += 1
+            for rid in e.request_ids:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.put(RuntimeError(str(e)))
+            return
         except Exception as e:  # keep serving: fail the in-flight requests, free their pages
             log.exception("engine step failed; aborting %d requests", len(self._streams))
             self.stats.step_errors += 1

@@ -24,7 +24,9 @@ def model(qwen3_dir):
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"), (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
     (dict(n=1.5), "n"), (dict(max_tokens=True), "max_tokens"), (dict(seed="x"), "seed"),
-    (dict(stop_token_ids=[1, "a"]), "stop_token_ids"),
+    (dict(stop_token_ids=[1, "a"]), "stop_token_ids"), (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(temperature=1e-39), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="1"), "temperature"),
 ])
 def test_sampling_params_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -139,5 +141,65 @@ def test_update_weights_rejects_mismatched_state_dict(model):
         engine.update_weights({k: v for k, v in sd.items() if k != name})
     with pytest.raises(ValueError, match="shape"):
         engine.update_weights({**sd, name: torch.zeros(3)})
+    with pytest.raises(ValueError, match="not be bitwise"):  # a cast is not the bitwise copy exactness needs
+        engine.update_weights({**sd, name: sd[name].bfloat16()})
+    with pytest.raises(ValueError, match="not a tensor"):
+        engine.update_weights({**sd, name: sd[name].tolist()})
+    with pytest.raises(ValueError, match="mapping"):
+        engine.update_weights(list(sd.items()))
     assert engine.version == 0
     assert engine.update_weights(sd) == 1
+
+
+def test_smallest_temperature_is_finite_and_exact(model):
+    """At the smallest allowed temperature z / T stays finite; the logprobs are still the trainer's."""
+    params = SamplingParams(temperature=1e-5, max_tokens=6, seed=3)
+    prompt = [5, 6, 7]
+    comp = Engine(model).generate([prompt], params)[0][0]
+    assert all(torch.isfinite(torch.tensor(comp.logprobs))) and not mismatches(model, [(prompt, comp, params)])
+    with pytest.raises(ValueError, match="temperature"):
+        exactrl.sequence_logprobs(model, [[1, 2, 3]], temperature=1e-39)
+
+
+def test_non_finite_logits_abort_only_their_request_and_the_rest_is_exact(model, monkeypatch):
+    """A row that cannot be sampled (NaN) fails its request alone; the step's other work is redone, bits unchanged."""
+    import exactrl.engine.engine as engine_mod
+
+    prompts, params = [[3, 4, 5], [9, 8, 7, 6]], SamplingParams(max_tokens=5, seed=1, ignore_eos=True)
+    want = Engine(model).generate(prompts, params)
+    engine = Engine(model)
+    ids = [engine.add_request(p, params) for p in prompts]
+    real, calls = engine_mod.row_logprobs, []
+
+    def poisoned(logits_RV, rows):  # the third sampling call: the first request's row turns NaN
+        lp = real(logits_RV, rows)
+        calls.append(1)
+        if len(calls) == 3:
+            lp[0] = float("nan")
+        return lp
+    monkeypatch.setattr(engine_mod, "row_logprobs", poisoned)
+    outs, raised = {}, []
+    while engine.has_unfinished():
+        try:
+            for o in engine.step():
+                outs[o.request_id] = o
+        except exactrl.engine.NonFiniteLogitsError as e:
+            raised.append(e.request_ids)
+    assert raised == [[ids[0]]]
+    assert ids[0] not in outs or not outs[ids[0]].finished  # aborted, never finished
+    assert outs[ids[1]].completions[0].token_ids == want[1][0].token_ids
+    assert outs[ids[1]].completions[0].logprobs == want[1][0].logprobs
+    assert all_pages_free(engine)
+
+
+def test_nan_weights_are_named_and_the_engine_recovers(model):
+    import copy
+
+    engine = Engine(copy.deepcopy(model))  # its weights turn NaN: not the shared fixture's
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.update_weights({k: v * float("nan") for k, v in good.items()})
+    with pytest.raises(exactrl.engine.NonFiniteLogitsError, match="not finite"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished() and all_pages_free(engine)
+    engine.update_weights(good)
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0][0].token_ids) == 2

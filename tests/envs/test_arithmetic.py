@@ -90,3 +90,11 @@ def test_bad_arguments(kwargs, match):
 
 def test_ops_from_a_yaml_list():
     assert ArithmeticTask(ops=["+", "*"]).ops == ("+", "*")
+
+
+def test_reward_takes_ascii_digits_only_and_long_true_answers():
+    task = ArithmeticTask()
+    assert task.reward(Problem("x", "-6"), "-\u0666") == 0.0  # Arabic-Indic six is not the answer's digit
+    big = "1" + "0" * 70  # a true answer longer than the 64-digit cap on stray digit runs
+    assert task.reward(Problem("x", big), big) == 1.0
+    assert task.reward(Problem("x", "7"), "1" + "0" * 70) == 0.0

@@ -59,3 +59,40 @@ def test_register_rejects_nameless_and_non_tasks():
 ])
 def test_strip_reasoning(text, answer):
     assert strip_reasoning(text) == answer
+
+
+def test_a_task_in_a_file_of_its_own_is_named_from_the_run_config(tmp_path):
+    """`task.module` imports the user's file first, so `exactrl train --set task.name=...` can name its task."""
+    from exactrl.envs import import_task_module
+    from exactrl.rl.config import load_config
+
+    f = tmp_path / "double_task.py"
+    f.write_text('''
+from exactrl.envs import Problem, Task, register_task
+
+@register_task
+class Double(Task):
+    name = "double_from_file"
+    def generate(self, rng):
+        x = rng.randint(1, 9)
+        return Problem(prompt=f"2*{x}=", answer=str(2 * x))
+    def reward(self, problem, completion):
+        return float(completion.strip() == problem.answer)
+''')
+    cfg = load_config(None, [f"task.module={f}", "task.name=double_from_file"])
+    with pytest.raises(ValueError, match="unknown task 'double_from_file'"):
+        get_task(cfg.task.name)
+    import_task_module(cfg.task.module)
+    task = get_task(cfg.task.name)
+    assert task.reward(task.generate(random.Random(0)), task.generate(random.Random(0)).answer) == 1.0
+    with pytest.raises(ValueError, match="does not exist"):
+        import_task_module(str(tmp_path / "nope.py"))
+    with pytest.raises(ValueError, match="cannot import task module 'no_such_pkg.tasks'"):
+        import_task_module("no_such_pkg.tasks")
+
+
+def test_the_agent_task_registers_when_its_module_is_imported():
+    from exactrl.envs import import_task_module
+
+    import_task_module("exactrl.envs.tool_use")
+    assert TASKS["calculator"].__name__ == "CalculatorTask"
