@@ -38,6 +38,9 @@ def test_malformed_json_and_missing_fields():
     assert_error(post("/v1/chat/completions", json=[1, 2]), 400)
     assert_error(post("/v1/chat/completions", json={"model": s.model, "messages": MSGS, "temperature": "hot"}), 400,
                  "temperature")
+    # a tiny temperature would overflow z / T: refused up front, it never reaches (and fails) a shared engine step
+    assert_error(post("/v1/chat/completions", json={"model": s.model, "messages": MSGS, "temperature": 1e-39}), 400,
+                 "temperature")
     with pytest.raises(openai.BadRequestError):
         s.client().chat.completions.create(model=s.model, messages=[])
     with pytest.raises(openai.BadRequestError, match="role"):
