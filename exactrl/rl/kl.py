@@ -84,3 +84,22 @@ def kl_estimate(logp_BT: torch.Tensor, logq_BT: torch.Tensor, kind: str) -> torc
     if logp_BT.shape != logq_BT.shape:
         raise ValueError(f"kl_estimate: logp {tuple(logp_BT.shape)} and logq {tuple(logq_BT.shape)} differ in shape")
     return KL_ESTIMATORS[kind](logp_BT, logq_BT)
+
+
+def kl_reward_penalty(behav_lps: list[torch.Tensor], ref_lps: list[torch.Tensor], kind: str,
+                      coef: float) -> tuple[list[float], dict[str, float]]:
+    """KL to the reference in the reward (`algorithm.kl.where: reward`): one penalty per sequence.
+
+        penalty_i = β · Σ_t kl_t,   kl_t = kind-estimate of KL(π‖π_ref) at token t of sequence i
+
+    from the behaviour logprobs μ (the tokens were sampled from μ; μ = π_old in exact mode), to be
+    subtracted from the task reward before the group advantages (the KL-shaped reward of
+    InstructGPT-style RLHF, Ouyang et al. 2022, summed over the completion). Returns the penalties
+    and their metrics; nothing here is differentiated.
+    """
+    per_seq = [kl_estimate(b.double(), r.double(), kind).sum().item() if len(b) else 0.0
+               for b, r in zip(behav_lps, ref_lps)]
+    n = max(len(per_seq), 1)
+    return [coef * k for k in per_seq], {"rollout/kl_ref_per_seq": sum(per_seq) / n,
+                                         "rollout/kl_penalty_mean": coef * sum(per_seq) / n}
+

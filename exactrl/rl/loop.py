@@ -15,8 +15,13 @@ versions are training steps: the weights after step k are version k.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+import torch
+
+from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.checkpoint import save_checkpoint
+from exactrl.rl.kl import kl_reward_penalty
 from exactrl.rl.rollout import Rollout, evaluate, generate_groups, rollout_metrics, to_train_batch
 from exactrl.rl.setup import Components
 from exactrl.rl.trainer import train_step
@@ -63,9 +68,25 @@ def engine_metrics(engine) -> dict[str, float]:
 
 def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str, float]:
     """Advantages, one optimizer step over micro-batches; the step's training metrics."""
-    batch = to_train_batch(groups, c.cfg.algorithm.advantage, c.cfg.algorithm.advantage_kwargs)
+    a, shaped = c.cfg.algorithm, {}
+    if c.ref_model is not None and a.kl.coef and a.kl.where == "reward":
+        groups, shaped = kl_shaped_rewards(c, groups)
+    batch = to_train_batch(groups, a.advantage, a.advantage_kwargs)
     lr = c.set_lr(step)
-    return train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model) | {"train/lr": lr}
+    return train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model) | {"train/lr": lr} | shaped
+
+
+def kl_shaped_rewards(c: Components, groups: list[list[Rollout]]) -> tuple[list[list[Rollout]], dict[str, float]]:
+    """The groups with reward − β·Σ_t KL_t(π‖π_ref) (rl/kl.py `kl_reward_penalty`); the task reward stays in
+    the rollout metrics, the shaped one only drives the advantages."""
+    rs, flat = c.cfg.rollout, [r for g in groups for r in g]
+    with torch.no_grad():
+        ref, _ = token_logprobs(c.ref_model, [r.prompt_ids + r.completion_ids for r in flat], rs.temperature,
+                               rs.top_k, rs.top_p, first=[len(r.prompt_ids) for r in flat])
+    penalties, metrics = kl_reward_penalty([torch.tensor(r.behav_logprobs) for r in flat], ref, c.cfg.algorithm.kl.kind,
+                                           c.cfg.algorithm.kl.coef)
+    it = iter(penalties)
+    return [[replace(r, reward=r.reward - next(it)) for r in g] for g in groups], metrics
 
 
 def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dict[str, float], step_s: float,

@@ -176,3 +176,16 @@ def test_async_config_key_and_errors():
         load_config(None, ["async.max_staleness=-1"])
     with pytest.raises(ValueError, match="unknown config key 'async.staleness'"):
         load_config(None, ["async.staleness=1"])
+
+
+def test_kl_in_the_reward_shapes_the_advantages(model_dir, tmp_path):
+    """`kl.where: reward`: step 1 samples from π_ref itself (KL exactly 0); later steps pay β·Σ KL in the reward."""
+    plain = run(model_dir, tmp_path / "plain", "max_steps=3")
+    kl = run(model_dir, tmp_path / "kl", "max_steps=3", "algorithm.kl.coef=0.5", "algorithm.kl.where=reward",
+             "algorithm.kl.kind=k1")
+    assert kl[0]["rollout/kl_ref_per_seq"] == 0.0 and kl[0]["rollout/kl_penalty_mean"] == 0.0
+    assert kl[0]["train/grad_norm"] == plain[0]["train/grad_norm"]  # no penalty yet: the same step
+    assert kl[2]["rollout/kl_ref_per_seq"] != 0.0
+    assert kl[2]["rollout/kl_penalty_mean"] == pytest.approx(0.5 * kl[2]["rollout/kl_ref_per_seq"])
+    assert kl[2]["train/grad_norm"] != plain[2]["train/grad_norm"]  # the penalty moved the advantages
+    assert "train/kl_ref" not in kl[2]  # not in the loss as well

@@ -109,3 +109,18 @@ def test_kl_unknown_kind_and_shape():
         kl_estimate(x, x, "k4")
     with pytest.raises(ValueError, match="shape"):
         kl_estimate(x, torch.zeros(2, 1), "k1")
+
+
+def test_kl_reward_penalty_hand_computed():
+    """penalty_i = β Σ_t kl_t; k1 = logp − logq per token."""
+    from exactrl.rl.kl import kl_reward_penalty
+
+    behav = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5]), torch.tensor([])]
+    ref = [torch.tensor([-1.5, -1.0]), torch.tensor([-0.5]), torch.tensor([])]
+    pen, m = kl_reward_penalty(behav, ref, "k1", 0.1)
+    assert pen == pytest.approx([0.1 * (0.5 - 1.0), 0.0, 0.0])
+    assert m["rollout/kl_ref_per_seq"] == pytest.approx(-0.5 / 3)
+    assert m["rollout/kl_penalty_mean"] == pytest.approx(0.1 * -0.5 / 3)
+    pen3, _ = kl_reward_penalty(behav, ref, "k3", 1.0)  # k3 = e^{q−p} − (q−p) − 1 ≥ 0
+    want = sum(math.exp(d) - d - 1 for d in (-0.5, 1.0))
+    assert pen3 == pytest.approx([want, 0.0, 0.0])
