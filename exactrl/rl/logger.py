@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,19 @@ DISPLAY = [("rollout/reward_mean", "reward", "{:.3f}"), ("eval/accuracy", "eval 
 
 
 class MetricsLogger:
+    """Appends one row per step. On resume from step k (`start_step`), rows of steps after k, written
+    before a crash but not covered by a checkpoint, are dropped first (they are recomputed, with the
+    same values), and TensorBoard purges them too: a resumed run's log reads like an uninterrupted one."""
+
     def __init__(self, run_dir: Path, tensorboard: bool, progress: bool, total_steps: int, start_step: int):
         self.path = Path(run_dir) / "metrics.jsonl"
+        if self.path.exists():
+            _keep_steps_up_to(self.path, start_step)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         self.progress = None
         self.last: dict[str, Any] = {}
         if progress:
@@ -57,6 +64,17 @@ class MetricsLogger:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
+
+
+def _keep_steps_up_to(path: Path, step: int) -> None:
+    """Rewrites metrics.jsonl without the rows of steps after `step`, atomically (a crash keeps the old file)."""
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -68,10 +68,10 @@ def _run_dir(cfg: RunConfig) -> Path:
     if ckpt is not None and not cfg.resume:
         raise ValueError(f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, "
                          f"or choose another run_dir")
-    if ckpt is None and (d / "metrics.jsonl").exists():
-        if cfg.resume:
-            raise ValueError(f"run_dir {d} has metrics but no checkpoint to resume from")
-        raise ValueError(f"run_dir {d} already holds a run: choose another run_dir")
+    if ckpt is None and (d / "metrics.jsonl").exists() and not cfg.resume:
+        # resume=true restarts it from step 0: it stopped before its first checkpoint, its rows are redone
+        raise ValueError(f"run_dir {d} already holds a run (with no checkpoint yet): pass --set resume=true to "
+                         f"start it again from step 0, or choose another run_dir")
     return d
 
 

@@ -189,3 +189,31 @@ def test_kl_in_the_reward_shapes_the_advantages(model_dir, tmp_path):
     assert kl[2]["rollout/kl_penalty_mean"] == pytest.approx(0.5 * kl[2]["rollout/kl_ref_per_seq"])
     assert kl[2]["train/grad_norm"] != plain[2]["train/grad_norm"]  # the penalty moved the advantages
     assert "train/kl_ref" not in kl[2]  # not in the loss as well
+
+
+def test_resume_after_a_crash_between_checkpoints_has_no_duplicate_rows(model_dir, tmp_path):
+    """A crash after step 3's row but before its checkpoint: resuming from step 2 redoes step 3, once."""
+    import shutil
+
+    full = run(model_dir, tmp_path / "full", "max_steps=4", "save_every=2")
+    part = tmp_path / "part"
+    run(model_dir, part, "max_steps=3", "save_every=2")
+    ckpts = part / "checkpoints"
+    shutil.rmtree(ckpts / "step_000003")  # as if killed between logging step 3 and saving it
+    (ckpts / "latest").write_text("step_000002\n")
+    resumed = run(model_dir, part, "max_steps=4", "save_every=2", "resume=true")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    same_metrics(full, resumed)
+
+
+def test_resume_before_the_first_checkpoint_starts_again(model_dir, tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "r"
+    first = run(model_dir, d, "max_steps=1")
+    shutil.rmtree(d / "checkpoints")  # killed before its first checkpoint
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=1"]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 2 and "start it again from step 0" in capsys.readouterr().err
+    again = run(model_dir, d, "max_steps=1", "resume=true")
+    same_metrics(first, again)
