@@ -75,6 +75,31 @@ def _run_dir(cfg: RunConfig) -> Path:
     return d
 
 
+# keys a resumed run may change: where and how long it runs, what it shows, how fast the engine
+# batches (results do not depend on it), held-out evaluation; everything else defines the run
+RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
+             "eval_every", "engine.", "task.eval_size", "model.path", "model.tokenizer",
+             "rollout_backend.timeout_s", "rollout_backend.max_concurrency")
+
+
+def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
+    """Refuses to resume a checkpoint with settings that would make it a different run, naming them."""
+    if saved is None:  # a checkpoint from before configs were saved in it
+        return
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
+        return out
+    old, new = flat(saved), flat(cfg.model_dump(mode="json", by_alias=True))  # as state.json holds it
+    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k) and not k.startswith(RESUMABLE)]
+    if changed:
+        raise ValueError(f"resume from {ckpt} with changed settings ({'; '.join(changed)}): a resumed run keeps "
+                         f"the settings it was started with; drop these --set overrides, or start a new run_dir")
+
+
 def _check_paths(cfg: RunConfig) -> None:
     """The directories the user named, before anything is loaded from them."""
     for key, path, fix in (
@@ -137,6 +162,7 @@ def build(cfg: RunConfig, log=print) -> Components:
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     if ckpt is not None:
         model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
+        _check_same_run(state.get("config"), cfg, ckpt)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                       weight_decay=cfg.optim.weight_decay)
         optimizer.load_state_dict(opt_state)

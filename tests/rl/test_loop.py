@@ -217,3 +217,15 @@ def test_resume_before_the_first_checkpoint_starts_again(model_dir, tmp_path, ca
     assert cli_main(args) == 2 and "start it again from step 0" in capsys.readouterr().err
     again = run(model_dir, d, "max_steps=1", "resume=true")
     same_metrics(first, again)
+
+
+def test_resume_refuses_changed_settings_and_names_them(model_dir, tmp_path, capsys):
+    d = tmp_path / "r"
+    run(model_dir, d, "max_steps=2", "save_every=2")
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=3", "resume=true",
+                                            "model.kernels=fast", "optim.lr=0.5"] for x in ("--set", o)]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "model.kernels: 'exact' -> 'fast'" in err and "optim.lr: 0.001 -> 0.5" in err
+    rows = run(model_dir, d, "max_steps=3", "resume=true", "eval_every=3", "engine.kv_budget_tokens=8192")
+    assert [r["step"] for r in rows] == [1, 2, 3]  # where, how long and how fast may change
