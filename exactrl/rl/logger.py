@@ -60,10 +60,13 @@ class MetricsLogger:
                   flush=True)
 
     def close(self) -> None:
+        """Stops the display and flushes TensorBoard; closing twice is harmless."""
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
 
 def _keep_steps_up_to(path: Path, step: int) -> None:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from exactrl.rl.config import load_config
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
     from exactrl.rl.async_loop import train_async
+    from exactrl.rl.checkpoint import latest_checkpoint
     from exactrl.rl.loop import train
     from exactrl.rl.report import write_report
     from exactrl.rl.setup import build
@@ -24,6 +26,13 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     print(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     try:
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
+    except KeyboardInterrupt:  # Ctrl-C: what is saved stays; say how to go on
+        c.logger.close()
+        ckpt = latest_checkpoint(c.run_dir)
+        where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+        print(f"\ninterrupted: run {c.run_dir} is kept and {where}; continue it with "
+              f"exactrl train --set run_dir={c.run_dir} --set resume=true (and the same settings)", file=sys.stderr)
+        return 130
     finally:
         c.logger.close()
     plots = write_report(c.run_dir)

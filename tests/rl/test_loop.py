@@ -229,3 +229,24 @@ def test_resume_refuses_changed_settings_and_names_them(model_dir, tmp_path, cap
     assert "model.kernels: 'exact' -> 'fast'" in err and "optim.lr: 0.001 -> 0.5" in err
     rows = run(model_dir, d, "max_steps=3", "resume=true", "eval_every=3", "engine.kv_budget_tokens=8192")
     assert [r["step"] for r in rows] == [1, 2, 3]  # where, how long and how fast may change
+
+
+def test_ctrl_c_keeps_the_run_and_says_how_to_resume(model_dir, tmp_path, capsys, monkeypatch):
+    import exactrl.rl.loop as loop_mod
+
+    real = loop_mod.train_on
+
+    def interrupted_at_step_2(c, step, groups):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(c, step, groups)
+    monkeypatch.setattr(loop_mod, "train_on", interrupted_at_step_2)
+    d = tmp_path / "r"
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=3", "save_every=1"]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "step_000001" in err and "resume=true" in err
+    monkeypatch.setattr(loop_mod, "train_on", real)
+    rows = run(model_dir, d, "max_steps=3", "save_every=1", "resume=true")
+    assert [r["step"] for r in rows] == [1, 2, 3]
