@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     if "sync-exact" in summary and "async-s2" in summary:
         summary["async_over_sync_tokens_per_s"] = (summary["async-s2"]["tokens_per_s"]
                                                    / summary["sync-exact"]["tokens_per_s"])
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    # a figure a variant does not have (NaN) is null: strict JSON has no NaN
+    summary = {n: {k: (None if isinstance(v, float) and v != v else v) for k, v in s.items()}
+               if isinstance(s, dict) else s for n, s in summary.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     plot(results, out / "offpolicy.png")
     print(json.dumps(summary, indent=2))
     print(f"plot: {out / 'offpolicy.png'}", file=sys.stderr)

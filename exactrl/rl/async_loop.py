@@ -32,6 +32,11 @@ weights of every version still inside the staleness window and recomputes
 each token's logprob under the version that sampled it: in exact mode this
 equals μ bitwise (`async/behaviour_recompute_abs_diff_max` = 0), proof that
 the only off-policy gap is the staleness itself.
+
+Resume. A checkpoint holds the trained data position, not the batches the
+rollout thread had sampled ahead; with `max_staleness > 0` a resumed run's
+first batches are therefore fresher than an uninterrupted run's (with 0 the
+two are the same run, bitwise).
 """
 from __future__ import annotations
 
