@@ -215,3 +215,18 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(model_dir, tmp_path
     assert f"nothing to do: run {tmp_path / 'r'} is already at step 1 (max_steps=1)" in capsys.readouterr().out
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == rows
     assert json.loads(rows.splitlines()[-1])["step"] == 1
+
+
+def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):
+    """One cache for runs started from any directory: EXACTRL_ARTIFACTS, else ./artifacts."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from exactrl.rl import warmstart; print(warmstart.ARTIFACTS)"
+    env = {**os.environ, "EXACTRL_ARTIFACTS": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(tmp_path / "cache")
+    env.pop("EXACTRL_ARTIFACTS")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "artifacts"

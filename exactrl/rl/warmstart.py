@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import time
@@ -27,7 +28,9 @@ from exactrl.model import ModelConfig, build_model, save_model
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer
 
-ARTIFACTS = Path("artifacts")
+# the cache of warm-started default models: ./artifacts, or where EXACTRL_ARTIFACTS points (one cache for
+# runs started from any directory)
+ARTIFACTS = Path(os.environ.get("EXACTRL_ARTIFACTS", "artifacts"))
 
 # the default policy: a Qwen3-architecture model of ~0.9M parameters
 TINY_QWEN3 = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
