@@ -62,7 +62,12 @@ def validate_token_ids(token_ids, vocab_size: int) -> list[list[int]]:
 def forward_hidden(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
                    pad_id: int = 0) -> tuple[torch.Tensor, list[int]]:
     """Final hidden states [N, D] of the flat batch and the offset of each sequence in it."""
-    token_ids = validate_token_ids(token_ids, model.config.vocab_size)
+    return _hidden(model, validate_token_ids(token_ids, model.config.vocab_size), layout, pad_id)
+
+
+def _hidden(model: CausalLM, token_ids: list[list[int]], layout: str, pad_id: int = 0
+            ) -> tuple[torch.Tensor, list[int]]:
+    """`forward_hidden` of ids already validated (the trainer path checks them once, up front)."""
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
     if layout == "padded":
@@ -117,7 +122,7 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
     for k, (f, s) in enumerate(zip(first, token_ids)):
         if not 1 <= f <= len(s):
             raise ValueError(f"first[{k}]={f} must be in [1, len(token_ids[{k}])={len(s)}]")
-    hidden, starts = forward_hidden(model, token_ids, layout)
+    hidden, starts = _hidden(model, token_ids, layout)
     sizes = [len(s) - f for s, f in zip(token_ids, first)]
     if sum(sizes) == 0:
         empty = [torch.zeros(0) for _ in token_ids]
