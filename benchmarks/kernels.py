@@ -3,7 +3,9 @@
 train: forward+backward of `sequence_logprobs` over a [batch, seq] trainer batch.
 decode: one decode step of `batch` sequences against a paged cache at position `ctx`.
 The machine's fp32 matmul peak is measured in the same run, so model-FLOPs
-utilisation (≈ 6·params·tokens for fwd+bwd, 2·params·tokens for decode) can be read off.
+utilisation (≈ 6·params·tokens for fwd+bwd, 2·params·tokens for decode) can be read off
+(`train_mfu` is against the fp32 peak also with `--dtype bfloat16`, whose matmuls run
+at up to ~2.3x that peak on a CPU with AVX512-BF16).
 """
 from __future__ import annotations
 
@@ -50,14 +52,14 @@ def decode_step_time(model, batch: int, ctx: int, repeat: int) -> float:
         return timeit(lambda: model.logits(model(tok, step_lay, kv)), repeat=repeat * 3)
 
 
-def run(sizes, train_shape, decode_batches, ctx, repeat) -> dict:
-    out = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+def run(sizes, train_shape, decode_batches, ctx, repeat, dtype: str = "float32") -> dict:
+    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": dtype,
            "matmul_peak_gflops_fp32": round(matmul_peak_gflops(), 1), "models": {}}
     for size in sizes:
         cfg = qwen3_config(size)
         res = {}
         for mode in ("exact", "fast"):
-            model = build_model(cfg, kernels=mode, seed=0)
+            model = build_model(cfg, dtype=dtype, kernels=mode, seed=0)
             n_params = sum(p.numel() for p in model.parameters())
             b, s = train_shape
             t = train_step_time(model, b, s, repeat)
@@ -83,10 +85,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--decode-batches", default="1,32")
     p.add_argument("--ctx", type=int, default=160)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="tiny model, small shapes (smoke test)")
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.train_batch, a.train_seq, a.ctx, a.repeat = "tiny", 2, 40, 40, 1
     res = run(a.sizes.split(","), (a.train_batch, a.train_seq),
-              [int(x) for x in a.decode_batches.split(",")], a.ctx, a.repeat)
+              [int(x) for x in a.decode_batches.split(",")], a.ctx, a.repeat, a.dtype)
     print(json.dumps(res, indent=2))
