@@ -12,7 +12,10 @@ Ceiling. `gemm_floor_tok_s` is batch / (time of one decode step's matmuls
 alone: every layer's projections and the LM head, plain `F.linear` on
 `batch` rows). Any engine's step is those matmuls plus attention, norms and
 sampling, so `gemm_floor_over_hf` bounds the speed-up over transformers that
-any implementation on torch's fp32 GEMM can reach on this machine.
+any implementation on torch's GEMM (in the run's `--dtype`) can reach on this
+machine. In bf16 that bound is far higher (6.2x at 20M, batch 32, here: the
+CPU has AVX512-BF16) but transformers' step is not matmul-bound, so it barely
+gains; see README "The ceilings".
 
 Sizes (explicit, tied embeddings, head_dim 64, GQA):
   20M : vocab 16384, hidden 384, 8 layers, 6 heads / 2 kv, MLP 1024   (≈18.9M params)

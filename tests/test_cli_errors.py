@@ -57,6 +57,7 @@ def test_unreachable_rollout_server_is_a_one_line_error(model_dir, no_warm_start
     for extra in (["rollout_backend.weight_sync=disk"], [], ["async.enabled=true"]):
         assert train(*TINY, f"model.path={model_dir}", "max_steps=1", *server, *extra) == 2
         assert "cannot reach the rollout server at http://127.0.0.1:1" in error_of(capsys, "train")
+        assert not any((tmp_path / "runs").glob("*"))  # the run dir it made (no step done) is gone
 
 
 # ---------------------------------------------------------------- 3. checked before the run dir and the warm start

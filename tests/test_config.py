@@ -21,6 +21,7 @@ def test_defaults_and_overrides(tmp_path):
     ("model.kernals=fast", "unknown config key 'model.kernals'"),
     ("max_stepz=3", "unknown config key 'max_stepz'"),
     ("max_steps=-1", "bad value for 'max_steps'"),
+    ("max_steps=0", "bad value for 'max_steps'"),  # a new run of 0 steps would leave an empty run dir
     ("model.kernels=turbo", "bad value for 'model.kernels'"),
     ("rollout.top_p=1.5", "bad value for 'rollout.top_p'"),
     ("seed", "--set expects key=value"),

@@ -133,7 +133,7 @@ class SFTSettings(BaseModel):
 class RunConfig(BaseModel):
     model_config = _STRICT
 
-    max_steps: int = Field(60, ge=0)
+    max_steps: int = Field(60, ge=1)
     """RL steps to run."""
     seed: int = 0
     """Seeds data order, sampling and the default model's initialisation."""

@@ -26,13 +26,22 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     print(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     try:
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
-    except KeyboardInterrupt:  # Ctrl-C: what is saved stays; say how to go on
+    except BaseException as e:
         c.logger.close()
-        ckpt = latest_checkpoint(c.run_dir)
-        where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
-        print(f"\ninterrupted: run {c.run_dir} is kept and {where}; continue it with "
-              f"exactrl train --set run_dir={c.run_dir} --set resume=true (and the same settings)", file=sys.stderr)
-        return 130
+        interrupted = isinstance(e, KeyboardInterrupt)
+        removed = _remove_if_empty(c)  # an error's own message follows on one line (cli.py): say nothing here
+        if removed and interrupted:
+            print(f"\ninterrupted before the first step: the new run dir {c.run_dir} held nothing and was removed",
+                  file=sys.stderr)
+        elif interrupted:  # Ctrl-C: what is saved stays; say how to go on
+            ckpt = latest_checkpoint(c.run_dir)
+            where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+            print(f"\ninterrupted: run {c.run_dir} is kept and {where}; continue it with "
+                  f"exactrl train --set run_dir={c.run_dir} --set resume=true (and the same settings)",
+                  file=sys.stderr)
+        if interrupted:
+            return 130
+        raise
     finally:
         c.logger.close()
     plots = write_report(c.run_dir)
@@ -41,3 +50,17 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     print("final:", json.dumps(summary))
     print(f"report: {plots[0]}")
     return 0
+
+
+def _remove_if_empty(c) -> bool:
+    """Removes a run dir this run created if it holds no step: no metrics row and no checkpoint
+    (only config.json and TensorBoard's empty event file), so a failed start leaves nothing behind."""
+    import shutil
+
+    from exactrl.rl.checkpoint import latest_checkpoint
+
+    metrics = c.run_dir / "metrics.jsonl"
+    if not c.new_run_dir or latest_checkpoint(c.run_dir) is not None or (metrics.exists() and metrics.stat().st_size):
+        return False
+    shutil.rmtree(c.run_dir)
+    return True

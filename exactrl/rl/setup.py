@@ -41,6 +41,7 @@ class Components:
     step_settings: StepSettings
     logger: MetricsLogger
     start_step: int
+    new_run_dir: bool = False  # build created run_dir (a run that fails before its first step removes it)
 
     def set_lr(self, step: int) -> float:
         """Linear warm-up, then constant; a pure function of the step (resume-safe)."""
@@ -176,7 +177,8 @@ def build(cfg: RunConfig, log=print) -> Components:
         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
         grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
         kl_in_loss=a.kl.where == "loss", corrections=corrections, bypass=a.bypass)
+    new_run_dir = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
-                      loss_fn, settings, logger, start)
+                      loss_fn, settings, logger, start, new_run_dir)

@@ -250,3 +250,29 @@ def test_ctrl_c_keeps_the_run_and_says_how_to_resume(model_dir, tmp_path, capsys
     monkeypatch.setattr(loop_mod, "train_on", real)
     rows = run(model_dir, d, "max_steps=3", "save_every=1", "resume=true")
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_failure_before_the_first_step_leaves_no_run_dir(model_dir, tmp_path, capsys, monkeypatch, interrupt):
+    import contextlib
+
+    import exactrl.rl.loop as loop_mod
+
+    def fails(c, step, groups):
+        raise KeyboardInterrupt if interrupt else RuntimeError("rollout server died")
+    monkeypatch.setattr(loop_mod, "train_on", fails)
+
+    def train_in(d):
+        args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=2"]
+                            for x in ("--set", o)]
+        with contextlib.nullcontext() if interrupt else pytest.raises(RuntimeError, match="rollout server died"):
+            assert cli_main(args) == 130
+    train_in(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    assert ("held nothing and was removed" in capsys.readouterr().err) == interrupt
+    # a directory that existed before the run is the user's: it stays, with what was in it
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    train_in(mine)
+    assert (mine / "notes.txt").read_text() == "keep" and (mine / "config.json").exists()
