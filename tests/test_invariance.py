@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import exactrl
 from exactrl.debug.parity import full_path, incremental_path, run_parity
+from exactrl.kernels import linear as linear_mod
 from exactrl.kernels.linear import exact_linear, fast_linear
 from conftest import make_hf_model, random_sequences
 
@@ -37,7 +38,9 @@ def wide_dir(tmp_path_factory):
 # ---------------------------------------------------------------- kernels
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K,N", [(64, 96), (256, 768), (100, 33), (96, 4700)])  # 4700: column blocks, ragged last
+# batched-matmul path: (64, 96), (256, 768), (100, 33), (48, 4700) (column blocks, ragged last);
+# oneDNN path (K x N >= ONEDNN_MIN_WEIGHT): (96, 4700), (512, 768)
+@pytest.mark.parametrize("K,N", [(64, 96), (256, 768), (100, 33), (48, 4700), (96, 4700), (512, 768)])
 def test_exact_linear_row_invariant(dtype, K, N):
     g = torch.Generator().manual_seed(K)
     W, X = torch.randn(N, K, generator=g).to(dtype), torch.randn(300, K, generator=g).to(dtype)
@@ -48,6 +51,31 @@ def test_exact_linear_row_invariant(dtype, K, N):
             assert torch.equal(exact_linear(X[:M], W)[0], ref), (M, threads)
         for p in (1, 5, 15, 16, 17, 40):  # the same row at another place in a tile
             assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
+
+
+def test_exact_linear_follows_every_weight_change():
+    """The oneDNN path keeps a packed copy per weight: any change must be seen at the next call."""
+    if not linear_mod.USE_ONEDNN:
+        pytest.skip("this torch has no oneDNN: nothing is cached")
+    g = torch.Generator().manual_seed(1)
+    N, K = 512, linear_mod.ONEDNN_MIN_WEIGHT // 512  # a weight on the oneDNN path
+    w, x = torch.nn.Parameter(torch.randn(N, K, generator=g)), torch.randn(7, K, generator=g)
+
+    def fresh():  # the same kernel on a new tensor with the current values: nothing cached for it
+        return exact_linear(x, w.detach().clone())
+    before = exact_linear(x, w)
+    assert torch.equal(before, fresh())
+    with torch.no_grad():
+        w.add_(0.25)  # in place, as an optimizer step
+    assert torch.equal(exact_linear(x, w), fresh()) and not torch.equal(exact_linear(x, w), before)
+    with torch.no_grad():
+        w.copy_(torch.randn(N, K, generator=g))  # as update_weights / load_state_dict
+    assert torch.equal(exact_linear(x, w), fresh())
+    w.data = torch.randn(N, K, generator=g)  # new storage
+    assert torch.equal(exact_linear(x, w), fresh())
+    with torch.inference_mode():  # an inference tensor has no version counter: packed per call, same bits
+        wi = w.detach().clone()
+        assert torch.equal(exact_linear(x, wi), fresh())
 
 
 def test_fast_linear_is_not_row_invariant():

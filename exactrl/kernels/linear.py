@@ -9,9 +9,11 @@ tile `ROW_TILE` and computes every tile with a GEMM of ONE fixed shape
 small GEMM whatever the number of rows, the row's neighbours, or its place in
 the tile; the tests sweep these (also at 1 and 2 threads).
 
-Two implementations of that rule, chosen once per process:
+Two implementations of that rule, chosen per weight by its shape alone (so a
+row of a given weight always takes the same one, whatever the batch):
 
-- oneDNN (every x86 and most ARM builds of torch): the weight is re-laid out
+- oneDNN, for weights of at least ONEDNN_MIN_WEIGHT elements (on every x86
+  and most ARM builds of torch): the weight is re-laid out
   once into oneDNN's blocked format for 32-row products
   (`mkldnn._reorder_linear_weight`) and each 32-row tile is one
   `mkldnn._linear_pointwise` call. The packed copy is kept per weight tensor
@@ -22,9 +24,13 @@ Two implementations of that rule, chosen once per process:
   GFLOP/s vs 58-108 for `F.linear` and 67 for the batched matmul below (fp32);
   at 4096 rows 121-156 vs 100-138 (fp32) and 194-231 vs 183-208 (bf16, where
   the other path upcasts to fp32). vLLM's CPU backend gets its speed the same
-  way (it beat our `F.linear` matmul floor by 1.15x at 100M, batch 32).
+  way (it beat an `F.linear`-only decode step by 1.14x at 100M, batch 32).
   oneDNN accumulates in fp32 (also for bf16 operands) and rounds once.
-- fallback: ONE batched matmul over `(n_tiles, ROW_TILE, K)` with the weight
+  Its cost is one call (~20 us) per tile: for small weights that dominates
+  a many-row trainer batch (128 x 128 at 1344 rows: 8-40x the batched matmul
+  below), while for 384 x 1024 and up a trainer batch costs 0.8-1.4x and a
+  decode step ~0.5x. Hence the threshold (1 MB of fp32 weight).
+- otherwise: ONE batched matmul over `(n_tiles, ROW_TILE, K)` with the weight
   broadcast along the batch (stride 0), in fp32 (bf16 operands upcast
   exactly, product rounded to bf16 once). A weight with more than SPLIT_ABOVE
   output features (the vocabulary projection) is multiplied in blocks of
@@ -33,10 +39,10 @@ Two implementations of that rule, chosen once per process:
   the weight's shape alone, so it is the same for every call.
 
 The two give different bits (different GEMMs); engine and trainer run in one
-process, or on machines of one kind, and use the same one.
+process, or on machines of one kind, and use the same one for each weight.
 
 Tile size: 32 rows. At training sizes 16-row tiles cost up to 1.9x plain
-matmul for K=1024, 32-row tiles ~1.1x; a decode batch of 32 is one tile
+matmul for K=1024, 32-row tiles ~1.1x (batched-matmul path); a decode batch of 32 is one tile
 either way (measured on this CPU, fp32).
 
 Backward: only the forward values must be batch-invariant. The gradients use
@@ -67,6 +73,7 @@ def pad_rows(x_MK: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
 
 
 USE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN_MIN_WEIGHT = 1 << 18  # elements (K x N); a rule on the weight's shape only, never on the rows
 
 
 _PACKED: dict[int, tuple] = {}  # id(weight) -> (weakref to it, (data_ptr, version), packed copy)
@@ -103,7 +110,8 @@ def _onednn_tiles(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
 
 
 def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    if USE_ONEDNN and x_MK.dtype == w_NK.dtype and w_NK.dtype in (torch.float32, torch.bfloat16):
+    if (USE_ONEDNN and w_NK.numel() >= ONEDNN_MIN_WEIGHT and x_MK.dtype == w_NK.dtype
+            and w_NK.dtype in (torch.float32, torch.bfloat16)):
         return _onednn_tiles(x_MK, w_NK)
     m, k = x_MK.shape
     n = w_NK.shape[0]
