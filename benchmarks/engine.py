@@ -39,10 +39,12 @@ Sizes (explicit, tied embeddings, head_dim 64, GQA):
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -163,28 +165,38 @@ class VLLMServer:
 
     def __enter__(self):
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        # its own process group: vLLM starts worker processes, and all of them must go at the end
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:  # a failed start, or Ctrl-C while waiting: no server is left behind
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.__exit__()
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting:\n{self._tail()}")
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=5)
-                return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                return
+            except (OSError, http.client.HTTPException):  # not listening yet, or not answering yet
                 time.sleep(2)
-        self.__exit__()
         raise RuntimeError(f"vLLM did not answer /health within {self.START_TIMEOUT_S} s:\n{self._tail()}")
 
     def __exit__(self, *exc):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
 
     def _tail(self, n: int = 3000) -> str:
         self.log.seek(0)

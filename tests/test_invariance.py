@@ -53,10 +53,11 @@ def test_exact_linear_row_invariant(dtype, K, N):
             assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
 
 
-def test_exact_linear_follows_every_weight_change():
-    """The oneDNN path keeps a packed copy per weight: any change must be seen at the next call."""
+def test_packed_weights_cache_is_used_only_where_activated_and_follows_changes():
+    """Outside `using_packed` every call packs afresh (always current); inside, the cache's owner clears it
+    on the changes it makes, and storage, shape, stride, dtype and version changes are caught as well."""
     if not linear_mod.USE_ONEDNN:
-        pytest.skip("this torch has no oneDNN: nothing is cached")
+        pytest.skip("this torch has no oneDNN: nothing is packed")
     g = torch.Generator().manual_seed(1)
     N, K = 512, linear_mod.ONEDNN_MIN_WEIGHT // 512  # a weight on the oneDNN path
     w, x = torch.nn.Parameter(torch.randn(N, K, generator=g)), torch.randn(7, K, generator=g)
@@ -64,18 +65,23 @@ def test_exact_linear_follows_every_weight_change():
     def fresh():  # the same kernel on a new tensor with the current values: nothing cached for it
         return exact_linear(x, w.detach().clone())
     before = exact_linear(x, w)
-    assert torch.equal(before, fresh())
-    with torch.no_grad():
-        w.add_(0.25)  # in place, as an optimizer step
+    w.data.add_(0.25)  # a write the version counter does not see (as a fused optimizer's)
     assert torch.equal(exact_linear(x, w), fresh()) and not torch.equal(exact_linear(x, w), before)
-    with torch.no_grad():
-        w.copy_(torch.randn(N, K, generator=g))  # as update_weights / load_state_dict
-    assert torch.equal(exact_linear(x, w), fresh())
-    w.data = torch.randn(N, K, generator=g)  # new storage
-    assert torch.equal(exact_linear(x, w), fresh())
-    with torch.inference_mode():  # an inference tensor has no version counter: packed per call, same bits
-        wi = w.detach().clone()
-        assert torch.equal(exact_linear(x, wi), fresh())
+    cache = linear_mod.PackedWeights()
+    with linear_mod.using_packed(cache):
+        cached = exact_linear(x, w)
+        assert torch.equal(cached, fresh())
+        with torch.no_grad():
+            w.add_(0.25)  # in place: the version counter moves
+        assert torch.equal(exact_linear(x, w), fresh()) and not torch.equal(exact_linear(x, w), cached)
+        w.data = torch.randn(N, K, generator=g)  # new storage
+        assert torch.equal(exact_linear(x, w), fresh())
+        w.data.mul_(2)  # unseen by any fingerprint: the owner must clear
+        cache.clear()
+        assert torch.equal(exact_linear(x, w), fresh())
+        with torch.inference_mode():  # an inference tensor has no version counter: never cached
+            wi = w.detach().clone()
+            assert torch.equal(exact_linear(x, wi), fresh())
 
 
 def test_fast_linear_is_not_row_invariant():

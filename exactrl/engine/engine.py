@@ -30,6 +30,7 @@ from exactrl.engine.cache import PagePool
 from exactrl.engine.sampling import SampleRows, SamplingParams, draw, row_logprobs, sample_uniform
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
+from exactrl.kernels.linear import PackedWeights, using_packed
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -99,6 +100,8 @@ class Engine:
         self.stop_token_ids = frozenset(eos) | frozenset(stop_token_ids or ())
         self._check_ids("stop_token_ids", sorted(self.stop_token_ids))
         self.version = 0  # incremented by every update_weights
+        # oneDNN-packed copies of the large weights (kernels/linear.py), valid until update_weights
+        self._packed = PackedWeights()
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()  # arrival order of sequences = scheduling priority
         self._request_ids = itertools.count()
@@ -219,7 +222,7 @@ class Engine:
             return []
         sched = self.scheduler.schedule()
         assert sched.chunks, "work is queued but nothing could be scheduled"
-        with torch.inference_mode():
+        with torch.inference_mode(), using_packed(self._packed):
             self.pool.copy(sched.copies)
             batch = self._build_batch(sched)
             hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
@@ -333,6 +336,7 @@ class Engine:
         with torch.no_grad():
             for k, v in sd.items():
                 params[k].copy_(v.detach())
+        self._packed.clear()
         self.version = self.version + 1 if version is None else version
         self.scheduler.preempt_all()
         return self.version

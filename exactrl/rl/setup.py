@@ -61,7 +61,7 @@ class Components:
 def _run_dir(cfg: RunConfig) -> Path:
     """The run directory, checked but not created (build creates it once nothing else can fail)."""
     if cfg.run_dir is None:
-        cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        cfg.run_dir = _default_run_dir()
     d = Path(cfg.run_dir)
     if d.exists() and not d.is_dir():
         raise ValueError(f"run_dir {d} is a file: choose another run_dir")
@@ -81,6 +81,26 @@ def _run_dir(cfg: RunConfig) -> Path:
 RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
              "eval_every", "engine.", "task.eval_size", "model.path", "model.tokenizer",
              "rollout_backend.timeout_s", "rollout_backend.max_concurrency")
+
+
+def _default_run_dir() -> str:
+    """runs/<date>-<time>, with _2, _3, ... if runs started in the same second."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    d, n = base, 1
+    while d.exists():
+        n += 1
+        d = base.with_name(f"{base.name}_{n}")
+    return str(d)
+
+
+def _make_dir(d: Path) -> bool:
+    """Creates d (and its parents); True if this call created it (atomic: of two runs, one gets True)."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir()
+        return True
+    except FileExistsError:
+        return False
 
 
 def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
@@ -136,6 +156,7 @@ def build(cfg: RunConfig, log=print) -> Components:
                          "between its steps to take new weights (use inflight_updates=false)")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    named = cfg.run_dir is not None
     run_dir = _run_dir(cfg)
     _check_paths(cfg)
     if cfg.task.module:
@@ -177,8 +198,11 @@ def build(cfg: RunConfig, log=print) -> Components:
         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
         grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
         kl_in_loss=a.kl.where == "loss", corrections=corrections, bypass=a.bypass)
-    new_run_dir = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    new_run_dir = _make_dir(run_dir)
+    while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
+        cfg.run_dir = _default_run_dir()
+        run_dir = Path(cfg.run_dir)
+        new_run_dir = _make_dir(run_dir)
     logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
                       loss_fn, settings, logger, start, new_run_dir)

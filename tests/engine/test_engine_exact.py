@@ -238,3 +238,32 @@ def test_other_architectures_and_page_sizes(tmp_path, arch, block_size):
     engine = Engine(model, kv_budget_tokens=12 * block_size, max_num_batched_tokens=3 * block_size - 1)
     results = run_workload(engine, fixed_workload(seed=5)[:6])
     assert_exact(model, engine, results)
+
+
+@pytest.fixture(scope="module")
+def onednn_dir(tmp_path_factory):
+    """Wide enough that q/o, the MLP and the LM head take the oneDNN path of the exact linear (kernels/linear.py)."""
+    d = tmp_path_factory.mktemp("onednn")
+    make_hf_model(d, "qwen3", hidden_size=512, intermediate_size=512, vocab_size=512, num_hidden_layers=1,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    return d
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_on_the_onednn_path_with_its_packed_weights(onednn_dir, dtype):
+    """Mixed batches, then `update_weights` (which must drop the engine's packed copies): still bitwise."""
+    from exactrl.kernels import linear
+
+    model = exactrl.load_model(onednn_dir, dtype=dtype)
+    assert model.model.layers[0].mlp.up_proj.weight.numel() >= linear.ONEDNN_MIN_WEIGHT and model.kernels.exact
+    engine = Engine(model, max_num_batched_tokens=48)
+    rng = random.Random(5)
+    sp = SamplingParams(max_tokens=12, n=2, seed=3, temperature=0.8, top_k=50)
+    reqs = [([rng.randrange(512) for _ in range(n)], sp, arrive) for n, arrive in ((3, 0), (40, 0), (70, 2), (9, 5))]
+    done = run_workload(engine, reqs)
+    assert not mismatches(model, [(p, c, sp) for p, sp_, outs in done for c in outs])
+    before = engine.generate([reqs[0][0]], sp)
+    engine.update_weights(new_weights(model, 7))
+    after = engine.generate([reqs[0][0]], sp)
+    assert not mismatches(model, [(reqs[0][0], c, sp) for c in after[0]])
+    assert [c.logprobs for c in before[0]] != [c.logprobs for c in after[0]]

@@ -276,3 +276,17 @@ def test_failure_before_the_first_step_leaves_no_run_dir(model_dir, tmp_path, ca
     (mine / "notes.txt").write_text("keep")
     train_in(mine)
     assert (mine / "notes.txt").read_text() == "keep" and (mine / "config.json").exists()
+
+
+def test_runs_started_in_the_same_second_get_their_own_default_dirs(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from exactrl.rl import setup
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(setup.time, "strftime", lambda fmt: "20260101-000000")
+    first = setup._default_run_dir()
+    assert first == str(Path("runs") / "20260101-000000") and setup._make_dir(Path(first))
+    second = setup._default_run_dir()  # the first exists now
+    assert second == str(Path("runs") / "20260101-000000_2") and setup._make_dir(Path(second))
+    assert not setup._make_dir(Path(first))  # creating is atomic: only its creator may remove it
