@@ -1,7 +1,8 @@
 """exactrl bench kernels: exact vs fast kernel throughput on ~20M and ~100M models.
 
 train: forward+backward of `sequence_logprobs` over a [batch, seq] trainer batch.
-decode: one decode step of `batch` sequences against a paged cache at position `ctx`.
+decode: one decode step of `batch` sequences against a paged cache at position `ctx`, with the
+        weights packed once, as in the engine (the trainer's forward packs per call).
 The machine's fp32 matmul peak is measured in the same run, so model-FLOPs
 utilisation (≈ 6·params·tokens for fwd+bwd, 2·params·tokens for decode) can be read off
 (`train_mfu` is against the fp32 peak also with `--dtype bfloat16`, whose matmuls run
@@ -22,6 +23,7 @@ from _common import matmul_peak_gflops, peak_rss_mb, qwen3_config, timeit  # noq
 
 import exactrl  # noqa: E402
 from exactrl.kernels import TokenLayout  # noqa: E402
+from exactrl.kernels.linear import PackedWeights, using_packed  # noqa: E402
 from exactrl.model import build_model  # noqa: E402
 from exactrl.model.logprobs import pack_layout  # noqa: E402
 
@@ -49,7 +51,8 @@ def decode_step_time(model, batch: int, ctx: int, repeat: int) -> float:
         step_lay.block_table_SJ = torch.cat([lay.block_table_SJ, extra], 1) if ctx % model.block_size == 0 \
             else lay.block_table_SJ
         tok = torch.randint(V, (batch,))
-        return timeit(lambda: model.logits(model(tok, step_lay, kv)), repeat=repeat * 3)
+        with using_packed(PackedWeights()):  # as the engine runs its steps (kernels/linear.py)
+            return timeit(lambda: model.logits(model(tok, step_lay, kv)), repeat=repeat * 3)
 
 
 def run(sizes, train_shape, decode_batches, ctx, repeat, dtype: str = "float32") -> dict:
