@@ -14,7 +14,7 @@ row of a given weight always takes the same one, whatever the batch):
 
 - oneDNN, for weights of at least ONEDNN_MIN_WEIGHT elements (on every x86
   and most ARM builds of torch): the weight is re-laid out
-  once into oneDNN's blocked format for 32-row products
+  into oneDNN's blocked format for 32-row products
   (`mkldnn._reorder_linear_weight`) and each 32-row tile is one
   `mkldnn._linear_pointwise` call. Packing costs a copy of the weight, so it
   is done per call unless a `PackedWeights` cache is active (`using_packed`):
@@ -26,8 +26,8 @@ row of a given weight always takes the same one, whatever the batch):
   measured with torch 2.13 at 2 threads, a 32-row product runs at 127-206
   GFLOP/s vs 58-108 for `F.linear` and 67 for the batched matmul below (fp32);
   at 4096 rows 121-156 vs 100-138 (fp32) and 194-231 vs 183-208 (bf16, where
-  the other path upcasts to fp32). vLLM's CPU backend gets its speed the same
-  way (it beat an `F.linear`-only decode step by 1.14x at 100M, batch 32).
+  the other path upcasts to fp32). So an `F.linear`-only decode step is no
+  floor: vLLM's CPU backend beat one by 1.14x at 100M, batch 32.
   oneDNN accumulates in fp32 (also for bf16 operands) and rounds once.
   Its cost is one call (~20 us) per tile: for small weights that dominates
   a many-row trainer batch (128 x 128 at 1344 rows: 8-40x the batched matmul
