@@ -240,15 +240,6 @@ def test_other_architectures_and_page_sizes(tmp_path, arch, block_size):
     assert_exact(model, engine, results)
 
 
-@pytest.fixture(scope="module")
-def onednn_dir(tmp_path_factory):
-    """Wide enough that q/o, the MLP and the LM head take the oneDNN path of the exact linear (kernels/linear.py)."""
-    d = tmp_path_factory.mktemp("onednn")
-    make_hf_model(d, "qwen3", hidden_size=512, intermediate_size=512, vocab_size=512, num_hidden_layers=1,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    return d
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_exact_on_the_onednn_path_with_its_packed_weights(onednn_dir, dtype):
     """Mixed batches, then `update_weights` (which must drop the engine's packed copies): still bitwise."""

@@ -48,3 +48,12 @@ def test_bf16_long_chunked_prefill(wide_dir, kernels):
     bad = _run(exactrl.load_model(wide_dir, dtype="bfloat16", kernels=kernels), prompts, sp,
                max_num_batched_tokens=150)
     assert bool(bad) == (kernels == "fast")
+
+
+def test_fast_engine_differs_on_the_onednn_path_model(onednn_dir):
+    """Twin of test_engine_exact's oneDNN-path test: same wide model and sampling, fast kernels."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (3, 40, 70, 9)]
+    sp = SamplingParams(max_tokens=12, n=2, seed=3, temperature=0.8, top_k=50)
+    assert not _run(exactrl.load_model(onednn_dir, kernels="exact"), prompts, sp)
+    assert _run(exactrl.load_model(onednn_dir, kernels="fast"), prompts, sp)
