@@ -242,7 +242,8 @@ class Engine:
 
     def _check_finite(self, lp_RV: torch.Tensor, targets: list[Sequence]) -> None:
         """A row with a NaN or no finite logprob cannot be sampled: its requests are aborted, the step raises."""
-        bad_R = torch.isnan(lp_RV).any(-1) | ~torch.isfinite(lp_RV).any(-1)
+        # the row max is NaN if any entry is NaN and -inf if none is finite: one pass over [R, V]
+        bad_R = ~torch.isfinite(lp_RV.amax(-1))
         if not bool(bad_R.any()):
             return
         ids = sorted({targets[i].request.request_id for i in bad_R.nonzero().flatten().tolist()})

@@ -31,7 +31,7 @@ J blocks per sequence, P pages, B keys per block, t tiles, T rows per tile.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,22 @@ class TokenLayout:
     seq_N: torch.Tensor  # int64, row of `block_table_SJ` the token belongs to
     pos_N: torch.Tensor  # int64, absolute position of the token in its sequence
     block_table_SJ: torch.Tensor  # int64, page id of key block j of sequence s (-1 unused)
+    _kv_rows: dict = field(default_factory=dict, repr=False, compare=False)  # (Hk, B) -> kv_rows
+
+    def kv_rows(self, num_kv_heads: int, block_size: int) -> torch.Tensor:
+        """[N * Hk] row of each new (token, kv head) in a page store [P, Hk, B, D] viewed as [P*Hk*B, D].
+
+        Computed once per forward and shared by every layer.
+        """
+        key = (num_kv_heads, block_size)
+        if key not in self._kv_rows:
+            page_N = self.block_table_SJ[self.seq_N, self.pos_N // block_size]
+            if not bool((page_N >= 0).all()):
+                raise ValueError("a token has no page in the block table")
+            head_NH = torch.arange(num_kv_heads)[None, :]
+            rows_NH = (page_N[:, None] * num_kv_heads + head_NH) * block_size + (self.pos_N % block_size)[:, None]
+            self._kv_rows[key] = rows_NH.reshape(-1)
+        return self._kv_rows[key]
 
 
 @dataclass
@@ -58,11 +74,12 @@ class ExactPlan:
 
     rows_x: torch.Tensor  # flat (token * H + head) row of q read by each tile row (x = t*T rows)
     pos_tT: torch.Tensor  # position of each row, -1 for padding rows
+    real_tT1: torch.Tensor  # pos_tT >= 0, [t, T, 1]: zeroes the padding rows of q
     seq_t: torch.Tensor  # sequence of each tile
     kvh_t: torch.Tensor  # kv head of each tile
     chunks: list[tuple[int, int, int, int, int]]  # (first tile, end tile, blocks seen, blocks every real
     #                                                 row sees, real rows in its fullest tile)
-    out_rows: torch.Tensor  # for each flat (token * H + head), its row in the tiles' output
+    out_rows: torch.Tensor  # for each flat (token * H + head), its row in the chunks' outputs
     block_table_SJ: torch.Tensor
     layout: TokenLayout  # for the backward (`_ExactAttention`)
     block_size: int
@@ -111,11 +128,16 @@ def plan_exact(layout: TokenLayout, num_heads: int, num_kv_heads: int, block_siz
     real_t = valid_tT.sum(1)[order_t].tolist()
     chunks = [(a, b, J, min(J, min(minpos_t[a:b]) // block_size + 1), max(real_t[a:b])) for a, b, J in runs]
     rows_tT = (tok_tT * num_heads + head_tT)[order_t]
+    # the tiles' outputs hold only the first r rows of each tile of a chunk (`_attend_chunk`), chunk after chunk
+    r_t = torch.repeat_interleave(torch.tensor([r for *_, r in chunks]), torch.tensor([b - a for a, b, *_ in chunks]))
+    start_t = torch.cumsum(r_t, 0) - r_t
+    out_tT = start_t[:, None] + torch.arange(QUERY_TILE)[None, :]
     valid_x = valid_tT[order_t].reshape(-1)
     out_rows = torch.empty(len(seq_N) * num_heads, dtype=torch.int64)
-    out_rows[rows_tT.reshape(-1)[valid_x]] = torch.nonzero(valid_x).squeeze(1)
-    return ExactPlan(rows_tT.reshape(-1), pos_tT[order_t], s_t[order_t], h_t[order_t], chunks, out_rows,
-                     layout.block_table_SJ, layout, block_size)
+    out_rows[rows_tT.reshape(-1)[valid_x]] = out_tT.reshape(-1)[valid_x]
+    pos_tT = pos_tT[order_t]
+    return ExactPlan(rows_tT.reshape(-1), pos_tT, (pos_tT >= 0)[..., None], s_t[order_t], h_t[order_t], chunks,
+                     out_rows, layout.block_table_SJ, layout, block_size)
 
 
 def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
@@ -139,16 +161,14 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
     Returns the stores to use from here on: in place for the engine's cache,
     out of place (differentiable) when the values require grad (trainer).
     """
-    B = k_pages.shape[2]
-    page_N = layout.block_table_SJ[layout.seq_N, layout.pos_N // B]
-    assert bool((page_N >= 0).all()), "a token has no page in the block table"
-    slot_N = layout.pos_N % B
-    Hk = k_pages.shape[1]
-    idx = (page_N[:, None].expand(-1, Hk), torch.arange(Hk)[None, :].expand(len(page_N), -1), slot_N[:, None].expand(-1, Hk))
+    _, Hk, B, D = k_pages.shape
+    rows_x = layout.kv_rows(Hk, B)
+    k_xD, v_xD = k_NHD.reshape(-1, D), v_NHD.reshape(-1, D)
     if k_NHD.requires_grad or v_NHD.requires_grad:
-        return k_pages.index_put(idx, k_NHD), v_pages.index_put(idx, v_NHD)
-    k_pages.index_put_(idx, k_NHD)
-    v_pages.index_put_(idx, v_NHD)
+        return (k_pages.reshape(-1, D).index_copy(0, rows_x, k_xD).view(k_pages.shape),
+                v_pages.reshape(-1, D).index_copy(0, rows_x, v_xD).view(v_pages.shape))
+    k_pages.view(-1, D).index_copy_(0, rows_x, k_xD)  # the engine's store: contiguous, written in place
+    v_pages.view(-1, D).index_copy_(0, rows_x, v_xD)
     return k_pages, v_pages
 
 
@@ -174,46 +194,48 @@ def _chunks(need_t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[t
 
 
 def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int, r: int) -> torch.Tensor:
-    """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32.
+    """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32: [c, r, D].
 
     Every real row sees blocks 0..full-1: those are summed without the where-guard.
     Real rows are the first `r` of every tile (a decode step: its token's query
-    heads of one kv head, e.g. 3 of 16). The two products keep the fixed T-row
-    shape; everything between them is row-wise and runs on the r real rows only
-    (made contiguous, so a row is reduced exactly as in a full tile).
+    heads of one kv head, e.g. 3 of 16), and only they are returned. The two
+    products keep the fixed T-row shape; everything between them is row-wise
+    and runs on the r real rows only (so a row is reduced exactly as in a full tile).
     """
     c, T, D = q_cTD.shape
     J, B = pages_cJ.shape[1], k_pages.shape[2]
     # one contiguous B×D slab per (tile, block): index_select is a plain row copy, far cheaper
     # than two-tensor advanced indexing (a copy, so no bits are involved)
     flat_x = (pages_cJ * k_pages.shape[1] + kvh_c[:, None]).reshape(-1)
-    k_cJBD = k_pages.flatten(0, 1).index_select(0, flat_x).view(c, J, B, D).float()
-    v_cJBD = v_pages.flatten(0, 1).index_select(0, flat_x).view(c, J, B, D).float()
+    k_xBD = k_pages.flatten(0, 1).index_select(0, flat_x).float()
+    v_xBD = v_pages.flatten(0, 1).index_select(0, flat_x).float()
     # every (tile, block) product has the fixed shape (T x D)(D x B): the same GEMM whatever c, J
     q_xTD = q_cTD[:, None].expand(c, J, T, D).reshape(c * J, T, D)
-    s_cJTB = torch.bmm(q_xTD, k_cJBD.view(c * J, B, D).transpose(1, 2)).view(c, J, T, B)
-    if r < T:
-        s_cJTB, pos_cT = s_cJTB[:, :, :r].contiguous(), pos_cT[:, :r]
-    visible_cJTB = (torch.arange(J * B).view(1, J, 1, B) <= pos_cT[:, None, :, None])
-    s_cJTB = s_cJTB.masked_fill(~visible_cJTB, float("-inf"))
+    s_cJTB = torch.bmm(q_xTD, k_xBD.transpose(1, 2)).view(c, J, T, B)
+    pos_cr = pos_cT[:, :r]
+    hidden_cJrB = torch.arange(J * B).view(1, J, 1, B) > pos_cr[:, None, :, None]
+    s_cJrB = s_cJTB[:, :, :r].masked_fill(hidden_cJrB, float("-inf")).contiguous()
     # the max only shifts the exponent (it is exact in any order); detaching it keeps the gradient exact
-    m_cT = s_cJTB.detach().amax(dim=(1, 3))
-    m_cT = torch.where(m_cT == float("-inf"), 0.0, m_cT)
-    p_cJTB = torch.exp(s_cJTB - m_cT[:, None, :, None])
-    l_cJT = p_cJTB.sum(-1)
+    m_cr = s_cJrB.detach().amax(dim=(1, 3))
+    m_cr = torch.where(m_cr == float("-inf"), 0.0, m_cr)
+    p_cJrB = torch.exp(s_cJrB - m_cr[:, None, :, None])
+    l_cJr = p_cJrB.sum(-1)
     if r < T:  # back to the fixed T-row shape for the second product; padding rows are zero
-        p_cJTB = torch.cat([p_cJTB, p_cJTB.new_zeros(c, J, T - r, B)], 2)
-    pv_cJTD = torch.bmm(p_cJTB.view(c * J, T, B), v_cJBD.view(c * J, B, D)).view(c, J, T, D)[:, :, :r]
-    seen_cJT = visible_cJTB[..., 0]  # block j is seen iff its first key is
-    l_cT, acc_cTD = l_cJT[:, 0], pv_cJTD[:, 0]
+        p_cJTB = p_cJrB.new_zeros(c, J, T, B)
+        p_cJTB[:, :, :r] = p_cJrB
+    else:
+        p_cJTB = p_cJrB
+    pv_cJrD = torch.bmm(p_cJTB.view(c * J, T, B), v_xBD).view(c, J, T, D)[:, :, :r]
+    l_cr, acc_crD = l_cJr[:, 0], pv_cJrD[:, 0]
+    if full < J:
+        seen_cJr = (torch.arange(J) * B)[None, :, None] <= pos_cr[:, None, :]  # block j is seen iff its first key is
     for j in range(1, J):  # ascending block order; an unseen block is skipped bitwise (where)
         if j < full:
-            l_cT, acc_cTD = l_cT + l_cJT[:, j], acc_cTD + pv_cJTD[:, j]
+            l_cr, acc_crD = l_cr + l_cJr[:, j], acc_crD + pv_cJrD[:, j]
         else:
-            l_cT = torch.where(seen_cJT[:, j], l_cT + l_cJT[:, j], l_cT)
-            acc_cTD = torch.where(seen_cJT[:, j, :, None], acc_cTD + pv_cJTD[:, j], acc_cTD)
-    o_crD = acc_cTD / torch.where(l_cT > 0, l_cT, 1.0)[..., None]
-    return o_crD if r == T else torch.cat([o_crD, o_crD.new_zeros(c, T - r, D)], 1)
+            l_cr = torch.where(seen_cJr[:, j], l_cr + l_cJr[:, j], l_cr)
+            acc_crD = torch.where(seen_cJr[:, j, :, None], acc_crD + pv_cJrD[:, j], acc_crD)
+    return acc_crD / torch.where(l_cr > 0, l_cr, 1.0)[..., None]
 
 
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
@@ -227,13 +249,13 @@ def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> 
     N, H, D = q_NHD.shape
     # padding rows read row 0 and are zeroed; gathers and scatters are copies, no bits involved
     q_tTD = q_NHD.reshape(N * H, D).index_select(0, plan.rows_x).view(-1, QUERY_TILE, D).float() * scale
-    q_tTD = q_tTD * (plan.pos_tT >= 0)[..., None]
+    q_tTD = q_tTD * plan.real_tT1
     outs = []
     for a, b, J, full, r in plan.chunks:
         pages_cJ = plan.block_table_SJ[plan.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
         outs.append(_attend_chunk(q_tTD[a:b], plan.pos_tT[a:b], pages_cJ, plan.kvh_t[a:b], k_pages, v_pages,
-                                  full, r))
-    o_xD = (torch.cat(outs) if len(outs) > 1 else outs[0]).view(-1, D)
+                                  full, r).view(-1, D))
+    o_xD = torch.cat(outs) if len(outs) > 1 else outs[0]
     return o_xD.index_select(0, plan.out_rows).view(N, H, D).to(q_NHD.dtype)
 
 

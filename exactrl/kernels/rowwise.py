@@ -3,8 +3,10 @@
 A per-row reduction (RMSNorm's mean of squares, log_softmax's log-sum-exp) is
 invariant as long as each row is reduced by one code path. torch parallelises
 a reduction over rows when there are at least as many rows as threads, but may
-split a single long row across threads when there are fewer; the exact path
-therefore pads rows to the fixed tile so that case never arises.
+split a single long row across threads when there are fewer (always when the
+result is a single value); the exact path therefore pads a batch of fewer than
+ROW_TILE rows to the tile so that case never arises. Larger batches are
+reduced as they are (padding them would only copy).
 
 The sampling distribution is the one contract between engine and trainer
 (DESIGN.md §1): `log_softmax` of fp32 logits divided by the temperature, with
@@ -25,7 +27,7 @@ def rms_norm(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float, pad: bool) 
     shape = x_ND.shape
     x = x_ND.reshape(-1, shape[-1])
     n = x.shape[0]
-    if pad:
+    if pad and n < ROW_TILE:  # as in `sampling_logprobs`: only a small batch could be reduced differently
         x = pad_rows(x)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
