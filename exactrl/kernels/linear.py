@@ -48,6 +48,17 @@ Tile size: 32 rows. At training sizes 16-row tiles cost up to 1.9x plain
 matmul for K=1024, 32-row tiles ~1.1x (batched-matmul path); a decode batch of 32 is one tile
 either way (measured on this CPU, fp32).
 
+Fewer rows than a tile (a decode step of fewer than 32 sequences, a short
+prompt): padding them to 32 computes up to 32x the rows wanted. Such a call is
+padded only to the fewest rows r whose product gives bitwise the rows a whole
+tile gives (`short_rows`). Which r do depends on the GEMM and the machine, so
+it is checked in the running process, once per weight shape, dtype and thread
+count, on random operands (`_rows_like_tile`). Measured here: oneDNN gives
+a tile's bits for every r except r = 1 at K = 2048; the batched matmul for
+multiples of 4. One decode row at 20M then costs 44 us instead of 250 (MLP
+up projection, fp32). The check costs 0.1-3 s once per shape (the most for a
+32000 x 768 head), paid by the first short call.
+
 Backward: only the forward values must be batch-invariant. The gradients use
 plain matmuls (a custom autograd function), which avoids materialising the
 (n_tiles, K, N) gradient that autograd of the broadcast weight would create.
@@ -127,37 +138,88 @@ def _pack(w_NK: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w_NK.detach(), ROW_TILE)
 
 
-def _onednn_tiles(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """One oneDNN product of the fixed shape ROW_TILE x K x N per tile (see the module docstring)."""
-    cache = getattr(_active, "cache", None)
-    w = cache.get(w_NK) if cache is not None else _pack(w_NK)
-    x_PK = pad_rows(x_MK.contiguous())
-    if x_PK.shape[0] == ROW_TILE:  # a decode step: one tile
-        return torch.ops.mkldnn._linear_pointwise(x_PK, w, None, "none", [], "")[:x_MK.shape[0]]
-    y_PN = torch.empty(x_PK.shape[0], w_NK.shape[0], dtype=w_NK.dtype)
-    for i in range(0, x_PK.shape[0], ROW_TILE):
-        y_PN[i:i + ROW_TILE] = torch.ops.mkldnn._linear_pointwise(x_PK[i:i + ROW_TILE], w, None, "none", [], "")
-    return y_PN[:x_MK.shape[0]]
+def _onednn_product(x_rK: torch.Tensor, w_packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x_rK, w_packed, None, "none", [], "")
+
+
+def _bmm_product(x_tTK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """ONE batched matmul over (tiles, rows, K), the weight broadcast along the batch, in fp32: [t, rows, N]."""
+    n_tiles, rows, k = x_tTK.shape
+    n = w_NK.shape[0]
+    w_KN = w_NK.float().t()
+    if n <= SPLIT_ABOVE:
+        return torch.bmm(x_tTK, w_KN.unsqueeze(0).expand(n_tiles, k, n))
+    y_tTN = torch.empty(n_tiles, rows, n)  # column blocks: a block of the weight stays in cache while tiles pass
+    for c in range(0, n, COL_BLOCK):
+        w_Kc = w_KN[:, c:c + COL_BLOCK]
+        y_tTN[:, :, c:c + COL_BLOCK] = torch.bmm(x_tTK, w_Kc.unsqueeze(0).expand(n_tiles, k, w_Kc.shape[1]))
+    return y_tTN
+
+
+def _uses_onednn(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
+    return (USE_ONEDNN and w_NK.numel() >= ONEDNN_MIN_WEIGHT and x_MK.dtype == w_NK.dtype
+            and w_NK.dtype in (torch.float32, torch.bfloat16))
+
+
+_SHORT_OK: dict[tuple, list[bool]] = {}  # (path, weight shape, dtype, threads) -> ok[r], r = 0..ROW_TILE
+SHORT_CHECK_DRAWS = 4  # random tiles per check: 4 x 32 rows x N outputs compared for r = 1
+
+
+def short_rows(onednn: bool, w_NK: torch.Tensor, m: int) -> int:
+    """Rows to pad a call of m < ROW_TILE rows to: the fewest r >= m whose product gives bitwise the rows
+    of a whole tile's, for this weight shape, dtype and thread count (ROW_TILE when none does).
+
+    Which r do is checked once per key in this process (`_rows_like_tile`); here, in fp32, oneDNN gives
+    a tile's bits for any r except r = 1 at K = 2048, the batched matmul for multiples of 4.
+    """
+    key = (onednn, tuple(w_NK.shape), w_NK.dtype, torch.get_num_threads())
+    ok = _SHORT_OK.get(key)
+    if ok is None:
+        ok = _SHORT_OK[key] = _rows_like_tile(onednn, w_NK.shape[0], w_NK.shape[1], w_NK.dtype)
+    return next(r for r in range(m, ROW_TILE + 1) if ok[r])
+
+
+def _rows_like_tile(onednn: bool, n: int, k: int, dtype: torch.dtype) -> list[bool]:
+    """ok[r]: every r-row product equals the rows it computes inside a whole tile, on random operands.
+
+    The GEMM's reduction order depends on the shapes and the machine, never on the values, so a product
+    that reduces in another order shows it on random data. Rounding to bf16 hides most such differences
+    (one output in hundreds survives it, measured), hence the many outputs compared: every window of r
+    rows of SHORT_CHECK_DRAWS random tiles, each row with all N outputs of a fully random weight.
+    """
+    g = torch.Generator().manual_seed(0)  # its own stream: the global RNG (a run's state) is left alone
+    w = torch.randn(n, k, generator=g).to(dtype)
+    packed = _pack(w) if onednn else None
+
+    def product(x_rK):
+        return _onednn_product(x_rK, packed) if onednn else _bmm_product(x_rK.float()[None], w)[0]
+    ok = [False] + [True] * ROW_TILE
+    for _ in range(SHORT_CHECK_DRAWS):
+        x = torch.randn(ROW_TILE, k, generator=g).to(dtype)
+        tile = product(x)
+        for r in range(1, ROW_TILE):
+            ok[r] = ok[r] and all(torch.equal(product(x[i:i + r].contiguous()), tile[i:i + r])
+                                  for i in range(0, ROW_TILE - r + 1, r))
+    return ok
 
 
 def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    if (USE_ONEDNN and w_NK.numel() >= ONEDNN_MIN_WEIGHT and x_MK.dtype == w_NK.dtype
-            and w_NK.dtype in (torch.float32, torch.bfloat16)):
-        return _onednn_tiles(x_MK, w_NK)
     m, k = x_MK.shape
-    n = w_NK.shape[0]
-    out_dtype = x_MK.dtype
-    x_tTK = pad_rows(x_MK.float()).view(-1, ROW_TILE, k)
-    n_tiles = x_tTK.shape[0]
-    w_KN = w_NK.float().t()
-    if n <= SPLIT_ABOVE:
-        y_tTN = torch.bmm(x_tTK, w_KN.unsqueeze(0).expand(n_tiles, k, n))
-    else:  # column blocks: a block of the weight stays in cache while every tile passes through it
-        y_tTN = torch.empty(n_tiles, ROW_TILE, n)
-        for c in range(0, n, COL_BLOCK):
-            w_Kc = w_KN[:, c:c + COL_BLOCK]
-            y_tTN[:, :, c:c + COL_BLOCK] = torch.bmm(x_tTK, w_Kc.unsqueeze(0).expand(n_tiles, k, w_Kc.shape[1]))
-    return y_tTN.view(n_tiles * ROW_TILE, n)[:m].to(out_dtype)
+    onednn = _uses_onednn(x_MK, w_NK)
+    # fewer rows than a tile (a decode step of few sequences): padded only as far as gives the tile's bits
+    rows = short_rows(onednn, w_NK, m) if 0 < m < ROW_TILE else ROW_TILE
+    if onednn:
+        cache = getattr(_active, "cache", None)
+        w = cache.get(w_NK) if cache is not None else _pack(w_NK)
+        x_PK = pad_rows(x_MK.contiguous(), rows)
+        if x_PK.shape[0] <= ROW_TILE:  # one product
+            return _onednn_product(x_PK, w)[:m]
+        y_PN = torch.empty(x_PK.shape[0], w_NK.shape[0], dtype=w_NK.dtype)
+        for i in range(0, x_PK.shape[0], ROW_TILE):  # one oneDNN product of the fixed shape per tile
+            y_PN[i:i + ROW_TILE] = _onednn_product(x_PK[i:i + ROW_TILE], w)
+        return y_PN[:m]
+    y_tTN = _bmm_product(pad_rows(x_MK.float(), rows).view(-1, rows, k), w_NK)
+    return y_tTN.reshape(-1, w_NK.shape[0])[:m].to(x_MK.dtype)
 
 
 class _ExactLinear(torch.autograd.Function):
