@@ -54,6 +54,24 @@ def test_exact_linear_row_invariant(dtype, K, N):
             assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeypatch, dtype):
+    """Twin of the sweep above for `short_rows`: a short product that sums K in two parts (another order,
+    rounded to the output dtype as the real one is) is caught for every r, so it is padded to a tile."""
+    def split_k(x_rK, w_NK):  # stands in for a kernel that takes another path for short calls
+        h = x_rK.shape[1] // 3
+        y = x_rK[:, :h].float() @ w_NK[:, :h].float().t()
+        y = y + x_rK[:, h:].float() @ w_NK[:, h:].float().t() if x_rK.shape[0] < 32 else x_rK.float() @ w_NK.float().t()
+        return y.to(x_rK.dtype)
+    monkeypatch.setattr(linear_mod, "_pack", lambda w: w)
+    monkeypatch.setattr(linear_mod, "_onednn_product", split_k)
+    ok = linear_mod._rows_like_tile(True, 96, 256, dtype)
+    assert ok[linear_mod.ROW_TILE] and not any(ok[1:linear_mod.ROW_TILE])
+    monkeypatch.setattr(linear_mod, "_SHORT_OK", {})
+    w = torch.randn(96, 256).to(dtype)
+    assert linear_mod.short_rows(True, w, 1) == linear_mod.ROW_TILE
+
+
 def test_packed_weights_cache_is_used_only_where_activated_and_follows_changes():
     """Outside `using_packed` every call packs afresh (always current); inside, the cache's owner clears it
     on the changes it makes, and storage, shape, stride, dtype and version changes are caught as well."""

@@ -183,24 +183,42 @@ def _rows_like_tile(onednn: bool, n: int, k: int, dtype: torch.dtype) -> list[bo
     """ok[r]: every r-row product equals the rows it computes inside a whole tile, on random operands.
 
     The GEMM's reduction order depends on the shapes and the machine, never on the values, so a product
-    that reduces in another order shows it on random data. Rounding to bf16 hides most such differences
-    (one output in hundreds survives it, measured), hence the many outputs compared: every window of r
-    rows of SHORT_CHECK_DRAWS random tiles, each row with all N outputs of a fully random weight.
+    that reduces in another order shows it in the fp32 outputs of random operands. Every window of r rows
+    of SHORT_CHECK_DRAWS random tiles is compared, each row with all N outputs of a random weight.
     """
     g = torch.Generator().manual_seed(0)  # its own stream: the global RNG (a run's state) is left alone
-    w = torch.randn(n, k, generator=g).to(dtype)
+    w = _probe_operands(n, k, dtype, g)
     packed = _pack(w) if onednn else None
 
     def product(x_rK):
         return _onednn_product(x_rK, packed) if onednn else _bmm_product(x_rK.float()[None], w)[0]
     ok = [False] + [True] * ROW_TILE
     for _ in range(SHORT_CHECK_DRAWS):
-        x = torch.randn(ROW_TILE, k, generator=g).to(dtype)
+        x = _probe_operands(ROW_TILE, k, dtype, g, row_signs=True)
         tile = product(x)
         for r in range(1, ROW_TILE):
             ok[r] = ok[r] and all(torch.equal(product(x[i:i + r].contiguous()), tile[i:i + r])
                                   for i in range(0, ROW_TILE - r + 1, r))
     return ok
+
+
+def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, row_signs: bool = False):
+    """Random operands for `_rows_like_tile`; in bf16, built so that rounding cannot hide an order change.
+
+    A bf16 output keeps 8 bits of an fp32 sum, so another summation order (which moves the last
+    bits of the sum) would rarely show. Here every row's exact dot product is 1 + 2^-8, the midpoint
+    of two bf16 neighbours: column 0 gives 1, column 1 gives 2^-8, and the other columns cancel
+    exactly in pairs half a row apart (weight columns equal, activation columns negated; products
+    of bf16 numbers are exact in fp32). Their fp32 rounding errors are what is left, and the order
+    decides their sign, hence which neighbour the output rounds to.
+    """
+    t = torch.randn(rows, k, generator=g) * 2.0**-6
+    if dtype == torch.bfloat16 and k >= 4:
+        h = (k - 2) // 2
+        t[:, 2 + h:2 + 2 * h] = -t[:, 2:2 + h] if row_signs else t[:, 2:2 + h]
+        t[:, 2 + 2 * h:] = 0.0
+        t[:, 0], t[:, 1] = 1.0, (1.0 if row_signs else 2.0**-8)
+    return t.to(dtype)
 
 
 def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
