@@ -84,11 +84,33 @@ class ExactPlan:
     layout: TokenLayout  # for the backward (`_ExactAttention`)
     block_size: int
     _fast: FastPlan | None = None  # built on the first backward, shared by every layer
+    _inputs: dict = field(default_factory=dict)  # (chunk, Hk) -> `chunk_inputs`, shared by every layer
 
     def fast(self) -> FastPlan:
         if self._fast is None:
             self._fast = plan_fast(self.layout, self.block_size)
         return self._fast
+
+    def chunk_inputs(self, i: int, num_kv_heads: int) -> ChunkInputs:
+        if (i, num_kv_heads) not in self._inputs:
+            a, b, J, full, r = self.chunks[i]
+            B = self.block_size
+            pages_cJ = self.block_table_SJ[self.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
+            pos_cr = self.pos_tT[a:b, :r]
+            self._inputs[i, num_kv_heads] = ChunkInputs(
+                slabs_x=(pages_cJ * num_kv_heads + self.kvh_t[a:b, None]).reshape(-1),
+                hidden_cJrB=torch.arange(J * B).view(1, J, 1, B) > pos_cr[:, None, :, None],
+                seen_cJr=(torch.arange(J) * B)[None, :, None] <= pos_cr[:, None, :] if full < J else None)
+        return self._inputs[i, num_kv_heads]
+
+
+@dataclass
+class ChunkInputs:
+    """What `_attend_chunk` needs of the layout for one chunk: the same for every layer, so computed once."""
+
+    slabs_x: torch.Tensor  # row of the page store viewed as [P*Hk, B, D] for each (tile, block) x = c*J
+    hidden_cJrB: torch.Tensor  # key position > query position: masked (the r real rows of each tile)
+    seen_cJr: torch.Tensor | None  # block j is seen iff its first key is; None when every row sees every block
 
 
 @dataclass
@@ -193,7 +215,7 @@ def _chunks(need_t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[t
     return order, runs
 
 
-def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int, r: int) -> torch.Tensor:
+def _attend_chunk(q_cTD, inputs: ChunkInputs, k_pages, v_pages, full: int, r: int) -> torch.Tensor:
     """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32: [c, r, D].
 
     Every real row sees blocks 0..full-1: those are summed without the where-guard.
@@ -203,18 +225,15 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int, r
     and runs on the r real rows only (so a row is reduced exactly as in a full tile).
     """
     c, T, D = q_cTD.shape
-    J, B = pages_cJ.shape[1], k_pages.shape[2]
+    J, B = inputs.hidden_cJrB.shape[1], k_pages.shape[2]
     # one contiguous B×D slab per (tile, block): index_select is a plain row copy, far cheaper
     # than two-tensor advanced indexing (a copy, so no bits are involved)
-    flat_x = (pages_cJ * k_pages.shape[1] + kvh_c[:, None]).reshape(-1)
-    k_xBD = k_pages.flatten(0, 1).index_select(0, flat_x).float()
-    v_xBD = v_pages.flatten(0, 1).index_select(0, flat_x).float()
+    k_xBD = k_pages.flatten(0, 1).index_select(0, inputs.slabs_x).float()
+    v_xBD = v_pages.flatten(0, 1).index_select(0, inputs.slabs_x).float()
     # every (tile, block) product has the fixed shape (T x D)(D x B): the same GEMM whatever c, J
     q_xTD = q_cTD[:, None].expand(c, J, T, D).reshape(c * J, T, D)
     s_cJTB = torch.bmm(q_xTD, k_xBD.transpose(1, 2)).view(c, J, T, B)
-    pos_cr = pos_cT[:, :r]
-    hidden_cJrB = torch.arange(J * B).view(1, J, 1, B) > pos_cr[:, None, :, None]
-    s_cJrB = s_cJTB[:, :, :r].masked_fill(hidden_cJrB, float("-inf")).contiguous()
+    s_cJrB = s_cJTB[:, :, :r].masked_fill(inputs.hidden_cJrB, float("-inf")).contiguous()
     # the max only shifts the exponent (it is exact in any order); detaching it keeps the gradient exact
     m_cr = s_cJrB.detach().amax(dim=(1, 3))
     m_cr = torch.where(m_cr == float("-inf"), 0.0, m_cr)
@@ -227,8 +246,7 @@ def _attend_chunk(q_cTD, pos_cT, pages_cJ, kvh_c, k_pages, v_pages, full: int, r
         p_cJTB = p_cJrB
     pv_cJrD = torch.bmm(p_cJTB.view(c * J, T, B), v_xBD).view(c, J, T, D)[:, :, :r]
     l_cr, acc_crD = l_cJr[:, 0], pv_cJrD[:, 0]
-    if full < J:
-        seen_cJr = (torch.arange(J) * B)[None, :, None] <= pos_cr[:, None, :]  # block j is seen iff its first key is
+    seen_cJr = inputs.seen_cJr
     for j in range(1, J):  # ascending block order; an unseen block is skipped bitwise (where)
         if j < full:
             l_cr, acc_crD = l_cr + l_cJr[:, j], acc_crD + pv_cJrD[:, j]
@@ -251,10 +269,9 @@ def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> 
     q_tTD = q_NHD.reshape(N * H, D).index_select(0, plan.rows_x).view(-1, QUERY_TILE, D).float() * scale
     q_tTD = q_tTD * plan.real_tT1
     outs = []
-    for a, b, J, full, r in plan.chunks:
-        pages_cJ = plan.block_table_SJ[plan.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
-        outs.append(_attend_chunk(q_tTD[a:b], plan.pos_tT[a:b], pages_cJ, plan.kvh_t[a:b], k_pages, v_pages,
-                                  full, r).view(-1, D))
+    for i, (a, b, J, full, r) in enumerate(plan.chunks):
+        inputs = plan.chunk_inputs(i, k_pages.shape[1])
+        outs.append(_attend_chunk(q_tTD[a:b], inputs, k_pages, v_pages, full, r).view(-1, D))
     o_xD = torch.cat(outs) if len(outs) > 1 else outs[0]
     return o_xD.index_select(0, plan.out_rows).view(N, H, D).to(q_NHD.dtype)
 
