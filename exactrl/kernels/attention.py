@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 QUERY_TILE = 16  # query rows per tile; part of the exactness contract
+MASK_CACHE_ELEMENTS = 1 << 24  # mask elements a plan keeps for its later layers (memory only, not bits)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class ExactPlan:
     block_size: int
     _fast: FastPlan | None = None  # built on the first backward, shared by every layer
     _inputs: dict = field(default_factory=dict)  # (chunk, Hk) -> `chunk_inputs`, shared by every layer
+    _kept: int = 0  # mask elements in _inputs
 
     def fast(self) -> FastPlan:
         if self._fast is None:
@@ -92,16 +94,22 @@ class ExactPlan:
         return self._fast
 
     def chunk_inputs(self, i: int, num_kv_heads: int) -> ChunkInputs:
-        if (i, num_kv_heads) not in self._inputs:
-            a, b, J, full, r = self.chunks[i]
-            B = self.block_size
-            pages_cJ = self.block_table_SJ[self.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
-            pos_cr = self.pos_tT[a:b, :r]
-            self._inputs[i, num_kv_heads] = ChunkInputs(
-                slabs_x=(pages_cJ * num_kv_heads + self.kvh_t[a:b, None]).reshape(-1),
-                hidden_cJrB=torch.arange(J * B).view(1, J, 1, B) > pos_cr[:, None, :, None],
-                seen_cJr=(torch.arange(J) * B)[None, :, None] <= pos_cr[:, None, :] if full < J else None)
-        return self._inputs[i, num_kv_heads]
+        """Chunk i's `ChunkInputs`, kept for the next layers while the plan's masks stay under MASK_CACHE_ELEMENTS
+        (a decode step's are tiny; a long trainer batch's would be gigabytes, kept through the backward)."""
+        if (i, num_kv_heads) in self._inputs:
+            return self._inputs[i, num_kv_heads]
+        a, b, J, full, r = self.chunks[i]
+        B = self.block_size
+        pages_cJ = self.block_table_SJ[self.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
+        pos_cr = self.pos_tT[a:b, :r]
+        inputs = ChunkInputs(
+            slabs_x=(pages_cJ * num_kv_heads + self.kvh_t[a:b, None]).reshape(-1),
+            hidden_cJrB=torch.arange(J * B).view(1, J, 1, B) > pos_cr[:, None, :, None],
+            seen_cJr=(torch.arange(J) * B)[None, :, None] <= pos_cr[:, None, :] if full < J else None)
+        if self._kept + inputs.hidden_cJrB.numel() <= MASK_CACHE_ELEMENTS:
+            self._inputs[i, num_kv_heads] = inputs
+            self._kept += inputs.hidden_cJrB.numel()
+        return inputs
 
 
 @dataclass
