@@ -102,6 +102,7 @@ class Engine:
         self.version = 0  # incremented by every update_weights
         # oneDNN-packed copies of the large weights (kernels/linear.py), valid until update_weights
         self._packed = PackedWeights()
+        model.kernels.prepare(model.linear_weights())  # at start, so that no request waits for them
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()  # arrival order of sequences = scheduling priority
         self._request_ids = itertools.count()

@@ -56,8 +56,9 @@ it is checked in the running process, once per weight shape, dtype and thread
 count, on random operands (`_rows_like_tile`). Measured here: oneDNN gives
 a tile's bits for every r except r = 1 at K = 2048; the batched matmul for
 multiples of 4. One decode row at 20M then costs 44 us instead of 250 (MLP
-up projection, fp32). The check costs 0.1-3 s once per shape (the most for a
-32000 x 768 head), paid by the first short call.
+up projection, fp32). The checks take 0.6 s for all of the 20M model's
+shapes and 1.8 s for the 100M model's; an engine runs them when it is
+created (`Kernels.prepare`), anything else at its first short call.
 
 Backward: only the forward values must be batch-invariant. The gradients use
 plain matmuls (a custom autograd function), which avoids materialising the
@@ -162,7 +163,7 @@ def _uses_onednn(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
 
 
 _SHORT_OK: dict[tuple, list[bool]] = {}  # (path, weight shape, dtype, threads) -> ok[r], r = 0..ROW_TILE
-SHORT_CHECK_DRAWS = 4  # random tiles per check: 4 x 32 rows x N outputs compared for r = 1
+SHORT_CHECK_DRAWS = 2  # random tiles per check: 2 x 32 rows x N outputs compared for r = 1
 
 
 def short_rows(onednn: bool, w_NK: torch.Tensor, m: int) -> int:
@@ -177,6 +178,11 @@ def short_rows(onednn: bool, w_NK: torch.Tensor, m: int) -> int:
     if ok is None:
         ok = _SHORT_OK[key] = _rows_like_tile(onednn, w_NK.shape[0], w_NK.shape[1], w_NK.dtype)
     return next(r for r in range(m, ROW_TILE + 1) if ok[r])
+
+
+def check_short_rows(w_NK: torch.Tensor) -> None:
+    """Runs `short_rows`' check for this weight (in its own dtype) now rather than at the first short call."""
+    short_rows(_uses_onednn(w_NK, w_NK), w_NK, 1)
 
 
 def _rows_like_tile(onednn: bool, n: int, k: int, dtype: torch.dtype) -> list[bool]:

@@ -145,6 +145,10 @@ class CausalLM(nn.Module):
         """[V, D] weight of the vocabulary projection (the embedding when tied)."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight that goes through `kernels.linear`: the projections and the vocabulary head."""
+        return [m.weight for m in self.modules() if isinstance(m, Linear)] + [self.head_weight]
+
     def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] (computed in the model dtype, then upcast, as HF does)."""
         return self.kernels.linear(hidden_ND, self.head_weight).float()
