@@ -147,7 +147,8 @@ class CausalLM(nn.Module):
 
     def linear_weights(self) -> list[torch.Tensor]:
         """Every weight that goes through `kernels.linear`: the projections and the vocabulary head."""
-        return [m.weight for m in self.modules() if isinstance(m, Linear)] + [self.head_weight]
+        tied = [self.head_weight] if self.config.tie_word_embeddings else []  # else `lm_head` is a Linear
+        return [m.weight for m in self.modules() if isinstance(m, Linear)] + tied
 
     def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] (computed in the model dtype, then upcast, as HF does)."""
