@@ -59,10 +59,11 @@ def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeyp
     """Twin of the sweep above for `short_rows`: a short product that sums K in two parts (another order,
     rounded to the output dtype as the real one is) is caught for every r, so it is padded to a tile."""
     def split_k(x_rK, w_NK):  # stands in for a kernel that takes another path for short calls
-        h = x_rK.shape[1] // 3
-        y = x_rK[:, :h].float() @ w_NK[:, :h].float().t()
-        y = y + x_rK[:, h:].float() @ w_NK[:, h:].float().t() if x_rK.shape[0] < 32 else x_rK.float() @ w_NK.float().t()
-        return y.to(x_rK.dtype)
+        x, w = x_rK.float(), w_NK.float()
+        if x.shape[0] == linear_mod.ROW_TILE:
+            return (x @ w.t()).to(x_rK.dtype)
+        h = x.shape[1] // 3
+        return (x[:, :h] @ w[:, :h].t() + x[:, h:] @ w[:, h:].t()).to(x_rK.dtype)
     monkeypatch.setattr(linear_mod, "_pack", lambda w: w)
     monkeypatch.setattr(linear_mod, "_onednn_product", split_k)
     ok = linear_mod._rows_like_tile(True, 96, 256, dtype)
