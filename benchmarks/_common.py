@@ -63,9 +63,9 @@ def gemm_floor_s(weights: list[torch.Tensor], rows: int, repeat: int = 5) -> flo
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     with torch.inference_mode():
         best = timeit(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], repeat=repeat)
-        from exactrl.kernels.linear import USE_ONEDNN
+        from exactrl.kernels.linear import ONEDNN_DTYPES
 
-        if USE_ONEDNN:
+        if all(w.dtype in ONEDNN_DTYPES for w in weights):
             packed = [(xs[w.shape[1]], torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
             best = min(best, timeit(lambda: [torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
                                              for x, pw in packed], repeat=repeat))

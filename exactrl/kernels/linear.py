@@ -90,6 +90,11 @@ def pad_rows(x_MK: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
 
 
 USE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN's bf16 linear needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; on an AVX2-only CPU (measured: AMD EPYC
+# Zen 1) packing a bf16 weight raises, so bf16 weights take the batched-matmul path there. A property of the
+# machine, fixed for the process: a weight's path still depends on nothing but its shape and dtype.
+ONEDNN_DTYPES = ((torch.float32,) + ((torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+                 if USE_ONEDNN else ())
 ONEDNN_MIN_WEIGHT = 1 << 18  # elements (K x N); a rule on the weight's shape only, never on the rows
 
 
@@ -158,8 +163,7 @@ def _bmm_product(x_tTK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
 
 
 def _uses_onednn(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
-    return (USE_ONEDNN and w_NK.numel() >= ONEDNN_MIN_WEIGHT and x_MK.dtype == w_NK.dtype
-            and w_NK.dtype in (torch.float32, torch.bfloat16))
+    return w_NK.numel() >= ONEDNN_MIN_WEIGHT and x_MK.dtype == w_NK.dtype and w_NK.dtype in ONEDNN_DTYPES
 
 
 _SHORT_OK: dict[tuple, list[bool]] = {}  # (path, weight shape, dtype, threads) -> ok[r], r = 0..ROW_TILE
