@@ -4,7 +4,7 @@ Only forward values carry the bitwise contract; the gradients of the chunked
 LM head (`_HeadLogprobs`) and of exact attention (`_ExactAttention`, which
 back-propagates through SDPA) must still be the gradients of that forward, to
 fp32 rounding. The references differentiate the unchunked, untiled ops with
-autograd.
+autograd (attention: token by token in plain torch ops).
 """
 from __future__ import annotations
 
@@ -16,6 +16,21 @@ import exactrl.model.logprobs as LP
 from exactrl.kernels import attention as A
 from exactrl.kernels import sampling_logprobs
 from exactrl.model.logprobs import pack_layout, token_logprobs
+
+
+def _math_attention(q_NHD, k_pages, v_pages, plan, scale):
+    """Causal attention token by token in plain differentiable torch ops (no SDPA, no native kernel)."""
+    lay, B = plan.layout, plan.block_size
+    g = q_NHD.shape[1] // k_pages.shape[1]
+    outs = []
+    for n in range(q_NHD.shape[0]):
+        t = torch.arange(int(lay.pos_N[n]) + 1)
+        pages = lay.block_table_SJ[lay.seq_N[n], t // B]
+        k = k_pages[pages, :, t % B].float().repeat_interleave(g, dim=1)  # [L, H, D]
+        v = v_pages[pages, :, t % B].float().repeat_interleave(g, dim=1)
+        w = torch.einsum("hd,lhd->hl", q_NHD[n].float() * scale, k).softmax(-1)
+        outs.append(torch.einsum("hl,lhd->hd", w, v))
+    return torch.stack(outs).to(q_NHD.dtype)
 
 
 def _reference_head(model, h, w, tgt, temp, top_k, top_p, ent_coef):
@@ -72,7 +87,7 @@ def test_head_logprobs_cut_off_target_matches_autograd(qwen3_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_attention_gradient_is_the_attention_gradient(dtype):
-    """Backward through SDPA vs autograd through the tiled exact kernel itself."""
+    """Backward through SDPA vs autograd through plain attention math; forward values close to it."""
     g = torch.Generator().manual_seed(1)
     lengths, H, Hk, D, B = [37, 5, 64], 6, 2, 16, 8
     lay, pages = pack_layout(lengths, B)
@@ -85,13 +100,13 @@ def test_exact_attention_gradient_is_the_attention_gradient(dtype):
     def run(attend):
         kp, vp = A.write_kv(torch.zeros(pages, Hk, B, D, dtype=dtype), torch.zeros(pages, Hk, B, D, dtype=dtype),
                             k, v, lay)
-        o = attend(q, kp, vp, A.plan_exact(lay, H, Hk, B), 0.25)
+        o = attend(q, kp, vp, A.plan_exact(lay, B), 0.25)
         return o, torch.autograd.grad((o.float() * w).sum(), (q, k, v))
 
     o, grads = run(A.exact_attention)
-    ref_o, ref_grads = run(A._exact_attention)  # autograd through the tiles
-    assert torch.equal(o, ref_o)
+    ref_o, ref_grads = run(_math_attention)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert torch.allclose(o.float(), ref_o.float(), **tol)
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a.float(), b.float(), **tol)
         assert a.float().abs().sum() > 0
@@ -106,13 +121,13 @@ def test_trainer_path_gradients_match_unchunked_autograd(qwen3_dir, monkeypatch)
     torch.cat(lps).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    monkeypatch.setattr(A, "exact_attention", A._exact_attention)
+    monkeypatch.setattr(A, "exact_attention", _math_attention)
 
     def plain(model, h, w, tgt, dist, with_entropy, entropy_grad):
         return _reference_head(model, h, w, tgt, *dist, 0.0)[0], None
     monkeypatch.setattr(LP, "_head_logprobs", plain)
     ref, _ = token_logprobs(model, seqs, first=first)
-    assert all(torch.equal(a, b) for a, b in zip(lps, ref))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(lps, ref))
     torch.cat(ref).sum().backward()
     for n, p in model.named_parameters():
         assert torch.allclose(got[n], p.grad, rtol=1e-3, atol=1e-6), n

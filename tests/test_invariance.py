@@ -122,25 +122,6 @@ def test_exact_linear_gradients_match_plain_autograd():
     assert torch.allclose(gx, X.grad, atol=1e-5) and torch.allclose(gw, W.grad, atol=1e-4)
 
 
-def test_attention_inputs_kept_for_later_layers_or_recomputed_give_the_same_bits(models, monkeypatch):
-    """A plan keeps each chunk's masks for the next layers up to MASK_CACHE_ELEMENTS; past it they are
-    recomputed per layer (memory only): the logprobs and their gradients are the same either way."""
-    from exactrl.kernels import attention as attention_mod
-    model = models[("exact", "float32")]
-    seqs = random_sequences(random.Random(5), 4, 20, 120, model.config.vocab_size)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        lps = exactrl.sequence_logprobs(model, seqs)
-        torch.cat(lps).sum().backward()
-        return torch.cat(lps).detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()
-    kept_lp, kept_g = run()
-    monkeypatch.setattr(attention_mod, "MASK_CACHE_ELEMENTS", 0)
-    fresh_lp, fresh_g = run()
-    model.zero_grad(set_to_none=True)
-    assert torch.equal(kept_lp, fresh_lp) and torch.equal(kept_g, fresh_g)
-
-
 # ---------------------------------------------------------------- batch invariance (trainer path)
 
 def _batch_case(model, data, dtype_name):

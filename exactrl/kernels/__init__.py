@@ -49,7 +49,7 @@ class Kernels:
 
     def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int):
         if self.exact:
-            return _attn.plan_exact(layout, num_heads, num_kv_heads, block_size)
+            return _attn.plan_exact(layout, block_size)
         return _attn.plan_fast(layout, block_size)
 
     def attention(self, q_NHD, k_pages, v_pages, plan, scale: float):

@@ -1,4 +1,4 @@
-"""Causal attention over a paged KV store: fixed-block exact kernel and SDPA.
+"""Causal attention over a paged KV store: the row-wise exact kernel (C) and SDPA.
 
 Every forward — a trainer batch (padded or packed), a full or chunked prefill,
 a decode step — is described the same way: a flat list of N query tokens, each
@@ -6,28 +6,24 @@ with the sequence it belongs to and its absolute position, and a block table
 mapping each sequence's key blocks to pages of the KV store. Keys and values of
 the new tokens are written into the pages first; attention then reads pages.
 
-Exact kernel (DESIGN.md §1 rule 2). Query rows are (token, head) pairs grouped
-by (sequence, kv head) and cut into tiles of `QUERY_TILE` rows. Key blocks are
-whole pages of `block_size` keys at absolute positions [jB, (j+1)B). For a
-tile and every block j it can see, in fp32:
+Exact kernel (DESIGN.md §1 rule 2), in C (`native/attention.c`). Each query
+row (token, head) is computed on its own, start to end, by one thread, over
+the keys 0..pos of its sequence, in fp32:
 
-    s_j = q·k_jᵀ   (bmm of the fixed shape T×D×B, masked to -inf where key_pos > q_pos)
-    m   = max over all visible scores (a max is exact in any order)
-    p_j = exp(s_j - m);  l_j = Σ_b p_j;  pv_j = p_j·v_j   (bmm of the fixed shape T×B×D)
-    l = l_0 + l_1 + …,  acc = pv_0 + pv_1 + …   (ascending j; a block the row
-                                                  cannot see is skipped by `where`)
-    o = acc / l
+    s_t = (scale·q)·k_t   (head dim summed in 8 fixed lanes, then a fixed tree)
+    m   = max_t s_t       (a max is exact in any order)
+    o   = Σ_t exp(s_t − m)·v_t / Σ_t exp(s_t − m)   (t ascending, running sums)
 
-Every product has the same shape whatever the batch, and the only reductions
-whose order could vary (over blocks) run in a fixed ascending order where an
-unseen block is a bitwise no-op. So a row's result depends only on the keys it
-may see, never on how many other rows, tokens or sequences share the call:
-decode against a cache, chunked prefill and a whole-sequence trainer forward
-give the same bits. Tiles are grouped by how many blocks they see and each
-group computes only those (causal savings; the grouping changes work, never bits).
+Nothing in that order depends on the other rows of the call, on page
+placement, on the chunking of a prompt or on the thread count, so decode
+against a cache, chunked prefill and a trainer's whole-sequence forward give
+the same bits. Masked keys are simply never visited (they contribute exact
+nothing). An earlier version expressed the same rule in torch ops (fixed
+16×32 tiles and key blocks, bmm); its many tiny products cost ~25 ms of a
+73 ms decode step at 20M, batch 32, on an AVX2 EPYC, and its plan ~100 lines.
 
 Legend: N tokens, H query heads, Hk kv heads, D head dim, S sequences,
-J blocks per sequence, P pages, B keys per block, t tiles, T rows per tile.
+J blocks per sequence, P pages, B keys per block.
 """
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-QUERY_TILE = 16  # query rows per tile; part of the exactness contract
-MASK_CACHE_ELEMENTS = 1 << 24  # mask elements a plan keeps for its later layers (memory only, not bits)
+from exactrl.kernels import native
 
 
 @dataclass
@@ -67,58 +62,18 @@ class TokenLayout:
 
 @dataclass
 class ExactPlan:
-    """Query tiles of the exact kernel, computed once per forward and shared by every layer.
+    """What the exact kernel needs of a layout, checked once per forward and shared by every layer."""
 
-    Tiles are stored in the order they are computed: grouped by how many key
-    blocks they see, so `chunks` are contiguous runs of them.
-    """
-
-    rows_x: torch.Tensor  # flat (token * H + head) row of q read by each tile row (x = t*T rows)
-    pos_tT: torch.Tensor  # position of each row, -1 for padding rows
-    real_tT1: torch.Tensor  # pos_tT >= 0, [t, T, 1]: zeroes the padding rows of q
-    seq_t: torch.Tensor  # sequence of each tile
-    kvh_t: torch.Tensor  # kv head of each tile
-    chunks: list[tuple[int, int, int, int, int]]  # (first tile, end tile, blocks seen, blocks every real
-    #                                                 row sees, real rows in its fullest tile)
-    out_rows: torch.Tensor  # for each flat (token * H + head), its row in the chunks' outputs
-    block_table_SJ: torch.Tensor
-    layout: TokenLayout  # for the backward (`_ExactAttention`)
+    layout: TokenLayout
     block_size: int
+    max_len: int  # longest key range of any query row (max position + 1): the kernel's scratch size
+    max_page: int  # highest page any query row reads: must exist in the store
     _fast: FastPlan | None = None  # built on the first backward, shared by every layer
-    _inputs: dict = field(default_factory=dict)  # (chunk, Hk) -> `chunk_inputs`, shared by every layer
-    _kept: int = 0  # mask elements in _inputs
 
     def fast(self) -> FastPlan:
         if self._fast is None:
             self._fast = plan_fast(self.layout, self.block_size)
         return self._fast
-
-    def chunk_inputs(self, i: int, num_kv_heads: int) -> ChunkInputs:
-        """Chunk i's `ChunkInputs`, kept for the next layers while the plan's masks stay under MASK_CACHE_ELEMENTS
-        (a decode step's are tiny; a long trainer batch's would be gigabytes, kept through the backward)."""
-        if (i, num_kv_heads) in self._inputs:
-            return self._inputs[i, num_kv_heads]
-        a, b, J, full, r = self.chunks[i]
-        B = self.block_size
-        pages_cJ = self.block_table_SJ[self.seq_t[a:b], :J].clamp(min=0)  # -1 (no page) only where masked
-        pos_cr = self.pos_tT[a:b, :r]
-        inputs = ChunkInputs(
-            slabs_x=(pages_cJ * num_kv_heads + self.kvh_t[a:b, None]).reshape(-1),
-            hidden_cJrB=torch.arange(J * B).view(1, J, 1, B) > pos_cr[:, None, :, None],
-            seen_cJr=(torch.arange(J) * B)[None, :, None] <= pos_cr[:, None, :] if full < J else None)
-        if self._kept + inputs.hidden_cJrB.numel() <= MASK_CACHE_ELEMENTS:
-            self._inputs[i, num_kv_heads] = inputs
-            self._kept += inputs.hidden_cJrB.numel()
-        return inputs
-
-
-@dataclass
-class ChunkInputs:
-    """What `_attend_chunk` needs of the layout for one chunk: the same for every layer, so computed once."""
-
-    slabs_x: torch.Tensor  # row of the page store viewed as [P*Hk, B, D] for each (tile, block) x = c*J
-    hidden_cJrB: torch.Tensor  # key position > query position: masked (the r real rows of each tile)
-    seen_cJr: torch.Tensor | None  # block j is seen iff its first key is; None when every row sees every block
 
 
 @dataclass
@@ -132,42 +87,19 @@ class FastPlan:
     num_blocks: int
 
 
-def plan_exact(layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int) -> ExactPlan:
-    seq_N, pos_N = layout.seq_N, layout.pos_N
-    S = layout.block_table_SJ.shape[0]
-    g = num_heads // num_kv_heads
-    order_N = torch.argsort(seq_N * (int(pos_N.max()) + 1) + pos_N)
-    counts_S = torch.bincount(seq_N, minlength=S)
-    offset_S = torch.cumsum(counts_S, 0) - counts_S
-    rows_G = (counts_S * g).repeat_interleave(num_kv_heads)  # G = S*Hk groups
-    tiles_G = -(-rows_G // QUERY_TILE)
-    group_t = torch.repeat_interleave(torch.arange(len(tiles_G)), tiles_G)
-    start_G = torch.cumsum(tiles_G, 0) - tiles_G
-    local_t = torch.arange(len(group_t)) - start_G[group_t]
-    s_t, h_t = group_t // num_kv_heads, group_t % num_kv_heads
-    i_tT = local_t[:, None] * QUERY_TILE + torch.arange(QUERY_TILE)[None, :]
-    valid_tT = i_tT < (counts_S[s_t] * g)[:, None]
-    sorted_idx = (offset_S[s_t][:, None] + i_tT // g).clamp(max=len(order_N) - 1)
-    tok_tT = torch.where(valid_tT, order_N[sorted_idx], 0)
-    head_tT = h_t[:, None] * g + i_tT % g
-    pos_tT = torch.where(valid_tT, pos_N[tok_tT], -1)
-    order_t, runs = _chunks(pos_tT.amax(1).clamp(min=0) // block_size + 1, block_size)
-    # blocks that every real row of a run sees need no where-guard (padding rows are discarded)
-    minpos_t = torch.where(valid_tT, pos_tT, 1 << 62).amin(1)[order_t].tolist()
-    # real rows are a prefix of every tile; a run's softmax works on its longest prefix only
-    real_t = valid_tT.sum(1)[order_t].tolist()
-    chunks = [(a, b, J, min(J, min(minpos_t[a:b]) // block_size + 1), max(real_t[a:b])) for a, b, J in runs]
-    rows_tT = (tok_tT * num_heads + head_tT)[order_t]
-    # the tiles' outputs hold only the first r rows of each tile of a chunk (`_attend_chunk`), chunk after chunk
-    r_t = torch.repeat_interleave(torch.tensor([r for *_, r in chunks]), torch.tensor([b - a for a, b, *_ in chunks]))
-    start_t = torch.cumsum(r_t, 0) - r_t
-    out_tT = start_t[:, None] + torch.arange(QUERY_TILE)[None, :]
-    valid_x = valid_tT[order_t].reshape(-1)
-    out_rows = torch.empty(len(seq_N) * num_heads, dtype=torch.int64)
-    out_rows[rows_tT.reshape(-1)[valid_x]] = out_tT.reshape(-1)[valid_x]
-    pos_tT = pos_tT[order_t]
-    return ExactPlan(rows_tT.reshape(-1), pos_tT, (pos_tT >= 0)[..., None], s_t[order_t], h_t[order_t], chunks,
-                     out_rows, layout.block_table_SJ, layout, block_size)
+def plan_exact(layout: TokenLayout, block_size: int) -> ExactPlan:
+    """Checks that every key a query row reads has a page (the kernel reads pages unchecked)."""
+    seq_N, pos_N, table_SJ = layout.seq_N, layout.pos_N, layout.block_table_SJ
+    S, J = table_SJ.shape
+    if len(seq_N) == 0:
+        return ExactPlan(layout, block_size, 0, -1)
+    if int(pos_N.min()) < 0 or int(seq_N.min()) < 0 or int(seq_N.max()) >= S:
+        raise ValueError("token layout: positions must be >= 0 and sequences rows of the block table")
+    last_S = torch.full((S,), -1, dtype=torch.int64).scatter_reduce(0, seq_N, pos_N, "amax")
+    need_SJ = (torch.arange(J) * block_size)[None, :] <= last_S[:, None]
+    if int(last_S.max()) // block_size >= J or not bool((table_SJ[need_SJ] >= 0).all()):
+        raise ValueError("token layout: a key position has no page in the block table")
+    return ExactPlan(layout, block_size, int(pos_N.max()) + 1, int(table_SJ[need_SJ].max()))
 
 
 def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
@@ -202,68 +134,6 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
     return k_pages, v_pages
 
 
-CHUNK_ELEMENTS = 1 << 22  # score elements (tiles x blocks x T x B) computed at once; memory only, not bits
-
-
-def _chunks(need_t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """Orders the tiles by how many key blocks they see; runs of them under CHUNK_ELEMENTS.
-
-    Each run computes exactly the blocks its tiles can see, so a causal prefill does
-    not pay for the masked upper triangle. Computing fewer or more blocks for a tile
-    cannot change its bits (unseen blocks are where-guarded no-ops): the grouping
-    changes work and memory only.
-    """
-    order = torch.argsort(need_t, stable=True)
-    values, counts = torch.unique_consecutive(need_t[order], return_counts=True)
-    runs, start = [], 0
-    for J, n in zip(values.tolist(), counts.tolist()):
-        step = max(1, CHUNK_ELEMENTS // (J * QUERY_TILE * block_size))
-        runs += [(a, min(a + step, start + n), J) for a in range(start, start + n, step)]
-        start += n
-    return order, runs
-
-
-def _attend_chunk(q_cTD, inputs: ChunkInputs, k_pages, v_pages, full: int, r: int) -> torch.Tensor:
-    """Softmax attention of tiles over key blocks 0..J-1 (see the module docstring), in fp32: [c, r, D].
-
-    Every real row sees blocks 0..full-1: those are summed without the where-guard.
-    Real rows are the first `r` of every tile (a decode step: its token's query
-    heads of one kv head, e.g. 3 of 16), and only they are returned. The two
-    products keep the fixed T-row shape; everything between them is row-wise
-    and runs on the r real rows only (so a row is reduced exactly as in a full tile).
-    """
-    c, T, D = q_cTD.shape
-    J, B = inputs.hidden_cJrB.shape[1], k_pages.shape[2]
-    # one contiguous B×D slab per (tile, block): index_select is a plain row copy, far cheaper
-    # than two-tensor advanced indexing (a copy, so no bits are involved)
-    k_xBD = k_pages.flatten(0, 1).index_select(0, inputs.slabs_x).float()
-    v_xBD = v_pages.flatten(0, 1).index_select(0, inputs.slabs_x).float()
-    # every (tile, block) product has the fixed shape (T x D)(D x B): the same GEMM whatever c, J
-    q_xTD = q_cTD[:, None].expand(c, J, T, D).reshape(c * J, T, D)
-    s_cJTB = torch.bmm(q_xTD, k_xBD.transpose(1, 2)).view(c, J, T, B)
-    s_cJrB = s_cJTB[:, :, :r].masked_fill(inputs.hidden_cJrB, float("-inf")).contiguous()
-    # the max only shifts the exponent (it is exact in any order); detaching it keeps the gradient exact
-    m_cr = s_cJrB.detach().amax(dim=(1, 3))
-    m_cr = torch.where(m_cr == float("-inf"), 0.0, m_cr)
-    p_cJrB = torch.exp(s_cJrB - m_cr[:, None, :, None])
-    l_cJr = p_cJrB.sum(-1)
-    if r < T:  # back to the fixed T-row shape for the second product; padding rows are zero
-        p_cJTB = p_cJrB.new_zeros(c, J, T, B)
-        p_cJTB[:, :, :r] = p_cJrB
-    else:
-        p_cJTB = p_cJrB
-    pv_cJrD = torch.bmm(p_cJTB.view(c * J, T, B), v_xBD).view(c, J, T, D)[:, :, :r]
-    l_cr, acc_crD = l_cJr[:, 0], pv_cJrD[:, 0]
-    seen_cJr = inputs.seen_cJr
-    for j in range(1, J):  # ascending block order; an unseen block is skipped bitwise (where)
-        if j < full:
-            l_cr, acc_crD = l_cr + l_cJr[:, j], acc_crD + pv_cJrD[:, j]
-        else:
-            l_cr = torch.where(seen_cJr[:, j], l_cr + l_cJr[:, j], l_cr)
-            acc_crD = torch.where(seen_cJr[:, j, :, None], acc_crD + pv_cJrD[:, j], acc_crD)
-    return acc_crD / torch.where(l_cr > 0, l_cr, 1.0)[..., None]
-
-
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
                     scale: float) -> torch.Tensor:
     if torch.is_grad_enabled() and (q_NHD.requires_grad or k_pages.requires_grad or v_pages.requires_grad):
@@ -272,26 +142,20 @@ def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
 
 
 def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> torch.Tensor:
-    N, H, D = q_NHD.shape
-    # padding rows read row 0 and are zeroed; gathers and scatters are copies, no bits involved
-    q_tTD = q_NHD.reshape(N * H, D).index_select(0, plan.rows_x).view(-1, QUERY_TILE, D).float() * scale
-    q_tTD = q_tTD * plan.real_tT1
-    outs = []
-    for i, (a, b, J, full, r) in enumerate(plan.chunks):
-        inputs = plan.chunk_inputs(i, k_pages.shape[1])
-        outs.append(_attend_chunk(q_tTD[a:b], inputs, k_pages, v_pages, full, r).view(-1, D))
-    o_xD = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return o_xD.index_select(0, plan.out_rows).view(N, H, D).to(q_NHD.dtype)
+    if plan.max_page >= k_pages.shape[0]:
+        raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
+    lay = plan.layout
+    with torch.no_grad():  # values only; `_ExactAttention` supplies the gradient
+        o = native.attention(q_NHD.detach(), k_pages.detach(), v_pages.detach(), lay.seq_N, lay.pos_N,
+                             lay.block_table_SJ, plan.max_len, scale)
+    return o.to(q_NHD.dtype)
 
 
 class _ExactAttention(torch.autograd.Function):
     """Exact forward values; the backward is SDPA's (the same function, differentiated by its kernel).
 
     Only forward values must be batch-invariant (DESIGN.md §1), as for the
-    linear layers' plain-matmul backward. Differentiating the tiled kernel with
-    autograd kept every gathered K/V slab, score and probability tile for the
-    backward (~350 MB per layer for 64 x 160 tokens at the 20M shape) and paid
-    scatter-adds for the gathers; here nothing but the inputs is kept and the
+    linear layers' plain-matmul backward. Nothing but the inputs is kept and the
     backward recomputes attention with SDPA under autograd, in fp32.
     """
 

@@ -1,0 +1,112 @@
+/* Exact causal attention over a paged KV store, one query row at a time.
+ *
+ * The reduction order of every output is fixed by the row alone (DESIGN.md §1,
+ * rule 2): for query token n (sequence s, absolute position p) and head h,
+ *
+ *     s_t = (scale * q) . k_t            t = 0..p, D summed in 8 fixed lanes, then a fixed tree
+ *     m   = max_t s_t                    (a max is exact in any order)
+ *     l   = sum_t exp(s_t - m)           t ascending, one running sum
+ *     o   = (sum_t exp(s_t - m) * v_t) / l   t ascending, one running sum per feature
+ *
+ * Nothing depends on how many other rows, tokens or sequences share the call,
+ * on where a key's page lies, on how a prompt was chunked, or on the thread
+ * that computes the row (each row is computed by one thread, start to end):
+ * decode against a cache, chunked prefill and a trainer's whole-sequence
+ * forward give the same bits. Built with -ffp-contract=off and without
+ * -ffast-math, so the compiler keeps exactly this order (vectorising only
+ * the independent lanes); expf is the C library's.
+ *
+ * Layouts: q [N, H, D]; k_pages, v_pages [P, Hk, B, D] (key t of sequence s
+ * is slot t % B of page table[s, t / B]); out [N, H, D] float32. The query
+ * heads h = kvh * G .. kvh * G + G - 1 share kv head kvh (G = H / Hk) and are
+ * computed together so each key is read once for the G of them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Dot product in LANES fixed partial sums, then a fixed tree: the same order for every call of a given D. */
+static inline float dot(const float *a, const float *b, int64_t D) {
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES)
+        for (int i = 0; i < LANES; i++) acc[i] += a[d + i] * b[d + i];
+    for (int i = 0; d < D; d++, i++) acc[i] += a[d] * b[d];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* Row `t` of a page store of either dtype, as float32 into buf (or a pointer into the store itself). */
+static inline const float *load_row(const void *store, int bf16, int64_t row, int64_t D, float *buf) {
+    if (!bf16) return (const float *)store + row * D;
+    const uint16_t *src = (const uint16_t *)store + row * D;
+    for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_float(src[d]);
+    return buf;
+}
+
+/* Returns 0, or 1 if a thread could not allocate its scratch memory. */
+int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
+                      const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
+                      int64_t N, int64_t H, int64_t Hk, int64_t D, int64_t B, int64_t J,
+                      int64_t max_len, float scale, float *out, int threads) {
+    const int64_t G = H / Hk;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* per thread: G query rows, G score rows of max_len, G accumulators, one K/V row */
+        float *qs = malloc(sizeof(float) * (G * D + G * max_len + G * D + 2 * D));
+        if (qs == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t item = 0; item < N * Hk; item++) {
+            if (qs == NULL) continue;
+            float *sc = qs + G * D, *acc = sc + G * max_len, *kbuf = acc + G * D, *vbuf = kbuf + D;
+            const int64_t n = item / Hk, kvh = item % Hk, s = seq_N[n], L = pos_N[n] + 1;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t row = n * H + kvh * G + g;
+                for (int64_t d = 0; d < D; d++)
+                    qs[g * D + d] = scale * (bf16 ? bf16_to_float(((const uint16_t *)q)[row * D + d])
+                                                  : ((const float *)q)[row * D + d]);
+            }
+            for (int64_t t = 0; t < L; t++) {
+                const int64_t slot = (table_SJ[s * J + t / B] * Hk + kvh) * B + t % B;
+                const float *k = load_row(k_pages, bf16, slot, D, kbuf);
+                for (int64_t g = 0; g < G; g++) sc[g * max_len + t] = dot(qs + g * D, k, D);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float m = sc[g * max_len];
+                for (int64_t t = 1; t < L; t++) m = fmaxf(m, sc[g * max_len + t]);
+                for (int64_t t = 0; t < L; t++) sc[g * max_len + t] = expf(sc[g * max_len + t] - m);
+            }
+            memset(acc, 0, sizeof(float) * G * D);
+            for (int64_t t = 0; t < L; t++) {
+                const int64_t slot = (table_SJ[s * J + t / B] * Hk + kvh) * B + t % B;
+                const float *v = load_row(v_pages, bf16, slot, D, vbuf);
+                for (int64_t g = 0; g < G; g++) {
+                    const float e = sc[g * max_len + t];
+                    float *a = acc + g * D;
+                    for (int64_t d = 0; d < D; d++) a[d] += e * v[d];
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float l = 0.0f;
+                for (int64_t t = 0; t < L; t++) l += sc[g * max_len + t];
+                float *o = out + (n * H + kvh * G + g) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] / l;
+            }
+        }
+        free(qs);
+    }
+    return failed;
+}
