@@ -1,0 +1,90 @@
+"""The native exact attention kernel (exactrl/kernels/native): values, invariances, layout checks, build errors.
+
+The model-level invariance suites (test_invariance.py, tests/engine/) run it through every
+path; these tests pin the kernel's own contract.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from exactrl.kernels import attention as A
+from exactrl.kernels import native
+
+
+def _paged(k_NHD, v_NHD, B, rng, spare=3):
+    """One sequence's keys/values scattered over shuffled pages of a larger store: (k_pages, v_pages, table)."""
+    n, Hk, D = k_NHD.shape
+    J = -(-n // B)
+    pages = list(range(J + spare))
+    rng.shuffle(pages)
+    table = torch.tensor(pages[:J])
+    kp = torch.randn(J + spare, Hk, B, D).to(k_NHD.dtype)  # other pages hold garbage: never read
+    vp = torch.randn(J + spare, Hk, B, D).to(k_NHD.dtype)
+    for t in range(n):
+        kp[table[t // B], :, t % B] = k_NHD[t]
+        vp[table[t // B], :, t % B] = v_NHD[t]
+    return kp, vp, table[None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 20])  # 20: a head dim that is not a multiple of the 8 lanes
+def test_matches_causal_softmax_attention(dtype, D):
+    g = torch.Generator().manual_seed(0)
+    n, H, Hk, B = 45, 6, 2, 8
+    q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (H, Hk, Hk))
+    kp, vp, table = _paged(k, v, B, random.Random(0))
+    o = native.attention(q, kp, vp, torch.zeros(n, dtype=torch.int64), torch.arange(n), table, n, D**-0.5)
+    ref = F.scaled_dot_product_attention(*(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                                         enable_gqa=True)[0].transpose(0, 1)
+    assert o.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(o.double(), ref, atol=tol)
+
+
+def test_a_row_depends_only_on_its_own_keys_whatever_else_is_in_the_call():
+    """Decode-style single rows, rows among other sequences' rows, any page placement, 1 or 2 threads."""
+    g = torch.Generator().manual_seed(1)
+    rng = random.Random(1)
+    n, H, Hk, D, B = 70, 4, 2, 32, 16
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (H, Hk, Hk))
+    kp, vp, table = _paged(k, v, B, rng)
+    seq, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n)
+    full = native.attention(q, kp, vp, seq, pos, table, n, 0.2)
+    threads = torch.get_num_threads()
+    try:
+        for t in range(0, n, 7):
+            torch.set_num_threads(rng.choice([1, 2]))
+            one = native.attention(q[t:t + 1], kp, vp, seq[:1], pos[t:t + 1], table, t + 1, 0.2)
+            assert torch.equal(one[0], full[t]), t
+            # the same row inside a call with another sequence's rows before it (its own pages elsewhere)
+            kp2, vp2, table2 = _paged(k, v, B, rng, spare=8)
+            qq = torch.cat([torch.randn(5, H, D, generator=g), q[t:t + 1]])
+            both = torch.cat([table2, torch.roll(table2, 1, dims=1)])
+            out = native.attention(qq, kp2, vp2, torch.tensor([1] * 5 + [0]), torch.tensor([3, 9, 0, 60, 11, t]),
+                                   both, 61 + t, 0.2)
+            assert torch.equal(out[-1], full[t]), t
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_layout_without_a_page_for_a_key_is_a_value_error():
+    lay = A.TokenLayout(torch.tensor([0, 0]), torch.tensor([5, 40]), torch.tensor([[0, -1]]))
+    with pytest.raises(ValueError, match="no page"):
+        A.plan_exact(lay, 32)
+    lay = A.TokenLayout(torch.tensor([0]), torch.tensor([70]), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="no page"):
+        A.plan_exact(lay, 32)
+    plan = A.plan_exact(A.TokenLayout(torch.tensor([0]), torch.tensor([40]), torch.tensor([[0, 9]])), 32)
+    pages = torch.zeros(4, 1, 32, 8)
+    with pytest.raises(ValueError, match="page 9"):
+        A.exact_attention(torch.zeros(1, 1, 8), pages, pages, plan, 1.0)
+
+
+def test_missing_compiler_names_the_problem(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-exactrl")
+    with pytest.raises(RuntimeError, match="C compiler"):
+        native._compiler()
