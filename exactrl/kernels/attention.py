@@ -19,8 +19,9 @@ placement, on the chunking of a prompt or on the thread count, so decode
 against a cache, chunked prefill and a trainer's whole-sequence forward give
 the same bits. Masked keys are simply never visited (they contribute exact
 nothing). An earlier version expressed the same rule in torch ops (fixed
-16×32 tiles and key blocks, bmm); its many tiny products cost ~25 ms of a
-73 ms decode step at 20M, batch 32, on an AVX2 EPYC, and its plan ~100 lines.
+16×32 tiles and key blocks, bmm); its many tiny products cost ~16 ms of a
+64–68 ms decode step at 20M, batch 32, on an AVX2 EPYC (this loop: ~4 ms),
+and its plan ~100 lines.
 
 Legend: N tokens, H query heads, Hk kv heads, D head dim, S sequences,
 J blocks per sequence, P pages, B keys per block.
