@@ -88,3 +88,15 @@ def test_missing_compiler_names_the_problem(monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-exactrl")
     with pytest.raises(RuntimeError, match="C compiler"):
         native._compiler()
+
+
+def test_unwritable_cache_names_the_setting(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("EXACTRL_CACHE", str(blocker / "cache"))
+    native.library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="EXACTRL_CACHE"):
+            native.library()
+    finally:
+        native.library.cache_clear()

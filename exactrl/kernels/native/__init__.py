@@ -7,7 +7,7 @@ batch 32, ~16 ms of a 64–68 ms decode step went to them; the C loop, one pass
 over each row's keys, takes ~4 ms of the step.
 
 Build: `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` into
-`$EXACTRL_CACHE` (default `~/.cache/exactrl`), keyed by the source, the flags,
+`$EXACTRL_CACHE` (default `$XDG_CACHE_HOME/exactrl` or `~/.cache/exactrl`), keyed by the source, the flags,
 the compiler's version and the CPU's feature flags, written atomically (a
 crash mid-build leaves no half-written library). `-ffp-contract=off` and no
 `-ffast-math` keep the source's order of every rounding, so `-march=native`
@@ -40,6 +40,12 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _cache_dir() -> Path:
+    if "EXACTRL_CACHE" in os.environ:
+        return Path(os.environ["EXACTRL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "exactrl"
+
+
 def _compiler() -> str:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
@@ -53,11 +59,15 @@ def library() -> ctypes.CDLL:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
-    cache = Path(os.environ.get("EXACTRL_CACHE", Path.home() / ".cache" / "exactrl"))
+    cache = _cache_dir()
     so = cache / f"exact-kernels-{key.hexdigest()[:16]}.so"
     if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        except OSError as e:
+            raise RuntimeError(f"cannot write exactrl's compiled kernels to {cache} ({e.strerror}): set "
+                               f"EXACTRL_CACHE to a writable directory") from None
         os.close(fd)
         try:
             done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
