@@ -1,4 +1,4 @@
-"""The native exact attention kernel (exactrl/kernels/native): values, invariances, layout checks, build errors.
+"""The native exact kernels (exactrl/kernels/native): values, invariances, layout checks, build errors.
 
 The model-level invariance suites (test_invariance.py, tests/engine/) run it through every
 path; these tests pin the kernel's own contract.
@@ -69,6 +69,37 @@ def test_a_row_depends_only_on_its_own_keys_whatever_else_is_in_the_call():
             assert torch.equal(out[-1], full[t]), t
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_are_invariant_and_close_to_torch(dtype):
+    from exactrl.kernels.rowwise import exact_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(2)
+    x, w = (torch.randn(300, 100, generator=g) * 3).to(dtype), torch.randn(100, generator=g).to(dtype)
+    full = exact_rms_norm(x, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert full.dtype == dtype and torch.allclose(full.float(), rms_norm(x, w, 1e-6).float(), rtol=tol, atol=tol)
+    threads = torch.get_num_threads()
+    try:
+        for i, n, t in [(0, 1, 1), (17, 3, 2), (250, 50, 2), (299, 1, 2)]:
+            torch.set_num_threads(t)
+            assert torch.equal(exact_rms_norm(x[i:i + n], w, 1e-6), full[i:i + n]), (i, n, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rms_norm_gradient_is_the_torch_expression_gradient():
+    from exactrl.kernels.rowwise import exact_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 4, 24, generator=g, requires_grad=True)
+    w = torch.randn(24, generator=g, requires_grad=True)
+    c = torch.randn(9, 4, 24, generator=g)
+    got = torch.autograd.grad((exact_rms_norm(x, w, 1e-5) * c).sum(), (x, w))
+    ref = torch.autograd.grad((rms_norm(x, w, 1e-5) * c).sum(), (x, w))
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6) and a.abs().sum() > 0
 
 
 def test_layout_without_a_page_for_a_key_is_a_value_error():

@@ -15,7 +15,7 @@ import torch
 from exactrl.kernels import attention as _attn
 from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
 from exactrl.kernels.linear import check_short_rows, exact_linear, fast_linear
-from exactrl.kernels.rowwise import apply_rotary, rms_norm, rotary_tables, sampling_logprobs
+from exactrl.kernels.rowwise import apply_rotary, exact_rms_norm, rms_norm, rotary_tables, sampling_logprobs
 
 KERNEL_MODES = ("exact", "fast")
 
@@ -45,7 +45,7 @@ class Kernels:
                 check_short_rows(w)
 
     def rms_norm(self, x, weight, eps: float):
-        return rms_norm(x, weight, eps, pad=self.exact)
+        return exact_rms_norm(x, weight, eps) if self.exact else rms_norm(x, weight, eps)
 
     def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int):
         if self.exact:

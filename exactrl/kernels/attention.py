@@ -6,7 +6,7 @@ with the sequence it belongs to and its absolute position, and a block table
 mapping each sequence's key blocks to pages of the KV store. Keys and values of
 the new tokens are written into the pages first; attention then reads pages.
 
-Exact kernel (DESIGN.md §1 rule 2), in C (`native/attention.c`). Each query
+Exact kernel (DESIGN.md §1 rule 2), in C (`native/exact.c`). Each query
 row (token, head) is computed on its own, start to end, by one thread, over
 the keys 0..pos of its sequence, in fp32:
 

@@ -1,4 +1,6 @@
-/* Exact causal attention over a paged KV store, one query row at a time.
+/* exactrl's native exact kernels: causal attention over a paged KV store, RMSNorm.
+ *
+ * Attention, one query row at a time.
  *
  * The reduction order of every output is fixed by the row alone (DESIGN.md §1,
  * rule 2): for query token n (sequence s, absolute position p) and head h,
@@ -109,4 +111,51 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
         free(qs);
     }
     return failed;
+}
+
+/* Round-to-nearest-even of a float to bfloat16's 16 high bits (finite values; NaN stays NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* quiet NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* RMSNorm of each row, every row by one thread in one fixed order (DESIGN.md §1, rule 3):
+ *
+ *     r   = 1 / sqrt((sum_d x_d^2) / D + eps)     x in fp32, D summed in 8 fixed lanes then a fixed tree
+ *     y_d = round_dtype(x_d * r);   out_d = round_dtype(w_d * y_d)
+ *
+ * (the rounding to the model dtype between the two products is Hugging Face's, kept for bf16).
+ * x, w, out are [rows, D] / [D] / [rows, D] of the same dtype (float32 or bfloat16).
+ */
+void exactrl_rms_norm(const void *x, const void *w, int bf16, int64_t rows, int64_t D, float eps, void *out,
+                      int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * D >= 65536)
+    for (int64_t i = 0; i < rows; i++) {
+        float acc[LANES] = {0};
+        int64_t d = 0;
+        if (bf16) {
+            const uint16_t *xr = (const uint16_t *)x + i * D, *wr = (const uint16_t *)w;
+            uint16_t *o = (uint16_t *)out + i * D;
+            for (; d + LANES <= D; d += LANES)
+                for (int l = 0; l < LANES; l++) { float v = bf16_to_float(xr[d + l]); acc[l] += v * v; }
+            for (int l = 0; d < D; d++, l++) { float v = bf16_to_float(xr[d]); acc[l] += v * v; }
+            const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+            const float r = 1.0f / sqrtf(ss / (float)D + eps);
+            for (d = 0; d < D; d++) {
+                const float y = bf16_to_float(float_to_bf16(bf16_to_float(xr[d]) * r));
+                o[d] = float_to_bf16(bf16_to_float(wr[d]) * y);
+            }
+        } else {
+            const float *xr = (const float *)x + i * D, *wr = (const float *)w;
+            float *o = (float *)out + i * D;
+            for (; d + LANES <= D; d += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] += xr[d + l] * xr[d + l];
+            for (int l = 0; d < D; d++, l++) acc[l] += xr[d] * xr[d];
+            const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+            const float r = 1.0f / sqrtf(ss / (float)D + eps);
+            for (d = 0; d < D; d++) o[d] = wr[d] * (xr[d] * r);
+        }
+    }
 }
