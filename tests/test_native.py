@@ -102,6 +102,21 @@ def test_rms_norm_gradient_is_the_torch_expression_gradient():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6) and a.abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 20])
+def test_rotary_has_the_bits_of_the_torch_expression(dtype, D):
+    """The exact kernels run RoPE in C without autograd and in torch ops with it: the bits must agree."""
+    from exactrl.kernels.rowwise import apply_rotary, rotary_tables
+
+    cos, sin = rotary_tables(D, 4096, 1e6)
+    g = torch.Generator().manual_seed(4)
+    pos = torch.randint(0, 4096, (257,), generator=g)
+    x = (torch.randn(257, 5, D, generator=g) * 8).to(dtype)
+    assert torch.equal(native.rotary(x, cos[pos], sin[pos]), apply_rotary(x, cos[pos], sin[pos]))
+    c, s = cos[pos].to(dtype), sin[pos].to(dtype)  # a bf16 model keeps its tables in bf16
+    assert torch.equal(native.rotary(x, c, s), apply_rotary(x, c, s))
+
+
 def test_layout_without_a_page_for_a_key_is_a_value_error():
     lay = A.TokenLayout(torch.tensor([0, 0]), torch.tensor([5, 40]), torch.tensor([[0, -1]]))
     with pytest.raises(ValueError, match="no page"):

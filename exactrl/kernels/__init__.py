@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from exactrl.kernels import attention as _attn
+from exactrl.kernels import native
 from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
 from exactrl.kernels.linear import check_short_rows, exact_linear, fast_linear
 from exactrl.kernels.rowwise import apply_rotary, exact_rms_norm, rms_norm, rotary_tables, sampling_logprobs
@@ -46,6 +47,13 @@ class Kernels:
 
     def rms_norm(self, x, weight, eps: float):
         return exact_rms_norm(x, weight, eps) if self.exact else rms_norm(x, weight, eps)
+
+    def rotary(self, x_NHD, cos_ND, sin_ND):
+        """RoPE. Elementwise, so invariant either way; exact inference runs it as one C call whose bits
+        equal the torch expression's (tested), which autograd needs when a gradient is wanted."""
+        if self.exact and not (torch.is_grad_enabled() and x_NHD.requires_grad):
+            return native.rotary(x_NHD, cos_ND, sin_ND)
+        return apply_rotary(x_NHD, cos_ND, sin_ND)
 
     def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int):
         if self.exact:

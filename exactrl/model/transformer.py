@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from exactrl.kernels import Kernels, TokenLayout, apply_rotary, rotary_tables, write_kv
+from exactrl.kernels import Kernels, TokenLayout, rotary_tables, write_kv
 from exactrl.model.config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 32  # keys per attention block = KV page size
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         v = self.v_proj(x_ND).view(n, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_ND, sin_ND), apply_rotary(k, cos_ND, sin_ND)
+        q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
         k_pages, v_pages = write_kv(kv_pages[0], kv_pages[1], k, v, layout)
         kv_pages[0], kv_pages[1] = k_pages, v_pages
         o = self.kernels.attention(q, k_pages, v_pages, plan, 1.0 / math.sqrt(c.head_dim))

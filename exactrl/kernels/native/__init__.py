@@ -86,6 +86,8 @@ def library() -> ctypes.CDLL:
     lib.exactrl_attention.restype = ctypes.c_int
     lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_rms_norm.restype = None
+    lib.exactrl_rotary.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr]
+    lib.exactrl_rotary.restype = None
     return lib
 
 
@@ -123,3 +125,16 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
         library().exactrl_rms_norm(x_RD.data_ptr(), w.data_ptr(), int(x.dtype == torch.bfloat16), x_RD.shape[0], D,
                                    eps, out.data_ptr(), torch.get_num_threads())
     return out.view(x.shape)
+
+
+def rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with the same roundings, hence the same bits, as `rowwise.apply_rotary`'s torch ops."""
+    N, H, D = x_NHD.shape
+    assert cos_ND.shape == sin_ND.shape == (N, D) and x_NHD.dtype in (torch.float32, torch.bfloat16) and D % 2 == 0
+    # tables in fp32 or already in x's dtype (a bf16 model's buffers): rounding them to x's dtype is the same
+    x, c, s = x_NHD.contiguous(), cos_ND.float().contiguous(), sin_ND.float().contiguous()
+    out = torch.empty_like(x)
+    if N:
+        library().exactrl_rotary(x.data_ptr(), c.data_ptr(), s.data_ptr(), int(x.dtype == torch.bfloat16), N, H, D,
+                                 out.data_ptr())
+    return out

@@ -159,3 +159,36 @@ void exactrl_rms_norm(const void *x, const void *w, int bf16, int64_t rows, int6
         }
     }
 }
+
+/* Rotate-half RoPE, elementwise, with torch's roundings (so its bits equal the torch expression
+ * `x * cos + cat(-x2, x1) * sin` in x's dtype, cos/sin first rounded to it):
+ *
+ *     out_d = round(round(x_d * c_d) + round(r_d * s_d)),   r = (-x[D/2:], x[:D/2])
+ *
+ * x, out [N, H, D] of one dtype; cos, sin [N, D] float32.
+ */
+void exactrl_rotary(const void *x, const float *cos_ND, const float *sin_ND, int bf16, int64_t N, int64_t H,
+                    int64_t D, void *out) {
+    const int64_t half = D / 2;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t row = (n * H + h) * D;
+            const float *c = cos_ND + n * D, *s = sin_ND + n * D;
+            if (bf16) {
+                const uint16_t *xr = (const uint16_t *)x + row;
+                uint16_t *o = (uint16_t *)out + row;
+                for (int64_t d = 0; d < D; d++) {
+                    const float xd = bf16_to_float(xr[d]);
+                    const float rd = d < half ? -bf16_to_float(xr[d + half]) : bf16_to_float(xr[d - half]);
+                    const float a = bf16_to_float(float_to_bf16(xd * bf16_to_float(float_to_bf16(c[d]))));
+                    const float b = bf16_to_float(float_to_bf16(rd * bf16_to_float(float_to_bf16(s[d]))));
+                    o[d] = float_to_bf16(a + b);
+                }
+            } else {
+                const float *xr = (const float *)x + row;
+                float *o = (float *)out + row;
+                for (int64_t d = 0; d < half; d++) o[d] = xr[d] * c[d] + (-xr[d + half]) * s[d];
+                for (int64_t d = half; d < D; d++) o[d] = xr[d] * c[d] + xr[d - half] * s[d];
+            }
+        }
+}
