@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("exact.c")
+_DTYPES = (torch.float32, torch.bfloat16)  # what the C kernels read
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -116,25 +117,30 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, each row in one fixed order (exact.c), in x's dtype."""
+    """RMSNorm over the last dimension, each row in one fixed order (exact.c), in x's dtype.
+
+    Lean on purpose: 33 calls per decode step of a 20M Qwen3, each ~10 us of work.
+    """
     D = x.shape[-1]
-    assert weight_D.shape == (D,) and x.dtype == weight_D.dtype and x.dtype in (torch.float32, torch.bfloat16)
-    x_RD, w = x.reshape(-1, D).contiguous(), weight_D.contiguous()
-    out = torch.empty_like(x_RD)
-    if x_RD.shape[0]:
-        library().exactrl_rms_norm(x_RD.data_ptr(), w.data_ptr(), int(x.dtype == torch.bfloat16), x_RD.shape[0], D,
-                                   eps, out.data_ptr(), torch.get_num_threads())
-    return out.view(x.shape)
+    assert x.dtype in _DTYPES and weight_D.dtype == x.dtype and weight_D.shape[0] == D and weight_D.is_contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.numel() // D if D else 0
+    if rows:
+        library().exactrl_rms_norm(x.data_ptr(), weight_D.data_ptr(), x.dtype == torch.bfloat16, rows, D, eps,
+                                   out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE with the same roundings, hence the same bits, as `rowwise.apply_rotary`'s torch ops."""
     N, H, D = x_NHD.shape
-    assert cos_ND.shape == sin_ND.shape == (N, D) and x_NHD.dtype in (torch.float32, torch.bfloat16) and D % 2 == 0
+    assert x_NHD.dtype in _DTYPES and cos_ND.shape == sin_ND.shape == (N, D) and D % 2 == 0
     # tables in fp32 or already in x's dtype (a bf16 model's buffers): rounding them to x's dtype is the same
-    x, c, s = x_NHD.contiguous(), cos_ND.float().contiguous(), sin_ND.float().contiguous()
+    c, s = cos_ND.float(), sin_ND.float()
+    x, c, s = (t if t.is_contiguous() else t.contiguous() for t in (x_NHD, c, s))
     out = torch.empty_like(x)
     if N:
-        library().exactrl_rotary(x.data_ptr(), c.data_ptr(), s.data_ptr(), int(x.dtype == torch.bfloat16), N, H, D,
+        library().exactrl_rotary(x.data_ptr(), c.data_ptr(), s.data_ptr(), x.dtype == torch.bfloat16, N, H, D,
                                  out.data_ptr())
     return out
