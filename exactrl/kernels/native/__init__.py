@@ -12,7 +12,9 @@ Build: `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` into
 the compiler's version and the CPU's feature flags, written atomically (a
 crash mid-build leaves no half-written library). `-ffp-contract=off` and no
 `-ffast-math` keep the source's order of every rounding, so `-march=native`
-changes speed, not bits. No torch headers: the build takes ~1 s, not a minute.
+changes speed, not bits (libm's `expf` aside: glibc may pick a variant per
+CPU, so two different CPUs could differ in a rare last bit; one machine
+never does). No torch headers: the build takes ~1 s, not a minute.
 Needs a C compiler with OpenMP (gcc or clang: `$CC`, default `cc`); without
 one, exact kernels fail with an error that says so.
 """
