@@ -150,11 +150,7 @@ void exactrl_rms_norm(const void *x, const void *w, int bf16, int64_t rows, int6
         } else {
             const float *xr = (const float *)x + i * D, *wr = (const float *)w;
             float *o = (float *)out + i * D;
-            for (; d + LANES <= D; d += LANES)
-                for (int l = 0; l < LANES; l++) acc[l] += xr[d + l] * xr[d + l];
-            for (int l = 0; d < D; d++, l++) acc[l] += xr[d] * xr[d];
-            const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-            const float r = 1.0f / sqrtf(ss / (float)D + eps);
+            const float r = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);  /* the same lanes and tree as bf16 */
             for (d = 0; d < D; d++) o[d] = wr[d] * (xr[d] * r);
         }
     }
