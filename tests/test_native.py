@@ -32,9 +32,10 @@ def _paged(k_NHD, v_NHD, B, rng, spare=3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 20])  # 20: a head dim that is not a multiple of the 8 lanes
-def test_matches_causal_softmax_attention(dtype, D):
+@pytest.mark.parametrize("H,Hk", [(6, 2), (18, 1)])  # 18 query heads per kv head: more than MAX_G in exact.c
+def test_matches_causal_softmax_attention(dtype, D, H, Hk):
     g = torch.Generator().manual_seed(0)
-    n, H, Hk, B = 45, 6, 2, 8
+    n, B = 45, 8
     q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (H, Hk, Hk))
     kp, vp, table = _paged(k, v, B, random.Random(0))
     o = native.attention(q, kp, vp, torch.zeros(n, dtype=torch.int64), torch.arange(n), table, n, D**-0.5)

@@ -55,6 +55,63 @@ static inline const float *load_row(const void *store, int bf16, int64_t row, in
     return buf;
 }
 
+/* Vectors of VB floats (GCC/clang vector extensions: SSE/AVX/NEON as the target has them). */
+#define VB 8
+typedef float vblock __attribute__((vector_size(VB * sizeof(float))));
+typedef uint16_t vbits16 __attribute__((vector_size(VB * sizeof(uint16_t))));
+typedef uint32_t vbits32 __attribute__((vector_size(VB * sizeof(uint32_t))));
+#define MAX_G 16  /* query heads per kv head kept in registers; more take the plain loop */
+
+/* VB floats of a page store at element `at`, as float32. */
+static inline void load_block(const void *store, int bf16, int64_t at, vblock *v) {
+    if (bf16) {  /* bf16 -> fp32 is exact: the 16 bits become the high half */
+        vbits16 h;
+        memcpy(&h, (const uint16_t *)store + at, sizeof h);
+        const vbits32 w = __builtin_convertvector(h, vbits32) << 16;
+        memcpy(v, &w, sizeof *v);
+    } else {
+        memcpy(v, (const float *)store + at, sizeof *v);
+    }
+}
+
+/* acc[g, :] = sum_t e[g, t] * v_t for t = 0..L-1 in ascending order, one running sum per (g, d).
+ * The loop runs over blocks of VB features outside and keys inside, so a block's G x VB sums stay in
+ * registers while the keys pass (the whole attention call: 0.8x the time of a keys-outside loop, 20M shape,
+ * batch 32, Zen 1); each sum still adds its terms in the order t = 0, 1, ..., L-1: the bits are unchanged. */
+static void weighted_values(const void *v_pages, int bf16, const float *e, int64_t max_len, int64_t G, int64_t L,
+                            int64_t D, int64_t B, const int64_t *table_J, int64_t Hk, int64_t kvh, float *acc,
+                            float *vbuf) {
+    int64_t d0 = 0;
+    if (G <= MAX_G) {
+        for (; d0 + VB <= D; d0 += VB) {
+            vblock a[MAX_G];
+            for (int64_t g = 0; g < G; g++) a[g] = (vblock){0};
+            for (int64_t t0 = 0; t0 < L; t0 += B) {
+                const int64_t base = (table_J[t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
+                for (int64_t t = t0; t < end; t++) {
+                    vblock v;
+                    load_block(v_pages, bf16, (base + t) * D + d0, &v);
+                    for (int64_t g = 0; g < G; g++) a[g] += e[g * max_len + t] * v;
+                }
+            }
+            for (int64_t g = 0; g < G; g++) memcpy(acc + g * D + d0, &a[g], sizeof a[g]);
+        }
+    }
+    if (d0 == D) return;
+    for (int64_t g = 0; g < G; g++) memset(acc + g * D + d0, 0, sizeof(float) * (D - d0));
+    for (int64_t t0 = 0; t0 < L; t0 += B) {
+        const int64_t base = (table_J[t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
+        for (int64_t t = t0; t < end; t++) {
+            const float *v = load_row(v_pages, bf16, base + t, D, vbuf);
+            for (int64_t g = 0; g < G; g++) {
+                const float x = e[g * max_len + t];
+                float *a = acc + g * D;
+                for (int64_t d = d0; d < D; d++) a[d] += x * v[d];
+            }
+        }
+    }
+}
+
 /* Returns 0, or 1 if a thread could not allocate its scratch memory. */
 int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
                       const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
@@ -64,7 +121,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: G query rows, G score rows of max_len, G accumulators, one K/V row */
+        /* per thread: G query rows, G score rows of max_len, G accumulators, one K row, one V row */
         float *qs = malloc(sizeof(float) * (G * D + G * max_len + G * D + 2 * D));
         if (qs == NULL) {
 #pragma omp atomic write
@@ -81,26 +138,19 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                     qs[g * D + d] = scale * (bf16 ? bf16_to_float(((const uint16_t *)q)[row * D + d])
                                                   : ((const float *)q)[row * D + d]);
             }
-            for (int64_t t = 0; t < L; t++) {
-                const int64_t slot = (table_SJ[s * J + t / B] * Hk + kvh) * B + t % B;
-                const float *k = load_row(k_pages, bf16, slot, D, kbuf);
-                for (int64_t g = 0; g < G; g++) sc[g * max_len + t] = dot(qs + g * D, k, D);
+            for (int64_t t0 = 0; t0 < L; t0 += B) {  /* page by page: key t is slot t - t0 of page t0 / B */
+                const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
+                for (int64_t t = t0; t < end; t++) {
+                    const float *k = load_row(k_pages, bf16, base + t, D, kbuf);
+                    for (int64_t g = 0; g < G; g++) sc[g * max_len + t] = dot(qs + g * D, k, D);
+                }
             }
             for (int64_t g = 0; g < G; g++) {
                 float m = sc[g * max_len];
                 for (int64_t t = 1; t < L; t++) m = fmaxf(m, sc[g * max_len + t]);
                 for (int64_t t = 0; t < L; t++) sc[g * max_len + t] = expf(sc[g * max_len + t] - m);
             }
-            memset(acc, 0, sizeof(float) * G * D);
-            for (int64_t t = 0; t < L; t++) {
-                const int64_t slot = (table_SJ[s * J + t / B] * Hk + kvh) * B + t % B;
-                const float *v = load_row(v_pages, bf16, slot, D, vbuf);
-                for (int64_t g = 0; g < G; g++) {
-                    const float e = sc[g * max_len + t];
-                    float *a = acc + g * D;
-                    for (int64_t d = 0; d < D; d++) a[d] += e * v[d];
-                }
-            }
+            weighted_values(v_pages, bf16, sc, max_len, G, L, D, B, table_SJ + s * J, Hk, kvh, acc, vbuf);
             for (int64_t g = 0; g < G; g++) {
                 float l = 0.0f;
                 for (int64_t t = 0; t < L; t++) l += sc[g * max_len + t];
