@@ -102,14 +102,14 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     T = max(1, max(len(c) for c in batch.completion_ids))
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
-    olds, behavs, masks, sums = [], [], [], {}
+    olds, behavs, masks, finals, weights, sums = [], [], [], [], [], {}
     optimizer.zero_grad(set_to_none=True)
     order = list(range(len(batch)))
     for start in range(0, len(batch), s.micro_batch_size):
         idx = order[start:start + s.micro_batch_size]
         logp_BT, ent_BT, mask_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
         old_BT = logp_BT.detach()
-        weights_BT = torch.ones_like(old_BT)
+        weights_BT, sampled_BT = torch.ones_like(old_BT), mask_BT  # the mismatch is measured on every sampled token
         if s.corrections is not None:
             weights_BT, mask_BT, cm = s.corrections(old_BT, behav_BT, mask_BT, adv_BT)
             _accumulate(sums, cm, len(idx))
@@ -126,20 +126,24 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
             kl = aggregate(kl_BT, mask_BT, s.agg_mode, norm)
             loss = loss + s.kl_coef * kl
             _accumulate(sums, {"train/kl_ref": kl.item()}, len(batch))
-        loss.backward()
+        if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
+            loss.backward()
         # loss terms are already normalised by the whole batch: their micro-batch values add up
         _accumulate(sums, {"train/loss": loss.item(),
                            "train/entropy": (ent_BT.detach() * mask_BT).sum().item() / norm.total_tokens}, len(batch))
         _accumulate(sums, lm, len(idx))
-        olds.append(old_BT), behavs.append(behav_BT), masks.append(mask_BT)
+        olds.append(old_BT), behavs.append(behav_BT), masks.append(sampled_BT)
+        finals.append(mask_BT.detach()), weights.append(weights_BT.detach())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
     optimizer.step()
     metrics = {k: v / len(batch) for k, v in sums.items()}
     old, behav, mask = torch.cat(olds), torch.cat(behavs), torch.cat(masks)
+    # over the tokens as sampled, before any correction drops some: a mask never hides the mismatch it acts on
     metrics |= logprob_diff_metrics(old, behav, mask)
-    metrics |= mismatch_metrics(old, behav, mask)
+    metrics |= mismatch_metrics(old, behav, mask, weights_BT=torch.cat(weights) if s.corrections else None,
+                                final_mask_BT=torch.cat(finals))
     metrics["train/grad_norm"] = float(grad_norm)
     return metrics
 

@@ -1,0 +1,73 @@
+"""train_step on hand-made batches: what its metrics measure, and batches with nothing to learn from."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import exactrl
+from exactrl.model.logprobs import token_logprobs
+from exactrl.rl.corrections import build_corrections
+from exactrl.rl.losses import build_loss
+from exactrl.rl.trainer import StepSettings, TrainBatch, train_step
+
+PROMPTS = [[1, 2, 3], [4, 5, 6]]
+COMPLETIONS = [[7, 8, 9, 10], [11, 12, 13, 14]]
+
+
+def _settings(**kw) -> StepSettings:
+    return StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=kw.pop("micro_batch_size", 8),
+                        agg_mode="token-mean", agg_constant=None, grad_clip=1.0, **kw)
+
+
+def _off_policy_batch(model) -> TrainBatch:
+    """The trainer's own logprobs as the behaviour policy, but for one token 1.0 nat off and one 0.01 off."""
+    with torch.no_grad():
+        lps, _ = token_logprobs(model, [p + c for p, c in zip(PROMPTS, COMPLETIONS)], first=[3, 3])
+    behav = [lp.tolist() for lp in lps]
+    behav[0][0] -= 1.0
+    behav[1][1] -= 0.01
+    return TrainBatch(PROMPTS, COMPLETIONS, behav, [1.0, -1.0])
+
+
+def _step(model_dir, corrections=None, **kw) -> dict:
+    model = exactrl.load_model(model_dir)
+    batch = _off_policy_batch(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    s = _settings(corrections=build_corrections(corrections) if corrections else None, **kw)
+    return train_step(model, opt, build_loss("ppo"), batch, s)
+
+
+@pytest.mark.parametrize("correction", [{"name": "token_mask_is", "upper": 2.0, "lower": 0.5},
+                                        {"name": "sequence_mask_is", "upper": 2.0, "lower": 0.5}])
+def test_a_masking_correction_does_not_hide_the_mismatch_it_removes(qwen3_dir, correction):
+    plain, masked = _step(qwen3_dir), _step(qwen3_dir, [correction])
+    for key in ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max", "mismatch/k3",
+                "mismatch/chi2_token"):
+        assert masked[key] == plain[key], key
+    assert plain["train/train_rollout_logprob_abs_diff_max"] == pytest.approx(1.0, abs=1e-5)
+    assert plain["mismatch/token_mask_frac"] == 0.0
+    # the tokens the correction dropped are reported as dropped (1 of 8 tokens, or all 4 of sequence 0)
+    expected = 1 / 8 if correction["name"] == "token_mask_is" else 4 / 8
+    assert masked["mismatch/token_mask_frac"] == pytest.approx(expected)
+    assert masked[f"correction/{correction['name']}/mask_frac"] == pytest.approx(expected)
+
+
+def test_truncation_is_reported_as_clipped_weights(qwen3_dir):
+    m = _step(qwen3_dir, [{"name": "token_tis", "upper": 2.0}])
+    # rho = exp(1.0) = 2.7 on one token of 8 is truncated to 2; the other tokens keep their ratio
+    assert m["mismatch/token_clip_frac"] == pytest.approx(1 / 8)
+    assert m["mismatch/is_weight_max"] == pytest.approx(2.0)
+    assert _step(qwen3_dir)["mismatch/token_clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("completions", [[[], []], [[], [7]]])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_micro_batches_with_no_completion_tokens_are_skipped(qwen3_dir, completions, entropy_coef):
+    model = exactrl.load_model(qwen3_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = TrainBatch([[1, 2, 3], [4, 5]], completions, [[0.0] * len(c) for c in completions], [1.0, -1.0])
+    m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), build_loss("ppo"), batch,
+                   _settings(micro_batch_size=1, entropy_coef=entropy_coef))
+    assert m["train/loss"] == m["train/loss"]  # finite, not NaN
+    changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert changed == any(completions)  # a step with no token at all leaves the weights alone
