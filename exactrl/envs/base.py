@@ -66,8 +66,10 @@ def register_task(cls: T) -> T:
         raise ValueError(f"register_task expects a Task subclass, got {cls!r}")
     if not cls.name:
         raise ValueError(f"task class {cls.__name__} must set a non-empty class attribute `name`")
-    if cls.name in TASKS and TASKS[cls.name] is not cls:
-        raise ValueError(f"task name {cls.name!r} is already registered by {TASKS[cls.name].__name__}")
+    old = TASKS.get(cls.name)
+    reloaded = old is not None and (old.__module__, old.__qualname__) == (cls.__module__, cls.__qualname__)
+    if old is not None and old is not cls and not reloaded:  # a re-import of the same module replaces its class
+        raise ValueError(f"task name {cls.name!r} is already registered by {old.__module__}.{old.__qualname__}")
     TASKS[cls.name] = cls
     return cls
 

@@ -63,7 +63,7 @@ class RolloutBatch:
     groups: list[list[Rollout]]
     prompts_state: dict  # PromptSource position after this batch's prompts (what a checkpoint saves)
     rollout_s: float  # generation wall time
-    engine_stats: dict[str, float]  # `external/` gauges of the engine when the batch was done (empty in process)
+    engine_stats: dict[str, float]  # an external server's version and gauges when the batch was done (in process: {})
 
 
 class RolloutWorker:
@@ -121,7 +121,8 @@ class RolloutWorker:
                 groups = generate_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step,
                                          on_step=self._apply_pending if self.s.inflight_updates else None)
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
-                stats = {k: v for k, v in engine_metrics(c.engine).items() if k.startswith("external/")}
+                stats = engine_metrics(c.engine)
+                stats = stats if any(k.startswith("external/") for k in stats) else {}
                 self._out.put(RolloutBatch(step, groups, c.prompts.state_dict(), time.perf_counter() - t0, stats))
         except BaseException as e:  # handed to the trainer, which raises it
             self._out.put(e)
@@ -203,7 +204,8 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
                 check.keep(step, c.model, step - s.max_staleness)
             t2 = time.perf_counter()
             metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1,
-                        "engine/version": step} | item.engine_stats | initial  # version: published to the engine
+                        "engine/version": step} | item.engine_stats | initial  # in process: the version published
+            # to the engine; an external server: the version it held (0 with weight_sync none) and its lag
             last = end_step(c, step, groups, metrics, t2 - t_prev, eval_engine, item.prompts_state)
             initial, t_prev = {}, time.perf_counter()
     return last

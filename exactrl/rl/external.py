@@ -138,6 +138,8 @@ class ExternalEngine:
         engine = cls(s, stop_token_ids, version, own)
         if own is not None:
             engine._push(policy.state_dict(), version)
+        else:  # `none`: the server holds the weights it was started with, version 0, also after a resume
+            engine.version = 0
         return engine
 
     def close(self) -> None:

@@ -55,7 +55,8 @@ class Components:
         """What a checkpoint holds besides weights and optimizer; `prompts_state` is the data position
         after the last trained batch (the asynchronous loop's rollouts may already be further)."""
         return {"prompts": prompts_state, "torch_rng": torch.get_rng_state().tolist(),
-                "python_rng": list(random.getstate()[1]), "config": self.cfg.model_dump(by_alias=True)}
+                "python_rng": list(random.getstate()[1]), "python_gauss_next": random.getstate()[2],
+                "config": self.cfg.model_dump(by_alias=True)}
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -190,6 +191,8 @@ def build(cfg: RunConfig, log=print) -> Components:
         optimizer.load_state_dict(opt_state)
         prompts.load_state_dict(state["prompts"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        # Python's `random` too (a task's generate/reward may use it); version 3 is CPython's Mersenne Twister
+        random.setstate((3, tuple(state["python_rng"]), state.get("python_gauss_next")))
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
     engine = _rollout_engine(cfg, model, tokenizer, start)

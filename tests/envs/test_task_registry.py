@@ -46,6 +46,22 @@ def test_a_user_task_in_one_file():
         TASKS.pop("echo_test")
 
 
+def test_importing_a_task_file_again_replaces_its_task(tmp_path):
+    """Two runs in one process (a notebook, the tests) import the same --set task.module file twice."""
+    from exactrl.envs import import_task_module
+
+    f = tmp_path / "twice.py"
+    f.write_text("from exactrl.envs import ArithmeticTask, register_task\n\n\n@register_task\n"
+                 "class Twice(ArithmeticTask):\n    name = 'twice_test'\n")
+    try:
+        import_task_module(str(f))
+        first = TASKS["twice_test"]
+        import_task_module(str(f))
+        assert TASKS["twice_test"] is not first and TASKS["twice_test"].__qualname__ == "Twice"
+    finally:
+        TASKS.pop("twice_test", None)
+
+
 def test_register_rejects_nameless_and_non_tasks():
     with pytest.raises(ValueError, match="name"):
         register_task(type("Nameless", (Task,), {}))

@@ -257,6 +257,18 @@ def test_without_weight_sync_the_data_drifts_off_policy(model_dir, exact_server,
     assert [(r["engine/version"], r["external/weight_lag"]) for r in rows] == [(0, 1), (0, 2)]
 
 
+def test_without_weight_sync_the_server_stays_at_version_0_across_a_resume_and_in_async_runs(
+        model_dir, exact_server, tmp_path):
+    url, state = exact_server
+    args = ("task.eval_size=0", "save_every=1", *external(url, state))
+    run(model_dir, tmp_path / "r", "max_steps=2", *args)
+    rows = run(model_dir, tmp_path / "r", "max_steps=3", "resume=true", *args)
+    assert [(r["engine/version"], r["external/weight_lag"]) for r in rows] == [(0, 1), (0, 2), (0, 3)]
+    rows = run(model_dir, tmp_path / "a", "max_steps=2", "async.enabled=true", "async.max_staleness=2", *args)
+    assert [r["engine/version"] for r in rows] == [0, 0]  # the trainer published 1, 2; the server took neither
+    assert [r["async/staleness_max"] for r in rows] == [0, 1]
+
+
 def test_fast_server_mismatch_is_measured_and_corrected(model_dir, tmp_path):
     """The inverse twin: plain torch kernels on the server, exact trainer; token TIS corrects the gap."""
     with serving(model_dir, kernels="fast") as (url, state):

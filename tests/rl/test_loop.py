@@ -92,6 +92,31 @@ def test_resumed_run_equals_uninterrupted_run(model_dir, tmp_path):
     same_metrics(full, resumed)
 
 
+NOISY_TASK = """
+import random
+from exactrl.envs import register_task
+from exactrl.envs.arithmetic import ArithmeticTask
+
+
+@register_task
+class NoisyArithmetic(ArithmeticTask):
+    name = "noisy_arithmetic_for_resume"
+
+    def reward(self, problem, completion):  # a sampled judge: Python's global random stream
+        return super().reward(problem, completion) + random.random()
+"""
+
+
+def test_resume_restores_pythons_random_stream_for_tasks_that_use_it(model_dir, tmp_path):
+    task = tmp_path / "noisy_task.py"
+    task.write_text(NOISY_TASK)
+    args = (f"task.module={task}", "task.name=noisy_arithmetic_for_resume", "task.eval_size=0", "save_every=2")
+    full = run(model_dir, tmp_path / "full", "max_steps=4", *args)
+    run(model_dir, tmp_path / "part", "max_steps=2", *args)
+    resumed = run(model_dir, tmp_path / "part", "max_steps=4", "resume=true", *args)
+    same_metrics(full, resumed)
+
+
 def test_resume_refuses_to_overwrite_or_invent(model_dir, tmp_path, capsys):
     run(model_dir, tmp_path / "r", "max_steps=1")
     args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=2"]
