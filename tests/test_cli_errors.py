@@ -75,11 +75,21 @@ def test_unreachable_rollout_server_is_a_one_line_error(model_dir, no_warm_start
     ("model.tokenizer=/nonexistent", "model.tokenizer /nonexistent does not exist"),
     ("task.module=no_such_pkg.tasks", "cannot import task module 'no_such_pkg.tasks'"),
     ("rollout.temperature=1.0e-9", "rollout.temperature"),
+    ("algorithm.advantage_kwargs={eps: 0}", "algorithm.advantage_kwargs: eps must be a number > 0"),
+    ("optim.betas=[1.5, 0.9]", "bad value for 'optim.betas.0'"),
+    ("seed=100000000000000000000", "bad value for 'seed'"),
+    ("engine.max_num_seqs=2", "rollout.samples_per_prompt=8 exceeds engine.max_num_seqs=2"),
 ])
 def test_bad_config_fails_before_warm_start_and_leaves_no_run_dir(override, needle, no_warm_start, tmp_path, capsys):
     assert train("progress=false", override) == 2
     assert needle in error_of(capsys, "train")
     assert not (tmp_path / "runs").exists()
+
+
+def test_max_tokens_beyond_the_models_context_fails_before_the_run_dir(model_dir, tmp_path, capsys):
+    assert train(*TINY, f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "rollout.max_tokens=100000") == 2
+    assert "rollout.max_tokens=100000 leaves no room for a prompt" in error_of(capsys, "train")
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_failed_start_keeps_an_existing_run_dir(no_warm_start, tmp_path, capsys):

@@ -40,8 +40,15 @@ def _std(x: torch.Tensor, dim: int | None) -> torch.Tensor:
     return x.std(dim=dim, correction=1, keepdim=dim is not None)
 
 
+def _check_eps(eps: float) -> None:
+    """eps keeps (r − mean) / (std + eps) finite for a group of equal rewards (std 0): it must be > 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a number > 0 (it keeps a group of equal rewards finite), got {eps!r}")
+
+
 def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x − mean) / (std + eps) over the whole batch."""
+    _check_eps(eps)
     return (x - x.mean()) / (_std(x, None) + eps)
 
 
@@ -52,6 +59,7 @@ def grpo(rewards_PG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
     """
     r = _check_rewards(rewards_PG)
     centred_PG = r - r.mean(dim=1, keepdim=True)
+    _check_eps(eps)
     if not normalize_std:
         return centred_PG
     return centred_PG / (_std(r, 1) + eps)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from datetime import date
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from exactrl.envs.settings import TaskSettings
 from exactrl.kernels.rowwise import check_temperature
@@ -91,7 +91,8 @@ class OptimSettings(BaseModel):
     model_config = _STRICT
 
     lr: float = Field(5e-5, gt=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.99)
+    """AdamW's (β1, β2), each in [0, 1)."""
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
@@ -135,7 +136,7 @@ class RunConfig(BaseModel):
 
     max_steps: int = Field(60, ge=1)
     """RL steps to run."""
-    seed: int = 0
+    seed: int = Field(0, ge=-(2**63), lt=2**63)
     """Seeds data order, sampling and the default model's initialisation."""
     run_dir: str | None = None
     """Output directory; None creates runs/<timestamp>."""
@@ -158,6 +159,14 @@ class RunConfig(BaseModel):
     sft: SFTSettings = Field(default_factory=SFTSettings)
     async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
     """Asynchronous rollouts (config key `async`)."""
+
+    @model_validator(mode="after")
+    def _samples_fit_the_engine(self) -> "RunConfig":
+        # the n samples of a prompt share its prefill and run together: the engine must hold them at once
+        if self.rollout_backend.kind == "engine" and self.rollout.samples_per_prompt > self.engine.max_num_seqs:
+            raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} exceeds "
+                             f"engine.max_num_seqs={self.engine.max_num_seqs}: raise engine.max_num_seqs")
+        return self
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -236,6 +245,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         msgs = []
         for err in e.errors():
             key = ".".join(str(x) for x in err["loc"])
+            if not key:  # a rule across keys: its message names them
+                msgs.append(str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"])
+                continue
             what = "unknown config key" if err["type"] == "extra_forbidden" else "bad value for"
             msgs.append(f"{what} {key!r}: {err['msg']}" + ("" if err["type"] == "extra_forbidden"
                                                          else f" (got {err.get('input')!r})")

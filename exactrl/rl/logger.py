@@ -70,9 +70,27 @@ class MetricsLogger:
 
 
 def _keep_steps_up_to(path: Path, step: int) -> None:
-    """Rewrites metrics.jsonl without the rows of steps after `step`, atomically (a crash keeps the old file)."""
+    """Rewrites metrics.jsonl without the rows of steps after `step`, atomically (a crash keeps the old file).
+
+    A last line that is not valid JSON is a row cut short by a crash mid-write: it is dropped (its step,
+    past the checkpoint, is redone). A bad line anywhere else is an error naming it.
+    """
     lines = path.read_text().splitlines()
-    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    keep = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines):
+                continue  # the unfinished last row of a crash
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                             f"fix or delete that line to resume") from None
+        if row.get("step", 0) <= step:
+            keep.append(line)
     if len(keep) == len(lines):
         return
     tmp = path.with_suffix(".jsonl.tmp")

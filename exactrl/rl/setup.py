@@ -168,7 +168,10 @@ def build(cfg: RunConfig, log=print) -> Components:
     corrections = build_corrections(a.corrections) if a.corrections else None
     # a dry run on one group of two zero rewards: a bad estimator name or argument fails now, with the
     # checks and message of the first training step (rl/rollout.py to_train_batch)
-    compute_advantages(a.advantage, torch.zeros(1, 2), **a.advantage_kwargs)
+    try:
+        compute_advantages(a.advantage, torch.zeros(1, 2), **a.advantage_kwargs)
+    except ValueError as e:
+        raise ValueError(f"algorithm.advantage_kwargs: {e}") if a.advantage_kwargs else e from None
     train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
              else make_dataset(task, cfg.task.train_size, cfg.seed))
     prompts = PromptSource(train, seed=cfg.seed)
@@ -176,6 +179,9 @@ def build(cfg: RunConfig, log=print) -> Components:
     model_dir = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg, log)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
+    if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
+        raise ValueError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt in the model's "
+                         f"context of {model.config.max_position_embeddings} tokens (max_position_embeddings)")
     ref_model = None
     if cfg.algorithm.kl.coef > 0:
         ref_model = copy.deepcopy(model).requires_grad_(False)
@@ -195,6 +201,8 @@ def build(cfg: RunConfig, log=print) -> Components:
         random.setstate((3, tuple(state["python_rng"]), state.get("python_gauss_next")))
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
+    elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
+        log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
     engine = _rollout_engine(cfg, model, tokenizer, start)
     settings = StepSettings(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,

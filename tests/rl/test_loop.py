@@ -226,6 +226,8 @@ def test_resume_after_a_crash_between_checkpoints_has_no_duplicate_rows(model_di
     ckpts = part / "checkpoints"
     shutil.rmtree(ckpts / "step_000003")  # as if killed between logging step 3 and saving it
     (ckpts / "latest").write_text("step_000002\n")
+    with open(part / "metrics.jsonl", "a") as f:  # and killed while writing step 4's row
+        f.write('{"step": 4, "train/lo')
     resumed = run(model_dir, part, "max_steps=4", "save_every=2", "resume=true")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     same_metrics(full, resumed)
