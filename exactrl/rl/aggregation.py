@@ -18,6 +18,13 @@ whole inside one micro-batch, which is how the trainer splits.
 answers; `constant-normalised` is Dr.GRPO's fix (a fixed length, e.g.
 max_tokens, instead of the sequence's own length).
 
+The trainer's denominators count the batch's tokens and sequences as sampled
+(its loss mask), fixed before the step: a token or sequence that a masking
+correction (`token_mask_is`, `geometric_rejection`, ...) then removes adds 0
+to the sum but stays in the denominator, as a clipped token does. So masking
+shrinks the step rather than re-weighting the tokens left, and the gradient
+accumulation over micro-batches stays exact.
+
 Masked positions are selected away with `torch.where`, never multiplied by 0,
 so NaN/inf in padding cannot reach the value or the gradient. An empty
 sequence contributes exactly 0.
