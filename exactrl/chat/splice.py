@@ -24,11 +24,22 @@ must match segment j of R:
     comparing templates, which may re-render tool calls or drop old reasoning;
   * any other segment matches if its text is the same (the token IDs may
     differ: that is the re-tokenization this module exists to avoid).
+A generation may itself hold end-of-turn tokens (ignore_eos): its message then
+covers several segments of H, all matched by the message, and its re-render
+holds as many end-of-turn tokens (the returned text keeps them), so the
+message must end in R's segment where its tokens end in H. (When such a
+generation's last token is an end-of-turn, its text shows it too; that one is
+the turn's end, which the template renders itself.)
 Earlier token-carrying messages must be prefixes of H. The first mismatch
 is handled by the policy: `raise` (MonotonicityError naming the first
 differing token position of H), `split` (a fresh render: a new training
 segment, the old one stays whole) or `truncate` (H up to the last matching
 turn boundary + a fresh render of the rest).
+
+Cost: the template is rendered once for the whole conversation and once per
+token-carrying message that passes the cheap token checks (to find the turn it
+ends in), never once per message; with `max_len`, a conversation whose every
+possible prompt would exceed the context is refused before those renders.
 """
 from __future__ import annotations
 
@@ -39,6 +50,14 @@ from exactrl.chat.messages import TokenFields, template_message, token_fields
 from exactrl.chat.parsing import parse_assistant_text
 
 POLICIES = ("raise", "split", "truncate")
+
+
+class PromptTooLongError(ValueError):
+    """Every prompt the conversation could give is longer than the context."""
+
+    def __init__(self, length: int, limit: int):
+        self.length, self.limit = length, limit
+        super().__init__(f"the conversation needs a prompt of at least {length} tokens, the context holds {limit}")
 
 
 class MonotonicityError(ValueError):
@@ -81,24 +100,36 @@ def _ends(ids: list[int], eot: int) -> list[int]:
 class Splicer:
     """Builds chat prompts for one tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, vocab_size: int | None = None):
         self.tok = tokenizer
+        # the model's vocabulary, which may exceed the tokenizer's (padded rows): any id it samples is valid
+        self.vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
         self.eot = tokenizer.end_of_turn_id
         self.eot_text = tokenizer.decode([self.eot], skip_special_tokens=False)
         self.stop_ids = frozenset(tokenizer.stop_token_ids) | {self.eot}
 
-    def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise") -> PromptPlan:
+    def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise",
+              max_len: int | None = None) -> PromptPlan:
+        """The prompt; with `max_len`, PromptTooLongError if no prompt of the conversation would be shorter."""
         if policy not in POLICIES:
             raise ValueError(f"monotonicity policy must be one of {list(POLICIES)}, got {policy!r}")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         tmsgs = [template_message(m, i) for i, m in enumerate(messages)]
         fields = {i: f for i, m in enumerate(messages)
-                  if (f := token_fields(m, i, self.tok.vocab_size)) is not None}
+                  if (f := token_fields(m, i, self.vocab_size)) is not None}
+        for i, f in fields.items():
+            tmsgs[i] = self._closing_eot_as_template(tmsgs[i], f)
         full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True)
+        hist = self.history(fields[max(fields)]) if fields else []
+        if max_len is not None:  # every policy's prompt ends with R after its k-th end-of-turn token (or all of R)
+            r_ends = _ends(full, self.eot)
+            k = min(len(_ends(hist, self.eot)), len(r_ends))
+            shortest = len(full) - (r_ends[k - 1] + 1 if k else 0)
+            if shortest >= max_len:
+                raise PromptTooLongError(shortest, max_len)
         if not fields:
             return PromptPlan(list(full), "fresh", 0)
-        hist = self.history(fields[max(fields)])
         bad = self._check(tmsgs, tools, fields, hist, full)
         if bad is None:
             k = len(_ends(hist, self.eot))
@@ -111,6 +142,18 @@ class Splicer:
         keep = 0 if bad.segment == 0 else _ends(hist, self.eot)[bad.segment - 1] + 1
         cut = 0 if bad.segment == 0 else _ends(full, self.eot)[bad.segment - 1] + 1
         return PromptPlan(hist[:keep] + full[cut:], "truncate", keep, bad.position)
+
+    def _closing_eot_as_template(self, tmsg: dict, f: TokenFields) -> dict:
+        """A generation not stopped by its last token, which is an end-of-turn (ignore_eos), shows that token in
+        its text; it is also the turn's end, which the template renders: the text's copy is dropped."""
+        gen = f.generation_token_ids
+        content = tmsg.get("content")
+        if gen[-1] != self.eot or not isinstance(content, str) or not content.endswith(self.eot_text):
+            return tmsg
+        shown = content.count(self.eot_text) + (tmsg.get("reasoning_content") or "").count(self.eot_text)
+        if shown != gen.count(self.eot):  # the stop token is not in the text: the ending one is generated text
+            return tmsg
+        return tmsg | {"content": content[:-len(self.eot_text)]}
 
     def history(self, f: TokenFields) -> list[int]:
         """The exact tokens of the conversation up to the end of that assistant turn."""
@@ -127,24 +170,32 @@ class Splicer:
         def seg_of(pos: int) -> int:  # segment of H holding position pos
             return bisect.bisect_left(h_ends, pos)
 
-        # earlier token-carrying turns must be prefixes of H
+        # earlier token-carrying turns must be prefixes of H; a message spans H's segments [first, last]
+        spans: dict[int, tuple[int, int]] = {}
+        covered = -1  # last segment of H covered by the token-carrying messages so far
         for i, f in fields.items():
-            d = _first_diff(self.history(f), hist)
-            if d < len(self.history(f)):
+            h = self.history(f)
+            d = _first_diff(h, hist)
+            if d < len(h):
                 found.append(_Mismatch(seg_of(d), d, f"messages[{i}]'s tokens are not a prefix of the last "
                                                      f"assistant message's tokens"))
-        # which segment of R each message ends in
-        last = max(fields)
-        msg_seg = [self.tok.render_chat(tmsgs[:i + 1], tools=tools, add_generation_prompt=False).count(self.eot_text) - 1
-                   for i in range(last + 1)]
+                continue
+            first, last = seg_of(len(f.prompt_token_ids)), seg_of(len(h) - 1)
+            if first <= covered:  # cheap: no render for a duplicated or reordered turn
+                found.append(_Mismatch(first, h_start[first], f"messages[{i}] was generated at turn {first}, "
+                                                              f"which an earlier message's tokens already cover"))
+                break
+            spans[i], covered = (first, last), last
+        # which segment of R each token-carrying message ends in (one render per such message)
         gen_seg = {}
-        for i, f in fields.items():
-            s = seg_of(len(f.prompt_token_ids))
-            gen_seg[s] = i
-            if s != msg_seg[i]:
-                found.append(_Mismatch(min(s, msg_seg[i]), h_start[min(s, msg_seg[i])],
-                                       f"messages[{i}] was generated as turn {s} but is now turn {msg_seg[i]}: "
-                                       f"messages were inserted or removed"))
+        for i, (first, last) in spans.items():
+            now = self.tok.render_chat(tmsgs[:i + 1], tools=tools, add_generation_prompt=False).count(self.eot_text) - 1
+            gen_seg |= {j: i for j in range(first, last + 1)}
+            if last != now:
+                seg = max(0, min(first, now))
+                found.append(_Mismatch(seg, h_start[seg], f"messages[{i}] was generated as turn {last} but is now "
+                                                          f"turn {now}: messages were inserted or removed"))
+        matched: dict[int, bool] = {}
         for j in range(len(h_ends)):
             hseg = hist[h_start[j]:h_start[j + 1]]
             if j >= len(r_ends):
@@ -154,7 +205,9 @@ class Splicer:
             rseg = full[r_start[j]:r_start[j + 1]]
             if j in gen_seg:
                 i = gen_seg[j]
-                if self.matches(tmsgs[i], fields[i]):
+                if i not in matched:
+                    matched[i] = self.matches(tmsgs[i], fields[i])
+                if matched[i]:
                     continue
                 why = f"messages[{i}] (assistant) no longer says what its generation_token_ids say"
             elif self._text(hseg) == self._text(rseg):

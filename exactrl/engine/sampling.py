@@ -45,13 +45,15 @@ class SamplingParams:
     top_p: float = 1.0
     # nucleus mass in (0, 1]; 1 disables it.
     top_k: int = -1
-    # keep the k largest logits (ties at the cut-off kept); -1 disables it.
+    # keep the k largest logits (ties at the cut-off kept); -1 disables it; at most 2**63 - 1 (an int64
+    # tensor in the shared step: a larger one would fail every request of the step).
     max_tokens: int = 64
     # generated tokens at most (the stop token counts); reaching it gives finish_reason "length".
     n: int = 1
     # samples of the prompt; they share one prefill.
     seed: int | None = 0
-    # sample j draws from (seed, j, position); None draws a fresh seed per request.
+    # sample j draws from (seed, j, position); None draws a fresh seed per request. In [-2**63, 2**63):
+    # the sampler uses its 64 bits, so a wider seed would draw the same stream as another one.
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     # extra stop ids, on top of the engine's (the model's eos/end-of-turn ids).
     ignore_eos: bool = False
@@ -65,14 +67,16 @@ class SamplingParams:
         _check_number("n", self.n, int)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or not -1 <= self.top_k < 2**63:
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, 2**63), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None:
             _check_number("seed", self.seed, int)
+            if not -(2**63) <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [-2**63, 2**63) (64 bits), got {self.seed}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         stops = () if self.stop_token_ids is None else tuple(self.stop_token_ids)

@@ -42,7 +42,8 @@ from exactrl.chat.trajectory import Session
 from exactrl.server import chat as chat_api
 from exactrl.server import completions as completions_api
 from exactrl.server.loop import EngineLoop
-from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, UpdateWeightsFromDiskRequest
+from exactrl.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, EngineLimits,
+                                    UpdateWeightsFromDiskRequest)
 
 log = logging.getLogger("exactrl.server")
 
@@ -80,7 +81,10 @@ class ServerState:
     def __init__(self, engine, tokenizer, config: ServerConfig):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.loop = EngineLoop(engine)
-        self.splicer = Splicer(tokenizer)
+        # ids are checked against the model's vocabulary: it may be larger than the tokenizer's (padded
+        # rows, as Qwen's), and every id the engine can sample must come back in as history
+        self.limits = EngineLimits(max_n=engine.scheduler.max_num_seqs, vocab_size=engine.vocab_size)
+        self.splicer = Splicer(tokenizer, vocab_size=engine.vocab_size)
         self.stop_token_ids = sorted(set(tokenizer.stop_token_ids) | {tokenizer.end_of_turn_id})
         self.sessions: dict[str, Session] = {}
         self.counters: collections.Counter = collections.Counter()
@@ -94,8 +98,13 @@ class ServerState:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
 
+    @property
+    def context_limit(self) -> int:
+        """Prompt + generation tokens one request may hold (the model's context, the KV cache's size)."""
+        return min(self.engine.max_model_len, self.engine.pool.num_pages * self.engine.pool.block_size)
+
     def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        limit = min(self.engine.max_model_len, self.engine.pool.num_pages * self.engine.pool.block_size)
+        limit = self.context_limit
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
                                 f"{prompt_len} tokens", param="messages", code="context_length_exceeded")
@@ -143,6 +152,7 @@ class ServerState:
         self.count("server/generation_tokens", sum(len(c.token_ids) for c in choices))
 
     def token_str(self, t: int) -> str:
+        """The token's text; "" for an id the model has but the tokenizer does not (padded vocabulary)."""
         s = self._token_str.get(t)
         if s is None:
             s = self._token_str[t] = self.tokenizer.decode([t], skip_special_tokens=False)
@@ -153,7 +163,9 @@ class ServerState:
         b = self._token_bytes.get(t)
         if b is None:
             piece = self.tokenizer.hf.convert_ids_to_tokens(t)
-            if t in self.tokenizer.hf.added_tokens_decoder or not all(ch in _BYTE_OF for ch in piece):
+            if piece is None:  # a padded row of the model's vocabulary: no text, no bytes
+                b = []
+            elif t in self.tokenizer.hf.added_tokens_decoder or not all(ch in _BYTE_OF for ch in piece):
                 b = list(self.token_str(t).encode())
             else:
                 b = [_BYTE_OF[ch] for ch in piece]
@@ -179,6 +191,46 @@ def _error(status: int, message: str, param=None, code=None) -> JSONResponse:
     return JSONResponse(APIError(status, message, param, code).body(), status_code=status)
 
 
+def _is_union_tag(x) -> bool:
+    """pydantic puts the member of a union it tried into `loc` ("str", "list[int]"): not a field name."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x)
+
+
+def _validation_message(errs: list[dict]) -> tuple[str, str | None]:
+    """One message naming the field and the problem for pydantic's errors (the first field's)."""
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    if not loc:  # the body itself
+        if first.get("type") == "missing":
+            return "the request body is empty: send a JSON object with the request's fields", None
+        return f"the request body must be a JSON object, got {_short(first.get('input'))}", None
+    field = str(loc[0])
+    if first.get("type") == "missing" and len(loc) == 1:
+        return f"missing required field: {field}", field
+    same = [err for err in errs if [x for x in err.get("loc", ()) if x != "body"][:1] == [loc[0]]]
+    tags = list(dict.fromkeys(x for err in same for x in err.get("loc", ())[2:3] if _is_union_tag(x)))
+    if len(tags) > 1:  # no member of a union matched
+        return f"{field} must be one of {', '.join(tags)}; got {_short(_top_input(same))}", field
+    path = field + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:] if not _is_union_tag(x))
+    return f"invalid {path}: {first.get('msg', 'invalid value')}; got {_short(first.get('input'))}", field
+
+
+def _top_input(errs: list[dict]):
+    """The whole value of the field (the error whose loc stops at the union member)."""
+    for err in errs:
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        if len(loc) <= 2:
+            return err.get("input")
+    return errs[0].get("input")
+
+
+def _short(value, limit: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     """Every error as OpenAI's error JSON with its status, counted under server/errors_<status>."""
     @app.exception_handler(APIError)
@@ -189,14 +241,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         state.count("server/errors_400")
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        what = "missing required field" if first.get("type") == "missing" else first.get("msg", "invalid value")
-        return _error(400, f"{what}: {param}" if param else what, param=param)
+        message, param = _validation_message(e.errors())
+        return _error(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

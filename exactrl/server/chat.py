@@ -10,7 +10,12 @@ response, where every assistant message also carries `prompt_token_ids`,
 Streaming sends one chunk per engine update: a role chunk, then content /
 reasoning / tool-call deltas (`StreamParser`); the delta that finishes a
 choice also carries the three token fields and its `finish_reason`;
-optionally a usage chunk, then `data: [DONE]`.
+optionally a usage chunk, then `data: [DONE]`. An error after the status line
+went out is an in-stream `{"error": ...}` event followed by `[DONE]`.
+
+Building the prompt (chat template renders, tokenization) is CPU work that
+grows with the conversation: it runs in a worker thread, so one long
+conversation does not stall every other request on the event loop.
 """
 from __future__ import annotations
 
@@ -23,34 +28,48 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from exactrl.chat.messages import InconsistentTokenFieldsError, check_tool_choice, validate_tools
 from exactrl.chat.parsing import StreamParser, parse_assistant_text
-from exactrl.chat.splice import MonotonicityError
-from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, token_fields,
-                                       until_done, usage)
+from exactrl.chat.splice import MonotonicityError, PromptTooLongError
+from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, stream_error,
+                                       token_fields, until_done, usage)
 from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, sampling_params
 
 
 class _ChatJob:
-    """A checked chat request: its prompt plan, parameters and generation."""
+    """A checked chat request: its prompt plan, parameters and generation. Made by `await _ChatJob.create(...)`."""
 
     def __init__(self, st, body: ChatCompletionRequest, session_id: str | None):
+        """The cheap checks, on the event loop (nothing is built for a request that fails them)."""
         self.st, self.body, self.session_id = st, body, session_id
         st.check_model(body.model)
-        stops = check_common(body)
+        self.stops = check_common(body, st.limits)
         try:
-            tools = validate_tools(body.tools)
+            self.tools = validate_tools(body.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tools", code="invalid_tools") from None
         try:
-            self.parse_tools = check_tool_choice(body.tool_choice, tools)
+            self.parse_tools = check_tool_choice(body.tool_choice, self.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise APIError(400, "response_format other than 'text' needs constrained decoding, not implemented",
                            param="response_format")
         self.top = self._check_logprobs(body)
+
+    @classmethod
+    async def create(cls, st, body: ChatCompletionRequest, session_id: str | None) -> "_ChatJob":
+        job = cls(st, body, session_id)
+        plan = await asyncio.to_thread(job._plan)  # template renders and tokenization: off the event loop
+        job._start(plan)
+        return job
+
+    def _plan(self):
+        st, body = self.st, self.body
         policy = body.monotonicity or st.config.monotonicity
         try:
-            self.plan = st.splicer.build(body.messages, tools, policy)
+            return st.splicer.build(body.messages, self.tools, policy, max_len=st.context_limit)
+        except PromptTooLongError as e:
+            raise APIError(400, f"This model's maximum context length is {e.limit} tokens, but the prompt has at "
+                                f"least {e.length} tokens", param="messages", code="context_length_exceeded") from None
         except MonotonicityError as e:
             st.count("chat/monotonicity_raise")
             raise APIError(400, str(e), param="messages", code="non_monotonic_history") from None
@@ -58,14 +77,18 @@ class _ChatJob:
             raise APIError(400, str(e), param="messages", code="inconsistent_token_fields") from None
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        st.count(f"chat/prompts_{self.plan.kind}")
-        if self.plan.kind in ("split", "truncate"):
-            st.count(f"chat/monotonicity_{self.plan.kind}")
-        st.count("chat/history_tokens_reused", self.plan.reused)
+
+    def _start(self, plan) -> None:
+        st, body = self.st, self.body
+        self.plan = plan
+        st.count(f"chat/prompts_{plan.kind}")
+        if plan.kind in ("split", "truncate"):
+            st.count(f"chat/monotonicity_{plan.kind}")
+        st.count("chat/history_tokens_reused", plan.reused)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = st.resolve_max_tokens(requested, len(self.plan.prompt_ids))
+        max_tokens = st.resolve_max_tokens(requested, len(plan.prompt_ids))
         self.params = sampling_params(body, max_tokens, st.stop_token_ids)
-        self.gen = Generation(st, self.plan.prompt_ids, self.params, stops, track_text=body.stream)
+        self.gen = Generation(st, plan.prompt_ids, self.params, self.stops, track_text=body.stream)
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     @staticmethod
@@ -113,7 +136,7 @@ class _ChatJob:
 
 
 async def chat_completions(st, body: ChatCompletionRequest, request: Request, session_id: str | None = None):
-    job = _ChatJob(st, body, session_id)
+    job = await _ChatJob.create(st, body, session_id)
     st.count("server/chat_requests")
     if body.stream:
         return StreamingResponse(_chat_stream(job, request), media_type="text/event-stream")
@@ -141,10 +164,10 @@ async def _chat_stream(job: _ChatJob, request: Request):
                 return  # leaving the generator aborts the engine request
             yield sse(chunk)
         completed = True
-    except APIError as e:  # the status line is already sent: the error goes in the stream
+    except Exception as e:  # the status line is already sent: the error goes in the stream, then [DONE]
         completed = True
-        st.count(f"server/errors_{e.status}")
-        yield sse(e.body())
+        yield stream_error(st, e)
+        yield "data: [DONE]\n\n"
         return
     finally:
         if not completed:  # the client went away (or the stream was cancelled when it did)

@@ -3,6 +3,11 @@
 Every choice carries `prompt_token_ids`, `generation_token_ids` and
 `generation_log_probs` next to OpenAI's fields; `logprobs=k` / `echo` are
 scored by one trainer-path forward after generation (`score_top_logprobs`).
+
+Streaming: with `echo` the first chunk carries each choice's prompt text; with
+`stream_options.include_usage` a usage chunk precedes `data: [DONE]`; an
+error after the status line is an in-stream `{"error": ...}` event, then
+`[DONE]`. Text prompts are tokenized in a worker thread (off the event loop).
 """
 from __future__ import annotations
 
@@ -13,12 +18,13 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, token_fields,
-                                       until_done)
+from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, stream_error,
+                                       token_fields, until_done)
 from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common, sampling_params
 
 
 def _prompts(st, prompt) -> list[list[int]]:
+    """Token ids of each prompt; ids are checked against the model's vocabulary (it may exceed the tokenizer's)."""
     if isinstance(prompt, str):
         prompts = [st.tokenizer.encode(prompt)]
     elif prompt and all(isinstance(p, str) for p in prompt):
@@ -29,7 +35,7 @@ def _prompts(st, prompt) -> list[list[int]]:
         prompts = [list(p) for p in prompt]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "prompt must be non-empty", param="prompt")
-    vocab = st.tokenizer.vocab_size
+    vocab = st.limits.vocab_size
     for p in prompts:
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
@@ -39,7 +45,7 @@ def _prompts(st, prompt) -> list[list[int]]:
 
 async def completions(st, body: CompletionRequest, request: Request, session_id: str | None = None):
     st.check_model(body.model)
-    stops = check_common(body)
+    stops = check_common(body, st.limits)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
@@ -49,7 +55,7 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
     if body.logprobs and body.stream:
         raise APIError(400, "logprobs > 0 is not available with stream=true (alternatives are recomputed after "
                             "generation)", param="logprobs")
-    prompts = _prompts(st, body.prompt)
+    prompts = await asyncio.to_thread(_prompts, st, body.prompt)
     gens = []
     for p in prompts:
         max_tokens = st.resolve_max_tokens(body.max_tokens if body.max_tokens is not None else 16, len(p))
@@ -70,11 +76,8 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
             choices.append({"index": k * body.n + c.index, "text": prompt_text + c.text,
                             "logprobs": await _completion_logprobs(st, body, g, c, prompt_text),
                             "finish_reason": c.finish_reason} | token_fields(g.prompt_ids, c))
-    usage = {"prompt_tokens": sum(len(g.prompt_ids) for g in gens),
-             "completion_tokens": sum(len(c.token_ids) for g in gens for c in g.choices)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                         "choices": choices, "usage": usage})
+                         "choices": choices, "usage": _usage(gens)})
 
 
 def _record(st, session_id, g: Generation) -> None:
@@ -109,22 +112,39 @@ async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, pr
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_dicts, "text_offset": offsets}
 
 
+def _usage(gens: list[Generation]) -> dict:
+    prompt = sum(len(g.prompt_ids) for g in gens)
+    completion = sum(len(c.token_ids) for g in gens for c in g.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 async def _completion_stream(st, body, gens: list[Generation], cid, created, request: Request, session_id):
     queue: asyncio.Queue = asyncio.Queue()
+
+    def chunk(choices: list[dict], **extra) -> str:
+        return sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                    "choices": choices} | extra)
 
     async def pump(k: int, g: Generation):
         try:
             async for changed in g.updates():
                 await queue.put((k, changed))
-        finally:
-            await queue.put((k, None))
+        except Exception as e:  # handed to the stream, which reports it
+            await queue.put((k, e))
+            return
+        await queue.put((k, None))
 
     tasks = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(gens)]
     completed = False
     try:
+        if body.echo:  # the prompt's text first, as in the JSON answer
+            yield chunk([{"index": k * body.n + c.index, "text": st.tokenizer.decode(g.prompt_ids),
+                          "logprobs": None, "finish_reason": None} for k, g in enumerate(gens) for c in g.choices])
         live = len(gens)
         while live:
             k, changed = await queue.get()
+            if isinstance(changed, Exception):
+                raise changed
             if changed is None:
                 live -= 1
                 continue
@@ -139,14 +159,17 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
                                 "finish_reason": c.finish_reason}
                                | (token_fields(g.prompt_ids, c) if c.done else {}))
             if out:
-                yield sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                            "choices": out})
-        for t in tasks:
-            t.result()  # re-raise an engine error
+                yield chunk(out)
         for g in gens:
             _record(st, session_id, g)
             st.count_generation(g.prompt_ids, g.choices)
         completed = True
+        if (body.stream_options or {}).get("include_usage"):
+            yield chunk([], usage=_usage(gens))
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # the status line is already sent: the error goes in the stream, then [DONE]
+        completed = True
+        yield stream_error(st, e)
         yield "data: [DONE]\n\n"
     finally:
         if not completed:

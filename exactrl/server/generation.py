@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ import torch
 from exactrl.kernels import sampling_logprobs
 from exactrl.model.logprobs import forward_logits
 from exactrl.server.schemas import APIError
+
+log = logging.getLogger("exactrl.server")
 
 
 @dataclass
@@ -164,6 +167,18 @@ def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
 # ---------------------------------------------------------------- shared by the endpoints
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def stream_error(st, e: Exception) -> str:
+    """The SSE event for an error raised after a stream's status line went out (OpenAI's error body).
+
+    Counted as an error of its status (500 for anything but an APIError), never as a client disconnect.
+    """
+    if not isinstance(e, APIError):
+        log.error("stream failed: %s: %s", type(e).__name__, e, exc_info=e)
+        e = APIError(500, f"internal error: {type(e).__name__}: {e}")
+    st.count(f"server/errors_{e.status}")
+    return sse(e.body())
 
 
 async def until_done(st, coro, request):

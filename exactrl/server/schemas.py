@@ -2,8 +2,15 @@
 
 Unknown fields are accepted and ignored, as OpenAI clients send fields a
 server may not know; fields that would change the sampling distribution
-(penalties, logit_bias) are rejected unless neutral, because the trainer could
-not reproduce the distribution the tokens were sampled from.
+(penalties, logit_bias, and the vLLM / SGLang extras in `DISTRIBUTION_EXTRAS`:
+repetition_penalty, min_p, min_tokens, allowed_token_ids, bad_words, guided_*,
+...) are rejected unless neutral, because the trainer could not reproduce the
+distribution the tokens were sampled from.
+
+Every numeric sampling field is checked here, against the served engine's
+limits (`EngineLimits`), before anything is built for the request: a value
+that reached the engine's shared step could fail every request in flight
+(a top_k beyond int64), and a huge n would build n per-choice objects.
 
 Extras beyond OpenAI's schema:
   top_k            keep the k most likely tokens (-1 off), as vLLM
@@ -15,9 +22,10 @@ Extras beyond OpenAI's schema:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from exactrl.engine import SamplingParams
 
@@ -47,7 +55,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     presence_penalty: float | None = None
@@ -70,7 +78,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # StrictInt: true/false are not token ids
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -88,14 +96,52 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63)  # int64, passed to the engine unchanged: distinct seeds draw distinct streams
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the served engine accepts; requests beyond it are refused before anything is built for them."""
+
+    max_n: int  # the engine's max_num_seqs: the n samples of a prompt run side by side
+    vocab_size: int  # the model's vocabulary (may exceed the tokenizer's: padded rows)
+
+
+# vLLM / SGLang sampling extras that change the distribution, with their neutral values: the trainer could not
+# reproduce the distribution they sample from, so anything else is refused (param names the field).
+DISTRIBUTION_EXTRAS: dict[str, tuple] = {
+    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "min_new_tokens": (None, 0), "typical_p": (None, 1, 1.0), "epsilon_cutoff": (None, 0, 0.0),
+    "eta_cutoff": (None, 0, 0.0), "top_a": (None, 0, 0.0), "tfs": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "logits_processors": (None, []), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+    "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "mirostat": (None, 0),
+    "custom_logit_processor": (None,),
+}
 
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def check_common(req: _Sampling) -> list[str]:
-    """Checks the fields every endpoint shares; returns the stop strings."""
+def _is_neutral(value, neutral: tuple) -> bool:
+    for v in neutral:
+        if v is None or isinstance(v, bool):
+            if value is v:
+                return True
+        elif not isinstance(value, bool) and value == v:
+            return True
+    return False
+
+
+def check_common(req: _Sampling, limits: EngineLimits) -> list[str]:
+    """Checks the fields every endpoint shares against the engine's limits; returns the stop strings."""
+    for name, value in (req.model_extra or {}).items():
+        if name in DISTRIBUTION_EXTRAS and not _is_neutral(value, DISTRIBUTION_EXTRAS[name]):
+            raise _bad(name, f"{name}={value!r} is not supported: it changes the sampling distribution, which the "
+                             f"trainer could not reproduce (omit it or send its neutral value)")
     if req.presence_penalty or req.frequency_penalty:
         raise _bad("presence_penalty" if req.presence_penalty else "frequency_penalty",
                    "presence/frequency penalties are not supported: the trainer could not reproduce the "
@@ -106,12 +152,16 @@ def check_common(req: _Sampling) -> list[str]:
         raise _bad("temperature", f"temperature must be in [0, 2], got {req.temperature}")
     if req.top_p is not None and not 0 < req.top_p <= 1:
         raise _bad("top_p", f"top_p must be in (0, 1], got {req.top_p}")
-    if req.top_k is not None and (req.top_k == 0 or req.top_k < -1):
-        raise _bad("top_k", f"top_k must be -1 (off) or >= 1, got {req.top_k}")
-    if req.n < 1:
-        raise _bad("n", f"n must be >= 1, got {req.n}")
-    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise _bad("seed", "seed must fit in 64 bits")
+    if req.top_k is not None and not (req.top_k == -1 or 1 <= req.top_k <= limits.vocab_size):
+        raise _bad("top_k", f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the model's vocabulary), "
+                            f"got {req.top_k}")
+    if not 1 <= req.n <= limits.max_n:
+        raise _bad("n", f"n must be in [1, {limits.max_n}] (the engine's max_num_seqs), got {req.n}")
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
+        raise _bad("seed", f"seed must be a 64-bit signed integer in [-2**63, 2**63), got {req.seed}")
+    bad = [t for t in req.stop_token_ids or [] if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise _bad("stop_token_ids", f"stop_token_ids holds {bad[0]}, not a token id in [0, {limits.vocab_size})")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}")
@@ -122,6 +172,9 @@ def check_common(req: _Sampling) -> list[str]:
     return stops
 
 
+_PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "n", "seed", "stop_token_ids")
+
+
 def sampling_params(req: _Sampling, max_tokens: int, stop_ids: list[int]) -> SamplingParams:
     """The engine's parameters for a checked request (max_tokens already resolved)."""
     extra = list(req.stop_token_ids or [])
@@ -129,7 +182,8 @@ def sampling_params(req: _Sampling, max_tokens: int, stop_ids: list[int]) -> Sam
         return SamplingParams(
             temperature=float(1.0 if req.temperature is None else req.temperature),
             top_p=float(1.0 if req.top_p is None else req.top_p), top_k=-1 if req.top_k is None else req.top_k,
-            max_tokens=max_tokens, n=req.n, seed=None if req.seed is None else req.seed % 2**63,
+            max_tokens=max_tokens, n=req.n, seed=req.seed,
             stop_token_ids=extra + ([] if req.ignore_eos else list(stop_ids)), ignore_eos=req.ignore_eos)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # SamplingParams' messages start with the field's name
+        field = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=field if field in _PARAMS else None) from None

@@ -1,0 +1,293 @@
+"""Requests that used to take the server down, fail other clients' requests or lose exact tokens: each is
+refused up front with a 400 naming its field, or now works; streams end with an error event and [DONE]."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import make_hf_model
+from exactrl.engine import SamplingParams
+from exactrl.server.app import ServerThread, build_state, create_app
+from serving import check_turns, model_dir, served
+
+MSGS = [{"role": "user", "content": "hello"}]
+
+
+def post(path: str, url: str | None = None, **kw) -> httpx.Response:
+    return httpx.post((url or served().url) + path, timeout=60, **kw)
+
+
+def error_of(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def chat(**kw) -> dict:
+    return {"model": served().model, "messages": MSGS} | kw
+
+
+def events(r: httpx.Response) -> list:
+    """The SSE payloads of a stream: dicts, and the string "[DONE]"."""
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+# ---------------------------------------------------------------- 1. n
+@pytest.mark.parametrize("n", [10**30, 2**63, 65, 1000])
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_beyond_the_engine_is_400_naming_n_before_anything_is_built(n, stream):
+    s = served()
+    t0 = time.time()
+    err = error_of(post("/v1/chat/completions", json=chat(n=n, max_tokens=1, stream=stream)))
+    assert err["param"] == "n" and "max_num_seqs" in err["message"]
+    err = error_of(post("/v1/completions", json={"model": s.model, "prompt": "hi", "n": n, "max_tokens": 1,
+                                                 "stream": stream}))
+    assert err["param"] == "n"
+    assert time.time() - t0 < 10
+
+
+# ---------------------------------------------------------------- 2. top_k and the shared engine step
+@pytest.mark.parametrize("top_k", [10**30, 2**63, 2**63 - 1, 513])
+def test_top_k_beyond_the_vocabulary_is_400_naming_top_k(top_k):
+    s = served()
+    err = error_of(post("/v1/chat/completions", json=chat(top_k=top_k, max_tokens=1)))
+    assert err["param"] == "top_k" and "512" in err["message"]
+    err = error_of(post("/v1/completions", json={"model": s.model, "prompt": "hi", "top_k": top_k, "max_tokens": 1}))
+    assert err["param"] == "top_k"
+
+
+def test_top_k_equal_to_the_vocabulary_is_accepted():
+    r = post("/v1/chat/completions", json=chat(top_k=512, max_tokens=2))
+    assert r.status_code == 200, r.text
+
+
+def test_sampling_params_refuse_values_that_cannot_reach_the_step():
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**63)
+    for seed in (2**63, -(2**63) - 1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+    SamplingParams(top_k=2**63 - 1, seed=-(2**63))
+    SamplingParams(seed=2**63 - 1)
+
+
+def test_a_bad_request_does_not_fail_requests_in_flight():
+    s = served()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            victim = asyncio.ensure_future(c.post(s.url + "/v1/chat/completions", json=chat(
+                max_tokens=200, ignore_eos=True, seed=5)))
+            await asyncio.sleep(0.3)
+            bad = await c.post(s.url + "/v1/chat/completions", json=chat(max_tokens=2, top_k=10**30))
+            return await victim, bad
+
+    victim, bad = asyncio.run(run())
+    assert error_of(bad)["param"] == "top_k"
+    assert victim.status_code == 200, victim.text
+    assert len(victim.json()["choices"][0]["message"]["generation_token_ids"]) == 200
+
+
+# ---------------------------------------------------------------- 3. model vocabulary > tokenizer vocabulary
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """A server whose model has 600 rows for the tokenizer's 512 ids (as Qwen's checkpoints pad theirs)."""
+    d = tmp_path_factory.mktemp("padded-vocab")
+    for f in model_dir().iterdir():
+        if "token" in f.name or f.name.endswith(".jinja") or f.name == "vocab.json" or f.name == "merges.txt":
+            shutil.copy(f, d / f.name)
+    tok = served().tokenizer
+    make_hf_model(d, "qwen3", seed=1, vocab_size=600, eos_token_id=tok.end_of_turn_id, pad_token_id=tok.pad_token_id)
+    state = build_state(str(d), kv_budget_tokens=4096)
+    thread = ServerThread(create_app(state)).start()
+    yield thread.url, state
+    thread.stop()
+
+
+def test_padded_vocabulary_ids_are_served_and_accepted_back(padded):
+    url, state = padded
+    r = post("/v1/chat/completions", url, json={"model": state.config.model_name, "messages": MSGS, "n": 8,
+                                                "max_tokens": 16, "seed": 0, "logprobs": True, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choice = next(c for c in r.json()["choices"] if max(c["message"]["generation_token_ids"]) >= 512)
+    msg = choice["message"]
+    for t, entry in zip(msg["generation_token_ids"], choice["logprobs"]["content"]):
+        if t >= 512:
+            assert entry["bytes"] == [] and entry["token"] == ""
+    follow = [MSGS[0], msg, {"role": "user", "content": "more"}]
+    r2 = post("/v1/chat/completions", url, json={"model": state.config.model_name, "messages": follow,
+                                                 "max_tokens": 2})
+    assert r2.status_code == 200, r2.text
+    hist = msg["prompt_token_ids"] + msg["generation_token_ids"]
+    assert r2.json()["choices"][0]["message"]["prompt_token_ids"][:len(hist)] == hist
+    r3 = post("/v1/completions", url, json={"model": state.config.model_name, "prompt": [5, 590, 599],
+                                            "max_tokens": 2, "logprobs": 2, "echo": True})
+    assert r3.status_code == 200, r3.text
+    assert error_of(post("/v1/completions", url, json={"model": state.config.model_name, "prompt": [600],
+                                                       "max_tokens": 2}))["param"] == "prompt"
+
+
+# ---------------------------------------------------------------- 4. prompt building off the event loop
+def test_prompt_is_built_off_the_event_loop(monkeypatch):
+    s = served()
+    threads = []
+    build = s.state.splicer.build
+
+    def spy(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return build(*a, **kw)
+
+    monkeypatch.setattr(s.state.splicer, "build", spy)
+    assert post("/v1/chat/completions", json=chat(max_tokens=1)).status_code == 200
+    assert threads and threads[0] != "exactrl-http"
+
+
+def test_a_conversation_beyond_the_context_is_refused_before_its_history_is_checked():
+    bogus = {"role": "assistant", "content": "x", "prompt_token_ids": [5], "generation_token_ids": [6],
+             "generation_log_probs": [-1.0]}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 200 + [bogus, MSGS[0]]
+    err = error_of(post("/v1/chat/completions", json=chat(messages=msgs, max_tokens=1)))
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+
+
+# ---------------------------------------------------------------- 5. errors inside a stream
+@pytest.fixture
+def failing_step(monkeypatch):
+    """The engine's next step raises (as a kernel bug would); later steps run normally."""
+    engine = served().state.engine
+    real = engine.step
+
+    def step():
+        monkeypatch.setattr(engine, "step", real)
+        raise RuntimeError("injected step failure")
+
+    def arm():
+        monkeypatch.setattr(engine, "step", step)
+    return arm
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_engine_failure_in_a_stream_is_an_error_event_then_done(path, failing_step):
+    s = served()
+    body = chat(max_tokens=8, stream=True) if "chat" in path else {
+        "model": s.model, "prompt": "hello", "max_tokens": 8, "stream": True}
+    before = httpx.get(s.url + "/metrics").json()
+    failing_step()
+    with httpx.stream("POST", s.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        got = events(r)
+    assert got[-1] == "[DONE]"
+    err = got[-2]["error"]
+    assert "injected step failure" in err["message"] and err["type"] == "internal_error"
+    after = httpx.get(s.url + "/metrics").json()
+    assert after.get("server/client_disconnects", 0) == before.get("server/client_disconnects", 0)
+    assert after["server/errors_500"] == before.get("server/errors_500", 0) + 1
+    assert post(path, json=body | {"stream": False}).status_code == 200  # still serving
+
+
+# ---------------------------------------------------------------- 6. ignore_eos generations in multi-turn chat
+@pytest.mark.parametrize("policy", ["raise", "split", "truncate"])
+def test_generation_holding_end_of_turn_tokens_splices_exactly(policy):
+    s = served()
+    tok = s.tokenizer
+    client = s.client()
+    r = client.chat.completions.create(model=s.model, messages=MSGS, max_tokens=200, n=16, seed=3,
+                                       extra_body={"ignore_eos": True})
+    pick = next(c.message for c in r.choices if tok.end_of_turn_id in c.message.generation_token_ids[:-1])
+    msg = pick.model_dump(exclude_none=True)
+    follow = [MSGS[0], msg, {"role": "user", "content": "more"}]
+    r2 = client.chat.completions.create(model=s.model, messages=follow, max_tokens=3, seed=0,
+                                        extra_body={"monotonicity": policy})
+    assert r2.choices[0].message.prompt_token_ids[:len(pick.prompt_token_ids) + 200] == (
+        pick.prompt_token_ids + pick.generation_token_ids)
+    check_turns(tok, [pick, r2.choices[0].message])
+
+
+# ---------------------------------------------------------------- 7. /v1/completions streaming options
+def test_completion_stream_echo_and_usage_match_the_json_answer():
+    s = served()
+    body = {"model": s.model, "prompt": ["hello world", "the quick"], "max_tokens": 5, "seed": 0, "echo": True,
+            "n": 2}
+    js = post("/v1/completions", json=body).json()
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                      json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+        got = events(r)
+    assert got[-1] == "[DONE]" and got[-2]["choices"] == [] and got[-2]["usage"] == js["usage"]
+    texts = {}
+    for e in got[:-2]:
+        assert "usage" not in e
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {c["index"]: c["text"] for c in js["choices"]}
+    assert all(t.startswith(p) for t, p in zip(texts.values(), ["hello world"] * 2 + ["the quick"] * 2))
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json=body | {"stream": True}) as r:
+        assert all("usage" not in e for e in events(r) if e != "[DONE]")
+
+
+# ---------------------------------------------------------------- 8. extras that change the distribution
+@pytest.mark.parametrize("field, value", [
+    ("repetition_penalty", 2.0), ("min_p", 0.9), ("min_tokens", 50), ("allowed_token_ids", [5]),
+    ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("use_beam_search", True),
+    ("structured_outputs", {"json": {}}), ("typical_p", 0.5), ("min_p", True),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_distribution_changing_extras_are_400_naming_the_field(field, value, path):
+    s = served()
+    body = chat(max_tokens=1) if "chat" in path else {"model": s.model, "prompt": "hi", "max_tokens": 1}
+    err = error_of(post(path, json=body | {field: value}))
+    assert err["param"] == field and field in err["message"]
+
+
+def test_neutral_extras_are_accepted():
+    r = post("/v1/chat/completions", json=chat(max_tokens=1, repetition_penalty=1.0, min_p=0, min_tokens=0,
+                                              allowed_token_ids=None, bad_words=[], use_beam_search=False))
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- 9. seeds, messages, bools
+def test_distinct_seeds_draw_distinct_samples_and_out_of_range_seeds_are_400():
+    def tokens(seed):
+        r = post("/v1/chat/completions", json=chat(max_tokens=12, seed=seed, ignore_eos=True))
+        return r.json()["choices"][0]["message"]["generation_token_ids"]
+
+    assert tokens(-(2**63)) != tokens(0)
+    assert tokens(2**63 - 1) != tokens(-1)
+    assert tokens(-(2**63)) == tokens(-(2**63))
+    for seed in (2**63, 2**64 - 1, -(2**63) - 1):
+        assert error_of(post("/v1/chat/completions", json=chat(max_tokens=1, seed=seed)))["param"] == "seed"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (None, None, ["body is empty"]),
+    ({"prompt": [1, "x"]}, "prompt", ["prompt must be one of", "[1, 'x']"]),
+    ({"prompt": [True, False]}, "prompt", ["prompt must be one of"]),
+    ({"prompt": [[1, True]]}, "prompt", ["prompt"]),
+    ({"prompt": "hi", "n": None}, "n", ["invalid n", "None"]),
+    ({"prompt": "hi", "temperature": 1e-6}, "temperature", ["temperature"]),
+    ({"prompt": "hi", "n": 100}, "n", ["n must be"]),
+    ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids", ["stop_token_ids"]),
+    ({"prompt": "hi", "stop_token_ids": [512]}, "stop_token_ids", ["stop_token_ids"]),
+])
+def test_error_messages_name_the_field(body, param, words):
+    s = served()
+    r = post("/v1/completions", content=b"", headers={"content-type": "application/json"}) if body is None else \
+        post("/v1/completions", json={"model": s.model, "max_tokens": 1} | body)
+    err = error_of(r)
+    assert err["param"] == param
+    for w in words:
+        assert w in err["message"], err["message"]
+
+
+def test_tool_choice_of_the_wrong_type_names_tool_choice():
+    err = error_of(post("/v1/chat/completions", json=chat(tool_choice=5)))
+    assert err["param"] == "tool_choice" and "tool_choice" in err["message"]
