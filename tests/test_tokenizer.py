@@ -4,7 +4,6 @@ one end-of-turn token per message."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -47,9 +46,7 @@ EXPECTED_TOOLS_CHAT = (
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
-    t0 = time.perf_counter()
     build_tokenizer(out, default_tokenizer_corpus([ArithmeticTask(), CountdownTask()], 500, seed=0), vocab_size=384)
-    assert time.perf_counter() - t0 < 10.0
     return out
 
 

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import socket
-import time
 
 import httpx
 import pytest
@@ -338,10 +337,9 @@ def test_http_errors_carry_the_servers_message(fake_url, exact_server):
 
 
 def test_timeouts_and_unreachable_servers_are_errors(fake_url):
-    t0 = time.perf_counter()
+    # the slow server answers after 2 s: this error can only come from the 0.3 s timeout
     with pytest.raises(ExternalEngineError, match=r"no answer within rollout_backend.timeout_s=0.3s"):
         fake(fake_url, "slow", timeout_s=0.3).generate([[1, 2]], SamplingParams(max_tokens=1))
-    assert time.perf_counter() - t0 < 2.0
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -173,7 +173,6 @@ def _long_request(stream: bool) -> dict:
 def test_client_disconnect_aborts_generation(stream):
     s = served()
     before = _wait_idle(s.url)
-    t0 = time.time()
     if stream:
         with httpx.stream("POST", s.url + "/v1/chat/completions", json=_long_request(True), timeout=60) as r:
             lines = r.iter_lines()
@@ -189,4 +188,4 @@ def test_client_disconnect_aborts_generation(stream):
     assert generated == 0  # nothing was completed (8 x 480 tokens would have been)
     # the server is still up and serving
     r = s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=3)
-    assert r.choices[0].message.generation_token_ids and time.time() - t0 < 30
+    assert r.choices[0].message.generation_token_ids

@@ -6,7 +6,6 @@ import asyncio
 import json
 import shutil
 import threading
-import time
 
 import httpx
 import openai
@@ -46,14 +45,12 @@ def events(r: httpx.Response) -> list:
 @pytest.mark.parametrize("n", [10**30, 2**63, 65, 1000])
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_beyond_the_engine_is_400_naming_n_before_anything_is_built(n, stream):
-    s = served()
-    t0 = time.time()
+    s = served()  # a request for 10**30 samples once grew the server to 24 GB before the engine refused it
     err = error_of(post("/v1/chat/completions", json=chat(n=n, max_tokens=1, stream=stream)))
     assert err["param"] == "n" and "max_num_seqs" in err["message"]
     err = error_of(post("/v1/completions", json={"model": s.model, "prompt": "hi", "n": n, "max_tokens": 1,
                                                  "stream": stream}))
     assert err["param"] == "n"
-    assert time.time() - t0 < 10
 
 
 # ---------------------------------------------------------------- 2. top_k and the shared engine step
