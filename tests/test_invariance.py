@@ -41,7 +41,8 @@ def wide_dir(tmp_path_factory):
 # batched-matmul path: (64, 96), (256, 768), (100, 33), (48, 4700) (column blocks, ragged last);
 # oneDNN path (K x N >= ONEDNN_MIN_WEIGHT): (96, 4700), (512, 768), (2048, 768) (in fp32 here, a one-row
 # product of this shape takes another kernel than a tile: `short_rows` pads it)
-@pytest.mark.parametrize("K,N", [(64, 96), (256, 768), (100, 33), (48, 4700), (96, 4700), (512, 768), (2048, 768)])
+@pytest.mark.parametrize("K,N", [(64, 96), (256, 768), (100, 33), (48, 4700), (96, 4700), (512, 768), (2048, 768),
+                                 (64, 1), (7, 2)])  # 1 output: a matrix-vector product (a value head)
 def test_exact_linear_row_invariant(dtype, K, N):
     g = torch.Generator().manual_seed(K)
     W, X = torch.randn(N, K, generator=g).to(dtype), torch.randn(300, K, generator=g).to(dtype)
@@ -216,6 +217,16 @@ def test_parity_exact_passes_and_fast_names_first_op(models):
     assert all(r.exact for r in run_parity(models[("exact", "float32")], length=50))
     bad = [r for r in run_parity(models[("fast", "float32")], length=50) if not r.exact]
     assert bad and all(r.first_divergent_op and r.first_divergent_op.startswith("model.") for r in bad)
+
+
+def test_parity_fits_every_sequence_in_the_context(tmp_path):
+    """The companion sequences of the batch checks once ran past max_position_embeddings (a crash)."""
+    from conftest import make_hf_model
+
+    make_hf_model(tmp_path, "qwen3", max_position_embeddings=64)
+    model = exactrl.load_model(tmp_path)
+    for seed in range(4):
+        assert all(r.exact for r in run_parity(model, length=80, seed=seed))
 
 
 def test_parity_cli_exit_codes(qwen3_dir, capsys):

@@ -55,6 +55,7 @@ def test_truncated_safetensors(damaged, keep):
 
 
 def test_sharded_index_problems(damaged):
+    (damaged / "model.safetensors").rename(damaged / "model-00001-of-00002.safetensors")  # a sharded layout
     index = damaged / "model.safetensors.index.json"
     index.write_text("{")
     with pytest.raises(ValueError, match="index.json is not valid JSON"):
@@ -65,6 +66,39 @@ def test_sharded_index_problems(damaged):
     index.write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(ValueError, match=r"shard files that are not in .*model-00002-of-00002"):
         exactrl.load_model(damaged)
+
+
+def test_saving_over_a_sharded_checkpoint_replaces_it(qwen3_dir, tmp_path):
+    import torch
+    import transformers
+
+    d = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir).save_pretrained(d, max_shard_size="50KB")
+    assert (d / "model.safetensors.index.json").is_file()
+    m = exactrl.load_model(d)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2.0)
+    exactrl.save_model(m, d)
+    assert sorted(f.name for f in d.glob("*.safetensors*")) == ["model.safetensors"]
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), exactrl.load_model(d).parameters()))
+    shutil.copy(d / "model.safetensors", d / "shard-1.safetensors")  # both layouts present: which one is current?
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "shard-1.safetensors"}}))
+    with pytest.raises(ValueError, match="holds both model.safetensors and a sharded checkpoint"):
+        exactrl.load_model(d)
+
+
+def test_legacy_rotary_inv_freq_buffers_are_skipped(qwen3_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(qwen3_dir, d)
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    ref = exactrl.load_model(qwen3_dir)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), exactrl.load_model(d).parameters()))
 
 
 def test_server_names_a_bad_model_path(tmp_path):

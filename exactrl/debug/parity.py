@@ -139,7 +139,8 @@ def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckRe
     V = model.config.vocab_size
     length = min(length, model.config.max_position_embeddings)
     target = [rng.randrange(V) for _ in range(length)]
-    others = [[rng.randrange(V) for _ in range(rng.randint(1, length + 17))] for _ in range(3)]
+    longer = min(length + 17, model.config.max_position_embeddings)  # companions fit the context too
+    others = [[rng.randrange(V) for _ in range(rng.randint(1, longer))] for _ in range(3)]
     short = target[:3]
     longest = max(len(o) for o in others + [target])
     checks = [

@@ -97,8 +97,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
         eos = cfg.hf.get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self._check_ids("the model's config.json eos_token_id", eos)
+        self._check_ids("stop_token_ids", sorted(frozenset(stop_token_ids or ())))
         self.stop_token_ids = frozenset(eos) | frozenset(stop_token_ids or ())
-        self._check_ids("stop_token_ids", sorted(self.stop_token_ids))
         self.version = 0  # incremented by every update_weights
         # oneDNN-packed copies of the large weights (kernels/linear.py), valid until update_weights
         self._packed = PackedWeights()
@@ -191,7 +192,10 @@ class Engine:
         """Blocking: outs[k][j] is sample j of prompt k.
 
         `on_step` runs before every engine step, on this thread: the place for
-        in-flight weight updates (`update_weights` between two steps).
+        in-flight weight updates (`update_weights` between two steps). If a step
+        raises (e.g. NonFiniteLogitsError, or on_step itself), every request of
+        this call is aborted before the error propagates; requests added by others
+        (`add_request`) keep running.
         """
         params = SamplingParams() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -205,16 +209,21 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         mine = set(ids)
         done: dict[str, list[Completion]] = {}
-        while len(done) < len(ids):
-            if on_step is not None:
-                on_step()
-            for req in self._step():
-                if req.finished:
-                    out = self._output(req)
-                    if req.request_id in mine:
-                        done[req.request_id] = out.completions
-                    else:
-                        self._unclaimed.append(out)
+        try:
+            while len(done) < len(ids):
+                if on_step is not None:
+                    on_step()
+                for req in self._step():
+                    if req.finished:
+                        out = self._output(req)
+                        if req.request_id in mine:
+                            done[req.request_id] = out.completions
+                        else:
+                            self._unclaimed.append(out)
+        except BaseException:  # the caller gets no ids to claim the rest with: they must not run on unseen
+            for i in ids:
+                self.abort(i)
+            raise
         return [done[i] for i in ids]
 
     def _step(self) -> list[Request]:

@@ -152,6 +152,8 @@ def _bmm_product(x_tTK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """ONE batched matmul over (tiles, rows, K), the weight broadcast along the batch, in fp32: [t, rows, N]."""
     n_tiles, rows, k = x_tTK.shape
     n = w_NK.shape[0]
+    if n == 1:  # a one-column product is a matrix-vector one, whose kernel changes with the rows: pad to 2
+        return _bmm_product(x_tTK, F.pad(w_NK, (0, 0, 0, 1)))[:, :, :1]
     w_KN = w_NK.float().t()
     if n <= SPLIT_ABOVE:
         return torch.bmm(x_tTK, w_KN.unsqueeze(0).expand(n_tiles, k, n))

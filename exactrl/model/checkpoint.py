@@ -54,6 +54,9 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
+    if index.is_file() and (path / "model.safetensors").is_file():  # which one is current? refuse to guess
+        raise ValueError(f"{path!s} holds both model.safetensors and a sharded checkpoint "
+                         f"(model.safetensors.index.json): remove the stale one")
     if index.is_file():
         weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -114,6 +117,8 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
                 for name in sf.keys():
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # tied: the embedding is the head
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue  # older checkpoints saved RoPE's buffer; it is recomputed from the config
                     if name not in params:
                         raise ValueError(f"unexpected tensor {name!r} in {f.name} for a {cfg.model_type} model")
                     t = sf.get_tensor(name)
@@ -129,6 +134,21 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
     return model
 
 
+def _remove_shards(path: Path) -> None:
+    """Deletes a sharded checkpoint's index and the shard files it names."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (json.JSONDecodeError, AttributeError):
+        shards = set()
+    for name in shards:
+        if isinstance(name, str) and Path(name).name == name and name != "model.safetensors":
+            (path / name).unlink(missing_ok=True)
+    index.unlink()
+
+
 def save_model(model: CausalLM, path: str | Path) -> None:
     """Writes config.json + model.safetensors in the Hugging Face layout."""
     path = Path(path)
@@ -136,5 +156,6 @@ def save_model(model: CausalLM, path: str | Path) -> None:
     cfg = model.config.to_hf()
     cfg["torch_dtype"] = cfg["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[model.dtype]
     tensors = {n: p.detach().contiguous().clone() for n, p in model.named_parameters()}
+    _remove_shards(path)  # saving over a sharded checkpoint: its index would otherwise win at load
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))

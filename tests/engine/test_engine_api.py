@@ -69,6 +69,37 @@ def test_bad_request_is_rejected_and_engine_keeps_serving(model, prompt, params,
     assert all_pages_free(engine)
 
 
+def test_a_generate_that_raises_leaves_none_of_its_requests_behind(model, monkeypatch):
+    """NaN logits for one prompt: generate raises, and its other prompt does not run on unseen."""
+    import exactrl.engine.engine as engine_mod
+
+    engine = Engine(model)
+    real, calls = engine_mod.row_logprobs, []
+
+    def poisoned(logits, rows):
+        out = real(logits, rows)
+        calls.append(1)
+        if len(calls) == 2:
+            out[0] = float("nan")
+        return out
+    monkeypatch.setattr(engine_mod, "row_logprobs", poisoned)
+    with pytest.raises(engine_mod.NonFiniteLogitsError):
+        engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.num_pages
+    monkeypatch.setattr(engine_mod, "row_logprobs", real)
+    assert engine.generate([[9, 9]], SamplingParams(max_tokens=2, ignore_eos=True))[0][0].token_ids
+    assert engine.step() == []  # nothing was left to deliver
+
+
+def test_an_eos_id_outside_the_vocabulary_names_config_json(model):
+    import copy
+
+    bad = copy.deepcopy(model)
+    bad.config.hf["eos_token_id"] = [5, V + 89]
+    with pytest.raises(ValueError, match="config.json eos_token_id holds 300"):
+        Engine(bad)
+
+
 def test_kv_budget_and_duplicate_id_rejected(model):
     engine = Engine(model, kv_budget_tokens=64)
     with pytest.raises(ValueError, match="kv_budget_tokens"):
