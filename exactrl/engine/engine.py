@@ -95,9 +95,8 @@ class Engine:
         # kv_budget_tokens: KV memory in tokens, allocated once (rounded up to whole pages)
         self.pool = PagePool(model, -(-kv_budget_tokens // model.block_size))
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)
-        eos = cfg.hf.get("eos_token_id")
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        self._check_ids("the model's config.json eos_token_id", eos)
+        eos = cfg.eos_token_ids
+        self._check_ids("the model's eos_token_id (config.json / generation_config.json)", eos)
         self._check_ids("stop_token_ids", sorted(frozenset(stop_token_ids or ())))
         self.stop_token_ids = frozenset(eos) | frozenset(stop_token_ids or ())
         self.version = 0  # incremented by every update_weights

@@ -47,9 +47,13 @@ def read_config(path: str | Path) -> ModelConfig:
         raise ValueError(f"no config.json in model directory {path!s}")
     hf = _read_json_object(p)
     try:
-        return ModelConfig.from_hf(hf)
+        cfg = ModelConfig.from_hf(hf)
     except ValueError as e:  # from_hf knows the keys, not the file
         raise ValueError(f"model directory {path!s}: {e}") from None
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        cfg.generation = _read_json_object(gen)
+    return cfg
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -159,3 +163,5 @@ def save_model(model: CausalLM, path: str | Path) -> None:
     _remove_shards(path)  # saving over a sharded checkpoint: its index would otherwise win at load
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if model.config.generation:
+        (path / "generation_config.json").write_text(json.dumps(model.config.generation, indent=2))

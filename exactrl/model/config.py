@@ -33,6 +33,19 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # Qwen3's RMSNorm over head_dim on q and k, before RoPE
     hf: dict[str, Any] = field(default_factory=dict)  # the original config.json, kept for saving
+    generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json if any, kept for saving
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids of config.json and generation_config.json together (chat checkpoints such as
+        Qwen2.5-Instruct or Llama 3 list their end-of-turn ids in the second only)."""
+        out: list[int] = []
+        for where in (self.hf, self.generation):
+            eos = where.get("eos_token_id")
+            for t in [] if eos is None else eos if isinstance(eos, list) else [eos]:
+                if t not in out:
+                    out.append(t)
+        return out
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":

@@ -96,8 +96,23 @@ def test_an_eos_id_outside_the_vocabulary_names_config_json(model):
 
     bad = copy.deepcopy(model)
     bad.config.hf["eos_token_id"] = [5, V + 89]
-    with pytest.raises(ValueError, match="config.json eos_token_id holds 300"):
+    with pytest.raises(ValueError, match=r"eos_token_id \(config.json / generation_config.json\) holds 300"):
         Engine(bad)
+
+
+def test_eos_ids_of_generation_config_json_stop_too_and_are_saved(qwen3_dir, tmp_path):
+    """Chat checkpoints (Qwen2.5-Instruct, Llama 3) list end-of-turn ids in generation_config.json only."""
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(qwen3_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "temperature": 0.7}))
+    m = exactrl.load_model(d)
+    assert {7, 9} <= Engine(m).stop_token_ids
+    assert not {7, 9} & Engine(exactrl.load_model(qwen3_dir)).stop_token_ids
+    exactrl.save_model(m, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "generation_config.json").read_text())["eos_token_id"] == [7, 9]
 
 
 def test_kv_budget_and_duplicate_id_rejected(model):
