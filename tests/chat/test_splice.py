@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chat_helpers import tokenizer
 from exactrl.chat.messages import InconsistentTokenFieldsError
 from exactrl.chat.parsing import parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, Splicer
@@ -30,6 +31,16 @@ def turn(tok, prompt: list[int], gen: list[int], eot: bool = True, **fields_over
     msg = parse_assistant_text(text).to_message()
     msg |= {"prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-0.5] * len(gen)}
     return msg | fields_override
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.fixture(scope="module")
+def sp(tok):
+    return Splicer(tok)
 
 
 def test_fresh_prompt_is_the_template(tok, sp):
