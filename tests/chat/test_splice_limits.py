@@ -8,22 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chat_helpers import tokenizer
 from exactrl.chat.messages import InconsistentTokenFieldsError
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError, Splicer
-from test_splice import USER, SYSTEM, byte_tokens, turn
+from test_splice import SYSTEM, USER, byte_tokens, sp, tok, turn  # noqa: F401 (sp, tok: fixtures)
 
 FOLLOW = {"role": "user", "content": "more"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
-
-
-@pytest.fixture(scope="module")
-def sp(tok):
-    return Splicer(tok)
 
 
 @pytest.mark.parametrize("eot", [True, False])
