@@ -69,20 +69,28 @@ def test_bad_request_is_rejected_and_engine_keeps_serving(model, prompt, params,
     assert all_pages_free(engine)
 
 
+def _poison_first_row(monkeypatch, at_call: int):
+    """Makes the engine's `at_call`-th sampling call return NaN for its first row; returns the real function."""
+    import exactrl.engine.engine as engine_mod
+
+    real, calls = engine_mod.row_logprobs, []
+
+    def poisoned(logits_RV, rows):
+        lp = real(logits_RV, rows)
+        calls.append(1)
+        if len(calls) == at_call:
+            lp[0] = float("nan")
+        return lp
+    monkeypatch.setattr(engine_mod, "row_logprobs", poisoned)
+    return real
+
+
 def test_a_generate_that_raises_leaves_none_of_its_requests_behind(model, monkeypatch):
     """NaN logits for one prompt: generate raises, and its other prompt does not run on unseen."""
     import exactrl.engine.engine as engine_mod
 
     engine = Engine(model)
-    real, calls = engine_mod.row_logprobs, []
-
-    def poisoned(logits, rows):
-        out = real(logits, rows)
-        calls.append(1)
-        if len(calls) == 2:
-            out[0] = float("nan")
-        return out
-    monkeypatch.setattr(engine_mod, "row_logprobs", poisoned)
+    real = _poison_first_row(monkeypatch, at_call=2)
     with pytest.raises(engine_mod.NonFiniteLogitsError):
         engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=20, ignore_eos=True))
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.num_pages
@@ -209,21 +217,11 @@ def test_smallest_temperature_is_finite_and_exact(model):
 
 def test_non_finite_logits_abort_only_their_request_and_the_rest_is_exact(model, monkeypatch):
     """A row that cannot be sampled (NaN) fails its request alone; the step's other work is redone, bits unchanged."""
-    import exactrl.engine.engine as engine_mod
-
     prompts, params = [[3, 4, 5], [9, 8, 7, 6]], SamplingParams(max_tokens=5, seed=1, ignore_eos=True)
     want = Engine(model).generate(prompts, params)
     engine = Engine(model)
     ids = [engine.add_request(p, params) for p in prompts]
-    real, calls = engine_mod.row_logprobs, []
-
-    def poisoned(logits_RV, rows):  # the third sampling call: the first request's row turns NaN
-        lp = real(logits_RV, rows)
-        calls.append(1)
-        if len(calls) == 3:
-            lp[0] = float("nan")
-        return lp
-    monkeypatch.setattr(engine_mod, "row_logprobs", poisoned)
+    _poison_first_row(monkeypatch, at_call=3)  # the third sampling call: the first request's row turns NaN
     outs, raised = {}, []
     while engine.has_unfinished():
         try:
