@@ -13,7 +13,7 @@ Sessions (agent rollouts for training): the same two POST routes under
 `/sessions/{session_id}/v1/…` record every completion of the session as
 token-level trajectories with loss masks (`exactrl.chat.trajectory`);
   GET    /sessions/{session_id}/trajectories
-  DELETE /sessions/{session_id}
+  DELETE /sessions/{session_id}     (drops its record, including requests still running)
 An agent only needs `base_url=<server>/sessions/<id>/v1`.
 
 Errors are OpenAI's error JSON: 400 for malformed JSON, missing or invalid
@@ -142,6 +142,9 @@ class ServerState:
 
     # ------------------------------------------------------------ helpers
     def session(self, session_id: str) -> Session:
+        """The session's record, created by its first request. A request takes it when it starts and
+        records into that object, so a DELETE during the request drops the request's record with the
+        rest instead of the late record bringing the deleted session back."""
         return self.sessions.setdefault(session_id, Session())
 
     def count(self, key: str, n: int = 1) -> None:

@@ -89,6 +89,8 @@ class _ChatJob:
         max_tokens = st.resolve_max_tokens(requested, len(plan.prompt_ids))
         self.params = sampling_params(body, max_tokens, st.stop_token_ids)
         self.gen = Generation(st, plan.prompt_ids, self.params, self.stops, track_text=body.stream)
+        # the session as it is now: a DELETE while this request runs drops its record too (see app.session)
+        self.session = st.session(self.session_id) if self.session_id is not None else None
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     @staticmethod
@@ -121,10 +123,9 @@ class _ChatJob:
                 "refusal": None}
 
     def record(self) -> None:
-        if self.session_id is not None:
-            session = self.st.session(self.session_id)
+        if self.session is not None:
             for c in self.gen.choices:
-                session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind,
+                self.session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind,
                                sampling_key(self.params))
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:

@@ -18,6 +18,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from exactrl.chat.trajectory import Session
 from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, stream_error,
                                        token_fields, until_done)
 from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common, sampling_params
@@ -61,15 +62,17 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
         max_tokens = st.resolve_max_tokens(body.max_tokens if body.max_tokens is not None else 16, len(p))
         gens.append(Generation(st, p, sampling_params(body, max_tokens, st.stop_token_ids), stops, body.stream))
     st.count("server/completion_requests")
+    # the session as it is now: a DELETE while this request runs drops its record too (see app.session)
+    session = st.session(session_id) if session_id is not None else None
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return StreamingResponse(_completion_stream(st, body, gens, cid, created, request, session_id),
+        return StreamingResponse(_completion_stream(st, body, gens, cid, created, request, session),
                                  media_type="text/event-stream")
     if await until_done(st, asyncio.gather(*(drain(g) for g in gens)), request) is None:
         return Response(status_code=499)
     choices = []
     for k, g in enumerate(gens):
-        _record(st, session_id, g)
+        _record(session, g)
         st.count_generation(g.prompt_ids, g.choices)
         prompt_text = st.tokenizer.decode(g.prompt_ids, skip_special_tokens=False) if body.echo else ""
         for c in g.choices:
@@ -80,10 +83,10 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
                          "choices": choices, "usage": _usage(gens)})
 
 
-def _record(st, session_id, g: Generation) -> None:
-    if session_id is not None:
+def _record(session: Session | None, g: Generation) -> None:
+    if session is not None:
         for c in g.choices:
-            st.session(session_id).record(g.prompt_ids, c.token_ids, c.logprobs, c.versions,
+            session.record(g.prompt_ids, c.token_ids, c.logprobs, c.versions,
                                           sampling=sampling_key(g.params))
 
 
@@ -118,7 +121,8 @@ def _usage(gens: list[Generation]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _completion_stream(st, body, gens: list[Generation], cid, created, request: Request, session_id):
+async def _completion_stream(st, body, gens: list[Generation], cid, created, request: Request,
+                             session: Session | None):
     queue: asyncio.Queue = asyncio.Queue()
 
     def chunk(choices: list[dict], **extra) -> str:
@@ -161,7 +165,7 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
             if out:
                 yield chunk(out)
         for g in gens:
-            _record(st, session_id, g)
+            _record(session, g)
             st.count_generation(g.prompt_ids, g.choices)
         completed = True
         if (body.stream_options or {}).get("include_usage"):

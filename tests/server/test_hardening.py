@@ -288,3 +288,38 @@ def test_error_messages_name_the_field(body, param, words):
 def test_tool_choice_of_the_wrong_type_names_tool_choice():
     err = error_of(post("/v1/chat/completions", json=chat(tool_choice=5)))
     assert err["param"] == "tool_choice" and "tool_choice" in err["message"]
+
+
+# ---------------------------------------------------------------- 8. sessions deleted while a request runs
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_session_deleted_during_a_request_stays_deleted(path, stream, monkeypatch):
+    """The request records into the session it started in: DELETE drops that record too, and a new
+    session under the same id starts empty (the late record used to bring the deleted session back)."""
+    s = served()
+    sid = f"del-{stream}-{path.rsplit('/', 1)[-1]}"
+    body = chat(max_tokens=4, stream=stream) if "chat" in path else {
+        "model": s.model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    engine, real = s.state.engine, s.state.engine.step
+    stepping, release = threading.Event(), threading.Event()
+
+    def held_step():  # the engine holds the request until the session is deleted
+        stepping.set()
+        release.wait(30)
+        return real()
+    monkeypatch.setattr(engine, "step", held_step)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(r=post(f"/sessions/{sid}" + path, json=body)))
+    thread.start()
+    try:
+        assert stepping.wait(30), "the request never reached the engine"
+        deleted = httpx.delete(f"{s.url}/sessions/{sid}").json()["deleted"]
+    finally:
+        release.set()
+        thread.join(60)
+    assert deleted  # the session exists from its first request's start
+    assert got["r"].status_code == 200 and ("[DONE]" in got["r"].text if stream else got["r"].json()["choices"])
+    assert httpx.get(f"{s.url}/sessions/{sid}/trajectories").status_code == 404
+    monkeypatch.setattr(engine, "step", real)
+    assert post(f"/sessions/{sid}" + path, json=body).status_code == 200  # the id starts a fresh session
+    assert len(httpx.get(f"{s.url}/sessions/{sid}/trajectories").json()["trajectories"]) == 1
