@@ -1,9 +1,20 @@
 """The external-engine rollout backend: any OpenAI-compatible server that returns token ids and logprobs.
 
-    generate        one POST {base_url}/v1/completions per prompt (token-id prompt, n samples),
-                    at most `max_concurrency` in flight  ->  exactrl Completions
+    generate        one POST {server}/v1/completions per prompt (token-id prompt, n samples),
+                    at most `max_concurrency` in flight per server  ->  exactrl Completions
     update_weights  weight_sync none: the version is only noted
-                    weight_sync disk: HF checkpoint (exactrl.save_model) -> POST {base_url}/update_weights_from_disk
+                    weight_sync disk: HF checkpoint (exactrl.save_model) -> POST {server}/update_weights_from_disk
+                    to every server
+
+Many servers (`base_url` plus `base_urls`, e.g. one per machine): each
+request goes to the server with the fewest requests in flight, and a disk
+weight sync writes the checkpoint once and has every server load it before
+the next batch (`sync_dir` must then be a path all of them read, e.g. a
+shared filesystem). Which server samples a prompt changes nothing in what
+is sampled when the servers are `exactrl serve` with `exact` kernels on
+machines of one kind: a request's tokens depend only on its seed and the
+weights (DESIGN.md §1), so a run over four servers logs the metrics of a
+run over one, bitwise (tested).
 
 `ExternalEngine` has the surface the training loops use of `exactrl.Engine`
 (`generate`, `update_weights`, `version`, `stats`), so the loops, the
@@ -79,6 +90,9 @@ class RolloutBackendSettings(BaseModel):
     server (vLLM, SGLang, `exactrl serve`), whose mismatch is measured and corrected."""
     base_url: str | None = None
     """Server root, e.g. http://127.0.0.1:8000 (requests go to {base_url}/v1/completions)."""
+    base_urls: list[str] = Field(default_factory=list)
+    """More servers of the same model (roots, as `base_url`): requests are spread over all of them, each to
+    the one with the fewest in flight; a `disk` weight sync loads every one."""
     model: str | None = None
     """Model name sent in every request: one the server serves (its /v1/models)."""
     weight_sync: Literal["none", "disk"] = "none"
@@ -89,17 +103,31 @@ class RolloutBackendSettings(BaseModel):
     timeout_s: float = Field(600.0, gt=0)
     """Per HTTP request (a whole completion of n samples, or one weight load)."""
     max_concurrency: int = Field(16, ge=1)
-    """Requests (one per prompt) in flight at once."""
+    """Requests (one per prompt) in flight at once, per server."""
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutBackendSettings":
         if self.kind == "openai":
             if not self.base_url or not self.model:
                 raise ValueError("rollout_backend.kind=openai needs rollout_backend.base_url and rollout_backend.model")
-            if self.base_url.rstrip("/").endswith("/v1"):
-                raise ValueError(f"rollout_backend.base_url must be the server root, without /v1: "
-                                 f"got {self.base_url!r}")
+            named = [("base_url", self.base_url)] + [(f"base_urls[{i}]", u) for i, u in enumerate(self.base_urls)]
+            for key, url in named:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"rollout_backend.{key} must be a server root such as http://host:8000, "
+                                     f"got {url!r}")
+                if url.rstrip("/").endswith("/v1"):
+                    raise ValueError(f"rollout_backend.{key} must be the server root, without /v1: got {url!r}")
+            roots = self.server_roots
+            if len(set(roots)) != len(roots):
+                raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")
+        elif self.base_urls:
+            raise ValueError("rollout_backend.base_urls needs rollout_backend.kind=openai")
         return self
+
+    @property
+    def server_roots(self) -> list[str]:
+        """Every server, `base_url` first, without trailing slashes."""
+        return [u.rstrip("/") for u in [self.base_url or "", *self.base_urls]]
 
 
 class ExternalEngineError(RuntimeError):
@@ -117,7 +145,8 @@ class ExternalEngine:
         if s.weight_sync == "disk" and policy is None:
             raise ValueError("weight_sync=disk needs the policy model to write checkpoints")
         self.s = s
-        self.base_url = s.base_url.rstrip("/")
+        self.servers = s.server_roots
+        self.base_url = self.servers[0]
         self.stop_token_ids = frozenset(stop_token_ids)  # sent with every request, as the in-process engine's
         self.version = version  # weights the server is known to hold (the trainer's numbering)
         self.trainer_version = version  # newest version offered by update_weights
@@ -125,8 +154,12 @@ class ExternalEngine:
         self._tmp = tempfile.TemporaryDirectory(prefix="exactrl-weights-") if s.weight_sync == "disk" else None
         self._sync_dir = Path(s.sync_dir) if s.sync_dir else Path(self._tmp.name) if self._tmp else None
         self._last_ckpt: Path | None = None
-        self._client = httpx.Client(timeout=s.timeout_s, limits=httpx.Limits(max_connections=s.max_concurrency))
+        self._client = httpx.Client(timeout=s.timeout_s,
+                                    limits=httpx.Limits(max_connections=s.max_concurrency * len(self.servers)))
         self._lock = threading.Lock()  # a weight sync never overlaps a batch: every token's version is known
+        self._in_flight = [0] * len(self.servers)  # requests now at each server (least-loaded dispatch)
+        self._served = [0] * len(self.servers)  # requests each server has answered
+        self._dispatch = threading.Lock()
         self._stats = {"external/requests": 0, "external/request_s": 0.0, "external/weight_syncs": 0,
                        "external/weight_sync_s": 0.0}
 
@@ -161,12 +194,25 @@ class ExternalEngine:
         bodies = [self.request_body(p, sp) for p, sp in zip(prompts, plist)]
         with self._lock:
             version, t0 = self.version, time.perf_counter()
-            answers = self._post_all("/v1/completions", bodies)
+            answers = self._map(self._complete, bodies)
             self._stats["external/requests"] += len(bodies)
             self._stats["external/request_s"] += time.perf_counter() - t0
-        url = f"{self.base_url}/v1/completions"
-        return [to_completions(a, list(p), sp, version, f"{url} (prompt {k})")
-                for k, (a, p, sp) in enumerate(zip(answers, prompts, plist))]
+        return [to_completions(a, list(p), sp, version, f"{server}/v1/completions (prompt {k})")
+                for k, ((server, a), p, sp) in enumerate(zip(answers, prompts, plist))]
+
+    def _complete(self, body: dict) -> tuple[str, dict]:
+        """One completion request, sent to the server with the fewest in flight: (server, answer)."""
+        with self._dispatch:
+            i = min(range(len(self.servers)), key=lambda j: self._in_flight[j])
+            self._in_flight[i] += 1
+        try:
+            answer = self._post(self.servers[i], "/v1/completions", body)
+        finally:
+            with self._dispatch:
+                self._in_flight[i] -= 1
+        with self._dispatch:
+            self._served[i] += 1
+        return self.servers[i], answer
 
     def request_body(self, prompt: list[int], sp: SamplingParams) -> dict:
         """The one request dialect (see the module docstring)."""
@@ -180,11 +226,13 @@ class ExternalEngine:
             body["seed"] = sp.seed
         return body
 
-    def _post_all(self, path: str, bodies: list[dict]) -> list[dict]:
-        if not bodies:
+    def _map(self, fn, items: list) -> list:
+        """fn over items on up to `max_concurrency` threads per server; the first error cancels the rest."""
+        if not items:
             return []
-        with ThreadPoolExecutor(min(self.s.max_concurrency, len(bodies)), thread_name_prefix="exactrl-http") as pool:
-            futures = [pool.submit(self._post, path, b) for b in bodies]
+        workers = min(self.s.max_concurrency * len(self.servers), len(items))
+        with ThreadPoolExecutor(workers, thread_name_prefix="exactrl-http") as pool:
+            futures = [pool.submit(fn, x) for x in items]
             try:
                 return [f.result() for f in futures]
             except BaseException:
@@ -192,8 +240,8 @@ class ExternalEngine:
                     f.cancel()
                 raise
 
-    def _post(self, path: str, body: dict) -> dict:
-        url = f"{self.base_url}{path}"
+    def _post(self, server: str, path: str, body: dict) -> dict:
+        url = f"{server}{path}"
         try:
             r = self._client.post(url, json=body)
         except httpx.TimeoutException as e:
@@ -201,7 +249,7 @@ class ExternalEngine:
                                       f"({type(e).__name__})") from None
         except httpx.TransportError as e:
             raise ExternalEngineError(f"cannot reach the rollout server at {url}: {type(e).__name__}: {e} (is it "
-                                      f"running? rollout_backend.base_url={self.s.base_url!r})") from None
+                                      f"running? rollout_backend.base_url / base_urls)") from None
         if r.status_code != 200:
             raise ExternalEngineError(f"{url} answered HTTP {r.status_code}: {r.text[:1000]}")
         try:
@@ -224,15 +272,17 @@ class ExternalEngine:
         return self.version
 
     def _push(self, state_dict, version: int) -> None:
-        """Writes the weights as a HF checkpoint and has the server load them; then they are `version`."""
+        """Writes the weights as a HF checkpoint once and has every server load it; then they are `version`."""
         with self._lock:
             t0 = time.perf_counter()
             self._policy.load_state_dict(state_dict)
             ckpt = self._sync_dir / f"weights-v{version}"
             save_model(self._policy, ckpt)
-            answer = self._post("/update_weights_from_disk", {"model_path": str(ckpt.resolve())})
-            if answer.get("success") is not True:
-                raise ExternalEngineError(f"{self.base_url}/update_weights_from_disk did not load {ckpt}: {answer}")
+            body = {"model_path": str(ckpt.resolve())}
+            answers = self._map(lambda server: self._post(server, "/update_weights_from_disk", body), self.servers)
+            for server, answer in zip(self.servers, answers):
+                if answer.get("success") is not True:
+                    raise ExternalEngineError(f"{server}/update_weights_from_disk did not load {ckpt}: {answer}")
             if self._last_ckpt is not None and self._last_ckpt != ckpt:
                 shutil.rmtree(self._last_ckpt, ignore_errors=True)
             self._last_ckpt, self.version = ckpt, version
@@ -241,8 +291,11 @@ class ExternalEngine:
 
     def stats(self) -> dict[str, float]:
         """Flat gauges and counters for metrics logging."""
+        per_server = ({f"external/server{i}_requests": n for i, n in enumerate(self._served)}
+                      if len(self.servers) > 1 else {})
         return {"engine/version": self.version, "external/trainer_version": self.trainer_version,
-                "external/weight_lag": self.trainer_version - self.version, **self._stats}
+                "external/weight_lag": self.trainer_version - self.version, "external/servers": len(self.servers),
+                **self._stats, **per_server}
 
 
 # ---------------------------------------------------------------- answers

@@ -81,7 +81,7 @@ def _run_dir(cfg: RunConfig) -> Path:
 # batches (results do not depend on it), held-out evaluation; everything else defines the run
 RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
              "eval_every", "engine.", "task.eval_size", "model.path", "model.tokenizer",
-             "rollout_backend.timeout_s", "rollout_backend.max_concurrency")
+             "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls")
 
 
 def _default_run_dir() -> str:

@@ -386,3 +386,38 @@ def test_training_through_a_real_vllm_server(model_dir, tmp_path):
     # step 2: vLLM still holds the starting weights (no weight sync), so the gap grows
     assert rows[1]["train/train_rollout_logprob_abs_diff"] > 10 * rows[0]["train/train_rollout_logprob_abs_diff"]
     assert [(r["engine/version"], r["external/weight_lag"]) for r in rows] == [(0, 1), (0, 2)]
+
+
+# ---------------------------------------------------------------- many servers
+def test_many_servers_config_errors_name_the_key():
+    ok = dict(kind="openai", base_url="http://a:1", model="m")
+    assert RolloutBackendSettings(**ok, base_urls=["http://b:1/"]).server_roots == ["http://a:1", "http://b:1"]
+    for extra, words in [(dict(base_urls=["http://a:1/"]), "name a server twice"),
+                         (dict(base_urls=["b:1"]), r"base_urls\[0\] must be a server root"),
+                         (dict(base_urls=["http://b:1/v1"]), r"base_urls\[0\] must be the server root, without /v1"),
+                         (dict(base_url="a:1"), "base_url must be a server root")]:
+        with pytest.raises(ValueError, match=words):
+            RolloutBackendSettings(**(ok | extra))
+    with pytest.raises(ValueError, match="base_urls needs rollout_backend.kind=openai"):
+        RolloutBackendSettings(base_urls=["http://b:1"])
+
+
+def test_training_over_two_exact_servers_logs_the_one_server_run_bitwise(model_dir, tmp_path):
+    """Requests spread over two servers, disk syncs load both, and the run is the one-server run: a
+    request's tokens depend on its seed and the weights only, not on the server or its other requests."""
+    steps = ("max_steps=3", "rollout_backend.weight_sync=disk")
+    with serving(model_dir) as (url, state):
+        one = run(model_dir, tmp_path / "one", *steps, *external(url, state))
+    with serving(model_dir) as (url_a, state_a), serving(model_dir) as (url_b, state_b):
+        two = run(model_dir, tmp_path / "two", *steps, *external(url_a, state_a),
+                  f"rollout_backend.base_urls=[{url_b}]")
+        assert state_a.engine.version == state_b.engine.version == 1 + 3  # every sync reached both
+    last = two[-1]
+    assert last["external/servers"] == 2
+    assert last["external/server0_requests"] > 0 and last["external/server1_requests"] > 0
+    assert last["external/server0_requests"] + last["external/server1_requests"] == last["external/requests"]
+    def results(rows):  # all but timings and the per-server counts
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "external/"))}
+                for r in rows]
+    assert results(two) == results(one)
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 for r in two)
