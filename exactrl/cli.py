@@ -52,9 +52,19 @@ def _bench(args) -> int:
 
 
 def _train(args) -> int:
+    import os
+
     from exactrl.rl.external import ExternalEngineError
     from exactrl.rl.run import train_main
 
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks and waits for them
+        from exactrl.distributed import Ranks, launch
+        from exactrl.rl.config import load_config
+        from exactrl.rl.setup import check_ranks
+
+        check_ranks(load_config(args.config, args.set), Ranks(0, args.nproc))  # refused once, before ranks start
+        return launch(["train", *([args.config] if args.config else []), *[x for s in args.set for x in ("--set", s)]],
+                      args.nproc)
     try:
         return train_main(args.config, args.set)
     except ExternalEngineError as e:  # the rollout server is down or answered an error: its message says which
@@ -97,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run an RL training job (default job without a config)")
     t.add_argument("config", nargs="?", default=None, help="YAML run config")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    t.add_argument("--nproc", type=_int_in(1), default=1,
+                   help="data-parallel ranks on this machine, >= 1 (torch.distributed, gloo; the cores are split "
+                        "between them); across machines start ranks with torchrun -m exactrl train")
     t.set_defaults(fn=_train)
     s = sub.add_parser("serve", help="OpenAI-compatible server over the engine")
     s.add_argument("--model", required=True, help="Hugging Face model directory to serve (config.json + safetensors)")
@@ -144,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(command: str, e: Exception) -> int:
-    print(f"exactrl {command}: error: {e}", file=sys.stderr)
+    import os
+
+    rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"exactrl {command}{rank}: error: {e}", file=sys.stderr)
     return 2
 
 

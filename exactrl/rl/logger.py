@@ -115,3 +115,16 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{lineno}: expected a JSON object of metrics, got {type(row).__name__}")
         rows.append(row)
     return rows
+
+
+class NullLogger:
+    """The logger of ranks other than 0 in a data-parallel run: rank 0 writes the run's log."""
+
+    def __init__(self):
+        self.last: dict[str, Any] = {}
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -11,6 +11,11 @@ versions are training steps: the weights after step k are version k.
 
 `train_on` and `end_step` are shared with the asynchronous loop
 (async_loop.py), which differs only in where the rollouts come from.
+
+Data parallel (`exactrl train --nproc N`, exactrl/distributed): every rank
+runs this loop; `sample_groups` gives every rank the whole batch, rank r
+sampling the prompts r, r + N, ...; `train_step` sums the ranks' gradients;
+rank 0 logs and saves.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import torch
 from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.checkpoint import save_checkpoint
 from exactrl.rl.kl import kl_reward_penalty
-from exactrl.rl.rollout import Rollout, evaluate, generate_groups, rollout_metrics, to_train_batch
+from exactrl.rl.rollout import Rollout, evaluate, rollout_metrics, sample_groups, to_train_batch
 from exactrl.rl.setup import Components
 from exactrl.rl.trainer import train_step
 
@@ -33,7 +38,7 @@ def train(c: Components) -> dict[str, float]:
     t_prev = time.perf_counter()
     for step in range(c.start_step + 1, cfg.max_steps + 1):
         problems = c.prompts.take(cfg.rollout.prompts_per_step)
-        groups = generate_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step)
+        groups = sample_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step, c.ranks)
         t1 = time.perf_counter()
         metrics = train_on(c, step, groups)
         c.engine.update_weights(c.model.state_dict(), version=step)
@@ -52,7 +57,8 @@ def initial_eval(c: Components, eval_engine) -> dict[str, float]:
     """
     if c.start_step != 0 or not c.cfg.task.eval_size:
         return {}
-    acc = evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout, c.cfg.seed)["eval/accuracy"]
+    acc = evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout, c.cfg.seed,
+                   c.ranks)["eval/accuracy"]
     return {"eval/initial_accuracy": acc}
 
 
@@ -73,7 +79,8 @@ def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str,
         groups, shaped = kl_shaped_rewards(c, groups)
     batch = to_train_batch(groups, a.advantage, a.advantage_kwargs)
     lr = c.set_lr(step)
-    return train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model) | {"train/lr": lr} | shaped
+    return (train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model, c.ranks)
+            | {"train/lr": lr} | shaped)
 
 
 def kl_shaped_rewards(c: Components, groups: list[list[Rollout]]) -> tuple[list[list[Rollout]], dict[str, float]]:
@@ -98,8 +105,10 @@ def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dic
         "step": step, "time/step_s": step_s, "perf/tokens_per_s": n_tokens / step_s,
         "perf/completion_tokens": n_tokens}
     if cfg.task.eval_size and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-        metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed)
-    c.logger.log(metrics)
+        metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed, c.ranks)
+    c.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
-        save_checkpoint(c.run_dir, step, c.model, c.optimizer, c.trainer_state(prompts_state), cfg.keep_checkpoints)
+        state = c.trainer_state(prompts_state)  # every rank's random streams (a collective)
+        if c.ranks.main:
+            save_checkpoint(c.run_dir, step, c.model, c.optimizer, state, cfg.keep_checkpoints)
     return metrics

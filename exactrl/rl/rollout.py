@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from exactrl.distributed import Ranks
 from exactrl.envs.base import Problem
 from exactrl.rl.advantages import compute_advantages
 from exactrl.rl.trainer import TrainBatch
@@ -37,17 +38,19 @@ def sampling_seed(run_seed: int, step: int, k: int) -> int:
 
 
 def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int,
-                    greedy: bool = False, on_step=None) -> list[list[Rollout]]:
+                    greedy: bool = False, on_step=None, indices: list[int] | None = None) -> list[list[Rollout]]:
     """Samples `rs.samples_per_prompt` completions per problem (1 if greedy) and scores them.
 
-    `on_step` is passed to `Engine.generate` (in-flight weight updates).
+    `on_step` is passed to `Engine.generate` (in-flight weight updates). `indices`: each problem's
+    index in the step's batch, for its seed (default 0, 1, ...; a rank's share passes its own).
     """
     from exactrl.engine import SamplingParams
 
     prompts = [prompt_ids(tokenizer, task, p) for p in problems]
+    indices = list(range(len(prompts))) if indices is None else indices
     params = [SamplingParams(temperature=0.0 if greedy else rs.temperature, top_p=rs.top_p, top_k=rs.top_k,
                              max_tokens=rs.max_tokens, n=1 if greedy else rs.samples_per_prompt,
-                             seed=sampling_seed(seed, step, k)) for k in range(len(prompts))]
+                             seed=sampling_seed(seed, step, k)) for k in indices]
     outs = engine.generate(prompts, params) if on_step is None else engine.generate(prompts, params, on_step=on_step)
     groups = []
     for prob, ids, samples in zip(problems, prompts, outs):
@@ -58,6 +61,16 @@ def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: 
                                  o.finish_reason, text, float(task.reward(prob, text))))
         groups.append(group)
     return groups
+
+
+def sample_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int, ranks: Ranks,
+                  greedy: bool = False) -> list[list[Rollout]]:
+    """`generate_groups` over this rank's share of the problems, gathered: every rank gets every group,
+    in batch order (exactrl/distributed). One process: simply `generate_groups`."""
+    mine = ranks.shard(len(problems))
+    local = generate_groups(engine, tokenizer, task, [problems[k] for k in mine], rs, seed, step, greedy,
+                            indices=mine)
+    return ranks.gather_sharded(len(problems), local)
 
 
 def to_train_batch(groups: list[list[Rollout]], advantage: str, advantage_kwargs: dict) -> TrainBatch:
@@ -81,7 +94,8 @@ def rollout_metrics(groups: list[list[Rollout]]) -> dict[str, float]:
             "rollout/pass_at_group": solved / len(groups), "rollout/zero_std_group_frac": uniform / len(groups)}
 
 
-def evaluate(engine, tokenizer, task, problems: list[Problem], rs, seed: int) -> dict[str, float]:
-    """Greedy accuracy on held-out problems."""
-    groups = generate_groups(engine, tokenizer, task, problems, rs, seed, step=-1, greedy=True)
+def evaluate(engine, tokenizer, task, problems: list[Problem], rs, seed: int, ranks: Ranks = Ranks()
+             ) -> dict[str, float]:
+    """Greedy accuracy on held-out problems (shared out over the ranks of a distributed run)."""
+    groups = sample_groups(engine, tokenizer, task, problems, rs, seed, -1, ranks, greedy=True)
     return {"eval/accuracy": sum(g[0].reward >= 1.0 for g in groups) / max(len(groups), 1)}

@@ -1,4 +1,8 @@
-"""`exactrl train [CONFIG.yaml] [--set key=value ...]`."""
+"""`exactrl train [CONFIG.yaml] [--set key=value ...] [--nproc N]`.
+
+With `--nproc N` (or under torchrun) every rank runs `train_main`; rank 0
+alone prints, writes the run dir's files and the report (exactrl/distributed).
+"""
 from __future__ import annotations
 
 import json
@@ -8,32 +12,51 @@ from exactrl.rl.config import load_config
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
+    from exactrl.distributed import init_from_env
+
+    cfg = load_config(config_path, overrides)
+    ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
+    try:
+        return _train(cfg, ranks, print if ranks.main else _quiet)
+    finally:
+        if ranks.world > 1:
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+
+
+def _quiet(*args, **kwargs) -> None:
+    """`print` on ranks other than 0: rank 0 speaks for the run."""
+
+
+def _train(cfg, ranks, say) -> int:
     from exactrl.rl.async_loop import train_async
     from exactrl.rl.checkpoint import latest_checkpoint
     from exactrl.rl.loop import train
     from exactrl.rl.report import write_report
     from exactrl.rl.setup import build
 
-    cfg = load_config(config_path, overrides)
-    c = build(cfg)
+    c = build(cfg, say, ranks)
     if c.start_step >= cfg.max_steps:
         c.logger.close()
-        print(f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
-              f"raise max_steps with --set max_steps=N to continue it")
+        say(f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
+            f"raise max_steps with --set max_steps=N to continue it")
         return 0
-    (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True), indent=2))
+    if ranks.main:
+        (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True), indent=2))
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
-    print(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
+    mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
+    say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     try:
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
     except BaseException as e:
         c.logger.close()
         interrupted = isinstance(e, KeyboardInterrupt)
-        removed = _remove_if_empty(c)  # an error's own message follows on one line (cli.py): say nothing here
+        removed = ranks.main and _remove_if_empty(c)  # an error's own message follows on one line (cli.py)
         if removed and interrupted:
             print(f"\ninterrupted before the first step: the new run dir {c.run_dir} held nothing and was removed",
                   file=sys.stderr)
-        elif interrupted:  # Ctrl-C: what is saved stays; say how to go on
+        elif interrupted and ranks.main:  # Ctrl-C: what is saved stays; say how to go on
             ckpt = latest_checkpoint(c.run_dir)
             where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
             print(f"\ninterrupted: run {c.run_dir} is kept and {where}; continue it with "
@@ -44,6 +67,8 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
         raise
     finally:
         c.logger.close()
+    if not ranks.main:
+        return 0
     plots = write_report(c.run_dir)
     summary = {k: last[k] for k in ("step", "rollout/reward_mean", "eval/accuracy", "train/train_rollout_logprob_abs_diff",
                                     "train/train_rollout_logprob_abs_diff_max") if k in last}

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from exactrl.distributed import Ranks
 from exactrl.envs import get_task, import_task_module
 from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
 from exactrl.model import load_model
@@ -20,7 +21,7 @@ from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from exactrl.rl.config import RunConfig
 from exactrl.rl.corrections import build_corrections
 from exactrl.rl.external import ExternalEngine
-from exactrl.rl.logger import MetricsLogger
+from exactrl.rl.logger import MetricsLogger, NullLogger
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings
 
@@ -42,6 +43,7 @@ class Components:
     logger: MetricsLogger
     start_step: int
     new_run_dir: bool = False  # build created run_dir (a run that fails before its first step removes it)
+    ranks: Ranks = Ranks()  # this process's rank in a data-parallel run (exactrl/distributed); one by default
 
     def set_lr(self, step: int) -> float:
         """Linear warm-up, then constant; a pure function of the step (resume-safe)."""
@@ -54,9 +56,24 @@ class Components:
     def trainer_state(self, prompts_state: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint holds besides weights and optimizer; `prompts_state` is the data position
         after the last trained batch (the asynchronous loop's rollouts may already be further)."""
-        return {"prompts": prompts_state, "torch_rng": torch.get_rng_state().tolist(),
-                "python_rng": list(random.getstate()[1]), "python_gauss_next": random.getstate()[2],
-                "config": self.cfg.model_dump(by_alias=True)}
+        rng = {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
+               "python_gauss_next": random.getstate()[2]}
+        state = {"prompts": prompts_state, **rng, "config": self.cfg.model_dump(by_alias=True)}
+        if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
+            state["ranks_rng"] = self.ranks.gather(rng)
+        return state
+
+
+def _restore_rng(state: dict[str, Any], ranks: Ranks, ckpt: Path) -> None:
+    """This rank's random streams from a checkpoint; a run resumes with the number of ranks it saved."""
+    saved = state.get("ranks_rng", [state])
+    if len(saved) != ranks.world:
+        raise ValueError(f"{ckpt} was saved by a run of {len(saved)} rank(s) and this run has {ranks.world}: resume "
+                         f"it with the same number (exactrl train --nproc {len(saved)})")
+    rng = saved[ranks.rank]
+    torch.set_rng_state(torch.tensor(rng["torch_rng"], dtype=torch.uint8))
+    # Python's `random` too (a task's generate/reward may use it); version 3 is CPython's Mersenne Twister
+    random.setstate((3, tuple(rng["python_rng"]), rng.get("python_gauss_next")))
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -147,17 +164,23 @@ def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int):
     return engine
 
 
-def build(cfg: RunConfig, log=print) -> Components:
+def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     """Everything that bad input can make fail is checked or loaded before the warm start (~90 s) and
-    before the run directory is created, so a failed start costs little and leaves no empty run behind."""
+    before the run directory is created, so a failed start costs little and leaves no empty run behind.
+
+    `ranks`: a data-parallel run's (exactrl/distributed); rank 0 picks the run dir, builds the default
+    model if needed, creates the dir and logs."""
     from exactrl.rl.warmstart import default_model_dir
 
     if cfg.rollout_backend.kind == "openai" and cfg.async_.enabled and cfg.async_.inflight_updates:
         raise ValueError("async.inflight_updates needs rollout_backend.kind=engine: an external server has no hook "
                          "between its steps to take new weights (use inflight_updates=false)")
+    check_ranks(cfg, ranks)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    named = cfg.run_dir is not None
+    named = cfg.run_dir is not None or ranks.world > 1
+    if ranks.world > 1:  # one run dir for every rank: rank 0's choice
+        cfg.run_dir = ranks.broadcast(cfg.run_dir if cfg.run_dir is not None else _default_run_dir())
     run_dir = _run_dir(cfg)
     _check_paths(cfg)
     if cfg.task.module:
@@ -176,7 +199,12 @@ def build(cfg: RunConfig, log=print) -> Components:
              else make_dataset(task, cfg.task.train_size, cfg.seed))
     prompts = PromptSource(train, seed=cfg.seed)
     eval_problems = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919) if cfg.task.eval_size else []
-    model_dir = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg, log)
+    if cfg.model.path:
+        model_dir = Path(cfg.model.path)
+    else:  # rank 0 builds the default model (once, cached); the others then read it
+        model_dir = default_model_dir(cfg, log) if ranks.main else None
+        ranks.barrier()
+        model_dir = model_dir or default_model_dir(cfg, log)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
@@ -196,9 +224,7 @@ def build(cfg: RunConfig, log=print) -> Components:
                                       weight_decay=cfg.optim.weight_decay)
         optimizer.load_state_dict(opt_state)
         prompts.load_state_dict(state["prompts"])
-        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-        # Python's `random` too (a task's generate/reward may use it); version 3 is CPython's Mersenne Twister
-        random.setstate((3, tuple(state["python_rng"]), state.get("python_gauss_next")))
+        _restore_rng(state, ranks, ckpt)
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
     elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
@@ -209,6 +235,10 @@ def build(cfg: RunConfig, log=print) -> Components:
         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
         grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
         kl_in_loss=a.kl.where == "loss", corrections=corrections, bypass=a.bypass)
+    ranks.check_same("starting weights", model.parameters())
+    if not ranks.main:  # rank 0 alone writes the run dir
+        return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
+                          optimizer, loss_fn, settings, NullLogger(), start, False, ranks)
     new_run_dir = _make_dir(run_dir)
     while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
         cfg.run_dir = _default_run_dir()
@@ -216,4 +246,20 @@ def build(cfg: RunConfig, log=print) -> Components:
         new_run_dir = _make_dir(run_dir)
     logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
-                      loss_fn, settings, logger, start, new_run_dir)
+                      loss_fn, settings, logger, start, new_run_dir, ranks)
+
+
+def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
+    """What a data-parallel run does not support, refused before anything is loaded."""
+    if ranks.world == 1:
+        return
+    if cfg.async_.enabled:
+        raise ValueError(f"async.enabled=true runs in one process; a data-parallel run ({ranks.world} ranks) is "
+                         f"synchronous: set async.enabled=false or run one process")
+    if cfg.rollout_backend.kind != "engine":
+        raise ValueError(f"rollout_backend.kind={cfg.rollout_backend.kind} runs in one process (spread rollouts "
+                         f"over servers with rollout_backend.base_urls instead); a data-parallel run "
+                         f"({ranks.world} ranks) uses each rank's own engine")
+    if cfg.rollout.prompts_per_step < ranks.world:
+        raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} gives some of the {ranks.world} "
+                         f"ranks no prompt: raise it to at least {ranks.world} or run fewer ranks")

@@ -13,6 +13,11 @@ same forward that builds the graph (bitwise equal to a separate no-grad
 forward, which the invariance tests check). `train/train_rollout_logprob_abs_diff`
 compares exactly this π_old with μ.
 
+Data parallel (exactrl/distributed): each rank runs its share of the
+sequences; the denominators are still the whole batch's, so summing the
+ranks' gradients gives the whole batch's gradient, and the metrics are
+summed or gathered over ranks before they are reduced.
+
 Legend: B sequences, T completion tokens (padded), P prompts, G samples per prompt.
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exactrl.distributed import Ranks
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.transformer import CausalLM
 from exactrl.rl.aggregation import aggregate
@@ -97,14 +103,17 @@ def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings
 
 
 def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch: TrainBatch,
-               s: StepSettings, ref_model: CausalLM | None = None) -> dict[str, float]:
-    """Forward/backward over micro-batches, clip, step. Returns flat metrics."""
+               s: StepSettings, ref_model: CausalLM | None = None, ranks: Ranks = Ranks()) -> dict[str, float]:
+    """Forward/backward over micro-batches (this rank's share of the batch), clip, step. Returns flat metrics."""
+    if len(batch) < ranks.world:
+        raise ValueError(f"a batch of {len(batch)} sequences cannot be shared by {ranks.world} ranks: raise "
+                         f"rollout.prompts_per_step or rollout.samples_per_prompt, or run fewer ranks")
     T = max(1, max(len(c) for c in batch.completion_ids))
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
     olds, behavs, masks, finals, weights, sums = [], [], [], [], [], {}
     optimizer.zero_grad(set_to_none=True)
-    order = list(range(len(batch)))
+    order = ranks.shard(len(batch))
     for start in range(0, len(batch), s.micro_batch_size):
         idx = order[start:start + s.micro_batch_size]
         logp_BT, ent_BT, mask_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
@@ -134,10 +143,16 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
         _accumulate(sums, lm, len(idx))
         olds.append(old_BT), behavs.append(behav_BT), masks.append(sampled_BT)
         finals.append(mask_BT.detach()), weights.append(weights_BT.detach())
+    ranks.sum_grads(model.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
     optimizer.step()
+    ranks.check_same("weights after the optimizer step", model.parameters())
+    if ranks.world > 1:  # every rank's sums and per-token tensors, for metrics of the whole batch
+        parts = ranks.gather((sums, olds, behavs, masks, finals, weights))
+        sums = {k: sum(p[0].get(k, 0.0) for p in parts) for k in parts[0][0]}
+        olds, behavs, masks, finals, weights = ([t for p in parts for t in p[i]] for i in range(1, 6))
     metrics = {k: v / len(batch) for k, v in sums.items()}
     old, behav, mask = torch.cat(olds), torch.cat(behavs), torch.cat(masks)
     # over the tokens as sampled, before any correction drops some: a mask never hides the mismatch it acts on

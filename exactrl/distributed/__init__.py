@@ -1,0 +1,182 @@
+"""Data-parallel training over torch.distributed (gloo on CPU): one process per rank, many machines.
+
+    exactrl train --nproc 2 [CONFIG] [--set ...]          N processes on this machine
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m exactrl train [CONFIG] [--set ...]
+                                                          across machines (RANK, WORLD_SIZE, MASTER_ADDR, ...)
+
+Every rank holds the whole model, its own engine and the same optimizer. A
+step (rl/loop.py):
+
+    prompts: every rank takes the same batch; rank r samples the prompts
+             k = r, r + W, r + 2W, ...  (seeds depend on k only: the tokens
+             are those one process would sample)
+    gather:  every rank receives every group (all_gather of the rollouts),
+             so rewards, advantages and rollout metrics are the whole batch's
+    train:   rank r runs forward/backward over its share of the sequences
+             (same stride), with the loss normalised by the WHOLE batch's
+             token and sequence counts; gradients are summed over ranks
+             (one all_reduce), then every rank clips and steps alike
+    check:   a fingerprint of the new weights is compared across ranks; ranks
+             that diverge stop the run (they must hold the same bits for
+             every engine's μ to be the trainer's π_old)
+    rank 0:  evaluation is sharded like rollouts; rank 0 alone logs and
+             writes checkpoints (the run dir must be one path every rank
+             reads: a shared filesystem across machines)
+
+Exactness is unchanged: each rank's engine and trainer are one process, so
+`train/train_rollout_logprob_abs_diff` is 0.0 on every rank (it is measured
+over the whole batch). A W-rank run is not bitwise a one-process run after
+step 1: the gradient is summed in another order (last bits), and the
+weights then drift by rounding. Python's and torch's random streams are
+per rank and saved per rank in the checkpoint; a run resumes with the same
+number of ranks.
+
+Legend: W ranks (world size), r this rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_S = 1800  # a collective waits this long for a slow or dead rank before the run fails
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job; `Ranks(0, 1)` is a plain one-process run (every call a no-op)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int) -> list[int]:
+        """Indices 0..n-1 this rank handles: r, r + W, r + 2W, ..."""
+        return list(range(self.rank, n, self.world))
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, by rank, on every rank (pickled: token lists, small tensors, metrics)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def gather_sharded(self, n: int, local: list[Any]) -> list[Any]:
+        """The full list of n items from each rank's `local` items (those of `shard(n)`, in order)."""
+        if self.world == 1:
+            return local
+        full: list[Any] = [None] * n
+        for r, items in enumerate(self.gather(local)):
+            for k, item in zip(range(r, n, self.world), items):
+                full[k] = item
+        return full
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place: the element-wise sum over ranks (the same bits on every rank)."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sums every parameter's gradient over ranks in one all_reduce (a rank without one adds zeros)."""
+        if self.world == 1:
+            return
+        ps = [p for p in params if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in ps])
+        self.sum_(flat)
+        at = 0
+        for p in ps:
+            n = p.numel()
+            p.grad = flat[at:at + n].view_as(p).to(p.dtype)
+            at += n
+
+    def check_same(self, what: str, tensors: Iterable[torch.Tensor]) -> None:
+        """Raises if the ranks' tensors differ: each tensor's bit patterns, read as integers, are summed
+        exactly (int64) and the sums compared; a last-bit difference changes its tensor's sum."""
+        if self.world == 1:
+            return
+        ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+        prints = self.gather([int(t.detach().contiguous().view(ints[t.element_size()]).sum(dtype=torch.int64))
+                              for t in tensors])
+        if any(p != prints[0] for p in prints):
+            bad = next(i for i, xs in enumerate(zip(*prints)) if len(set(xs)) > 1)
+            raise RuntimeError(f"ranks hold different {what} (tensor {bad} differs): the data-parallel step did "
+                               f"not give every rank the same result")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def init_from_env() -> Ranks:
+    """The job's ranks from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); one rank
+    if WORLD_SIZE is unset or 1. Joins the gloo process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Ranks()
+    rank = int(os.environ["RANK"])
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return Ranks(rank, world)
+
+
+def launch(argv: list[str], nproc: int) -> int:
+    """Runs `python -m exactrl <argv>` as `nproc` ranks on this machine (torchrun's environment, threads
+    split evenly); waits for all. If one fails, the others are stopped. Returns the first non-zero code."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    procs = []
+    for r in range(nproc):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": threads}
+        procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env))
+    code = 0
+    try:
+        live = list(procs)
+        while live:
+            for p in list(live):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                live.remove(p)
+                if rc != 0 and code == 0:
+                    code = rc
+                    for q in live:  # the others would wait in a collective until the timeout
+                        q.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+    except KeyboardInterrupt:  # Ctrl-C reached the ranks too (one process group): they save nothing new and
+        deadline = time.monotonic() + 30  # say how to resume; a rank still running after 30 s is stopped
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)
+                p.wait()
+        return 130
+    return code
