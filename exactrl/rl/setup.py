@@ -132,8 +132,11 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
             out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
         return out
     old, new = flat(saved), flat(cfg.model_dump(mode="json", by_alias=True))  # as state.json holds it
+    # the weights come from the checkpoint, so model.path may move; but with KL on, the reference model
+    # is read from model.path (the starting weights): another path would be another reference
+    resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and not k.startswith(RESUMABLE)]
+               if old.get(k) != new.get(k) and not k.startswith(resumable)]
     if changed:
         raise ValueError(f"resume from {ckpt} with changed settings ({'; '.join(changed)}): a resumed run keeps "
                          f"the settings it was started with; drop these --set overrides, or start a new run_dir")

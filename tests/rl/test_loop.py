@@ -258,6 +258,21 @@ def test_resume_refuses_changed_settings_and_names_them(model_dir, tmp_path, cap
     assert [r["step"] for r in rows] == [1, 2, 3]  # where, how long and how fast may change
 
 
+def test_with_kl_on_resume_refuses_another_model_path(model_dir, tmp_path, capsys):
+    """The KL reference is read from model.path: with KL on, a resumed run may not point it elsewhere."""
+    import shutil
+
+    d, moved = tmp_path / "r", tmp_path / "moved"
+    shutil.copytree(model_dir, moved)
+    run(model_dir, d, "max_steps=1", "algorithm.kl.coef=0.01")
+    args = ["train"] + [x for o in SMALL + [f"model.path={moved}", f"run_dir={d}", "max_steps=2", "resume=true",
+                                            "algorithm.kl.coef=0.01"] for x in ("--set", o)]
+    assert cli_main(args) == 2 and "model.path: " in capsys.readouterr().err
+    e = tmp_path / "e"  # without KL the weights come from the checkpoint alone: the path may move
+    run(model_dir, e, "max_steps=1")
+    assert [r["step"] for r in training_rows(run(moved, e, "max_steps=2", "resume=true"))] == [1, 2]
+
+
 def test_ctrl_c_keeps_the_run_and_says_how_to_resume(model_dir, tmp_path, capsys, monkeypatch):
     import exactrl.rl.loop as loop_mod
 
