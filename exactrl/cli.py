@@ -57,7 +57,11 @@ def _train(args) -> int:
     from exactrl.rl.external import ExternalEngineError
     from exactrl.rl.run import train_main
 
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks and waits for them
+    if args.nproc > 1 and "WORLD_SIZE" in os.environ:
+        raise ValueError(f"--nproc {args.nproc} starts its own ranks, but WORLD_SIZE={os.environ['WORLD_SIZE']} says "
+                         f"this process already is one (torchrun): leave out --nproc under torchrun, or unset "
+                         f"WORLD_SIZE")
+    if args.nproc > 1:  # this process starts the ranks and waits for them
         from exactrl.distributed import Ranks, launch
         from exactrl.rl.config import load_config
         from exactrl.rl.setup import check_ranks
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(command: str, e: Exception) -> int:
     import os
 
-    rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    rank = f" (rank {os.environ.get('RANK', '?')})" if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
     print(f"exactrl {command}{rank}: error: {e}", file=sys.stderr)
     return 2
 

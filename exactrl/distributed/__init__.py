@@ -99,21 +99,26 @@ class Ranks:
         return t
 
     def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Sums every parameter's gradient over ranks in one all_reduce (a rank without one adds zeros)."""
+        """Sums every parameter's gradient over ranks in one all_reduce. A rank without one adds zeros;
+        a parameter no rank has a gradient for keeps none (the optimizer then leaves it alone, as in one
+        process: a step without a single completion token moves no weight)."""
         if self.world == 1:
             return
         ps = [p for p in params if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in ps])
+        has = self.sum_(torch.tensor([float(p.grad is not None) for p in ps]))
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in ps]
+                         + [has.new_zeros(0)])
         self.sum_(flat)
         at = 0
-        for p in ps:
+        for p, h in zip(ps, has.tolist()):
             n = p.numel()
-            p.grad = flat[at:at + n].view_as(p).to(p.dtype)
+            p.grad = flat[at:at + n].view_as(p).to(p.dtype) if h else None
             at += n
 
-    def check_same(self, what: str, tensors: Iterable[torch.Tensor]) -> None:
+    def check_same(self, what: str, tensors: Iterable[torch.Tensor], why: str) -> None:
         """Raises if the ranks' tensors differ: each tensor's bit patterns, read as integers, are summed
-        exactly (int64) and the sums compared; a last-bit difference changes its tensor's sum."""
+        exactly (int64) and the sums compared; a last-bit difference changes its tensor's sum. `why`: the
+        likely cause, for the message."""
         if self.world == 1:
             return
         ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -121,8 +126,7 @@ class Ranks:
                               for t in tensors])
         if any(p != prints[0] for p in prints):
             bad = next(i for i, xs in enumerate(zip(*prints)) if len(set(xs)) > 1)
-            raise RuntimeError(f"ranks hold different {what} (tensor {bad} differs): the data-parallel step did "
-                               f"not give every rank the same result")
+            raise RuntimeError(f"ranks hold different {what} (tensor {bad} differs): {why}")
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -156,6 +160,13 @@ def launch(argv: list[str], nproc: int) -> int:
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": threads}
         procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env))
+
+    def stop(signum, frame):  # the launcher is told to stop (a job manager, `timeout`): so are the ranks
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop)
     code = 0
     try:
         live = list(procs)
@@ -166,7 +177,9 @@ def launch(argv: list[str], nproc: int) -> int:
                     continue
                 live.remove(p)
                 if rc != 0 and code == 0:
-                    code = rc
+                    code = rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
+                    how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
+                    print(f"exactrl train: rank {procs.index(p)} {how}; stopping the other ranks", file=sys.stderr)
                     for q in live:  # the others would wait in a collective until the timeout
                         q.send_signal(signal.SIGTERM)
             time.sleep(0.1)
@@ -179,4 +192,6 @@ def launch(argv: list[str], nproc: int) -> int:
                 p.send_signal(signal.SIGTERM)
                 p.wait()
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return code

@@ -13,7 +13,7 @@ the next batch (`sync_dir` must then be a path all of them read, e.g. a
 shared filesystem). Which server samples a prompt changes nothing in what
 is sampled when the servers are `exactrl serve` with `exact` kernels on
 machines of one kind: a request's tokens depend only on its seed and the
-weights (DESIGN.md §1), so a run over four servers logs the metrics of a
+weights (DESIGN.md §1), so a run over two servers logs the metrics of a
 run over one, bitwise (tested).
 
 `ExternalEngine` has the surface the training loops use of `exactrl.Engine`
@@ -279,7 +279,14 @@ class ExternalEngine:
             ckpt = self._sync_dir / f"weights-v{version}"
             save_model(self._policy, ckpt)
             body = {"model_path": str(ckpt.resolve())}
-            answers = self._map(lambda server: self._post(server, "/update_weights_from_disk", body), self.servers)
+            try:
+                answers = self._map(lambda server: self._post(server, "/update_weights_from_disk", body),
+                                    self.servers)
+            except ExternalEngineError as e:
+                where = ("rollout_backend.sync_dir is unset, so it is a temporary directory of this machine: set "
+                         "it to a path every server reads" if self.s.sync_dir is None
+                         else "rollout_backend.sync_dir must be a path every server reads")
+                raise ExternalEngineError(f"{e} (the server must read the checkpoint at {ckpt}: {where})") from None
             for server, answer in zip(self.servers, answers):
                 if answer.get("success") is not True:
                     raise ExternalEngineError(f"{server}/update_weights_from_disk did not load {ckpt}: {answer}")

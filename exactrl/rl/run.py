@@ -59,8 +59,9 @@ def _train(cfg, ranks, say) -> int:
         elif interrupted and ranks.main:  # Ctrl-C: what is saved stays; say how to go on
             ckpt = latest_checkpoint(c.run_dir)
             where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+            nproc = f" --nproc {ranks.world}" if ranks.world > 1 else ""
             print(f"\ninterrupted: run {c.run_dir} is kept and {where}; continue it with "
-                  f"exactrl train --set run_dir={c.run_dir} --set resume=true (and the same settings)",
+                  f"exactrl train{nproc} --set run_dir={c.run_dir} --set resume=true (and the same settings)",
                   file=sys.stderr)
         if interrupted:
             return 130

@@ -204,10 +204,13 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     eval_problems = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919) if cfg.task.eval_size else []
     if cfg.model.path:
         model_dir = Path(cfg.model.path)
-    else:  # rank 0 builds the default model (once, cached); the others then read it
-        model_dir = default_model_dir(cfg, log) if ranks.main else None
-        ranks.barrier()
-        model_dir = model_dir or default_model_dir(cfg, log)
+    else:  # rank 0 builds the default model (once, cached); the others then read it where rank 0 has it
+        model_dir = ranks.broadcast(str(default_model_dir(cfg, log)) if ranks.main else None)
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"rank {ranks.rank} cannot read the default model rank 0 built at {model_dir}: give "
+                             f"every rank one filesystem for it (EXACTRL_ARTIFACTS, a shared path) or set "
+                             f"model.path to a model every rank reads")
+        model_dir = Path(model_dir)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
@@ -238,7 +241,9 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
         grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
         kl_in_loss=a.kl.where == "loss", corrections=corrections, bypass=a.bypass)
-    ranks.check_same("starting weights", model.parameters())
+    ranks.check_same("starting weights", model.parameters(),
+                     "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
+                     "path for every rank (the same filesystem)?")
     if not ranks.main:  # rank 0 alone writes the run dir
         return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
                           optimizer, loss_fn, settings, NullLogger(), start, False, ranks)

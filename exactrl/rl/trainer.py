@@ -114,7 +114,7 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     olds, behavs, masks, finals, weights, sums = [], [], [], [], [], {}
     optimizer.zero_grad(set_to_none=True)
     order = ranks.shard(len(batch))
-    for start in range(0, len(batch), s.micro_batch_size):
+    for start in range(0, len(order), s.micro_batch_size):
         idx = order[start:start + s.micro_batch_size]
         logp_BT, ent_BT, mask_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
         old_BT = logp_BT.detach()
@@ -148,7 +148,8 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
     optimizer.step()
-    ranks.check_same("weights after the optimizer step", model.parameters())
+    ranks.check_same("weights after the optimizer step", model.parameters(),
+                     "the data-parallel step did not give every rank the same result")
     if ranks.world > 1:  # every rank's sums and per-token tensors, for metrics of the whole batch
         parts = ranks.gather((sums, olds, behavs, masks, finals, weights))
         sums = {k: sum(p[0].get(k, 0.0) for p in parts) for k in parts[0][0]}

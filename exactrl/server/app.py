@@ -14,7 +14,9 @@ Sessions (agent rollouts for training): the same two POST routes under
 token-level trajectories with loss masks (`exactrl.chat.trajectory`);
   GET    /sessions/{session_id}/trajectories
   DELETE /sessions/{session_id}     (drops its record, including requests still running)
-An agent only needs `base_url=<server>/sessions/<id>/v1`.
+An agent only needs `base_url=<server>/sessions/<id>/v1`. A session exists
+from the start of its first valid request (one that is then cancelled or
+fails leaves it empty: its trajectories are `[]`).
 
 Errors are OpenAI's error JSON: 400 for malformed JSON, missing or invalid
 fields, prompts beyond the context, non-monotonic histories; 404 for an

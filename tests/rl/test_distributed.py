@@ -54,10 +54,62 @@ def test_sharding_covers_the_batch_once_in_order():
         assert all(s == sorted(s) for s in shards)
 
 
+def _collectives(rank: int, port: int, out) -> None:
+    """Rank `rank` of 2 (torch.multiprocessing): gradient sums and the weight check."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    ranks = Ranks(rank, 2)
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    a.grad = torch.full((3,), float(rank + 1)) if rank == 0 else None  # only rank 0 has one for a; none for b
+    ranks.sum_grads([a, b])
+    got = {"a": a.grad.tolist(), "b": b.grad}
+    try:
+        ranks.check_same("test weights", [torch.tensor([1.0, float(rank)])], "the reason")
+        got["check"] = "passed"
+    except RuntimeError as e:
+        got["check"] = str(e)
+    ranks.check_same("same weights", [torch.ones(4)], "never")  # equal: no error
+    out.put((rank, got))
+    dist.destroy_process_group()
+
+
+def test_gradients_sum_over_ranks_and_a_parameter_without_any_keeps_none():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_collectives, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    for r in (0, 1):
+        assert got[r]["a"] == [1.0, 1.0, 1.0]  # rank 0's gradient plus rank 1's (none: zeros)
+        assert got[r]["b"] is None  # no rank had one: the optimizer leaves b alone, as one process would
+        assert "ranks hold different test weights (tensor 0 differs): the reason" in got[r]["check"]
+
+
+def test_nproc_under_torchrun_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli_main(["train", "--nproc", "2"]) == 2
+    assert "leave out --nproc under torchrun" in capsys.readouterr().err
+
+
 def test_two_ranks_train_on_policy_and_sample_the_one_process_batch(model_dir, tmp_path):
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    assert cli_main(["train", *sets(model_dir, one_dir, "max_steps=3")]) == 0
-    done = ranks_run(model_dir, two_dir, "max_steps=3")
+    # micro-batches of 3: each rank's 8 sequences run as 3 + 3 + 2
+    assert cli_main(["train", *sets(model_dir, one_dir, "max_steps=3", "optim.micro_batch_size=3")]) == 0
+    done = ranks_run(model_dir, two_dir, "max_steps=3", "optim.micro_batch_size=3")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("run dir:") == 1 and "2 ranks" in done.stdout  # rank 0 speaks for the run
     one, two = rows(one_dir), rows(two_dir)
