@@ -26,7 +26,8 @@ One dialect for every server. The request carries the prompt as token ids,
 sampled token's own logprob, no alternatives: vLLM, SGLang and exactrl all
 read 0 that way, and exactrl would recompute alternatives with an extra
 forward for anything above), `return_token_ids: true` (vLLM >= 0.10.2) and
-the vLLM-style extras `top_k` (omitted when off) and `stop_token_ids`. The
+the vLLM-style extras `top_k` (omitted when off), `stop_token_ids` and
+`ignore_eos` (`seed` is sent when the params hold one). The
 answer is read from whichever of these a choice holds:
   exactrl serve  `generation_token_ids` + `generation_log_probs`
   vLLM           `token_ids` + `logprobs.token_logprobs`
@@ -48,7 +49,7 @@ top-p, start it so, or the measured gap includes the temperature.
 Versions. Every token is tagged with the version of the weights the server
 is known to hold (`version`, the trainer's numbering: training steps).
 `weight_sync: none`: the server keeps the weights it was started with, all
-tokens carry the starting version, and `update_weights` only notes the
+tokens carry version 0 (also after a resume), and `update_weights` only notes the
 trainer's version (`external/trainer_version`). The data then grows staler
 every step: the synchronous loop's mismatch metrics show it growing, and the
 asynchronous loop's `drop_stale` refuses it once it is older than
