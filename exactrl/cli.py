@@ -19,6 +19,8 @@ def _parity(args) -> int:
     from exactrl.debug.parity import run_parity
 
     model = exactrl.load_model(args.model, dtype=args.dtype, kernels=args.kernels)
+    if args.server:
+        return _server_parity(args, model)
     results = run_parity(model, length=args.length, seed=args.seed)
     for r in results:
         line = f"{r.name:12s} {'exact' if r.exact else 'DIFFERS'}"
@@ -29,6 +31,30 @@ def _parity(args) -> int:
     print(f"verdict: {'BITWISE EXACT' if ok else 'NOT EXACT'} ({args.kernels} kernels, {args.dtype})")
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
+    return 0 if ok else 1
+
+
+def _server_parity(args, model) -> int:
+    """`parity --server URL`: the server's logprobs against this trainer's, on random prompts."""
+    from exactrl.debug.parity import server_mismatch
+    from exactrl.rl.external import ExternalEngineError
+
+    length = min(args.length, model.config.max_position_embeddings - args.max_tokens)
+    try:
+        m = server_mismatch(model, args.server, args.served_model or args.model, prompts=args.prompts,
+                            length=length, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except ExternalEngineError as e:  # down, or answered an error: its message names the URL
+        return _fail(args.command, ValueError(str(e).replace("rollout_backend.base_url / base_urls", "--server")))
+    diff, worst = m["train/train_rollout_logprob_abs_diff"], m["train/train_rollout_logprob_abs_diff_max"]
+    print(f"server {args.server}: {int(m['parity/tokens'])} tokens of {args.prompts} prompts ({length} prompt "
+          f"tokens, T={args.temperature})")
+    print(f"|logprob diff|  mean {diff:.3e}  max {worst:.3e}   k3 {m['mismatch/k3']:.3e}   "
+          f"ess {m['mismatch/ess']:.6f}")
+    ok = worst == 0.0
+    print(f"verdict: {'BITWISE EXACT' if ok else 'NOT EXACT'} (the server vs this trainer, {args.kernels} kernels, "
+          f"{args.dtype}, the model at {args.model})")
+    if args.json:
+        print(json.dumps(m))
     return 0 if ok else 1
 
 
@@ -138,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target sequence length, >= 1 (capped at the model's context)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--json", action="store_true", help="also print the results as JSON")
+    q.add_argument("--server", default=None, metavar="URL",
+                   help="instead: compare a rollout server's logprobs (exactrl serve, vLLM, SGLang; its root URL, "
+                        "serving the same weights) with this trainer's on random prompts of --length tokens")
+    q.add_argument("--served-model", default=None, help="--server: the model name it serves (default: --model)")
+    q.add_argument("--prompts", type=_int_in(1), default=8, help="--server: random prompts to send, >= 1")
+    q.add_argument("--max-tokens", type=_int_in(1), default=32, help="--server: tokens generated per prompt, >= 1")
+    q.add_argument("--temperature", type=float, default=1.0, help="--server: sampling temperature")
     q.set_defaults(fn=_parity)
     b = sub.add_parser("bench", help="benchmarks (prints JSON): kernels | engine | train | serve")
     b.add_argument("name", nargs="?", help="benchmark to run; none lists them")

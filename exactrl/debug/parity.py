@@ -155,3 +155,47 @@ def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckRe
          _threads(2, lambda r: full_path(model, target, others, 1, rec=r))),
     ]
     return [_compare(model, name, a, b) for name, a, b in checks]
+
+
+def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: int = 8, length: int = 32,
+                    max_tokens: int = 32, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
+    """How far a rollout server's logprobs are from this trainer's, on the same weights (DESIGN.md §6).
+
+    `prompts` random token-id prompts of `length` tokens go to `base_url`'s /v1/completions (the
+    external rollout backend's one dialect, rl/external.py); the trainer scores the returned tokens
+    with `sequence_logprobs` under the same sampling distribution. Returns the training loop's own
+    mismatch keys (`train/train_rollout_logprob_abs_diff` and `_max`, `mismatch/k3`, `mismatch/ess`,
+    ...) plus `parity/tokens`: 0.0 differences from an `exactrl serve --kernels exact` over the same
+    weights, non-zero from any other engine (vLLM, SGLang, `--kernels fast`).
+    """
+    from exactrl.engine import SamplingParams
+    from exactrl.model.logprobs import sequence_logprobs
+    from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
+    from exactrl.rl.external import ExternalEngine, RolloutBackendSettings
+
+    if prompts < 1 or length < 1 or max_tokens < 1:
+        raise ValueError(f"prompts, length and max_tokens must be >= 1, got {prompts}, {length}, {max_tokens}")
+    if length + max_tokens > model.config.max_position_embeddings:
+        raise ValueError(f"length + max_tokens = {length + max_tokens} exceeds the model's context of "
+                         f"{model.config.max_position_embeddings} tokens")
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    batch = [[rng.randrange(V) for _ in range(length)] for _ in range(prompts)]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed * 1_000_003 + k,
+                             ignore_eos=True) for k in range(prompts)]
+    engine = ExternalEngine(RolloutBackendSettings(kind="openai", base_url=base_url, model=served_model))
+    try:
+        outs = [o[0] for o in engine.generate(batch, params)]
+    finally:
+        engine.close()
+    seqs = [p + o.token_ids for p, o in zip(batch, outs)]
+    trainer = sequence_logprobs(model, seqs, temperature or 1.0)
+    T = max(1, max(len(o.token_ids) for o in outs))
+    old_BT, behav_BT, mask_BT = torch.zeros(prompts, T), torch.zeros(prompts, T), torch.zeros(prompts, T)
+    for k, (o, lp) in enumerate(zip(outs, trainer)):
+        n = len(o.token_ids)
+        old_BT[k, :n] = lp[length - 1:length - 1 + n]
+        behav_BT[k, :n] = torch.tensor(o.logprobs, dtype=torch.float32)
+        mask_BT[k, :n] = 1.0
+    return (logprob_diff_metrics(old_BT, behav_BT, mask_BT) | mismatch_metrics(old_BT, behav_BT, mask_BT)
+            | {"parity/tokens": float(mask_BT.sum())})

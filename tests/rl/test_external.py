@@ -421,3 +421,27 @@ def test_training_over_two_exact_servers_logs_the_one_server_run_bitwise(model_d
                 for r in rows]
     assert results(two) == results(one)
     assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 for r in two)
+
+
+# ---------------------------------------------------------------- exactrl parity --server
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_parity_against_a_server_measures_its_mismatch(model_dir, kernels, capsys):
+    """`exactrl parity --server`: 0.0 from an exact server over the same weights, its twin not."""
+    with serving(model_dir, kernels=kernels) as (url, state):
+        code = cli_main(["parity", "--model", str(model_dir), "--server", url, "--served-model",
+                         state.config.model_name, "--prompts", "4", "--length", "12", "--max-tokens", "8",
+                         "--temperature", "0.7", "--json"])
+    out = capsys.readouterr().out
+    m = json.loads(out.strip().splitlines()[-1])
+    assert m["parity/tokens"] == 4 * 8
+    if kernels == "exact":
+        assert code == 0 and "BITWISE EXACT" in out
+        assert m["train/train_rollout_logprob_abs_diff_max"] == 0.0 and m["mismatch/k3"] == 0.0
+    else:
+        assert code == 1 and "NOT EXACT" in out
+        assert m["train/train_rollout_logprob_abs_diff_max"] > 0.0
+
+
+def test_parity_against_an_unreachable_server_names_it(model_dir, capsys):
+    assert cli_main(["parity", "--model", str(model_dir), "--server", "http://127.0.0.1:9"]) == 2
+    assert "cannot reach the rollout server at http://127.0.0.1:9" in capsys.readouterr().err
