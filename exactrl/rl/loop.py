@@ -87,9 +87,11 @@ def kl_shaped_rewards(c: Components, groups: list[list[Rollout]]) -> tuple[list[
     """The groups with reward − β·Σ_t KL_t(π‖π_ref) (rl/kl.py `kl_reward_penalty`); the task reward stays in
     the rollout metrics, the shaped one only drives the advantages."""
     rs, flat = c.cfg.rollout, [r for g in groups for r in g]
+    mine = [flat[k] for k in c.ranks.shard(len(flat))]  # each rank scores its share; all get every score
     with torch.no_grad():
-        ref, _ = token_logprobs(c.ref_model, [r.prompt_ids + r.completion_ids for r in flat], rs.temperature,
-                               rs.top_k, rs.top_p, first=[len(r.prompt_ids) for r in flat])
+        ref, _ = token_logprobs(c.ref_model, [r.prompt_ids + r.completion_ids for r in mine], rs.temperature,
+                               rs.top_k, rs.top_p, first=[len(r.prompt_ids) for r in mine])
+    ref = c.ranks.gather_sharded(len(flat), list(ref))
     penalties, metrics = kl_reward_penalty([torch.tensor(r.behav_logprobs) for r in flat], ref, c.cfg.algorithm.kl.kind,
                                            c.cfg.algorithm.kl.coef)
     it = iter(penalties)

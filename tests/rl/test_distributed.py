@@ -107,9 +107,11 @@ def test_nproc_under_torchrun_is_refused(monkeypatch, capsys):
 
 def test_two_ranks_train_on_policy_and_sample_the_one_process_batch(model_dir, tmp_path):
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    # micro-batches of 3: each rank's 8 sequences run as 3 + 3 + 2
-    assert cli_main(["train", *sets(model_dir, one_dir, "max_steps=3", "optim.micro_batch_size=3")]) == 0
-    done = ranks_run(model_dir, two_dir, "max_steps=3", "optim.micro_batch_size=3")
+    # micro-batches of 3: each rank's 8 sequences run as 3 + 3 + 2; the KL reward's reference forward is
+    # shared out over the ranks too
+    same = ("max_steps=3", "optim.micro_batch_size=3", "algorithm.kl.coef=0.05", "algorithm.kl.where=reward")
+    assert cli_main(["train", *sets(model_dir, one_dir, *same)]) == 0
+    done = ranks_run(model_dir, two_dir, *same)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("run dir:") == 1 and "2 ranks" in done.stdout  # rank 0 speaks for the run
     one, two = rows(one_dir), rows(two_dir)
@@ -121,6 +123,8 @@ def test_two_ranks_train_on_policy_and_sample_the_one_process_batch(model_dir, t
     for k in ("rollout/reward_mean", "rollout/response_len_mean", "rollout/response_len_max",
               "perf/completion_tokens", "eval/initial_accuracy"):
         assert two[0][k] == one[0][k], k
+    assert two[2]["rollout/kl_ref_per_seq"] > 0
+    assert two[2]["rollout/kl_ref_per_seq"] == pytest.approx(one[2]["rollout/kl_ref_per_seq"], rel=1e-3)
     # the whole batch's gradient: one process's up to the order of the sum
     assert two[0]["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=1e-4)
     assert two[0]["train/loss"] == pytest.approx(one[0]["train/loss"], rel=1e-4, abs=1e-6)
