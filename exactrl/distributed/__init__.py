@@ -19,6 +19,9 @@ step (rl/loop.py):
     check:   a fingerprint of the new weights is compared across ranks; ranks
              that diverge stop the run (they must hold the same bits for
              every engine's μ to be the trainer's π_old)
+    async:   (async_loop.py) each rank's rollout thread samples its share;
+             the trainer thread gathers the shares, so collectives run on
+             one thread only
     rank 0:  evaluation is sharded like rollouts; rank 0 alone logs and
              writes checkpoints (the run dir must be one path every rank
              reads: a shared filesystem across machines)

@@ -33,6 +33,13 @@ each token's logprob under the version that sampled it: in exact mode this
 equals μ bitwise (`async/behaviour_recompute_abs_diff_max` = 0), proof that
 the only off-policy gap is the staleness itself.
 
+Data parallel (exactrl/distributed): every rank's rollout thread samples its
+share of each step's prompts with its own engine; the trainer thread gathers
+the shares (every collective runs on the trainer thread) and trains as the
+synchronous loop does. The ranks' threads run at their own pace, so with
+`max_staleness > 0` a token's version may depend on its rank's timing; each
+token still records the version that sampled it.
+
 Resume. A checkpoint holds the trained data position, not the batches the
 rollout thread had sampled ahead; with `max_staleness > 0` a resumed run's
 first batches are therefore fresher than an uninterrupted run's (with 0 the
@@ -60,7 +67,8 @@ class RolloutBatch:
     """One step's rollouts, produced on the rollout thread."""
 
     step: int  # the training step it is for
-    groups: list[list[Rollout]]
+    groups: list[list[Rollout]]  # this rank's share of the step's problems (all of them in one process)
+    n_problems: int  # the step's problems over every rank
     prompts_state: dict  # PromptSource position after this batch's prompts (what a checkpoint saves)
     rollout_s: float  # generation wall time
     engine_stats: dict[str, float]  # an external server's version and gauges when the batch was done (in process: {})
@@ -118,12 +126,15 @@ class RolloutWorker:
                 self._apply_pending()
                 t0 = time.perf_counter()
                 problems = c.prompts.take(cfg.rollout.prompts_per_step)
-                groups = generate_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step,
-                                         on_step=self._apply_pending if self.s.inflight_updates else None)
+                mine = c.ranks.shard(len(problems))  # a data-parallel rank's share; the trainer gathers them
+                groups = generate_groups(c.engine, c.tokenizer, c.task, [problems[k] for k in mine], cfg.rollout,
+                                         cfg.seed, step, on_step=self._apply_pending if self.s.inflight_updates
+                                         else None, indices=mine)
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
                 stats = engine_metrics(c.engine)
                 stats = stats if any(k.startswith("external/") for k in stats) else {}
-                self._out.put(RolloutBatch(step, groups, c.prompts.state_dict(), time.perf_counter() - t0, stats))
+                self._out.put(RolloutBatch(step, groups, len(problems), c.prompts.state_dict(),
+                                           time.perf_counter() - t0, stats))
         except BaseException as e:  # handed to the trainer, which raises it
             self._out.put(e)
 
@@ -194,8 +205,10 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
         for step in range(c.start_step + 1, cfg.max_steps + 1):
             item = worker.next_batch()
             assert item.step == step, (item.step, step)
+            # every rank's share (a collective: on this thread only, never on the rollout thread)
+            groups = c.ranks.gather_sharded(item.n_problems, item.groups)
             t1 = time.perf_counter()
-            groups, metrics = drop_stale(item.groups, step - 1, s.max_staleness)
+            groups, metrics = drop_stale(groups, step - 1, s.max_staleness)
             if check is not None:
                 metrics["async/behaviour_recompute_abs_diff_max"] = check.max_abs_diff(groups, cfg.rollout)
             metrics |= train_on(c, step, groups)

@@ -261,9 +261,6 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
     """What a data-parallel run does not support, refused before anything is loaded."""
     if ranks.world == 1:
         return
-    if cfg.async_.enabled:
-        raise ValueError(f"async.enabled=true runs in one process; a data-parallel run ({ranks.world} ranks) is "
-                         f"synchronous: set async.enabled=false or run one process")
     if cfg.rollout_backend.kind != "engine":
         raise ValueError(f"rollout_backend.kind={cfg.rollout_backend.kind} runs in one process (spread rollouts "
                          f"over servers with rollout_backend.base_urls instead); a data-parallel run "

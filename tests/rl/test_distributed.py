@@ -136,20 +136,43 @@ def test_two_ranks_train_on_policy_and_sample_the_one_process_batch(model_dir, t
     assert len(state["ranks_rng"]) == 2  # each rank's random streams
 
 
-def test_a_two_rank_run_resumes_like_an_uninterrupted_one(model_dir, tmp_path):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert ranks_run(model_dir, whole, "max_steps=3").returncode == 0
+@pytest.fixture(scope="module")
+def whole(model_dir, tmp_path_factory) -> list[dict]:
+    """An uninterrupted synchronous 2-rank run of 3 steps."""
+    d = tmp_path_factory.mktemp("whole")
+    done = ranks_run(model_dir, d, "max_steps=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return rows(d)
+
+
+def test_a_two_rank_run_resumes_like_an_uninterrupted_one(model_dir, tmp_path, whole):
+    cut = tmp_path / "cut"
     assert ranks_run(model_dir, cut, "max_steps=2").returncode == 0
     done = ranks_run(model_dir, cut, "max_steps=3", "resume=true")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [results(r) for r in rows(cut)] == [results(r) for r in rows(whole)]
+    assert [results(r) for r in rows(cut)] == [results(r) for r in whole]
     # and with another number of ranks it refuses, naming the one to use
     wrong = ranks_run(model_dir, cut, "max_steps=4", "resume=true", nproc=1)
     assert wrong.returncode != 0 and "--nproc 2" in wrong.stderr
 
 
+def test_two_rank_async_runs_as_the_sync_loop_at_staleness_0_and_tags_versions_beyond(model_dir, tmp_path, whole):
+    done = ranks_run(model_dir, tmp_path / "s0", "max_steps=3", "async.enabled=true", "async.max_staleness=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    s0 = rows(tmp_path / "s0")
+    drop = ("async/", "time/wait_rollout_s")
+    assert [{k: v for k, v in results(r).items() if not k.startswith(drop)} for r in s0] == \
+        [results(r) for r in whole]
+    done = ranks_run(model_dir, tmp_path / "s1", "max_steps=3", "async.enabled=true", "async.max_staleness=1",
+                     "async.recompute_behaviour=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    s1 = rows(tmp_path / "s1")
+    assert [r["step"] for r in s1] == [1, 2, 3] and all(r["async/staleness_max"] <= 1 for r in s1)
+    # whatever version each rank's thread sampled under, the trainer recomputes μ bitwise under it
+    assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in s1)
+
+
 @pytest.mark.parametrize("extra, words", [
-    (["async.enabled=true"], "async.enabled=true runs in one process"),
     (["rollout.prompts_per_step=1"], "rollout.prompts_per_step=1 gives some of the 2 ranks no prompt"),
     (["rollout_backend.kind=openai", "rollout_backend.base_url=http://127.0.0.1:9", "rollout_backend.model=m"],
      "rollout_backend.kind=openai runs in one process"),
