@@ -173,8 +173,6 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
 
     `ranks`: a data-parallel run's (exactrl/distributed); rank 0 picks the run dir, builds the default
     model if needed, creates the dir and logs."""
-    from exactrl.rl.warmstart import default_model_dir
-
     if cfg.rollout_backend.kind == "openai" and cfg.async_.enabled and cfg.async_.inflight_updates:
         raise ValueError("async.inflight_updates needs rollout_backend.kind=engine: an external server has no hook "
                          "between its steps to take new weights (use inflight_updates=false)")
@@ -202,15 +200,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
              else make_dataset(task, cfg.task.train_size, cfg.seed))
     prompts = PromptSource(train, seed=cfg.seed)
     eval_problems = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919) if cfg.task.eval_size else []
-    if cfg.model.path:
-        model_dir = Path(cfg.model.path)
-    else:  # rank 0 builds the default model (once, cached); the others then read it where rank 0 has it
-        model_dir = ranks.broadcast(str(default_model_dir(cfg, log)) if ranks.main else None)
-        if not (Path(model_dir) / "config.json").is_file():
-            raise ValueError(f"rank {ranks.rank} cannot read the default model rank 0 built at {model_dir}: give "
-                             f"every rank one filesystem for it (EXACTRL_ARTIFACTS, a shared path) or set "
-                             f"model.path to a model every rank reads")
-        model_dir = Path(model_dir)
+    model_dir = _model_dir(cfg, log, ranks)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
@@ -236,11 +226,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
         log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
     engine = _rollout_engine(cfg, model, tokenizer, start)
-    settings = StepSettings(
-        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-        micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode, agg_constant=float(cfg.rollout.max_tokens),
-        grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef, kl_coef=a.kl.coef, kl_kind=a.kl.kind,
-        kl_in_loss=a.kl.where == "loss", corrections=corrections, bypass=a.bypass)
+    settings = _step_settings(cfg, corrections)
     ranks.check_same("starting weights", model.parameters(),
                      "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
                      "path for every rank (the same filesystem)?")
@@ -255,6 +241,29 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
                       loss_fn, settings, logger, start, new_run_dir, ranks)
+
+
+def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
+    """model.path, or the default job's model: rank 0 builds it (once, cached), the others read it there."""
+    from exactrl.rl.warmstart import default_model_dir
+
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    model_dir = ranks.broadcast(str(default_model_dir(cfg, log)) if ranks.main else None)
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"rank {ranks.rank} cannot read the default model rank 0 built at {model_dir}: give every "
+                         f"rank one filesystem for it (EXACTRL_ARTIFACTS, a shared path) or set model.path to a "
+                         f"model every rank reads")
+    return Path(model_dir)
+
+
+def _step_settings(cfg: RunConfig, corrections) -> StepSettings:
+    a, r = cfg.algorithm, cfg.rollout
+    return StepSettings(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                        micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode,
+                        agg_constant=float(r.max_tokens), grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef,
+                        kl_coef=a.kl.coef, kl_kind=a.kl.kind, kl_in_loss=a.kl.where == "loss",
+                        corrections=corrections, bypass=a.bypass)
 
 
 def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
