@@ -39,6 +39,11 @@ def _server_parity(args, model) -> int:
     from exactrl.debug.parity import server_mismatch
     from exactrl.rl.external import ExternalEngineError
 
+    if args.max_tokens >= model.config.max_position_embeddings:
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
+                         f"{model.config.max_position_embeddings} tokens")
+    if args.server.rstrip("/").endswith("/v1"):
+        raise ValueError(f"--server must be the server's root URL, without /v1: got {args.server!r}")
     length = min(args.length, model.config.max_position_embeddings - args.max_tokens)
     try:
         m = server_mismatch(model, args.server, args.served_model or args.model, prompts=args.prompts,
@@ -50,9 +55,13 @@ def _server_parity(args, model) -> int:
           f"tokens, T={args.temperature})")
     print(f"|logprob diff|  mean {diff:.3e}  max {worst:.3e}   k3 {m['mismatch/k3']:.3e}   "
           f"ess {m['mismatch/ess']:.6f}")
-    ok = worst == 0.0
-    print(f"verdict: {'BITWISE EXACT' if ok else 'NOT EXACT'} (the server vs this trainer, {args.kernels} kernels, "
-          f"{args.dtype}, the model at {args.model})")
+    tokens = int(m["parity/tokens"])
+    if tokens < args.prompts * args.max_tokens:  # ignore_eos asks for every token; a server may stop early
+        print(f"note: the server returned {tokens} of the {args.prompts * args.max_tokens} tokens asked for")
+    ok = tokens > 0 and worst == 0.0  # no token compared proves nothing
+    verdict = "BITWISE EXACT" if ok else "NOT EXACT" if tokens else "NOTHING COMPARED (no tokens returned)"
+    print(f"verdict: {verdict} (the server vs this trainer, {args.kernels} kernels, {args.dtype}, the model at "
+          f"{args.model})")
     if args.json:
         print(json.dumps(m))
     return 0 if ok else 1

@@ -150,7 +150,8 @@ def init_from_env() -> Ranks:
 
 def launch(argv: list[str], nproc: int) -> int:
     """Runs `python -m exactrl <argv>` as `nproc` ranks on this machine (torchrun's environment; the cores
-    split evenly between them unless OMP_NUM_THREADS is set); waits for all. If one fails, the others are stopped. Returns the first non-zero code."""
+    split evenly between them unless OMP_NUM_THREADS is set); waits for all. If one fails, the others
+    are stopped. Returns the first non-zero code."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with socket.socket() as s:

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from exactrl.distributed import Ranks
 from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.config import AsyncSettings
 from exactrl.rl.loop import end_step, engine_metrics, initial_eval, train_on
@@ -174,9 +175,11 @@ class BehaviourCheck:
         for v in [v for v in self.weights if v < oldest_needed]:
             del self.weights[v]
 
-    def max_abs_diff(self, groups: list[list[Rollout]], rs) -> float:
-        """max over tokens of |μ − log π_v(token)| with v the token's version (0.0 when exact)."""
+    def max_abs_diff(self, groups: list[list[Rollout]], rs, ranks: Ranks = Ranks()) -> float:
+        """max over tokens of |μ − log π_v(token)| with v the token's version (0.0 when exact); a
+        data-parallel rank recomputes its share of the sequences, the max is taken over ranks."""
         flat = [r for g in groups for r in g if r.completion_ids]
+        flat = [flat[k] for k in ranks.shard(len(flat))]
         worst = 0.0
         for v in sorted({v for r in flat for v in r.versions}):
             self.scratch.load_state_dict(self.weights[v])
@@ -188,7 +191,7 @@ class BehaviourCheck:
                 for i, tv in enumerate(r.versions):
                     if tv == v:
                         worst = max(worst, abs(float(ours[i]) - r.behav_logprobs[i]))
-        return worst
+        return max(ranks.gather(worst))
 
 
 def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
@@ -210,7 +213,7 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
             t1 = time.perf_counter()
             groups, metrics = drop_stale(groups, step - 1, s.max_staleness)
             if check is not None:
-                metrics["async/behaviour_recompute_abs_diff_max"] = check.max_abs_diff(groups, cfg.rollout)
+                metrics["async/behaviour_recompute_abs_diff_max"] = check.max_abs_diff(groups, cfg.rollout, c.ranks)
             metrics |= train_on(c, step, groups)
             worker.publish(step, c.model.state_dict())
             if check is not None:  # batch k+1 may hold versions down to k − max_staleness

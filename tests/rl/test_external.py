@@ -306,6 +306,9 @@ def fake_app() -> FastAPI:
             await asyncio.sleep(2.0)
         if body["model"] == "broken":
             return JSONResponse({"error": {"message": "boom: out of KV cache"}}, status_code=500)
+        if body["model"] == "mute":  # stops at once, whatever ignore_eos says
+            return {"choices": [{"index": k, "text": "", "finish_reason": "stop", "generation_token_ids": [],
+                                 "generation_log_probs": []} for k in range(body["n"])]}
         return {"choices": [{"index": 0, "text": "4", "finish_reason": "length",
                              "logprobs": {"tokens": ["4"], "token_logprobs": [-0.5]}}]}
 
@@ -445,3 +448,17 @@ def test_parity_against_a_server_measures_its_mismatch(model_dir, kernels, capsy
 def test_parity_against_an_unreachable_server_names_it(model_dir, capsys):
     assert cli_main(["parity", "--model", str(model_dir), "--server", "http://127.0.0.1:9"]) == 2
     assert "cannot reach the rollout server at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_parity_against_a_server_that_returns_no_tokens_is_not_exact(model_dir, fake_url, capsys):
+    assert cli_main(["parity", "--model", str(model_dir), "--server", fake_url, "--served-model", "mute"]) == 1
+    out = capsys.readouterr().out
+    assert "NOTHING COMPARED" in out and "returned 0 of the 256 tokens" in out
+
+
+def test_parity_arguments_are_checked_naming_them(model_dir, capsys):
+    assert cli_main(["parity", "--model", str(model_dir), "--server", "http://127.0.0.1:9/v1"]) == 2
+    assert "--server must be the server's root URL, without /v1" in capsys.readouterr().err
+    assert cli_main(["parity", "--model", str(model_dir), "--server", "http://127.0.0.1:9",
+                     "--max-tokens", "100000"]) == 2
+    assert "--max-tokens 100000 leaves no room" in capsys.readouterr().err
