@@ -17,7 +17,9 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     cfg = load_config(config_path, overrides)
     ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
     try:
-        return _train(cfg, ranks, print if ranks.main else _quiet)
+        code = _train(cfg, ranks, print if ranks.main else _quiet)
+        ranks.barrier()  # every rank is done before any tears the group down
+        return code
     finally:
         if ranks.world > 1:
             import torch.distributed
