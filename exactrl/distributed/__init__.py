@@ -105,12 +105,11 @@ class Ranks:
         """Sums every parameter's gradient over ranks in one all_reduce. A rank without one adds zeros;
         a parameter no rank has a gradient for keeps none (the optimizer then leaves it alone, as in one
         process: a step without a single completion token moves no weight)."""
-        if self.world == 1:
-            return
         ps = [p for p in params if p.requires_grad]
-        has = self.sum_(torch.tensor([float(p.grad is not None) for p in ps]))
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in ps]
-                         + [has.new_zeros(0)])
+        if self.world == 1 or not ps:
+            return
+        has = self.sum_(torch.tensor([float(p.grad is not None) for p in ps]))  # ranks holding each one
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in ps])
         self.sum_(flat)
         at = 0
         for p, h in zip(ps, has.tolist()):
