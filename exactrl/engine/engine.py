@@ -127,6 +127,11 @@ class Engine:
         self.scheduler.add(req.seqs[0])
         return request_id
 
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises the ValueError `add_request` would raise for this request; queues nothing (a caller that
+        splits a batch, e.g. over Ray engines, checks it whole before any part runs)."""
+        self._validate(prompt_token_ids, params, None)
+
     def _validate(self, prompt, params, request_id) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -311,6 +316,10 @@ class Engine:
         comps = [Completion(s.index, list(req.prompt), s.tokens[s.num_prompt:], list(s.logprobs),
                             list(s.versions), s.finish_reason) for s in req.seqs]
         return RequestOutput(req.request_id, list(req.prompt), comps, req.finished)
+
+    def close(self) -> None:
+        """Nothing to release (the KV pool goes with the engine); every rollout backend closes alike
+        (rl/external.py, distributed/ray_engines.py)."""
 
     # ------------------------------------------------------------ weights
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:

@@ -77,6 +77,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from exactrl.distributed.ray_engines import RayEngineSettings
 from exactrl.engine.engine import Completion
 from exactrl.engine.sampling import SamplingParams
 from exactrl.model import save_model
@@ -86,9 +87,12 @@ from exactrl.model.transformer import CausalLM
 class RolloutBackendSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    kind: Literal["engine", "openai"] = "engine"
+    kind: Literal["engine", "openai", "ray"] = "engine"
     """`engine`: the in-process exactrl.Engine (bitwise exact); `openai`: an external OpenAI-compatible
-    server (vLLM, SGLang, `exactrl serve`), whose mismatch is measured and corrected."""
+    server (vLLM, SGLang, `exactrl serve`), whose mismatch is measured and corrected; `ray`: exactrl
+    Engines as Ray actors, on this machine or a Ray cluster (bitwise exact; distributed/ray_engines.py)."""
+    ray: RayEngineSettings = Field(default_factory=RayEngineSettings)
+    """The engines of `kind: ray`: how many, where, with how many threads."""
     base_url: str | None = None
     """Server root, e.g. http://127.0.0.1:8000 (requests go to {base_url}/v1/completions)."""
     base_urls: list[str] = Field(default_factory=list)
@@ -121,8 +125,13 @@ class RolloutBackendSettings(BaseModel):
             roots = self.server_roots
             if len(set(roots)) != len(roots):
                 raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")
-        elif self.base_urls:
-            raise ValueError("rollout_backend.base_urls needs rollout_backend.kind=openai")
+        else:
+            for key in ("base_url", "base_urls", "model", "sync_dir"):
+                if getattr(self, key):
+                    raise ValueError(f"rollout_backend.{key} needs rollout_backend.kind=openai "
+                                     f"(kind={self.kind} samples with exactrl engines)")
+        if self.kind != "ray" and self.ray != RayEngineSettings():
+            raise ValueError(f"rollout_backend.ray.* needs rollout_backend.kind=ray (kind is {self.kind})")
         return self
 
     @property

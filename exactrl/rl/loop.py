@@ -63,13 +63,13 @@ def initial_eval(c: Components, eval_engine) -> dict[str, float]:
 
 
 def engine_metrics(engine) -> dict[str, float]:
-    """The version the rollout engine holds now and, for an external server, its weight lag and counters.
+    """The version the rollout engine holds now and, for an external server or Ray engines, their counters.
 
     `engine/version` is the engine's own: the step just synced in process or with
     `weight_sync: disk`, the starting 0 with `weight_sync: none`, where
     `external/weight_lag` (trainer version − server version) shows how far behind it is.
     """
-    return {k: v for k, v in engine.stats().items() if k == "engine/version" or k.startswith("external/")}
+    return {k: v for k, v in engine.stats().items() if k == "engine/version" or k.startswith(("external/", "ray/"))}
 
 
 def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str, float]:

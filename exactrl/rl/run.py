@@ -40,7 +40,7 @@ def _train(cfg, ranks, say) -> int:
 
     c = build(cfg, say, ranks)
     if c.start_step >= cfg.max_steps:
-        c.logger.close()
+        c.close()
         say(f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
             f"raise max_steps with --set max_steps=N to continue it")
         return 0
@@ -52,7 +52,7 @@ def _train(cfg, ranks, say) -> int:
     try:
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
     except BaseException as e:
-        c.logger.close()
+        c.close()
         interrupted = isinstance(e, KeyboardInterrupt)
         removed = ranks.main and _remove_if_empty(c)  # an error's own message follows on one line (cli.py)
         if removed and interrupted:
@@ -69,7 +69,7 @@ def _train(cfg, ranks, say) -> int:
             return 130
         raise
     finally:
-        c.logger.close()
+        c.close()
     if not ranks.main:
         return 0
     plots = write_report(c.run_dir)

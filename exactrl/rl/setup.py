@@ -32,7 +32,7 @@ class Components:
     run_dir: Path
     model: CausalLM  # the trainer's copy
     ref_model: CausalLM | None  # frozen initial weights, only when KL is on
-    engine: Any  # exactrl.Engine over its own copy of the model, or an ExternalEngine (rl/external.py)
+    engine: Any  # exactrl.Engine over its own copy of the model, an ExternalEngine (rl/external.py) or RayEngines
     tokenizer: Any
     task: Any
     prompts: PromptSource
@@ -44,6 +44,11 @@ class Components:
     start_step: int
     new_run_dir: bool = False  # build created run_dir (a run that fails before its first step removes it)
     ranks: Ranks = Ranks()  # this process's rank in a data-parallel run (exactrl/distributed); one by default
+
+    def close(self) -> None:
+        """Closes the log and the rollout backend (an external server's client, Ray engines); idempotent."""
+        self.logger.close()
+        self.engine.close()
 
     def set_lr(self, step: int) -> float:
         """Linear warm-up, then constant; a pure function of the step (resume-safe)."""
@@ -98,7 +103,8 @@ def _run_dir(cfg: RunConfig) -> Path:
 # batches (results do not depend on it), held-out evaluation; everything else defines the run
 RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
              "eval_every", "engine.", "task.eval_size", "model.path", "model.tokenizer",
-             "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls")
+             "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls",
+             "rollout_backend.ray.")  # Ray engines sample what the in-process engine does, bitwise
 
 
 def _default_run_dir() -> str:
@@ -135,8 +141,12 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     # the weights come from the checkpoint, so model.path may move; but with KL on, the reference model
     # is read from model.path (the starting weights): another path would be another reference
     resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")
+    # the in-process engine and Ray engines sample the same tokens (distributed/ray_engines.py): a run
+    # may move between them, e.g. from a laptop to a Ray cluster
+    exact_backends = {old.get("rollout_backend.kind", "engine"), new["rollout_backend.kind"]} <= {"engine", "ray"}
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and not k.startswith(resumable)]
+               if old.get(k) != new.get(k) and not k.startswith(resumable)
+               and not (k == "rollout_backend.kind" and exact_backends)]
     if changed:
         raise ValueError(f"resume from {ckpt} with changed settings ({'; '.join(changed)}): a resumed run keeps "
                          f"the settings it was started with; drop these --set overrides, or start a new run_dir")
@@ -152,8 +162,9 @@ def _check_paths(cfg: RunConfig) -> None:
             raise ValueError(f"{key} {path} {what}: set {key} to {fix}")
 
 
-def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int):
-    """The in-process exactrl.Engine over its own copy of the model, or an external server (rl/external.py).
+def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int, log=print):
+    """The in-process exactrl.Engine over its own copy of the model, an external server (rl/external.py), or
+    exactrl Engines as Ray actors (distributed/ray_engines.py).
 
     Policy versions are training steps, also across a resume: the engine starts at version `start`.
     """
@@ -162,6 +173,10 @@ def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int):
     stops = sorted(tokenizer.stop_token_ids)
     if cfg.rollout_backend.kind == "openai":
         return ExternalEngine.connect(cfg.rollout_backend, model, stops, version=start)
+    if cfg.rollout_backend.kind == "ray":
+        from exactrl.distributed.ray_engines import RayEngines
+
+        return RayEngines(cfg.rollout_backend.ray, model, cfg.engine.model_dump(), stops, version=start, log=log)
     engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=stops, **cfg.engine.model_dump())
     engine.version = start
     return engine
@@ -173,9 +188,10 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
 
     `ranks`: a data-parallel run's (exactrl/distributed); rank 0 picks the run dir, builds the default
     model if needed, creates the dir and logs."""
-    if cfg.rollout_backend.kind == "openai" and cfg.async_.enabled and cfg.async_.inflight_updates:
-        raise ValueError("async.inflight_updates needs rollout_backend.kind=engine: an external server has no hook "
-                         "between its steps to take new weights (use inflight_updates=false)")
+    if cfg.rollout_backend.kind != "engine" and cfg.async_.enabled and cfg.async_.inflight_updates:
+        raise ValueError(f"async.inflight_updates needs rollout_backend.kind=engine: "
+                         f"{'an external server' if cfg.rollout_backend.kind == 'openai' else 'a Ray engine'} has "
+                         f"no hook between its steps to take new weights (use inflight_updates=false)")
     check_ranks(cfg, ranks)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -225,7 +241,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
         log(f"resuming {run_dir} from {ckpt.name}")
     elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
         log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
-    engine = _rollout_engine(cfg, model, tokenizer, start)
+    engine = _rollout_engine(cfg, model, tokenizer, start, log)
     settings = _step_settings(cfg, corrections)
     ranks.check_same("starting weights", model.parameters(),
                      "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
@@ -271,9 +287,11 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
     if ranks.world == 1:
         return
     if cfg.rollout_backend.kind != "engine":
+        more = "servers with rollout_backend.base_urls" if cfg.rollout_backend.kind == "openai" else \
+            "more engines with rollout_backend.ray.num_engines"
         raise ValueError(f"rollout_backend.kind={cfg.rollout_backend.kind} runs in one process (spread rollouts "
-                         f"over servers with rollout_backend.base_urls instead); a data-parallel run "
-                         f"({ranks.world} ranks) uses each rank's own engine")
+                         f"over {more} instead); a data-parallel run ({ranks.world} ranks) uses each rank's own "
+                         f"engine")
     if cfg.rollout.prompts_per_step < ranks.world:
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} gives some of the {ranks.world} "
                          f"ranks no prompt: raise it to at least {ranks.world} or run fewer ranks")

@@ -1,0 +1,194 @@
+"""Rollout engines as Ray actors: many exactrl.Engines, on this machine or across a Ray cluster.
+
+    RayEngines.generate        the prompts are dealt round-robin to the engines (prompt k to engine
+                               k mod E), one actor call per engine; completions come back in prompt order
+    RayEngines.update_weights  the state dict goes into Ray's object store once; every engine copies it
+                               bit for bit (Engine.update_weights) before it samples again
+
+    rollout_backend: {kind: ray, ray: {num_engines: 2, address: null, threads_per_engine: null}}
+
+Exactness. Each actor builds an exactrl.Engine over the trainer's model definition, with the
+trainer's kernels and dtype, from a bitwise copy of its weights (pickled tensors keep every bit).
+A request's tokens depend only on its prompt, its seed and the weights, not on what else is in the
+batch nor on the thread count (DESIGN.md §1), and each prompt's seed follows its place in the
+step's batch (rl/rollout.py). So which engine samples a prompt changes nothing: a run over Ray
+engines logs the metrics of a run over the in-process engine, bitwise (tested), and μ = π_old
+exactly. Across machines this holds where they compute alike (one CPU kind); where they do not,
+`train/train_rollout_logprob_abs_diff` and the `mismatch/` diagnostics show it.
+
+Why Ray and not `--nproc`. Data parallelism (`exactrl train --nproc N`, this package's
+__init__) gives every rank its own engine and its own copy of the trainer. Ray engines keep one
+trainer and add samplers only, on any machine of a Ray cluster (`ray start --head` on one,
+`ray start --address HEAD:6379` on the others, exactrl installed on all; then
+`rollout_backend.ray.address=auto`). With `address: null` a private Ray instance is started on
+this machine for the run and stopped after it.
+
+Departures: the split is static (round-robin), so engines on slower machines set the pace of a
+batch; in-flight weight updates (`async.inflight_updates`) are refused, as for external servers:
+an actor runs a whole `generate` call before it takes new weights. Asynchronous training without
+them works (the batch and the weight sync are serialised by a lock, so every token's version is
+known).
+
+Legend: E engines.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from exactrl.engine.engine import Completion, Engine
+from exactrl.engine.sampling import SamplingParams
+from exactrl.model.checkpoint import build_model
+from exactrl.model.config import ModelConfig
+
+
+class RayEngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    num_engines: int = Field(2, ge=1)
+    """Engine actors; each samples every E-th prompt of a batch."""
+    address: str | None = None
+    """None: start a private Ray instance on this machine for the run (or join RAY_ADDRESS if set);
+    `auto` or HOST:PORT: join a running Ray cluster, whose machines then host the engines."""
+    threads_per_engine: int | None = Field(None, ge=1)
+    """torch threads (and Ray CPUs) of each engine; None: the cluster's CPUs divided by num_engines."""
+
+
+class RayEngineError(RuntimeError):
+    """An engine actor died or failed while sampling or loading weights."""
+
+
+class EngineActor:
+    """One exactrl.Engine in a Ray worker process (wrapped by `ray.remote` in RayEngines)."""
+
+    def __init__(self, config: ModelConfig, dtype: str, kernels: str, block_size: int, weights: dict,
+                 engine_kwargs: dict, stop_token_ids: list[int], version: int, threads: int):
+        torch.set_num_threads(threads)
+        model = build_model(config, dtype, kernels, seed=None, block_size=block_size).requires_grad_(False)
+        with torch.no_grad():
+            model.load_state_dict(weights)  # a copy_ per tensor, same dtype: bitwise
+        self.engine = Engine(model, stop_token_ids=stop_token_ids, **engine_kwargs)
+        self.engine.version = version
+
+    def where(self) -> str:
+        import socket
+
+        return f"{socket.gethostname()} pid {os.getpid()}, {torch.get_num_threads()} threads"
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], indices: list[int]
+                 ) -> list[list[Completion]]:
+        for k, p, sp in zip(indices, prompts, params):  # named by their place in the caller's batch
+            try:
+                self.engine.check(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{k}]: {e}") from None
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, state_dict: dict, version: int) -> int:
+        return self.engine.update_weights(state_dict, version=version)
+
+
+class RayEngines:
+    """exactrl.Engine's rollout surface (`generate`, `update_weights`, `version`, `stats`) over E engine actors."""
+
+    def __init__(self, s: RayEngineSettings, model, engine_kwargs: dict, stop_token_ids=(), version: int = 0,
+                 log=print):
+        import ray
+
+        self._ray, self.s = ray, s
+        self._started = not ray.is_initialized()
+        if self._started:
+            ray.init(address=s.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        try:
+            cpus = int(ray.cluster_resources().get("CPU", 0))
+            threads = s.threads_per_engine or max(1, cpus // s.num_engines)
+            if s.num_engines * threads > cpus:  # Ray would wait forever for the CPUs
+                raise ValueError(f"rollout_backend.ray.num_engines={s.num_engines} engines x {threads} threads need "
+                                 f"{s.num_engines * threads} CPUs and the Ray cluster has {cpus}: lower num_engines "
+                                 f"or threads_per_engine, or add machines")
+            log(f"starting {s.num_engines} Ray engine(s) of {threads} thread(s) each ...")
+            weights = ray.put({k: v.detach() for k, v in model.state_dict().items()})
+            actor = ray.remote(EngineActor).options(num_cpus=threads, scheduling_strategy="SPREAD")
+            self.actors = [actor.remote(model.config, str(next(model.parameters()).dtype).removeprefix("torch."),
+                                        model.kernels.mode, model.block_size, weights, engine_kwargs,
+                                        sorted(stop_token_ids), version, threads) for _ in range(s.num_engines)]
+            self.places = self._get([a.where.remote() for a in self.actors], "starting")
+        except BaseException:
+            self.close()
+            raise
+        self.version = version
+        self._lock = threading.Lock()  # a weight sync never overlaps a batch: every token's version is known
+        self._stats = {"ray/engines": s.num_engines, "ray/generate_s": 0.0, "ray/weight_syncs": 0,
+                       "ray/weight_sync_s": 0.0}
+
+    def close(self) -> None:
+        for a in getattr(self, "actors", []):
+            self._ray.kill(a)
+        self.actors = []
+        if self._started and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_step=None) -> list[list[Completion]]:
+        """Blocking: outs[k][j] is sample j of prompt k, sampled by engine k mod E."""
+        if on_step is not None:
+            raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: a Ray "
+                             "engine runs a whole batch before it takes new weights")
+        params = SamplingParams() if params is None else params
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        E = len(self.actors)
+        shares = [list(range(e, len(prompts), E)) for e in range(E)]
+        with self._lock:
+            t0 = time.perf_counter()
+            busy = [e for e in range(E) if shares[e]]
+            calls = [self.actors[e].generate.remote([prompts[k] for k in shares[e]], [plist[k] for k in shares[e]],
+                                                    shares[e]) for e in busy]
+            answers = self._get(calls, "sampling", busy)
+            self._stats["ray/generate_s"] += time.perf_counter() - t0
+        outs: list[Any] = [None] * len(prompts)
+        for e, answer in zip(busy, answers):
+            for k, completions in zip(shares[e], answer):
+                outs[k] = completions
+        return outs
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """Every engine copies the weights bit for bit; returns the new version (as `Engine.update_weights`)."""
+        if version is not None and not (isinstance(version, int) and version > self.version):
+            raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
+        version = self.version + 1 if version is None else version
+        with self._lock:
+            t0 = time.perf_counter()
+            ref = self._ray.put({k: v.detach() for k, v in state_dict.items()})  # once, for every engine
+            self._get([a.update_weights.remote(ref, version) for a in self.actors], "loading weights")
+            self.version = version
+            self._stats["ray/weight_syncs"] += 1
+            self._stats["ray/weight_sync_s"] += time.perf_counter() - t0
+        return version
+
+    def stats(self) -> dict[str, float]:
+        """Flat gauges and counters for metrics logging."""
+        return {"engine/version": self.version, **self._stats}
+
+    def _get(self, refs: list, doing: str, engines: list[int] | None = None) -> list:
+        """ray.get of one call per engine (`engines`: whose, default all in order), with the engines' errors
+        as this module's: a ValueError (bad input) stays a ValueError; a failure names the engine and its place."""
+        exc, out = self._ray.exceptions, []
+        for e, ref in zip(range(len(refs)) if engines is None else engines, refs):
+            where = f"Ray engine {e}" + (f" ({self.places[e]})" if getattr(self, "places", None) else "")
+            try:
+                out.append(self._ray.get(ref))
+            except exc.RayTaskError as err:
+                if isinstance(err.cause, ValueError):
+                    raise ValueError(str(err.cause)) from None
+                raise RayEngineError(f"{where} failed while {doing}: {err.cause!r}") from None
+            except exc.RayActorError as err:
+                raise RayEngineError(f"{where} died while {doing}: {err} (a training run keeps its checkpoints: "
+                                     f"resume it with --set resume=true)") from None
+        return out

@@ -1,0 +1,172 @@
+"""Ray engine actors as the rollout backend (exactrl/distributed/ray_engines.py).
+
+The claim under test: which engine samples a prompt changes nothing, so Ray
+engines give the in-process engine's tokens and logprobs bitwise, and a run
+over them logs the in-process run's metrics bitwise. The inverse twin: with
+`fast` kernels the same run measures a non-zero mismatch.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import exactrl
+from conftest import default_job_model
+from exactrl.cli import main as cli_main
+from exactrl.distributed import Ranks
+from exactrl.engine import Engine, SamplingParams
+from exactrl.rl.config import load_config
+from exactrl.rl.setup import build, check_ranks
+
+ray = pytest.importorskip("ray")
+from exactrl.distributed.ray_engines import RayEngineError, RayEngines, RayEngineSettings  # noqa: E402
+
+SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+         "task.eval_size=8", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096",
+         "algorithm.entropy_coef=0.01"]  # an entropy bonus: the weights move even without reward
+RAY = ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=2"]
+# what only says how fast, or which backend counted what, differs between two runs of one job
+TIMING = ("time/", "perf/", "ray/")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The default job's model and tokenizer, without the warm start (random weights)."""
+    return default_job_model(tmp_path_factory, sft_steps=0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One Ray instance for the module's tests (starting one takes ~5 s); RayEngines joins it."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def run(model_dir, run_dir, *overrides) -> list[dict]:
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def results(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Mixed prompt lengths, n, temperatures (greedy too), top-k / top-p, one stop token."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 24))] for _ in range(9)]
+    params = [SamplingParams(temperature=(1.0, 0.7, 0.0)[k % 3], top_k=(-1, 7)[k % 2], top_p=(1.0, 0.9)[k % 2],
+                             max_tokens=10, n=1 + k % 3, seed=100 + k, stop_token_ids=[k]) for k in range(9)]
+    return prompts, params
+
+
+def fields(outs) -> list:
+    return [[(c.token_ids, c.logprobs, c.versions, c.finish_reason) for c in o] for o in outs]
+
+
+# ---------------------------------------------------------------- config, no Ray needed
+def test_config_section_and_errors():
+    cfg = load_config(None, [*RAY, "rollout_backend.ray.threads_per_engine=1"])
+    assert cfg.rollout_backend.ray == RayEngineSettings(num_engines=2, threads_per_engine=1)
+    with pytest.raises(ValueError, match="num_engines"):
+        load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=0"])
+    with pytest.raises(ValueError, match=r"rollout_backend.ray.\* needs rollout_backend.kind=ray"):
+        load_config(None, ["rollout_backend.ray.num_engines=3"])
+    with pytest.raises(ValueError, match="rollout_backend.base_url needs rollout_backend.kind=openai"):
+        load_config(None, ["rollout_backend.kind=ray", "rollout_backend.base_url=http://h:8000"])
+    with pytest.raises(ValueError, match="inflight_updates needs rollout_backend.kind=engine: a Ray engine"):
+        build(load_config(None, [*RAY, "async.enabled=true", "async.inflight_updates=true"]))
+    with pytest.raises(ValueError, match="rollout_backend.kind=ray runs in one process .*ray.num_engines"):
+        check_ranks(load_config(None, RAY), Ranks(0, 2))
+
+
+# ---------------------------------------------------------------- engines
+def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwen3_dir):
+    assert not ray.is_initialized()
+    model = exactrl.load_model(qwen3_dir)
+    engines = RayEngines(RayEngineSettings(num_engines=2), model, {"kv_budget_tokens": 2048}, log=lambda *a: None)
+    assert ray.is_initialized() and len(engines.places) == 2
+    prompts, params = workload(model.config.vocab_size)
+    assert fields(engines.generate(prompts, params)) == fields(Engine(model, kv_budget_tokens=2048).generate(
+        prompts, params))
+    engines.close()
+    assert not ray.is_initialized()
+
+
+def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwen3_dir):
+    model = exactrl.load_model(qwen3_dir)
+    prompts, params = workload(model.config.vocab_size)
+    engines = RayEngines(RayEngineSettings(num_engines=2), model, {"kv_budget_tokens": 2048}, [5], version=3,
+                         log=lambda *a: None)
+    local = Engine(model, stop_token_ids=[5], kv_budget_tokens=2048)
+    local.version = 3
+    got = engines.generate(prompts, params)
+    assert fields(got) == fields(local.generate(prompts, params))
+    assert {v for o in got for c in o for v in c.versions} == {3}
+    for o, p, sp in zip(got, prompts, params):  # and the trainer's forward agrees (DESIGN.md §1)
+        c = o[0]
+        lp = exactrl.sequence_logprobs(model, [p + c.token_ids], sp.temperature or 1.0, sp.top_k, sp.top_p)[0]
+        assert c.logprobs == lp[len(p) - 1:].tolist()
+
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    assert engines.update_weights(new, version=7) == 7 and local.update_weights(new, version=7) == 7
+    got = engines.generate(prompts, params)
+    assert fields(got) == fields(local.generate(prompts, params))
+    assert {v for o in got for c in o for v in c.versions} == {7}
+    assert engines.stats()["engine/version"] == 7 and engines.stats()["ray/weight_syncs"] == 1
+
+    with pytest.raises(ValueError, match=r"prompts\[4\]: prompt_token_ids is empty"):  # on engine 0's share
+        engines.generate(prompts[:4] + [[]], params[:5])
+    with pytest.raises(ValueError, match="version must be an int above the current version 7"):
+        engines.update_weights(new, version=7)
+    assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving
+
+    ray.kill(engines.actors[1])
+    with pytest.raises(RayEngineError, match=r"Ray engine 1 \(.*\) died while sampling"):
+        engines.generate(prompts, params)
+    engines.close()
+    assert ray.is_initialized()  # the engines joined the module's instance: it stays
+
+
+def test_more_engines_than_the_cluster_has_cpus_for_is_refused(cluster, qwen3_dir):
+    model = exactrl.load_model(qwen3_dir)
+    with pytest.raises(ValueError, match=r"num_engines=3 engines x 1 threads need 3 CPUs and the Ray cluster has 2"):
+        RayEngines(RayEngineSettings(num_engines=3), model, {}, log=lambda *a: None)
+
+
+# ---------------------------------------------------------------- training runs
+def test_a_run_over_ray_engines_logs_the_in_process_runs_metrics_bitwise(cluster, model_dir, tmp_path):
+    local = run(model_dir, tmp_path / "local", "max_steps=3")
+    over_ray = run(model_dir, tmp_path / "ray", "max_steps=3", *RAY)
+    assert results(over_ray) == results(local)
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 and r["train/grad_norm"] > 0 for r in over_ray)
+    assert [(r["engine/version"], r["ray/engines"], r["ray/weight_syncs"]) for r in over_ray] == [
+        (1, 2, 1), (2, 2, 2), (3, 2, 3)]
+    assert "eval/accuracy" in over_ray[-1]  # greedy evaluation over the engines too
+
+
+def test_fast_kernels_over_ray_engines_measure_a_mismatch(cluster, model_dir, tmp_path):
+    """The inverse twin: engines with `fast` kernels differ from the trainer's forward."""
+    rows = run(model_dir, tmp_path / "run", "max_steps=1", "task.eval_size=0", "model.kernels=fast", *RAY)
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] > 0
+
+
+def test_an_async_run_over_ray_engines_recomputes_mu_bitwise(cluster, model_dir, tmp_path):
+    rows = run(model_dir, tmp_path / "run", "max_steps=3", "task.eval_size=0", "async.enabled=true",
+               "async.max_staleness=1", "async.inflight_updates=false", *RAY)
+    assert [r["step"] for r in rows] == [1, 2, 3] and max(r["async/staleness_max"] for r in rows) <= 1
+    # each token's μ is exactly the logprob under the version it was tagged with
+    assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in rows)
+
+
+def test_a_run_resumes_with_more_ray_engines_and_logs_the_uninterrupted_run(cluster, model_dir, tmp_path):
+    whole = run(model_dir, tmp_path / "whole", "max_steps=3", "task.eval_size=0", *RAY)
+    run(model_dir, tmp_path / "cut", "max_steps=2", "task.eval_size=0")  # in process, then 2 engines
+    resumed = run(model_dir, tmp_path / "cut", "max_steps=3", "task.eval_size=0", "resume=true", *RAY)
+    assert results(resumed) == results(whole)
