@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when a chat history no longer matches the tokens the server returned: raise (HTTP 400), "
                         "split (render it afresh as a new segment) or truncate (keep the tokens up to the last "
                         "matching turn, render the rest); a request's `monotonicity` field overrides it")
+    s.add_argument("--session-ttl", type=_int_in(0), default=3600, metavar="SECONDS",
+                   help="drop a /sessions/{id} record no request has used for this long (a crashed trainer never "
+                        "deletes its own), >= 0; 0 keeps sessions until they are deleted")
     s.set_defaults(fn=_serve)
     q = sub.add_parser("parity", help="check the exactness contract on a model")
     q.add_argument("--model", required=True, help="Hugging Face model directory")

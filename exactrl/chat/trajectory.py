@@ -21,6 +21,7 @@ Legend: T tokens of a record.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -59,6 +60,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 @dataclass
 class Session:
     records: list[Record] = field(default_factory=list)
+    # the server's bookkeeping (server/app.py), for dropping sessions left idle: requests now using the
+    # session, and when one last took or released it (time.monotonic)
+    busy: int = field(default=0, compare=False)
+    last_used: float = field(default_factory=time.monotonic, compare=False)
 
     def record(self, prompt: list[int], generated: list[int], logprobs: list[float], versions: list[int],
                kind: str = "spliced", sampling: tuple = (1.0, -1, 1.0)) -> None:

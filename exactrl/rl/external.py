@@ -125,11 +125,9 @@ class RolloutBackendSettings(BaseModel):
             roots = self.server_roots
             if len(set(roots)) != len(roots):
                 raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")
-        else:
-            for key in ("base_url", "base_urls", "model", "sync_dir"):
-                if getattr(self, key):
-                    raise ValueError(f"rollout_backend.{key} needs rollout_backend.kind=openai "
-                                     f"(kind={self.kind} samples with exactrl engines)")
+        elif self.base_urls:
+            raise ValueError(f"rollout_backend.base_urls needs rollout_backend.kind=openai (kind={self.kind} "
+                             f"samples with exactrl engines)")
         if self.kind != "ray" and self.ray != RayEngineSettings():
             raise ValueError(f"rollout_backend.ray.* needs rollout_backend.kind=ray (kind is {self.kind})")
         return self

@@ -16,7 +16,12 @@ token-level trajectories with loss masks (`exactrl.chat.trajectory`);
   DELETE /sessions/{session_id}     (drops its record, including requests still running)
 An agent only needs `base_url=<server>/sessions/<id>/v1`. A session exists
 from the start of its first valid request (one that is then cancelled or
-fails leaves it empty: its trajectories are `[]`).
+fails leaves it empty: its trajectories are `[]`) until it is deleted, or
+until no request has used it for `session_ttl_s` seconds (`--session-ttl`,
+default an hour; 0 keeps sessions forever): a trainer that crashed never
+deletes its sessions, and a long-running server would keep them all. A
+session with a request running is never dropped; the count of dropped ones
+is `server/sessions_expired`.
 
 Errors are OpenAI's error JSON: 400 for malformed JSON, missing or invalid
 fields, prompts beyond the context, non-monotonic histories; 404 for an
@@ -71,10 +76,14 @@ class ServerConfig:
     model_name: str  # the id /v1/models lists; requests must name it (or an alias)
     aliases: tuple[str, ...] = ()  # other accepted model names (e.g. the model dir's basename)
     monotonicity: str = "raise"  # default policy for non-monotonic chat histories: raise | split | truncate
+    session_ttl_s: float = 3600.0  # a session no request used for this long is dropped; 0: never
 
     def __post_init__(self):
         if self.monotonicity not in POLICIES:
             raise ValueError(f"monotonicity must be one of {list(POLICIES)}, got {self.monotonicity!r}")
+        if not self.session_ttl_s >= 0:
+            raise ValueError(f"session_ttl_s (--session-ttl) must be >= 0 seconds (0: never), got "
+                             f"{self.session_ttl_s!r}")
 
 
 class ServerState:
@@ -146,8 +155,27 @@ class ServerState:
     def session(self, session_id: str) -> Session:
         """The session's record, created by its first request. A request takes it when it starts and
         records into that object, so a DELETE during the request drops the request's record with the
-        rest instead of the late record bringing the deleted session back."""
-        return self.sessions.setdefault(session_id, Session())
+        rest instead of the late record bringing the deleted session back. The request gives it back
+        with `release` when it ends (the session is not dropped as idle before)."""
+        self.expire_sessions()
+        s = self.sessions.setdefault(session_id, Session())
+        s.busy += 1
+        s.last_used = time.monotonic()
+        return s
+
+    def release(self, session: Session | None) -> None:
+        if session is not None:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+
+    def expire_sessions(self) -> None:
+        """Drops the sessions no request has used for `session_ttl_s` seconds."""
+        ttl, now = self.config.session_ttl_s, time.monotonic()
+        idle = [k for k, s in self.sessions.items() if ttl and not s.busy and now - s.last_used > ttl]
+        for k in idle:
+            del self.sessions[k]
+        if idle:
+            self.count("server/sessions_expired", len(idle))
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] += n
@@ -184,9 +212,11 @@ class ServerState:
 
     def metrics(self) -> dict:
         s = self.loop.stats
+        self.expire_sessions()
         out = {k: v for k, v in sorted(self.counters.items())}
-        for k in ("monotonicity_raise", "monotonicity_split", "monotonicity_truncate"):
-            out.setdefault(f"chat/{k}", 0)
+        for k in ("chat/monotonicity_raise", "chat/monotonicity_split", "chat/monotonicity_truncate",
+                  "server/sessions_expired"):
+            out.setdefault(k, 0)
         out |= s.flat()
         out |= {"server/uptime_s": time.time() - self.started, "server/sessions": len(self.sessions)}
         return out
@@ -315,8 +345,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/sessions/{session_id}/trajectories")
     async def trajectories(session_id: str):
+        state.expire_sessions()
         if session_id not in state.sessions:
-            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+            ttl = state.config.session_ttl_s
+            raise APIError(404, f"no session {session_id!r} (it was never used, was deleted, or" +
+                           (f" was dropped after {ttl:g} s without a request: --session-ttl)" if ttl else ")"),
+                           param="session_id", code="session_not_found")
         return {"session_id": session_id,
                 "trajectories": [t.to_json() for t in state.sessions[session_id].trajectories()]}
 
@@ -368,7 +402,8 @@ class ServerThread:
 
 
 def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "float32", kernels: str = "exact",
-                monotonicity: str = "raise", model_name: str | None = None, **engine_kwargs) -> ServerState:
+                monotonicity: str = "raise", model_name: str | None = None, session_ttl_s: float = 3600.0,
+                **engine_kwargs) -> ServerState:
     """Loads model + tokenizer from disk and wraps them in an engine and a ServerState."""
     import exactrl
     from exactrl.engine import Engine
@@ -377,7 +412,8 @@ def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "
     tok = exactrl.load_tokenizer(tokenizer_dir or model_dir)
     engine = Engine(model, stop_token_ids=sorted(tok.stop_token_ids), **engine_kwargs)
     name = model_name or str(model_dir)
-    return ServerState(engine, tok, ServerConfig(name, aliases=(Path(model_dir).name,), monotonicity=monotonicity))
+    return ServerState(engine, tok, ServerConfig(name, aliases=(Path(model_dir).name,), monotonicity=monotonicity,
+                                                 session_ttl_s=session_ttl_s))
 
 
 def serve_main(args) -> int:
@@ -385,8 +421,10 @@ def serve_main(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
-    state = build_state(args.model, args.tokenizer, args.dtype, args.kernels, args.monotonicity)
-    log.info("serving %s (%s, %s kernels, monotonicity=%s) on http://%s:%d", state.config.model_name, args.dtype,
-             args.kernels, args.monotonicity, args.host, args.port)
+    state = build_state(args.model, args.tokenizer, args.dtype, args.kernels, args.monotonicity,
+                        session_ttl_s=args.session_ttl)
+    log.info("serving %s (%s, %s kernels, monotonicity=%s, session ttl %d s) on http://%s:%d",
+             state.config.model_name, args.dtype, args.kernels, args.monotonicity, args.session_ttl, args.host,
+             args.port)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
     return 0

@@ -139,8 +139,15 @@ class _ChatJob:
 async def chat_completions(st, body: ChatCompletionRequest, request: Request, session_id: str | None = None):
     job = await _ChatJob.create(st, body, session_id)
     st.count("server/chat_requests")
-    if body.stream:
+    if body.stream:  # the stream gives the session back when it ends
         return StreamingResponse(_chat_stream(job, request), media_type="text/event-stream")
+    try:
+        return await _chat_answer(st, job, body, request)
+    finally:
+        st.release(job.session)
+
+
+async def _chat_answer(st, job: "_ChatJob", body: ChatCompletionRequest, request: Request):
     if await until_done(st, drain(job.gen), request) is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     job.record()
@@ -155,6 +162,15 @@ async def chat_completions(st, body: ChatCompletionRequest, request: Request, se
 
 
 async def _chat_stream(job: _ChatJob, request: Request):
+    """The SSE lines; the session is given back however the stream ends."""
+    try:
+        async for line in _chat_lines(job, request):
+            yield line
+    finally:
+        job.st.release(job.session)
+
+
+async def _chat_lines(job: _ChatJob, request: Request):
     st = job.st
     yield sse(job.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None} for c in job.gen.choices]))

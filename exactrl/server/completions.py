@@ -65,9 +65,17 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
     # the session as it is now: a DELETE while this request runs drops its record too (see app.session)
     session = st.session(session_id) if session_id is not None else None
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    if body.stream:
+    if body.stream:  # the stream gives the session back when it ends
         return StreamingResponse(_completion_stream(st, body, gens, cid, created, request, session),
                                  media_type="text/event-stream")
+    try:
+        return await _completion_answer(st, body, gens, cid, created, request, session)
+    finally:
+        st.release(session)
+
+
+async def _completion_answer(st, body: CompletionRequest, gens: list[Generation], cid: str, created: int,
+                             request: Request, session: Session | None):
     if await until_done(st, asyncio.gather(*(drain(g) for g in gens)), request) is None:
         return Response(status_code=499)
     choices = []
@@ -181,3 +189,4 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        st.release(session)

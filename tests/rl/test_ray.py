@@ -78,8 +78,8 @@ def test_config_section_and_errors():
         load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=0"])
     with pytest.raises(ValueError, match=r"rollout_backend.ray.\* needs rollout_backend.kind=ray"):
         load_config(None, ["rollout_backend.ray.num_engines=3"])
-    with pytest.raises(ValueError, match="rollout_backend.base_url needs rollout_backend.kind=openai"):
-        load_config(None, ["rollout_backend.kind=ray", "rollout_backend.base_url=http://h:8000"])
+    with pytest.raises(ValueError, match="rollout_backend.base_urls needs rollout_backend.kind=openai"):
+        load_config(None, ["rollout_backend.kind=ray", "rollout_backend.base_urls=[http://h:8000]"])
     with pytest.raises(ValueError, match="inflight_updates needs rollout_backend.kind=engine: a Ray engine"):
         build(load_config(None, [*RAY, "async.enabled=true", "async.inflight_updates=true"]))
     with pytest.raises(ValueError, match="rollout_backend.kind=ray runs in one process .*ray.num_engines"):

@@ -323,3 +323,81 @@ def test_session_deleted_during_a_request_stays_deleted(path, stream, monkeypatc
     monkeypatch.setattr(engine, "step", real)
     assert post(f"/sessions/{sid}" + path, json=body).status_code == 200  # the id starts a fresh session
     assert len(httpx.get(f"{s.url}/sessions/{sid}/trajectories").json()["trajectories"]) == 1
+
+
+# ---------------------------------------------------------------- 9. idle sessions expire, busy ones stay
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_idle_sessions_are_dropped_and_sessions_in_use_are_kept(path, stream, monkeypatch):
+    """A session no request used for --session-ttl seconds is dropped (a crashed trainer never deletes
+    its own); one with a request running is kept however long it runs, and keeps that request's record."""
+    s = served()
+    monkeypatch.setattr(s.state.config, "session_ttl_s", 100.0)
+    tag = f"{stream}-{path.rsplit('/', 1)[-1]}"
+    idle, busy = f"idle-{tag}", f"busy-{tag}"
+    body = chat(max_tokens=4, stream=stream) if "chat" in path else {
+        "model": s.model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    assert post(f"/sessions/{idle}" + path, json=body).status_code == 200
+    assert s.state.sessions[idle].busy == 0  # the finished request gave it back
+    s.state.sessions[idle].last_used -= 1000  # as if unused for 1000 s
+    before = s.state.counters["server/sessions_expired"]
+    engine, real = s.state.engine, s.state.engine.step
+    stepping, release = threading.Event(), threading.Event()
+
+    def held_step():
+        stepping.set()
+        release.wait(30)
+        return real()
+    monkeypatch.setattr(engine, "step", held_step)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(r=post(f"/sessions/{busy}" + path, json=body)))
+    thread.start()
+    try:
+        assert stepping.wait(30), "the request never reached the engine"
+        s.state.sessions[busy].last_used -= 1000  # its request has been running for 1000 s
+        metrics = httpx.get(f"{s.url}/metrics").json()  # a sweep
+    finally:
+        release.set()
+        thread.join(60)
+    monkeypatch.setattr(engine, "step", real)
+    assert metrics["server/sessions_expired"] == before + 1
+    assert idle not in s.state.sessions and busy in s.state.sessions
+    err = error_of(httpx.get(f"{s.url}/sessions/{idle}/trajectories"), 404)
+    assert "was dropped after 100 s without a request: --session-ttl" in err["message"]
+    assert got["r"].status_code == 200 and s.state.sessions[busy].busy == 0
+    assert len(httpx.get(f"{s.url}/sessions/{busy}/trajectories").json()["trajectories"]) == 1
+    httpx.delete(f"{s.url}/sessions/{busy}")
+
+
+def test_sessions_never_expire_with_ttl_0(monkeypatch):
+    s = served()
+    monkeypatch.setattr(s.state.config, "session_ttl_s", 0.0)
+    assert post("/sessions/kept/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2}
+                ).status_code == 200
+    s.state.sessions["kept"].last_used -= 10**9
+    httpx.get(f"{s.url}/metrics")
+    assert httpx.get(f"{s.url}/sessions/kept/trajectories").status_code == 200
+    httpx.delete(f"{s.url}/sessions/kept")
+
+
+def test_a_stream_its_client_left_gives_its_session_back():
+    s = served()
+    body = {"model": s.model, "messages": MSGS, "max_tokens": 64, "stream": True}
+    with httpx.stream("POST", f"{s.url}/sessions/left/v1/chat/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the first event, then the client goes
+    for _ in range(200):
+        if s.state.sessions["left"].busy == 0:
+            break
+        threading.Event().wait(0.05)
+    assert s.state.sessions["left"].busy == 0
+    httpx.delete(f"{s.url}/sessions/left")
+
+
+def test_a_negative_session_ttl_is_refused_by_name():
+    from exactrl.cli import build_parser
+    from exactrl.server.app import ServerConfig
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--session-ttl", "-1"])
+    with pytest.raises(ValueError, match="session_ttl_s"):
+        ServerConfig("m", session_ttl_s=-1)
