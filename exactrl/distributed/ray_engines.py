@@ -42,7 +42,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from exactrl.engine.engine import Completion, Engine
-from exactrl.engine.sampling import SamplingParams
+from exactrl.engine.sampling import SamplingParams, params_per_prompt
 from exactrl.model.checkpoint import build_model
 from exactrl.model.config import ModelConfig
 
@@ -139,10 +139,7 @@ class RayEngines:
         if on_step is not None:
             raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: a Ray "
                              "engine runs a whole batch before it takes new weights")
-        params = SamplingParams() if params is None else params
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = params_per_prompt(params, len(prompts))
         E = len(self.actors)
         shares = [list(range(e, len(prompts), E)) for e in range(E)]
         with self._lock:

@@ -27,7 +27,8 @@ from typing import Callable, Mapping
 import torch
 
 from exactrl.engine.cache import PagePool
-from exactrl.engine.sampling import SampleRows, SamplingParams, draw, row_logprobs, sample_uniform
+from exactrl.engine.sampling import (SampleRows, SamplingParams, draw, params_per_prompt, row_logprobs,
+                                     sample_uniform)
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
 from exactrl.kernels.linear import PackedWeights, using_packed
@@ -201,10 +202,7 @@ class Engine:
         this call is aborted before the error propagates; requests added by others
         (`add_request`) keep running.
         """
-        params = SamplingParams() if params is None else params
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = params_per_prompt(params, len(prompts))
         for k, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any is queued
             try:
                 self._validate(p, sp, None)

@@ -89,6 +89,16 @@ class SamplingParams:
         return 0 < self.top_k < vocab_size, self.top_p < 1.0
 
 
+def params_per_prompt(params: "SamplingParams | list[SamplingParams] | None", n_prompts: int
+                      ) -> list[SamplingParams]:
+    """`generate`'s params argument as one SamplingParams per prompt: None is the defaults, one is shared."""
+    params = SamplingParams() if params is None else params
+    plist = params if isinstance(params, list) else [params] * n_prompts
+    if len(plist) != n_prompts:
+        raise ValueError(f"got {len(plist)} SamplingParams for {n_prompts} prompts")
+    return plist
+
+
 def _check_number(field: str, value, kind: type) -> None:
     ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
     if not ok or isinstance(value, bool):

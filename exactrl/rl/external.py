@@ -79,7 +79,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exactrl.distributed.ray_engines import RayEngineSettings
 from exactrl.engine.engine import Completion
-from exactrl.engine.sampling import SamplingParams
+from exactrl.engine.sampling import SamplingParams, params_per_prompt
 from exactrl.model import save_model
 from exactrl.model.transformer import CausalLM
 
@@ -195,10 +195,7 @@ class ExternalEngine:
         if on_step is not None:
             raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: an "
                              "external server has no hook between its steps")
-        params = SamplingParams() if params is None else params
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = params_per_prompt(params, len(prompts))
         bodies = [self.request_body(p, sp) for p, sp in zip(prompts, plist)]
         with self._lock:
             version, t0 = self.version, time.perf_counter()

@@ -3,6 +3,7 @@ refused up front with a 400 naming its field, or now works; streams end with an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
@@ -291,6 +292,30 @@ def test_tool_choice_of_the_wrong_type_names_tool_choice():
 
 
 # ---------------------------------------------------------------- 8. sessions deleted while a request runs
+@contextlib.contextmanager
+def held_in_engine(monkeypatch, path: str, body: dict):
+    """POSTs `body` to `path` on a thread; the engine holds its first step until the block ends. Yields
+    a dict that holds the response as "r" after the block."""
+    engine, real = served().state.engine, served().state.engine.step
+    stepping, release = threading.Event(), threading.Event()
+
+    def held_step():
+        stepping.set()
+        release.wait(30)
+        return real()
+    monkeypatch.setattr(engine, "step", held_step)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(r=post(path, json=body)))
+    thread.start()
+    try:
+        assert stepping.wait(30), "the request never reached the engine"
+        yield got
+    finally:
+        release.set()
+        thread.join(60)
+        monkeypatch.setattr(engine, "step", real)
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_session_deleted_during_a_request_stays_deleted(path, stream, monkeypatch):
@@ -300,27 +325,11 @@ def test_session_deleted_during_a_request_stays_deleted(path, stream, monkeypatc
     sid = f"del-{stream}-{path.rsplit('/', 1)[-1]}"
     body = chat(max_tokens=4, stream=stream) if "chat" in path else {
         "model": s.model, "prompt": "hello", "max_tokens": 4, "stream": stream}
-    engine, real = s.state.engine, s.state.engine.step
-    stepping, release = threading.Event(), threading.Event()
-
-    def held_step():  # the engine holds the request until the session is deleted
-        stepping.set()
-        release.wait(30)
-        return real()
-    monkeypatch.setattr(engine, "step", held_step)
-    got: dict = {}
-    thread = threading.Thread(target=lambda: got.update(r=post(f"/sessions/{sid}" + path, json=body)))
-    thread.start()
-    try:
-        assert stepping.wait(30), "the request never reached the engine"
+    with held_in_engine(monkeypatch, f"/sessions/{sid}" + path, body) as got:
         deleted = httpx.delete(f"{s.url}/sessions/{sid}").json()["deleted"]
-    finally:
-        release.set()
-        thread.join(60)
     assert deleted  # the session exists from its first request's start
     assert got["r"].status_code == 200 and ("[DONE]" in got["r"].text if stream else got["r"].json()["choices"])
     assert httpx.get(f"{s.url}/sessions/{sid}/trajectories").status_code == 404
-    monkeypatch.setattr(engine, "step", real)
     assert post(f"/sessions/{sid}" + path, json=body).status_code == 200  # the id starts a fresh session
     assert len(httpx.get(f"{s.url}/sessions/{sid}/trajectories").json()["trajectories"]) == 1
 
@@ -341,25 +350,9 @@ def test_idle_sessions_are_dropped_and_sessions_in_use_are_kept(path, stream, mo
     assert s.state.sessions[idle].busy == 0  # the finished request gave it back
     s.state.sessions[idle].last_used -= 1000  # as if unused for 1000 s
     before = s.state.counters["server/sessions_expired"]
-    engine, real = s.state.engine, s.state.engine.step
-    stepping, release = threading.Event(), threading.Event()
-
-    def held_step():
-        stepping.set()
-        release.wait(30)
-        return real()
-    monkeypatch.setattr(engine, "step", held_step)
-    got: dict = {}
-    thread = threading.Thread(target=lambda: got.update(r=post(f"/sessions/{busy}" + path, json=body)))
-    thread.start()
-    try:
-        assert stepping.wait(30), "the request never reached the engine"
+    with held_in_engine(monkeypatch, f"/sessions/{busy}" + path, body) as got:
         s.state.sessions[busy].last_used -= 1000  # its request has been running for 1000 s
         metrics = httpx.get(f"{s.url}/metrics").json()  # a sweep
-    finally:
-        release.set()
-        thread.join(60)
-    monkeypatch.setattr(engine, "step", real)
     assert metrics["server/sessions_expired"] == before + 1
     assert idle not in s.state.sessions and busy in s.state.sessions
     err = error_of(httpx.get(f"{s.url}/sessions/{idle}/trajectories"), 404)
