@@ -25,6 +25,10 @@ step (rl/loop.py):
     rank 0:  evaluation is sharded like rollouts; rank 0 alone logs and
              writes checkpoints (the run dir must be one path every rank
              reads: a shared filesystem across machines)
+    optim:   with `optim.shard_state`, each rank keeps the AdamW moments of
+             its share of the parameters only (ZeRO stage 1), steps those
+             and broadcasts them; AdamW updates every element on its own,
+             so the weights are bitwise those of the unsharded run
 
 Exactness is unchanged: each rank's engine and trainer are one process, so
 `train/train_rollout_logprob_abs_diff` is 0.0 on every rank (it is measured
@@ -133,6 +137,36 @@ class Ranks:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+
+def make_optimizer(params, ranks: Ranks, shard_state: bool, **adamw) -> torch.optim.Optimizer:
+    """AdamW, or with `shard_state` in a multi-rank run torch's ZeroRedundancyOptimizer over AdamW: the
+    moments (2x the parameters) split over the ranks by size. Its `state_dict` is the plain AdamW one
+    once `gather_optimizer_state` has run, so checkpoints load either way."""
+    if not shard_state or ranks.world == 1:
+        return torch.optim.AdamW(params, **adamw)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **adamw)
+
+
+def gather_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """A sharded optimizer sends every rank's moments to rank 0 (a collective), whose `state_dict()` is
+    then whole; a plain one has nothing to do."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+
+
+def optimizer_share(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(parameter elements whose moments this rank keeps, all parameter elements)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    total = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return total, total
+    return sum(p.numel() for g in optimizer.optim.param_groups for p in g["params"]), total
 
 
 def init_from_env() -> Ranks:

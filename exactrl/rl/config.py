@@ -99,6 +99,10 @@ class OptimSettings(BaseModel):
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward; gradients accumulate over the step's batch."""
     warmup_steps: int = Field(0, ge=0)
+    shard_state: bool = False
+    """Data-parallel runs (`--nproc N`): each rank keeps the AdamW moments of its share of the
+    parameters only (ZeRO stage 1; 2x the parameters' memory split over the ranks). The weights are
+    bitwise those of the unsharded run and checkpoints are the same; no effect in one process."""
 
 
 class AsyncSettings(BaseModel):

@@ -32,6 +32,7 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def _train(cfg, ranks, say) -> int:
+    from exactrl.distributed import optimizer_share
     from exactrl.rl.async_loop import train_async
     from exactrl.rl.checkpoint import latest_checkpoint
     from exactrl.rl.loop import train
@@ -49,6 +50,10 @@ def _train(cfg, ranks, say) -> int:
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
     mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
     say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
+    if cfg.optim.shard_state and ranks.world > 1:
+        mine, total = optimizer_share(c.optimizer)
+        say(f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
+            f"parameter elements")
     try:
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
     except BaseException as e:

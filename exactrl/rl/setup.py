@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from exactrl.distributed import Ranks
+from exactrl.distributed import Ranks, make_optimizer
 from exactrl.envs import get_task, import_task_module
 from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
 from exactrl.model import load_model
@@ -104,7 +104,8 @@ def _run_dir(cfg: RunConfig) -> Path:
 RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
              "eval_every", "engine.", "task.eval_size", "model.path", "model.tokenizer",
              "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls",
-             "rollout_backend.ray.")  # Ray engines sample what the in-process engine does, bitwise
+             "rollout_backend.ray.",  # Ray engines sample what the in-process engine does, bitwise
+             "optim.shard_state")  # the same weights and checkpoints, sharded or not
 
 
 def _default_run_dir() -> str:
@@ -225,15 +226,13 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     ref_model = None
     if cfg.algorithm.kl.coef > 0:
         ref_model = copy.deepcopy(model).requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = _optimizer(cfg, model, ranks)
     start = 0
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     if ckpt is not None:
         model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
         _check_same_run(state.get("config"), cfg, ckpt)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                      weight_decay=cfg.optim.weight_decay)
+        optimizer = _optimizer(cfg, model, ranks)
         optimizer.load_state_dict(opt_state)
         prompts.load_state_dict(state["prompts"])
         _restore_rng(state, ranks, ckpt)
@@ -271,6 +270,12 @@ def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
                          f"rank one filesystem for it (EXACTRL_ARTIFACTS, a shared path) or set model.path to a "
                          f"model every rank reads")
     return Path(model_dir)
+
+
+def _optimizer(cfg: RunConfig, model: CausalLM, ranks: Ranks) -> torch.optim.Optimizer:
+    o = cfg.optim
+    return make_optimizer(model.parameters(), ranks, o.shard_state, lr=o.lr, betas=o.betas,
+                          weight_decay=o.weight_decay)
 
 
 def _step_settings(cfg: RunConfig, corrections) -> StepSettings:

@@ -7,6 +7,7 @@ the sum), keeps train/rollout logprobs bitwise equal on every rank, and resumes 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from exactrl.distributed import Ranks
 
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "task.eval_size=6", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096",
-         "algorithm.entropy_coef=0.01"]
+         "algorithm.entropy_coef=0.01", "optim.warmup_steps=2"]  # a changing lr: it must reach every shard
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,27 @@ def test_a_two_rank_run_resumes_like_an_uninterrupted_one(model_dir, tmp_path, w
     # and with another number of ranks it refuses, naming the one to use
     wrong = ranks_run(model_dir, cut, "max_steps=4", "resume=true", nproc=1)
     assert wrong.returncode != 0 and "--nproc 2" in wrong.stderr
+
+
+def test_sharded_optimizer_state_trains_bitwise_as_the_replicated_one_and_checkpoints_alike(
+        model_dir, tmp_path, whole):
+    """optim.shard_state (ZeRO-1): each rank keeps part of AdamW's moments, the weights stay bitwise the
+    replicated run's (warm-up included: the lr reaches the shards), and a checkpoint holds the whole
+    state, so a run moves between sharded and replicated on resume."""
+    sharded = tmp_path / "sharded"
+    done = ranks_run(model_dir, sharded, "max_steps=2", "optim.shard_state=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    share = re.search(r"rank 0 keeps the moments of ([\d,]+) of ([\d,]+) parameter elements", done.stdout)
+    mine, total = (int(x.replace(",", "")) for x in share.groups())
+    assert 0 < mine < total
+    done = ranks_run(model_dir, sharded, "max_steps=3", "resume=true")  # resumed replicated
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [results(r) for r in rows(sharded)] == [results(r) for r in whole]
+    replicated = tmp_path / "replicated"
+    assert ranks_run(model_dir, replicated, "max_steps=2").returncode == 0
+    done = ranks_run(model_dir, replicated, "max_steps=3", "resume=true", "optim.shard_state=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [results(r) for r in rows(replicated)] == [results(r) for r in whole]
 
 
 def test_two_rank_async_runs_as_the_sync_loop_at_staleness_0_and_tags_versions_beyond(model_dir, tmp_path, whole):
