@@ -89,6 +89,7 @@ def _bench(args) -> int:
 def _train(args) -> int:
     import os
 
+    from exactrl.distributed.ray_engines import RayEngineError
     from exactrl.rl.external import ExternalEngineError
     from exactrl.rl.run import train_main
 
@@ -106,10 +107,10 @@ def _train(args) -> int:
                       args.nproc)
     try:
         return train_main(args.config, args.set)
-    except ExternalEngineError as e:  # the rollout server is down or answered an error: its message says which
+    except (ExternalEngineError, RayEngineError) as e:  # a rollout server or engine failed: the message says which
         return _fail(args.command, e)
     except RuntimeError as e:  # the asynchronous loop re-raises its rollout thread's error as the cause
-        if isinstance(e.__cause__, ExternalEngineError):
+        if isinstance(e.__cause__, (ExternalEngineError, RayEngineError)):
             return _fail(args.command, e.__cause__)
         raise
 

@@ -62,7 +62,7 @@ def run_variant(name: str, overrides: list[str], out: Path, steps: int) -> list[
     try:
         train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
     finally:
-        c.logger.close()
+        c.close()
     print(f"{name}: {steps} steps in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -7,7 +7,8 @@
 
     rollout_backend: {kind: ray, ray: {num_engines: 2, address: null, threads_per_engine: null}}
 
-Exactness. Each actor builds an exactrl.Engine over the trainer's model definition, with the
+Exactness (with `exact` kernels; `fast` ones depend on the batch, so there nothing is bitwise
+anyway). Each actor builds an exactrl.Engine over the trainer's model definition, with the
 trainer's kernels and dtype, from a bitwise copy of its weights (pickled tensors keep every bit).
 A request's tokens depend only on its prompt, its seed and the weights, not on what else is in the
 batch nor on the thread count (DESIGN.md §1), and each prompt's seed follows its place in the
@@ -26,8 +27,8 @@ this machine for the run and stopped after it.
 Departures: the split is static (round-robin), so engines on slower machines set the pace of a
 batch; in-flight weight updates (`async.inflight_updates`) are refused, as for external servers:
 an actor runs a whole `generate` call before it takes new weights. Asynchronous training without
-them works (the batch and the weight sync are serialised by a lock, so every token's version is
-known).
+them works: the rollout thread samples a batch, then loads the newest weights (a lock keeps any
+other caller's sync from landing inside a batch, so every token's version is known).
 
 Legend: E engines.
 """
@@ -54,13 +55,15 @@ class RayEngineSettings(BaseModel):
     """Engine actors; each samples every E-th prompt of a batch."""
     address: str | None = None
     """None: start a private Ray instance on this machine for the run (or join RAY_ADDRESS if set);
-    `auto` or HOST:PORT: join a running Ray cluster, whose machines then host the engines."""
+    `auto` or HOST:PORT: join a running Ray cluster (`ray start`), whose machines then host the engines."""
     threads_per_engine: int | None = Field(None, ge=1)
     """torch threads (and Ray CPUs) of each engine; None: the cluster's CPUs divided by num_engines."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """How long the engines may take to start (CPUs held by other Ray jobs keep them waiting)."""
 
 
 class RayEngineError(RuntimeError):
-    """An engine actor died or failed while sampling or loading weights."""
+    """An engine actor died, did not start in time, or failed while sampling or loading weights."""
 
 
 class EngineActor:
@@ -69,24 +72,34 @@ class EngineActor:
     def __init__(self, config: ModelConfig, dtype: str, kernels: str, block_size: int, weights: dict,
                  engine_kwargs: dict, stop_token_ids: list[int], version: int, threads: int):
         torch.set_num_threads(threads)
-        model = build_model(config, dtype, kernels, seed=None, block_size=block_size).requires_grad_(False)
-        with torch.no_grad():
-            model.load_state_dict(weights)  # a copy_ per tensor, same dtype: bitwise
-        self.engine = Engine(model, stop_token_ids=stop_token_ids, **engine_kwargs)
+        self.error: ValueError | None = None  # bad settings: reported by `where` as a ValueError, not a crash
+        try:
+            model = build_model(config, dtype, kernels, seed=None, block_size=block_size).requires_grad_(False)
+            with torch.no_grad():
+                model.load_state_dict(weights)  # a copy_ per tensor, same dtype (checked by RayEngines): bitwise
+            self.engine = Engine(model, stop_token_ids=stop_token_ids, **engine_kwargs)
+        except ValueError as e:
+            self.error = e
+            return
         self.engine.version = version
+        self.desc = f"{dtype}, {kernels} kernels, {threads} thread(s)"
 
     def where(self) -> str:
         import socket
 
-        return f"{socket.gethostname()} pid {os.getpid()}, {torch.get_num_threads()} threads"
+        if self.error is not None:
+            raise self.error
+        return f"{socket.gethostname()} pid {os.getpid()}: {self.desc}"
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], indices: list[int]
-                 ) -> list[list[Completion]]:
-        for k, p, sp in zip(indices, prompts, params):  # named by their place in the caller's batch
+    def check(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """The whole batch, before any engine samples its share: the ValueError names the prompt's index."""
+        for k, (p, sp) in enumerate(zip(prompts, params)):
             try:
                 self.engine.check(p, sp)
             except ValueError as e:
                 raise ValueError(f"prompts[{k}]: {e}") from None
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
 
     def update_weights(self, state_dict: dict, version: int) -> int:
@@ -100,24 +113,30 @@ class RayEngines:
                  log=print):
         import ray
 
-        self._ray, self.s = ray, s
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        if len(dtypes) != 1:  # an actor builds the model in one dtype; loading another would cast the weights
+            raise ValueError(f"Ray engines need a model whose parameters share one dtype, got {dtypes}")
+        self._ray, self.s, self.actors, self.places = ray, s, [], []
         self._started = not ray.is_initialized()
-        if self._started:
-            ray.init(address=s.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        if self._started:  # "local": a new instance, never a `ray start` cluster of this machine (maybe stale)
+            ray.init(address=s.address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
+                     log_to_driver=False, logging_level="ERROR")
         try:
-            cpus = int(ray.cluster_resources().get("CPU", 0))
-            threads = s.threads_per_engine or max(1, cpus // s.num_engines)
-            if s.num_engines * threads > cpus:  # Ray would wait forever for the CPUs
-                raise ValueError(f"rollout_backend.ray.num_engines={s.num_engines} engines x {threads} threads need "
-                                 f"{s.num_engines * threads} CPUs and the Ray cluster has {cpus}: lower num_engines "
-                                 f"or threads_per_engine, or add machines")
+            threads = self._threads()
             log(f"starting {s.num_engines} Ray engine(s) of {threads} thread(s) each ...")
             weights = ray.put({k: v.detach() for k, v in model.state_dict().items()})
             actor = ray.remote(EngineActor).options(num_cpus=threads, scheduling_strategy="SPREAD")
-            self.actors = [actor.remote(model.config, str(next(model.parameters()).dtype).removeprefix("torch."),
-                                        model.kernels.mode, model.block_size, weights, engine_kwargs,
-                                        sorted(stop_token_ids), version, threads) for _ in range(s.num_engines)]
-            self.places = self._get([a.where.remote() for a in self.actors], "starting")
+            self.actors = [actor.remote(model.config, dtypes[0], model.kernels.mode, model.block_size, weights,
+                                        engine_kwargs, sorted(stop_token_ids), version, threads)
+                           for _ in range(s.num_engines)]
+            starts = [a.where.remote() for a in self.actors]
+            ready, _ = ray.wait(starts, num_returns=len(starts), timeout=s.start_timeout_s)
+            if len(ready) < len(starts):
+                free = ray.available_resources().get("CPU", 0)
+                raise RayEngineError(f"{len(starts) - len(ready)} of {len(starts)} Ray engines did not start within "
+                                     f"rollout_backend.ray.start_timeout_s={s.start_timeout_s:g} s; the cluster has "
+                                     f"{free:g} CPUs free now (other Ray jobs may hold the rest)")
+            self.places = self._get(starts, "starting")
         except BaseException:
             self.close()
             raise
@@ -126,8 +145,20 @@ class RayEngines:
         self._stats = {"ray/engines": s.num_engines, "ray/generate_s": 0.0, "ray/weight_syncs": 0,
                        "ray/weight_sync_s": 0.0}
 
+    def _threads(self) -> int:
+        """Threads per engine; refused if the engines cannot all be placed (Ray would wait forever)."""
+        s, ray = self.s, self._ray
+        per_node = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]]
+        threads = s.threads_per_engine or max(1, sum(per_node) // s.num_engines)
+        if sum(c // threads for c in per_node) < s.num_engines:  # an engine's threads are on one machine
+            raise ValueError(f"rollout_backend.ray.num_engines={s.num_engines} engines of {threads} thread(s) each "
+                             f"do not fit the Ray cluster's machines ({', '.join(map(str, per_node))} CPUs): lower "
+                             f"num_engines or threads_per_engine, or add machines")
+        return threads
+
     def close(self) -> None:
-        for a in getattr(self, "actors", []):
+        """Stops the engines, and the Ray instance if this object started it."""
+        for a in self.actors:
             self._ray.kill(a)
         self.actors = []
         if self._started and self._ray.is_initialized():
@@ -144,9 +175,10 @@ class RayEngines:
         shares = [list(range(e, len(prompts), E)) for e in range(E)]
         with self._lock:
             t0 = time.perf_counter()
+            self._get([self.actors[0].check.remote(prompts, plist)], "checking the batch")  # all engines alike
             busy = [e for e in range(E) if shares[e]]
-            calls = [self.actors[e].generate.remote([prompts[k] for k in shares[e]], [plist[k] for k in shares[e]],
-                                                    shares[e]) for e in busy]
+            calls = [self.actors[e].generate.remote([prompts[k] for k in shares[e]], [plist[k] for k in shares[e]])
+                     for e in busy]
             answers = self._get(calls, "sampling", busy)
             self._stats["ray/generate_s"] += time.perf_counter() - t0
         outs: list[Any] = [None] * len(prompts)
@@ -157,10 +189,10 @@ class RayEngines:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Every engine copies the weights bit for bit; returns the new version (as `Engine.update_weights`)."""
-        if version is not None and not (isinstance(version, int) and version > self.version):
-            raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
-        version = self.version + 1 if version is None else version
         with self._lock:
+            if version is not None and not (isinstance(version, int) and version > self.version):
+                raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
+            version = self.version + 1 if version is None else version
             t0 = time.perf_counter()
             ref = self._ray.put({k: v.detach() for k, v in state_dict.items()})  # once, for every engine
             self._get([a.update_weights.remote(ref, version) for a in self.actors], "loading weights")
@@ -178,7 +210,7 @@ class RayEngines:
         as this module's: a ValueError (bad input) stays a ValueError; a failure names the engine and its place."""
         exc, out = self._ray.exceptions, []
         for e, ref in zip(range(len(refs)) if engines is None else engines, refs):
-            where = f"Ray engine {e}" + (f" ({self.places[e]})" if getattr(self, "places", None) else "")
+            where = f"Ray engine {e}" + (f" ({self.places[e]})" if self.places else "")
             try:
                 out.append(self._ray.get(ref))
             except exc.RayTaskError as err:
@@ -186,6 +218,7 @@ class RayEngines:
                     raise ValueError(str(err.cause)) from None
                 raise RayEngineError(f"{where} failed while {doing}: {err.cause!r}") from None
             except exc.RayActorError as err:
-                raise RayEngineError(f"{where} died while {doing}: {err} (a training run keeps its checkpoints: "
-                                     f"resume it with --set resume=true)") from None
+                hint = "" if doing == "starting" else \
+                    " (a training run keeps its checkpoints: resume it with --set resume=true)"
+                raise RayEngineError(f"{where} died while {doing}: {err}{hint}") from None
         return out

@@ -133,7 +133,7 @@ class RolloutWorker:
                                          else None, indices=mine)
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
                 stats = engine_metrics(c.engine)
-                stats = stats if any(k.startswith("external/") for k in stats) else {}
+                stats = stats if any(k.startswith(("external/", "ray/")) for k in stats) else {}
                 self._out.put(RolloutBatch(step, groups, len(problems), c.prompts.state_dict(),
                                            time.perf_counter() - t0, stats))
         except BaseException as e:  # handed to the trainer, which raises it

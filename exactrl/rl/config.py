@@ -167,7 +167,8 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _samples_fit_the_engine(self) -> "RunConfig":
         # the n samples of a prompt share its prefill and run together: the engine must hold them at once
-        if self.rollout_backend.kind == "engine" and self.rollout.samples_per_prompt > self.engine.max_num_seqs:
+        exactrl_engines = self.rollout_backend.kind in ("engine", "ray")  # built from `engine`'s settings
+        if exactrl_engines and self.rollout.samples_per_prompt > self.engine.max_num_seqs:
             raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} exceeds "
                              f"engine.max_num_seqs={self.engine.max_num_seqs}: raise engine.max_num_seqs")
         return self

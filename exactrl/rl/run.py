@@ -45,8 +45,6 @@ def _train(cfg, ranks, say) -> int:
         say(f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
             f"raise max_steps with --set max_steps=N to continue it")
         return 0
-    if ranks.main:
-        (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True), indent=2))
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
     mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
     say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
@@ -55,6 +53,8 @@ def _train(cfg, ranks, say) -> int:
         say(f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
             f"parameter elements")
     try:
+        if ranks.main:
+            (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True), indent=2))
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
     except BaseException as e:
         c.close()

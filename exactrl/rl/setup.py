@@ -47,8 +47,10 @@ class Components:
 
     def close(self) -> None:
         """Closes the log and the rollout backend (an external server's client, Ray engines); idempotent."""
-        self.logger.close()
-        self.engine.close()
+        try:
+            self.logger.close()
+        finally:
+            self.engine.close()
 
     def set_lr(self, step: int) -> float:
         """Linear warm-up, then constant; a pure function of the step (resume-safe)."""
@@ -143,7 +145,8 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     # is read from model.path (the starting weights): another path would be another reference
     resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")
     # the in-process engine and Ray engines sample the same tokens (distributed/ray_engines.py): a run
-    # may move between them, e.g. from a laptop to a Ray cluster
+    # may move between them, e.g. from a laptop to a Ray cluster (with fast kernels the bits depend on
+    # the batch anyway, as with a change of engine.*)
     exact_backends = {old.get("rollout_backend.kind", "engine"), new["rollout_backend.kind"]} <= {"engine", "ray"}
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k) and not k.startswith(resumable)
@@ -241,21 +244,25 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
         log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
     engine = _rollout_engine(cfg, model, tokenizer, start, log)
-    settings = _step_settings(cfg, corrections)
-    ranks.check_same("starting weights", model.parameters(),
-                     "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
-                     "path for every rank (the same filesystem)?")
-    if not ranks.main:  # rank 0 alone writes the run dir
-        return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
-                          optimizer, loss_fn, settings, NullLogger(), start, False, ranks)
-    new_run_dir = _make_dir(run_dir)
-    while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
-        cfg.run_dir = _default_run_dir()
-        run_dir = Path(cfg.run_dir)
+    try:  # from here on a failure stops the engines too (Ray actors, a server's client)
+        settings = _step_settings(cfg, corrections)
+        ranks.check_same("starting weights", model.parameters(),
+                         "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
+                         "path for every rank (the same filesystem)?")
+        if not ranks.main:  # rank 0 alone writes the run dir
+            return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
+                              optimizer, loss_fn, settings, NullLogger(), start, False, ranks)
         new_run_dir = _make_dir(run_dir)
-    logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
-    return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
-                      loss_fn, settings, logger, start, new_run_dir, ranks)
+        while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
+            cfg.run_dir = _default_run_dir()
+            run_dir = Path(cfg.run_dir)
+            new_run_dir = _make_dir(run_dir)
+        logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
+        return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
+                          loss_fn, settings, logger, start, new_run_dir, ranks)
+    except BaseException:
+        engine.close()
+        raise
 
 
 def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:

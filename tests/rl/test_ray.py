@@ -40,8 +40,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One Ray instance for the module's tests (starting one takes ~5 s); RayEngines joins it."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    """One private Ray instance for the module's tests (starting one takes ~5 s); RayEngines joins it."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
 
@@ -78,6 +78,8 @@ def test_config_section_and_errors():
         load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=0"])
     with pytest.raises(ValueError, match=r"rollout_backend.ray.\* needs rollout_backend.kind=ray"):
         load_config(None, ["rollout_backend.ray.num_engines=3"])
+    with pytest.raises(ValueError, match="samples_per_prompt=8 exceeds engine.max_num_seqs=4"):
+        load_config(None, [*RAY, "rollout.samples_per_prompt=8", "engine.max_num_seqs=4"])
     with pytest.raises(ValueError, match="rollout_backend.base_urls needs rollout_backend.kind=openai"):
         load_config(None, ["rollout_backend.kind=ray", "rollout_backend.base_urls=[http://h:8000]"])
     with pytest.raises(ValueError, match="inflight_updates needs rollout_backend.kind=engine: a Ray engine"):
@@ -90,54 +92,85 @@ def test_config_section_and_errors():
 def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwen3_dir):
     assert not ray.is_initialized()
     model = exactrl.load_model(qwen3_dir)
-    engines = RayEngines(RayEngineSettings(num_engines=2), model, {"kv_budget_tokens": 2048}, log=lambda *a: None)
-    assert ray.is_initialized() and len(engines.places) == 2
-    prompts, params = workload(model.config.vocab_size)
-    assert fields(engines.generate(prompts, params)) == fields(Engine(model, kv_budget_tokens=2048).generate(
-        prompts, params))
-    engines.close()
+    engines = RayEngines(RayEngineSettings(num_engines=2, threads_per_engine=1), model, {"kv_budget_tokens": 2048},
+                         log=lambda *a: None)
+    try:
+        assert ray.is_initialized() and all("float32, exact kernels, 1 thread(s)" in p for p in engines.places)
+        prompts, params = workload(model.config.vocab_size)
+        assert fields(engines.generate(prompts, params)) == fields(Engine(model, kv_budget_tokens=2048).generate(
+            prompts, params))
+    finally:
+        engines.close()
     assert not ray.is_initialized()
 
 
-def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwen3_dir):
-    model = exactrl.load_model(qwen3_dir)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwen3_dir, dtype):
+    model = exactrl.load_model(qwen3_dir, dtype=dtype)
     prompts, params = workload(model.config.vocab_size)
     engines = RayEngines(RayEngineSettings(num_engines=2), model, {"kv_budget_tokens": 2048}, [5], version=3,
                          log=lambda *a: None)
-    local = Engine(model, stop_token_ids=[5], kv_budget_tokens=2048)
-    local.version = 3
-    got = engines.generate(prompts, params)
-    assert fields(got) == fields(local.generate(prompts, params))
-    assert {v for o in got for c in o for v in c.versions} == {3}
-    for o, p, sp in zip(got, prompts, params):  # and the trainer's forward agrees (DESIGN.md §1)
-        c = o[0]
-        lp = exactrl.sequence_logprobs(model, [p + c.token_ids], sp.temperature or 1.0, sp.top_k, sp.top_p)[0]
-        assert c.logprobs == lp[len(p) - 1:].tolist()
+    try:
+        assert all(f"{dtype}, exact kernels" in p for p in engines.places)
+        local = Engine(model, stop_token_ids=[5], kv_budget_tokens=2048)
+        local.version = 3
+        got = engines.generate(prompts, params)
+        assert fields(got) == fields(local.generate(prompts, params))
+        assert {v for o in got for c in o for v in c.versions} == {3}
+        for o, p, sp in zip(got, prompts, params):  # and the trainer's forward agrees (DESIGN.md §1)
+            lp = exactrl.sequence_logprobs(model, [p + o[0].token_ids], sp.temperature or 1.0, sp.top_k, sp.top_p)[0]
+            assert o[0].logprobs == lp[len(p) - 1:].tolist()
+        assert fields(engines.generate(prompts[:1], params[:1])) == fields(got[:1])  # an engine left idle
 
-    new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    assert engines.update_weights(new, version=7) == 7 and local.update_weights(new, version=7) == 7
-    got = engines.generate(prompts, params)
-    assert fields(got) == fields(local.generate(prompts, params))
-    assert {v for o in got for c in o for v in c.versions} == {7}
-    assert engines.stats()["engine/version"] == 7 and engines.stats()["ray/weight_syncs"] == 1
+        new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        assert engines.update_weights(new, version=7) == 7 and local.update_weights(new, version=7) == 7
+        got = engines.generate(prompts, params)
+        assert fields(got) == fields(local.generate(prompts, params))
+        assert {v for o in got for c in o for v in c.versions} == {7}
+        assert engines.stats()["engine/version"] == 7 and engines.stats()["ray/weight_syncs"] == 1
 
-    with pytest.raises(ValueError, match=r"prompts\[4\]: prompt_token_ids is empty"):  # on engine 0's share
-        engines.generate(prompts[:4] + [[]], params[:5])
-    with pytest.raises(ValueError, match="version must be an int above the current version 7"):
-        engines.update_weights(new, version=7)
-    assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving
+        # the batch is checked whole before any engine samples: the index is the batch's
+        with pytest.raises(ValueError, match=r"prompts\[1\]: prompt_token_ids is empty"):
+            engines.generate([prompts[0], [], []], params[:3])
+        with pytest.raises(ValueError, match="version must be an int above the current version 7"):
+            engines.update_weights(new, version=7)
+        assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving
 
-    ray.kill(engines.actors[1])
-    with pytest.raises(RayEngineError, match=r"Ray engine 1 \(.*\) died while sampling"):
-        engines.generate(prompts, params)
-    engines.close()
+        ray.kill(engines.actors[1])
+        with pytest.raises(RayEngineError, match=r"(?s)Ray engine 1 \(.*\) died while sampling.*resume=true"):
+            engines.generate(prompts, params)
+    finally:
+        engines.close()
     assert ray.is_initialized()  # the engines joined the module's instance: it stays
 
 
-def test_more_engines_than_the_cluster_has_cpus_for_is_refused(cluster, qwen3_dir):
+def test_engines_get_the_models_kernels_and_settings_and_bad_ones_are_a_value_error(cluster, qwen3_dir):
+    fast = exactrl.load_model(qwen3_dir, kernels="fast")
+    engines = RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=2), fast, {}, log=lambda *a: None)
+    try:
+        assert "float32, fast kernels, 2 thread(s)" in engines.places[0]
+    finally:
+        engines.close()
+    with pytest.raises(ValueError, match=r"stop_token_ids holds 1000000, not a token id"):  # not "died"
+        RayEngines(RayEngineSettings(num_engines=1), fast, {}, [10**6], log=lambda *a: None)
+    fast.model.norm.to(torch.bfloat16)  # one bf16 weight in an fp32 model: loading it would cast
+    with pytest.raises(ValueError, match="share one dtype"):
+        RayEngines(RayEngineSettings(num_engines=1), fast, {}, log=lambda *a: None)
+
+
+def test_engines_that_cannot_be_placed_are_refused_and_held_cpus_time_out(cluster, qwen3_dir):
     model = exactrl.load_model(qwen3_dir)
-    with pytest.raises(ValueError, match=r"num_engines=3 engines x 1 threads need 3 CPUs and the Ray cluster has 2"):
+    with pytest.raises(ValueError, match=r"num_engines=3 engines of 1 thread\(s\) each do not fit the Ray "
+                                         r"cluster's machines \(2 CPUs\)"):
         RayEngines(RayEngineSettings(num_engines=3), model, {}, log=lambda *a: None)
+    holder = RayEngines(RayEngineSettings(num_engines=2), model, {}, log=lambda *a: None)  # both CPUs
+    try:
+        with pytest.raises(RayEngineError, match=r"1 of 1 Ray engines did not start within "
+                                                 r"rollout_backend.ray.start_timeout_s=2 s; the cluster has 0 CPUs"):
+            RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1, start_timeout_s=2), model, {},
+                       log=lambda *a: None)
+    finally:
+        holder.close()
 
 
 # ---------------------------------------------------------------- training runs
@@ -157,16 +190,19 @@ def test_fast_kernels_over_ray_engines_measure_a_mismatch(cluster, model_dir, tm
     assert rows[0]["train/train_rollout_logprob_abs_diff"] > 0
 
 
-def test_an_async_run_over_ray_engines_recomputes_mu_bitwise(cluster, model_dir, tmp_path):
-    rows = run(model_dir, tmp_path / "run", "max_steps=3", "task.eval_size=0", "async.enabled=true",
-               "async.max_staleness=1", "async.inflight_updates=false", *RAY)
-    assert [r["step"] for r in rows] == [1, 2, 3] and max(r["async/staleness_max"] for r in rows) <= 1
-    # each token's μ is exactly the logprob under the version it was tagged with
-    assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in rows)
+def test_an_async_run_over_ray_engines_logs_the_in_process_async_runs_metrics_bitwise(cluster, model_dir, tmp_path):
+    same = ("max_steps=3", "task.eval_size=0", "async.enabled=true", "async.max_staleness=0")
+    local = run(model_dir, tmp_path / "local", *same)
+    over_ray = run(model_dir, tmp_path / "ray", *same, *RAY)
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "engine/version"} for r in results(rows)]  # noqa: E731
+    assert drop(over_ray) == drop(local)
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 for r in over_ray)
+    # the version the engines held when each batch was done, and their counters (read on the rollout thread)
+    assert [(r["engine/version"], r["ray/engines"]) for r in over_ray] == [(0, 2), (1, 2), (2, 2)]
 
 
-def test_a_run_resumes_with_more_ray_engines_and_logs_the_uninterrupted_run(cluster, model_dir, tmp_path):
+def test_a_run_moves_from_the_in_process_engine_to_ray_engines_on_resume_and_logs_the_uninterrupted_run(cluster, model_dir, tmp_path):
     whole = run(model_dir, tmp_path / "whole", "max_steps=3", "task.eval_size=0", *RAY)
-    run(model_dir, tmp_path / "cut", "max_steps=2", "task.eval_size=0")  # in process, then 2 engines
+    run(model_dir, tmp_path / "cut", "max_steps=2", "task.eval_size=0")  # in process, then Ray engines
     resumed = run(model_dir, tmp_path / "cut", "max_steps=3", "task.eval_size=0", "resume=true", *RAY)
     assert results(resumed) == results(whole)
