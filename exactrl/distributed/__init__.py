@@ -153,20 +153,22 @@ def make_optimizer(params, ranks: Ranks, shard_state: bool, **adamw) -> torch.op
 def gather_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """A sharded optimizer sends every rank's moments to rank 0 (a collective), whose `state_dict()` is
     then whole; a plain one has nothing to do."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _sharded(optimizer):
         optimizer.consolidate_state_dict(to=0)
 
 
 def optimizer_share(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """(parameter elements whose moments this rank keeps, all parameter elements)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     total = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not _sharded(optimizer):
         return total, total
     return sum(p.numel() for g in optimizer.optim.param_groups for p in g["params"]), total
+
+
+def _sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """A ZeroRedundancyOptimizer? (its module is not imported for a plain run: the import is slow and noisy)"""
+    zero = sys.modules.get("torch.distributed.optim")
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
 
 
 def init_from_env() -> Ranks:
