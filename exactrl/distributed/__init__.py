@@ -42,6 +42,7 @@ Legend: W ranks (world size), r this rank.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -150,11 +151,19 @@ def make_optimizer(params, ranks: Ranks, shard_state: bool, **adamw) -> torch.op
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **adamw)
 
 
-def gather_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """A sharded optimizer sends every rank's moments to rank 0 (a collective), whose `state_dict()` is
-    then whole; a plain one has nothing to do."""
-    if _sharded(optimizer):
-        optimizer.consolidate_state_dict(to=0)
+@contextlib.contextmanager
+def whole_optimizer_state(optimizer: torch.optim.Optimizer):
+    """Within the block rank 0's `optimizer.state_dict()` is whole: a sharded optimizer sends every rank's
+    moments to rank 0 (a collective: every rank enters the block), and drops that copy after it (torch
+    would keep it, and rank 0 would hold every moment again); a plain one has nothing to do."""
+    if not _sharded(optimizer):
+        yield
+        return
+    optimizer.consolidate_state_dict(to=0)
+    try:
+        yield
+    finally:
+        optimizer._all_state_dicts = []  # torch's gathered copy (no public call clears it)
 
 
 def optimizer_share(optimizer: torch.optim.Optimizer) -> tuple[int, int]:

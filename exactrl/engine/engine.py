@@ -315,6 +315,16 @@ class Engine:
                             list(s.versions), s.finish_reason) for s in req.seqs]
         return RequestOutput(req.request_id, list(req.prompt), comps, req.finished)
 
+    def weights_changed(self) -> None:
+        """The model's weights were changed in place by their owner (a trainer whose model this engine
+        shares, as the asynchronous loop's evaluation engine does): drops the packed copies made of them.
+        Needed because a write through `.data` (ZeRO's broadcast, for one) leaves a weight's version
+        counter alone. Only between requests: a running sequence's KV cache holds the old weights
+        (`update_weights` recomputes it)."""
+        if self._requests:
+            raise RuntimeError("weights_changed() with requests running: use update_weights, which recomputes them")
+        self._packed.clear()
+
     def close(self) -> None:
         """Nothing to release (the KV pool goes with the engine); every rollout backend closes alike
         (rl/external.py, distributed/ray_engines.py)."""

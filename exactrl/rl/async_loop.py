@@ -215,6 +215,8 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
             if check is not None:
                 metrics["async/behaviour_recompute_abs_diff_max"] = check.max_abs_diff(groups, cfg.rollout, c.ranks)
             metrics |= train_on(c, step, groups)
+            if eval_engine is not None:  # it shares the trainer's weights, which the step just wrote
+                eval_engine.weights_changed()
             worker.publish(step, c.model.state_dict())
             if check is not None:  # batch k+1 may hold versions down to k − max_staleness
                 check.keep(step, c.model, step - s.max_staleness)

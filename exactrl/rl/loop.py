@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from exactrl.distributed import gather_optimizer_state
+from exactrl.distributed import whole_optimizer_state
 from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.checkpoint import save_checkpoint
 from exactrl.rl.kl import kl_reward_penalty
@@ -112,7 +112,7 @@ def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dic
     c.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
         state = c.trainer_state(prompts_state)  # every rank's random streams (a collective)
-        gather_optimizer_state(c.optimizer)  # optim.shard_state: every rank's moments to rank 0 (a collective)
-        if c.ranks.main:
-            save_checkpoint(c.run_dir, step, c.model, c.optimizer, state, cfg.keep_checkpoints)
+        with whole_optimizer_state(c.optimizer):  # optim.shard_state: every rank's moments (a collective)
+            if c.ranks.main:
+                save_checkpoint(c.run_dir, step, c.model, c.optimizer, state, cfg.keep_checkpoints)
     return metrics

@@ -21,7 +21,8 @@ until no request has used it for `session_ttl_s` seconds (`--session-ttl`,
 default an hour; 0 keeps sessions forever): a trainer that crashed never
 deletes its sessions, and a long-running server would keep them all. A
 session with a request running is never dropped; the count of dropped ones
-is `server/sessions_expired`.
+is `server/sessions_expired`. A request under a dropped session's id starts a
+new, empty session.
 
 Errors are OpenAI's error JSON: 400 for malformed JSON, missing or invalid
 fields, prompts beyond the context, non-monotonic histories; 404 for an
@@ -98,6 +99,7 @@ class ServerState:
         self.splicer = Splicer(tokenizer, vocab_size=engine.vocab_size)
         self.stop_token_ids = sorted(set(tokenizer.stop_token_ids) | {tokenizer.end_of_turn_id})
         self.sessions: dict[str, Session] = {}
+        self._next_sweep = 0.0  # time.monotonic() of the next look for idle sessions
         self.counters: collections.Counter = collections.Counter()
         self.started = time.time()
         self._token_str: dict[int, str] = {}
@@ -169,9 +171,13 @@ class ServerState:
             session.last_used = time.monotonic()
 
     def expire_sessions(self) -> None:
-        """Drops the sessions no request has used for `session_ttl_s` seconds."""
+        """Drops the sessions no request has used for `session_ttl_s` seconds (looked for at most once
+        every ttl/100 s: a request does not scan every session)."""
         ttl, now = self.config.session_ttl_s, time.monotonic()
-        idle = [k for k, s in self.sessions.items() if ttl and not s.busy and now - s.last_used > ttl]
+        if not ttl or now < self._next_sweep:
+            return
+        self._next_sweep = now + ttl / 100
+        idle = [k for k, s in self.sessions.items() if not s.busy and now - s.last_used > ttl]
         for k in idle:
             del self.sessions[k]
         if idle:
@@ -213,7 +219,8 @@ class ServerState:
     def metrics(self) -> dict:
         s = self.loop.stats
         self.expire_sessions()
-        out = {k: v for k, v in sorted(self.counters.items())}
+        # a C-level copy: worker threads (template rendering) may add a counter meanwhile
+        out = dict(sorted(dict.copy(self.counters).items()))
         for k in ("chat/monotonicity_raise", "chat/monotonicity_split", "chat/monotonicity_truncate",
                   "server/sessions_expired"):
             out.setdefault(k, 0)

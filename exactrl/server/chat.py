@@ -24,13 +24,13 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from exactrl.chat.messages import InconsistentTokenFieldsError, check_tool_choice, validate_tools
 from exactrl.chat.parsing import StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError
-from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, stream_error,
-                                       token_fields, until_done, usage)
+from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
+                                       stream_error, token_fields, until_done, usage)
 from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, sampling_params
 
 
@@ -140,7 +140,7 @@ async def chat_completions(st, body: ChatCompletionRequest, request: Request, se
     job = await _ChatJob.create(st, body, session_id)
     st.count("server/chat_requests")
     if body.stream:  # the stream gives the session back when it ends
-        return StreamingResponse(_chat_stream(job, request), media_type="text/event-stream")
+        return SessionStream(_chat_stream(job, request), st, job.session)
     try:
         return await _chat_answer(st, job, body, request)
     finally:
@@ -162,15 +162,6 @@ async def _chat_answer(st, job: "_ChatJob", body: ChatCompletionRequest, request
 
 
 async def _chat_stream(job: _ChatJob, request: Request):
-    """The SSE lines; the session is given back however the stream ends."""
-    try:
-        async for line in _chat_lines(job, request):
-            yield line
-    finally:
-        job.st.release(job.session)
-
-
-async def _chat_lines(job: _ChatJob, request: Request):
     st = job.st
     yield sse(job.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None} for c in job.gen.choices]))

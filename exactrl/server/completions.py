@@ -16,11 +16,11 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from exactrl.chat.trajectory import Session
-from exactrl.server.generation import (Generation, drain, sampling_key, score_top_logprobs, sse, stream_error,
-                                       token_fields, until_done)
+from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
+                                       stream_error, token_fields, until_done)
 from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common, sampling_params
 
 
@@ -66,8 +66,7 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
     session = st.session(session_id) if session_id is not None else None
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:  # the stream gives the session back when it ends
-        return StreamingResponse(_completion_stream(st, body, gens, cid, created, request, session),
-                                 media_type="text/event-stream")
+        return SessionStream(_completion_stream(st, body, gens, cid, created, request, session), st, session)
     try:
         return await _completion_answer(st, body, gens, cid, created, request, session)
     finally:
@@ -189,4 +188,3 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        st.release(session)

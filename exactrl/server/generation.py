@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from fastapi.responses import StreamingResponse
 
 from exactrl.kernels import sampling_logprobs
 from exactrl.model.logprobs import forward_logits
@@ -165,6 +166,21 @@ def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
 
 
 # ---------------------------------------------------------------- shared by the endpoints
+class SessionStream(StreamingResponse):
+    """An SSE response that gives its session back (`ServerState.release`) when the response ends, however
+    it ends: finished, failed, the client gone, cancelled, or never started (its body then never runs)."""
+
+    def __init__(self, body, st, session):
+        super().__init__(body, media_type="text/event-stream")
+        self._st, self._session = st, session
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._st.release(self._session)
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 

@@ -260,3 +260,28 @@ def test_exact_on_the_onednn_path_with_its_packed_weights(onednn_dir, dtype):
     after = engine.generate([reqs[0][0]], sp)
     assert not mismatches(model, [(reqs[0][0], c, sp) for c in after[0]])
     assert [c.logprobs for c in before[0]] != [c.logprobs for c in after[0]]
+
+
+def test_weights_changed_drops_packed_copies_of_weights_written_in_place(onednn_dir):
+    """An engine sharing a trainer's model (the asynchronous loop's evaluation engine): a write through
+    `.data` (ZeRO's broadcast) leaves the version counter alone, so only `weights_changed` tells it."""
+    from exactrl.kernels import linear
+
+    if torch.float32 not in linear.ONEDNN_DTYPES:
+        pytest.skip("this CPU has no oneDNN fp32 linear")
+    model = exactrl.load_model(onednn_dir)
+    engine = Engine(model, kv_budget_tokens=1024)
+    prompt, sp = [[3, 14, 15, 92, 65]], SamplingParams(max_tokens=6, seed=2)
+    engine.generate(prompt, sp)  # packs the large weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.add_(0.02 * torch.randn_like(p))  # no version bump
+    stale = engine.generate(prompt, sp)
+    engine.weights_changed()
+    fresh = engine.generate(prompt, sp)
+    assert not mismatches(model, [(prompt[0], c, sp) for c in fresh[0]])
+    assert mismatches(model, [(prompt[0], c, sp) for c in stale[0]])  # the stale packs were in use
+    rid = engine.add_request(prompt[0], sp)
+    with pytest.raises(RuntimeError, match="requests running"):
+        engine.weights_changed()
+    engine.abort(rid)

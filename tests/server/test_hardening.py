@@ -349,9 +349,11 @@ def test_idle_sessions_are_dropped_and_sessions_in_use_are_kept(path, stream, mo
     assert post(f"/sessions/{idle}" + path, json=body).status_code == 200
     assert s.state.sessions[idle].busy == 0  # the finished request gave it back
     s.state.sessions[idle].last_used -= 1000  # as if unused for 1000 s
+    s.state._next_sweep = 0.0
     before = s.state.counters["server/sessions_expired"]
     with held_in_engine(monkeypatch, f"/sessions/{busy}" + path, body) as got:
         s.state.sessions[busy].last_used -= 1000  # its request has been running for 1000 s
+        s.state._next_sweep = 0.0  # sweeps are at most every ttl/100 s: let this one look now
         metrics = httpx.get(f"{s.url}/metrics").json()  # a sweep
     assert metrics["server/sessions_expired"] == before + 1
     assert idle not in s.state.sessions and busy in s.state.sessions
@@ -373,17 +375,20 @@ def test_sessions_never_expire_with_ttl_0(monkeypatch):
     httpx.delete(f"{s.url}/sessions/kept")
 
 
-def test_a_stream_its_client_left_gives_its_session_back():
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_its_client_left_gives_its_session_back(path):
     s = served()
-    body = {"model": s.model, "messages": MSGS, "max_tokens": 64, "stream": True}
-    with httpx.stream("POST", f"{s.url}/sessions/left/v1/chat/completions", json=body, timeout=60) as r:
+    sid = f"left-{path.rsplit('/', 1)[-1]}"
+    body = {"model": s.model, "max_tokens": 64, "stream": True, "ignore_eos": True} | (
+        {"messages": MSGS} if "chat" in path else {"prompt": "hello"})
+    with httpx.stream("POST", f"{s.url}/sessions/{sid}" + path, json=body, timeout=60) as r:
         next(r.iter_lines())  # the first event, then the client goes
     for _ in range(200):
-        if s.state.sessions["left"].busy == 0:
+        if s.state.sessions[sid].busy == 0:
             break
         threading.Event().wait(0.05)
-    assert s.state.sessions["left"].busy == 0
-    httpx.delete(f"{s.url}/sessions/left")
+    assert s.state.sessions[sid].busy == 0
+    httpx.delete(f"{s.url}/sessions/{sid}")
 
 
 def test_a_negative_session_ttl_is_refused_by_name():
