@@ -143,7 +143,7 @@ class Ranks:
 def make_optimizer(params, ranks: Ranks, shard_state: bool, **adamw) -> torch.optim.Optimizer:
     """AdamW, or with `shard_state` in a multi-rank run torch's ZeroRedundancyOptimizer over AdamW: the
     moments (2x the parameters) split over the ranks by size. Its `state_dict` is the plain AdamW one
-    once `gather_optimizer_state` has run, so checkpoints load either way."""
+    inside `whole_optimizer_state`, so checkpoints load either way."""
     if not shard_state or ranks.world == 1:
         return torch.optim.AdamW(params, **adamw)
     from torch.distributed.optim import ZeroRedundancyOptimizer
