@@ -167,18 +167,36 @@ def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
 
 # ---------------------------------------------------------------- shared by the endpoints
 class SessionStream(StreamingResponse):
-    """An SSE response that gives its session back (`ServerState.release`) when the response ends, however
-    it ends: finished, failed, the client gone, cancelled, or never started (its body then never runs)."""
+    """An SSE response that gives its session back (`ServerState.release`) exactly once, however it ends.
+
+    A body that runs out gives it back before the response's closing frame is sent, so a client that has
+    read the whole stream never sees its session still busy (releasing after `__call__` returned raced
+    with that client's next request). A body that failed, was cancelled, lost its client or never
+    started (it then never runs) gives it back when the response ends.
+    """
 
     def __init__(self, body, st, session):
-        super().__init__(body, media_type="text/event-stream")
-        self._st, self._session = st, session
+        super().__init__(self._released_at_end(body), media_type="text/event-stream")
+        self._st, self._session, self._released = st, session, False
+
+    async def _released_at_end(self, body):
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            await body.aclose()  # the body's own clean-up (aborting its generation) runs first, as before
+            self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._st.release(self._session)
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._st.release(self._session)
+            self._release()
 
 
 def sse(obj) -> str:
