@@ -74,6 +74,51 @@ def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeyp
     assert linear_mod.short_rows(True, w, 1) == linear_mod.ROW_TILE
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,N", [(512, 768), (384, 1024), (768, 2048)])
+def test_exact_linear_row_invariant_over_big_tiles(dtype, K, N):
+    """Calls of many rows on the oneDNN path run whole BIG_TILE-row products where checked equal to their
+    tiles: a row gives the bits of a one-tile call in runs of big tiles, tiles, or both, and anywhere in them."""
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(K)).to(dtype)
+    if not linear_mod._uses_onednn(w, w):
+        pytest.skip(f"{dtype} {N}x{K} takes the batched-matmul path here (one call whatever the rows)")
+    B = linear_mod.BIG_TILE
+    X = torch.randn(3 * B, K, generator=torch.Generator().manual_seed(N)).to(dtype)
+    with torch.no_grad():
+        ref = torch.cat([exact_linear(X[i:i + linear_mod.ROW_TILE], w) for i in range(0, 3 * B, linear_mod.ROW_TILE)])
+        for M in (B - 1, B, B + 1, B + 40, 2 * B + 13, 3 * B):
+            assert torch.equal(exact_linear(X[:M], w), ref[:M]), M
+        for p in (1, 31, B - 5):  # the same rows at other places in the big tile
+            assert torch.equal(exact_linear(torch.cat([X[-p:], X[:B]]), w)[p:], ref[:B]), p
+    if not linear_mod.big_tile_ok(w):
+        pytest.skip(f"this CPU's oneDNN {dtype} {B}-row product of {N}x{K} differs from its tiles: kept in tiles")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_big_tile_check_catches_a_product_that_reduces_in_another_order(monkeypatch, dtype):
+    """Twin of the sweep above: a BIG_TILE-row product that sums K in two parts is refused by the check,
+    and such a weight's calls stay in tiles, so their rows keep a tile's bits."""
+    def split_k(x_rK, w_NK):  # stands in for a kernel that splits K for many rows
+        x, w = x_rK.float(), w_NK.float()
+        if x.shape[0] <= linear_mod.ROW_TILE:
+            return (x @ w.t()).to(x_rK.dtype)
+        h = x.shape[1] // 3
+        return (x[:, :h] @ w[:, :h].t() + x[:, h:] @ w[:, h:].t()).to(x_rK.dtype)
+    monkeypatch.setattr(linear_mod, "_pack", lambda w: w)
+    monkeypatch.setattr(linear_mod, "_onednn_product", split_k)
+    monkeypatch.setattr(linear_mod, "ONEDNN_DTYPES", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(linear_mod, "_BIG_OK", {})
+    monkeypatch.setattr(linear_mod, "_SHORT_OK", {})
+    assert not linear_mod._big_tile_like_tiles(768, 512, dtype)
+    w = torch.randn(768, 512).to(dtype)
+    x = torch.randn(linear_mod.BIG_TILE + 32, 512).to(dtype)
+    y = exact_linear(x, w)
+    assert not linear_mod.big_tile_ok(w)
+    assert torch.equal(y, torch.cat([split_k(x[i:i + 32], w) for i in range(0, x.shape[0], 32)]))
+    monkeypatch.setattr(linear_mod, "_BIG_OK", {(tuple(w.shape), dtype, torch.get_num_threads()): True})
+    assert not torch.equal(exact_linear(x, w), y)  # forced through the big product, the rows do change
+
+
 def test_packed_weights_cache_is_used_only_where_activated_and_follows_changes():
     """Outside `using_packed` every call packs afresh (always current); inside, the cache's owner clears it
     on the changes it makes, and storage, shape, stride, dtype and version changes are caught as well."""

@@ -32,7 +32,12 @@ row of a given weight always takes the same one, whatever the batch):
   Its cost is one call (~20 us) per tile: for small weights that dominates
   a many-row trainer batch (128 x 128 at 1344 rows: 8-40x the batched matmul
   below), while for 384 x 1024 and up a trainer batch costs 0.8-1.4x and a
-  decode step ~0.5x. Hence the threshold (1 MB of fp32 weight).
+  decode step ~0.5x. Hence the threshold (1 MB of fp32 weight). bf16 weights
+  have a lower one (ONEDNN_MIN_WEIGHT_BF16, 128 x 128): the other path
+  upcasts the weight at every call, and with BIG_TILE products (below) a
+  trainer batch no longer pays per tile. Measured on a 2-core AMX Xeon, 32
+  rows x 384 -> 384: 116 us upcast and batched vs 40 us packed oneDNN; at
+  4096 rows 7.4 ms vs 1.1 ms.
 - otherwise: ONE batched matmul over `(n_tiles, ROW_TILE, K)` with the weight
   broadcast along the batch (stride 0), in fp32 (bf16 operands upcast
   exactly, product rounded to bf16 once). A weight with more than SPLIT_ABOVE
@@ -60,6 +65,22 @@ up projection, fp32). The checks take 0.6 s for all of the 20M model's
 shapes and 1.8 s for the 100M model's; an engine runs them when it is
 created (`Kernels.prepare`), anything else at its first short call.
 
+Many rows on the oneDNN path (a trainer batch, a long prefill): one call per
+32-row tile pays oneDNN's per-call cost (~20 us) for every tile, which is most
+of the time in bf16 on a CPU with AMX (4096 x 384 -> 384: 7.4 ms in tiles,
+1.1 ms in 512-row calls, 0.5 ms for `F.linear`; fp32 4096 x 384 -> 1024: 14.4
+vs 9.9 ms). So whole runs of BIG_TILE rows go through one product of the
+fixed shape BIG_TILE x K, the rest through tiles, when that product gives
+bitwise the rows its tiles give, for this weight shape, dtype and thread
+count. That is checked in the running process once per key, like
+`short_rows` (`_big_tile_like_tiles`); when it fails every row stays in tiles.
+It is not a given: in bf16 on that Xeon, oneDNN's 512-row products of the
+100M model's 768 -> 768, 2048 -> 768 and 768 -> 32000 weights differ from
+their tiles (so those stay in tiles), and its 64- and 256-row products of
+768 -> 2048 differ while the 512-row ones do not. The checks take 0.2 s for
+the 20M model's shapes and 0.8 s for the 100M model's (fp32), at the first
+call of BIG_TILE rows or more.
+
 Backward: only the forward values must be batch-invariant. The gradients use
 plain matmuls (a custom autograd function), which avoids materialising the
 (n_tiles, K, N) gradient that autograd of the broadcast weight would create.
@@ -78,6 +99,7 @@ import torch.nn.functional as F
 ROW_TILE = 32  # rows per tile; part of the exactness contract — never vary it per call
 COL_BLOCK = 512  # output columns per GEMM when a weight has more than SPLIT_ABOVE of them
 SPLIT_ABOVE = 4096  # (a rule on the weight's shape only, so it never varies with the rows)
+BIG_TILE = 512  # rows of one oneDNN product over many rows, used only where checked equal to its tiles
 
 
 def pad_rows(x_MK: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
@@ -96,6 +118,7 @@ USE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, 
 ONEDNN_DTYPES = ((torch.float32,) + ((torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
                  if USE_ONEDNN else ())
 ONEDNN_MIN_WEIGHT = 1 << 18  # elements (K x N); a rule on the weight's shape only, never on the rows
+ONEDNN_MIN_WEIGHT_BF16 = 1 << 14  # the same rule for bf16 weights (where ONEDNN_DTYPES has bf16)
 
 
 class PackedWeights:
@@ -165,7 +188,8 @@ def _bmm_product(x_tTK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
 
 
 def _uses_onednn(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
-    return w_NK.numel() >= ONEDNN_MIN_WEIGHT and x_MK.dtype == w_NK.dtype and w_NK.dtype in ONEDNN_DTYPES
+    least = ONEDNN_MIN_WEIGHT_BF16 if w_NK.dtype == torch.bfloat16 else ONEDNN_MIN_WEIGHT
+    return w_NK.numel() >= least and x_MK.dtype == w_NK.dtype and w_NK.dtype in ONEDNN_DTYPES
 
 
 _SHORT_OK: dict[tuple, list[bool]] = {}  # (path, weight shape, dtype, threads) -> ok[r], r = 0..ROW_TILE
@@ -214,6 +238,32 @@ def _rows_like_tile(onednn: bool, n: int, k: int, dtype: torch.dtype) -> list[bo
     return ok
 
 
+_BIG_OK: dict[tuple, bool] = {}  # (weight shape, dtype, threads) -> BIG_TILE-row products give the tiles' bits
+
+
+def big_tile_ok(w_NK: torch.Tensor) -> bool:
+    """True when one oneDNN product of BIG_TILE rows gives bitwise the rows of its 32-row tiles, for this
+    weight shape, dtype and thread count (checked once per key in this process: `_big_tile_like_tiles`)."""
+    key = (tuple(w_NK.shape), w_NK.dtype, torch.get_num_threads())
+    ok = _BIG_OK.get(key)
+    if ok is None:
+        ok = _BIG_OK[key] = _big_tile_like_tiles(w_NK.shape[0], w_NK.shape[1], w_NK.dtype)
+    return ok
+
+
+def _big_tile_like_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
+    """A BIG_TILE-row oneDNN product equals its tiles' on SHORT_CHECK_DRAWS random operands (every
+    output of every row; in bf16 the rounding-midpoint operands of `_probe_operands`)."""
+    g = torch.Generator().manual_seed(1)
+    packed = _pack(_probe_operands(n, k, dtype, g))
+    for _ in range(SHORT_CHECK_DRAWS):
+        x = torch.cat([_probe_operands(ROW_TILE, k, dtype, g, row_signs=True) for _ in range(BIG_TILE // ROW_TILE)])
+        tiles = torch.cat([_onednn_product(x[i:i + ROW_TILE], packed) for i in range(0, BIG_TILE, ROW_TILE)])
+        if not torch.equal(_onednn_product(x, packed), tiles):
+            return False
+    return True
+
+
 def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, row_signs: bool = False):
     """Random operands for `_rows_like_tile`; in bf16, built so that rounding cannot hide an order change.
 
@@ -245,8 +295,12 @@ def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         x_PK = pad_rows(x_MK.contiguous(), rows)
         if x_PK.shape[0] <= ROW_TILE:  # one product
             return _onednn_product(x_PK, w)[:m]
-        y_PN = torch.empty(x_PK.shape[0], w_NK.shape[0], dtype=w_NK.dtype)
-        for i in range(0, x_PK.shape[0], ROW_TILE):  # one oneDNN product of the fixed shape per tile
+        p = x_PK.shape[0]
+        y_PN = torch.empty(p, w_NK.shape[0], dtype=w_NK.dtype)
+        big = (p // BIG_TILE) * BIG_TILE if p >= BIG_TILE and big_tile_ok(w_NK) else 0
+        for i in range(0, big, BIG_TILE):  # runs of BIG_TILE rows: checked to give their tiles' bits
+            y_PN[i:i + BIG_TILE] = _onednn_product(x_PK[i:i + BIG_TILE], w)
+        for i in range(big, p, ROW_TILE):  # one oneDNN product of the fixed shape per tile
             y_PN[i:i + ROW_TILE] = _onednn_product(x_PK[i:i + ROW_TILE], w)
         return y_PN[:m]
     y_tTN = _bmm_product(pad_rows(x_MK.float(), rows).view(-1, rows, k), w_NK)
