@@ -75,7 +75,7 @@ def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K,N", [(512, 768), (384, 1024), (768, 2048)])
+@pytest.mark.parametrize("K,N", [(512, 768), (384, 1024), (768, 2048), (384, 8192)])
 def test_exact_linear_row_invariant_over_big_tiles(dtype, K, N):
     """Calls of many rows on the oneDNN path run whole BIG_TILE-row products where checked equal to their
     tiles: a row gives the bits of a one-tile call in runs of big tiles, tiles, or both, and anywhere in them."""
