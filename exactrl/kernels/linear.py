@@ -7,16 +7,19 @@ torch 2.13). The exact kernel therefore pads the rows to a multiple of a fixed
 tile `ROW_TILE` and computes every tile with a GEMM of ONE fixed shape
 (ROW_TILE x K times K x N). Every output element is then produced by the same
 small GEMM whatever the number of rows, the row's neighbours, or its place in
-the tile; the tests sweep these (also at 1 and 2 threads).
+the tile; the tests sweep these (also at 1 and 2 threads). Two other shapes
+are used only where the running process checked that they give a tile's
+bits: fewer rows for a short call (`short_rows`) and BIG_TILE rows for a long
+one on the oneDNN path (`big_tile_ok`).
 
-Two implementations of that rule, chosen per weight by its shape alone (so a
-row of a given weight always takes the same one, whatever the batch):
+Two implementations of that rule, chosen per weight by its shape and dtype
+alone (so a row of a given weight always takes the same one, whatever the batch):
 
-- oneDNN, for weights of at least ONEDNN_MIN_WEIGHT elements (on every x86
-  and most ARM builds of torch): the weight is re-laid out
+- oneDNN, for weights of at least ONEDNN_MIN_WEIGHT elements (ONEDNN_MIN_WEIGHT_BF16
+  in bf16; on every x86 and most ARM builds of torch): the weight is re-laid out
   into oneDNN's blocked format for 32-row products
   (`mkldnn._reorder_linear_weight`) and each 32-row tile is one
-  `mkldnn._linear_pointwise` call. Packing costs a copy of the weight, so it
+  `mkldnn._linear_pointwise` call (or each run of BIG_TILE rows, below). Packing costs a copy of the weight, so it
   is done per call unless a `PackedWeights` cache is active (`using_packed`):
   the engine keeps one for its weights, which change only through
   `Engine.update_weights`, and clears it there. A cache could not know of
@@ -74,6 +77,8 @@ fixed shape BIG_TILE x K, the rest through tiles, when that product gives
 bitwise the rows its tiles give, for this weight shape, dtype and thread
 count. That is checked in the running process once per key, like
 `short_rows` (`_big_tile_like_tiles`); when it fails every row stays in tiles.
+fp32 weights of more than SPLIT_ABOVE outputs (vocabulary heads) always stay
+in tiles, where big products were slower (`_big_tiles_pay`).
 It is not a given: in bf16 on that Xeon, oneDNN's 512-row products of the
 100M model's 768 -> 768, 2048 -> 768 and 768 -> 32000 weights differ from
 their tiles (so those stay in tiles), and its 64- and 256-row products of
@@ -271,7 +276,8 @@ def _big_tile_like_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, row_signs: bool = False):
-    """Random operands for `_rows_like_tile`; in bf16, built so that rounding cannot hide an order change.
+    """Random operands for `_rows_like_tile` and `_big_tile_like_tiles`; in bf16, built so that rounding
+    cannot hide an order change.
 
     A bf16 output keeps 8 bits of an fp32 sum, so another summation order (which moves the last
     bits of the sum) would rarely show. Here every row's exact dot product is 1 + 2^-8, the midpoint

@@ -172,7 +172,9 @@ class SessionStream(StreamingResponse):
     A body that runs out gives it back before the response's closing frame is sent, so a client that has
     read the whole stream never sees its session still busy (releasing after `__call__` returned raced
     with that client's next request). A body that failed, was cancelled, lost its client or never
-    started (it then never runs) gives it back when the response ends.
+    started (it then never runs) gives it back when the response ends. The body is closed then too, so
+    its clean-up (aborting its generation) runs at once: Starlette leaves an abandoned body iterator to
+    be finalized, and this one is in a reference cycle with the response, i.e. to the cycle collector.
     """
 
     def __init__(self, body, st, session):
@@ -184,8 +186,10 @@ class SessionStream(StreamingResponse):
             async for chunk in body:
                 yield chunk
         finally:
-            await body.aclose()  # the body's own clean-up (aborting its generation) runs first, as before
-            self._release()
+            try:
+                await body.aclose()  # the body's own clean-up first (a no-op once it ran out)
+            finally:
+                self._release()
 
     def _release(self) -> None:
         if not self._released:
@@ -196,7 +200,10 @@ class SessionStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._release()
+            try:
+                await self.body_iterator.aclose()  # a body left mid-stream: its clean-up now, not at some gc
+            finally:
+                self._release()
 
 
 def sse(obj) -> str:

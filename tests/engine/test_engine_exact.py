@@ -264,7 +264,7 @@ def test_exact_on_the_onednn_path_with_its_packed_weights(onednn_dir, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
-def test_prefill_and_trainer_batches_beyond_a_big_tile(onednn_dir, dtype, kernels):
+def test_prefill_and_trainer_batches_beyond_a_big_tile(onednn_dir, dtype, kernels, monkeypatch):
     """A prefill step and a trainer batch of more than BIG_TILE rows (whole big oneDNN products where the
     machine passed their check, kernels/linear.py) against decode rows: exact is bitwise, fast is not."""
     from exactrl.kernels import linear
@@ -273,12 +273,20 @@ def test_prefill_and_trainer_batches_beyond_a_big_tile(onednn_dir, dtype, kernel
         pytest.skip(f"this CPU has no oneDNN {dtype} linear (needs AVX512 or AVX-NE-CONVERT)")
     model = exactrl.load_model(onednn_dir, dtype=dtype, kernels=kernels)
     engine = Engine(model, max_num_batched_tokens=1024)
+    product, big_calls = linear._onednn_product, []
+
+    def counted(x_rK, w):
+        big_calls.append(x_rK.shape[0] == linear.BIG_TILE)
+        return product(x_rK, w)
+    monkeypatch.setattr(linear, "_onednn_product", counted)
     rng = random.Random(11)
     sp = SamplingParams(max_tokens=10, n=2, seed=4, temperature=0.9)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (150, 170, 200, 90)]  # one 610-token prefill
     outs = engine.generate(prompts, sp)
     bad = mismatches(model, [(p, c, sp) for p, cs in zip(prompts, outs) for c in cs])  # a 1300-row trainer call
     assert (not bad) == (kernels == "exact"), bad[:3]
+    if kernels == "exact" and linear.big_tile_ok(model.model.layers[0].self_attn.q_proj.weight):
+        assert any(big_calls), "no big product ran: the test would not cover them"
 
 
 def test_weights_changed_drops_packed_copies_of_weights_written_in_place(onednn_dir):

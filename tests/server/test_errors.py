@@ -169,6 +169,29 @@ def _long_request(stream: bool) -> dict:
             "stream": stream}
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_its_client_left_is_aborted_without_the_garbage_collector(path):
+    """The stream's generation is aborted when the response ends, not when Python's cycle collector happens
+    to finalize the abandoned body (until then the engine would decode on for nobody, holding its pages)."""
+    import gc
+
+    s = served()
+    body = _long_request(True) | ({} if "chat" in path else {"messages": None, "prompt": "hello"})
+    body = {k: v for k, v in body.items() if v is not None}
+    before = _wait_idle(s.url)
+    gc.disable()
+    try:
+        with httpx.stream("POST", s.url + path, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(6):  # a few chunks, then hang up
+                next(lines)
+        after = _wait_idle(s.url)
+    finally:
+        gc.enable()
+    assert after["engine/aborted"] == before["engine/aborted"] + 1
+    assert after.get("server/generation_tokens", 0) == before.get("server/generation_tokens", 0)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_generation(stream):
     s = served()
@@ -184,7 +207,7 @@ def test_client_disconnect_aborts_generation(stream):
     after = _wait_idle(s.url)
     assert after["engine/aborted"] == before["engine/aborted"] + 1
     assert after["server/client_disconnects"] == before.get("server/client_disconnects", 0) + 1
-    generated = after["server/generation_tokens"] - before["server/generation_tokens"]
+    generated = after.get("server/generation_tokens", 0) - before.get("server/generation_tokens", 0)
     assert generated == 0  # nothing was completed (8 x 480 tokens would have been)
     # the server is still up and serving
     r = s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=3)
