@@ -19,8 +19,8 @@ alone (so a row of a given weight always takes the same one, whatever the batch)
   in bf16; on every x86 and most ARM builds of torch): the weight is re-laid out
   into oneDNN's blocked format for 32-row products
   (`mkldnn._reorder_linear_weight`) and each 32-row tile is one
-  `mkldnn._linear_pointwise` call (or each run of BIG_TILE rows, below). Packing costs a copy of the weight, so it
-  is done per call unless a `PackedWeights` cache is active (`using_packed`):
+  `mkldnn._linear_pointwise` call (or each run of BIG_TILE rows, below).
+  Packing costs a copy of the weight, so it is done per call unless a `PackedWeights` cache is active (`using_packed`):
   the engine keeps one for its weights, which change only through
   `Engine.update_weights`, and clears it there. A cache could not know of
   every change by itself (writes through `.data` or a fused optimizer leave
@@ -77,14 +77,14 @@ fixed shape BIG_TILE x K, the rest through tiles, when that product gives
 bitwise the rows its tiles give, for this weight shape, dtype and thread
 count. That is checked in the running process once per key, like
 `short_rows` (`_big_tile_like_tiles`); when it fails every row stays in tiles.
-fp32 weights of more than SPLIT_ABOVE outputs (vocabulary heads) always stay
-in tiles, where big products were slower (`_big_tiles_pay`).
 It is not a given: in bf16 on that Xeon, oneDNN's 512-row products of the
 100M model's 768 -> 768, 2048 -> 768 and 768 -> 32000 weights differ from
 their tiles (so those stay in tiles), and its 64- and 256-row products of
 768 -> 2048 differ while the 512-row ones do not. The checks take 0.2 s for
 the 20M model's shapes and 0.8 s for the 100M model's (fp32), at the first
-call of BIG_TILE rows or more.
+call of BIG_TILE rows or more. fp32 weights of more than SPLIT_ABOVE outputs
+(vocabulary heads) always stay in tiles, where big products were slower
+(`_big_tiles_pay`).
 
 Backward: only the forward values must be batch-invariant. The gradients use
 plain matmuls (a custom autograd function), which avoids materialising the
