@@ -51,24 +51,29 @@ def linear_weights(hf_model) -> list[torch.Tensor]:
 
 
 def gemm_floor_s(weights: list[torch.Tensor], rows: int, repeat: int = 5) -> float:
-    """Best-of-`repeat` wall time of `rows` rows through every weight, with the faster of torch's GEMMs.
+    """Best-of-`repeat` wall time of `rows` rows through every weight, with the fastest GEMM at hand.
 
     A forward step is these matmuls plus everything else (attention, norms,
-    sampling, Python), so `rows / gemm_floor_s` bounds the tokens/s of ANY
-    implementation using torch's GEMMs on this machine. Two are timed: plain
-    `F.linear`, and oneDNN with the weights packed beforehand
-    (`mkldnn._linear_pointwise`, what exactrl's exact kernel and vLLM's CPU
-    backend use), which is up to 2-3x faster for a few rows.
+    sampling, Python), so `rows / gemm_floor_s` bounds the tokens/s of any
+    implementation using these GEMMs on this machine. Up to three are timed:
+    plain `F.linear`; oneDNN with the weights packed beforehand
+    (`mkldnn._linear_pointwise`, vLLM's CPU backend, and exactrl's exact bf16
+    tiles), up to 2-3x faster for a few rows; and for fp32 exactrl's native
+    linear on packed weights (`native/gemm.c`).
     """
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     with torch.inference_mode():
         best = timeit(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], repeat=repeat)
-        from exactrl.kernels.linear import ONEDNN_DTYPES
-
-        if all(w.dtype in ONEDNN_DTYPES for w in weights):
+        onednn = {torch.float32} | ({torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())
+        if torch.backends.mkldnn.is_available() and all(w.dtype in onednn for w in weights):
             packed = [(xs[w.shape[1]], torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
             best = min(best, timeit(lambda: [torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
                                              for x, pw in packed], repeat=repeat))
+        if all(w.dtype == torch.float32 for w in weights):
+            from exactrl.kernels import native
+
+            mine = [(xs[w.shape[1]], native.PackedLinearWeight(w)) for w in weights]
+            best = min(best, timeit(lambda: [native.linear(x, pw) for x, pw in mine], repeat=repeat))
     return best
 
 

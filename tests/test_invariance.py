@@ -38,9 +38,10 @@ def wide_dir(tmp_path_factory):
 # ---------------------------------------------------------------- kernels
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# batched-matmul path: (64, 96), (256, 768), (100, 33), (48, 4700) (column blocks, ragged last);
-# oneDNN path (K x N >= ONEDNN_MIN_WEIGHT): (96, 4700), (512, 768), (2048, 768) (in fp32 here, a one-row
-# product of this shape takes another kernel than a tile: `short_rows` pads it)
+# fp32: the native linear (K = 2048: eight sum blocks; N = 33, 4700: a partial last panel).
+# bf16, batched-matmul path: (64, 96), (256, 768), (100, 33), (48, 4700) (column blocks, ragged last);
+# oneDNN path (K x N >= ONEDNN_MIN_WEIGHT_BF16): the others (a one-row product of some shapes takes another
+# kernel than a tile: `short_rows` pads it)
 @pytest.mark.parametrize("K,N", [(64, 96), (256, 768), (100, 33), (48, 4700), (96, 4700), (512, 768), (2048, 768),
                                  (64, 1), (7, 2)])  # 1 output: a matrix-vector product (a value head)
 def test_exact_linear_row_invariant(dtype, K, N):
@@ -49,14 +50,50 @@ def test_exact_linear_row_invariant(dtype, K, N):
     ref = exact_linear(X[:1], W)[0]
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        for M in list(range(1, 40)) + [63, 64, 65, 128, 299]:
+        for M in list(range(1, 40)) + [63, 64, 65, 95, 96, 97, 128, 193, 299]:
             assert torch.equal(exact_linear(X[:M], W)[0], ref), (M, threads)
         for p in (1, 5, 15, 16, 17, 40):  # the same row at another place in a tile
             assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeypatch, dtype):
+def test_native_linear_sums_in_the_documented_order():
+    """gemm.c's contract: each output is an fma chain over each block of KC = 256 k's from 0, the blocks'
+    sums added in order. Emulated here in float64, rounded to fp32 after every step (exact for the
+    products; a double rounding of the sum could differ in ~2^-29 of steps, and these fixed operands
+    have none)."""
+    from exactrl.kernels import native
+
+    g = torch.Generator().manual_seed(3)
+    M, N, K = 13, 40, 600  # a partial panel of columns, three blocks of k's (the last partial)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    want = None
+    for k0 in range(0, K, 256):
+        s = torch.zeros(M, N)
+        for k in range(k0, min(k0 + 256, K)):
+            s = (x[:, k, None].double() * w[None, :, k].double() + s.double()).float()
+        want = s if want is None else (want.double() + s.double()).float()
+    got = native.linear(x, native.PackedLinearWeight(w))
+    assert torch.equal(got, want)
+    plain = torch.zeros(M, N)  # one chain over all of K: another order, which must show
+    for k in range(K):
+        plain = (x[:, k, None].double() * w[None, :, k].double() + plain.double()).float()
+    assert not torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 384, 384), (37, 100, 1030), (130, 640, 256), (5, 3, 7)])
+def test_native_linear_portable_build_gives_the_vector_builds_bits(M, N, K):
+    """A CPU without AVX2 runs gemm.c's plain-C build: the same sums, so the same bits as this machine's."""
+    from exactrl.kernels import native
+
+    g = torch.Generator().manual_seed(M + N)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    vector = native.linear(x, native.PackedLinearWeight(w))
+    portable = native.linear(x, native.PackedLinearWeight(w, portable=True))
+    assert native.library(True).exactrl_gemm_build() == b"portable"
+    assert torch.equal(vector, portable)
+
+
+def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeypatch):
     """Twin of the sweep above for `short_rows`: a short product that sums K in two parts (another order,
     rounded to the output dtype as the real one is) is caught for every r, so it is padded to a tile."""
     def split_k(x_rK, w_NK):  # stands in for a kernel that takes another path for short calls
@@ -67,18 +104,19 @@ def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeyp
         return (x[:, :h] @ w[:, :h].t() + x[:, h:] @ w[:, h:].t()).to(x_rK.dtype)
     monkeypatch.setattr(linear_mod, "_pack", lambda w: w)
     monkeypatch.setattr(linear_mod, "_onednn_product", split_k)
-    ok = linear_mod._rows_like_tile(True, 96, 256, dtype)
+    ok = linear_mod._rows_like_tile(True, 96, 256, torch.bfloat16)
     assert ok[linear_mod.ROW_TILE] and not any(ok[1:linear_mod.ROW_TILE])
     monkeypatch.setattr(linear_mod, "_SHORT_OK", {})
-    w = torch.randn(96, 256).to(dtype)
+    w = torch.randn(96, 256).to(torch.bfloat16)
     assert linear_mod.short_rows(True, w, 1) == linear_mod.ROW_TILE
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K,N", [(512, 768), (384, 1024), (768, 2048), (384, 8192)])
-def test_exact_linear_row_invariant_over_big_tiles(dtype, K, N):
-    """Calls of many rows on the oneDNN path run whole BIG_TILE-row products where checked equal to their
-    tiles: a row gives the bits of a one-tile call in runs of big tiles, tiles, or both, and anywhere in them."""
+def test_exact_linear_row_invariant_over_big_tiles(K, N):
+    """Calls of many rows on the oneDNN path (bf16) run whole BIG_TILE-row products where checked equal to
+    their tiles: a row gives the bits of a one-tile call in runs of big tiles, tiles, or both, and anywhere
+    in them."""
+    dtype = torch.bfloat16
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(K)).to(dtype)
     if not linear_mod._uses_onednn(w, w):
         pytest.skip(f"{dtype} {N}x{K} takes the batched-matmul path here (one call whatever the rows)")
@@ -90,14 +128,11 @@ def test_exact_linear_row_invariant_over_big_tiles(dtype, K, N):
             assert torch.equal(exact_linear(X[:M], w), ref[:M]), M
         for p in (1, 31, B - 5):  # the same rows at other places in the big tile
             assert torch.equal(exact_linear(torch.cat([X[-p:], X[:B]]), w)[p:], ref[:B]), p
-    if not linear_mod._big_tiles_pay(w):
-        pytest.skip(f"{dtype} {N}x{K} stays in tiles (a vocabulary-sized fp32 weight): no big product ran")
     if not linear_mod.big_tile_ok(w):
         pytest.skip(f"this CPU's oneDNN {dtype} {B}-row product of {N}x{K} differs from its tiles: kept in tiles")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_big_tile_check_catches_a_product_that_reduces_in_another_order(monkeypatch, dtype):
+def test_big_tile_check_catches_a_product_that_reduces_in_another_order(monkeypatch):
     """Twin of the sweep above: a BIG_TILE-row product that sums K in two parts is refused by the check,
     and such a weight's calls stay in tiles, so their rows keep a tile's bits."""
     def split_k(x_rK, w_NK):  # stands in for a kernel that splits K for many rows
@@ -108,8 +143,9 @@ def test_big_tile_check_catches_a_product_that_reduces_in_another_order(monkeypa
         return (x[:, :h] @ w[:, :h].t() + x[:, h:] @ w[:, h:].t()).to(x_rK.dtype)
     monkeypatch.setattr(linear_mod, "_pack", lambda w: w)
     monkeypatch.setattr(linear_mod, "_onednn_product", split_k)
-    monkeypatch.setattr(linear_mod, "ONEDNN_DTYPES", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(linear_mod, "ONEDNN_DTYPES", (torch.bfloat16,))
     monkeypatch.setattr(linear_mod, "_BIG_OK", {})
+    dtype = torch.bfloat16
     monkeypatch.setattr(linear_mod, "_SHORT_OK", {})
     assert not linear_mod._big_tile_like_tiles(768, 512, dtype)
     w = torch.randn(768, 512).to(dtype)
@@ -121,14 +157,17 @@ def test_big_tile_check_catches_a_product_that_reduces_in_another_order(monkeypa
     assert not torch.equal(exact_linear(x, w), y)  # forced through the big product, the rows do change
 
 
-def test_packed_weights_cache_is_used_only_where_activated_and_follows_changes():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_cache_is_used_only_where_activated_and_follows_changes(dtype):
     """Outside `using_packed` every call packs afresh (always current); inside, the cache's owner clears it
-    on the changes it makes, and storage, shape, stride, dtype and version changes are caught as well."""
-    if not linear_mod.USE_ONEDNN:
-        pytest.skip("this torch has no oneDNN: nothing is packed")
+    on the changes it makes, and storage, shape, stride, dtype and version changes are caught as well.
+    fp32 weights are packed for the native linear, bf16 ones for oneDNN."""
+    if dtype == torch.bfloat16 and dtype not in linear_mod.ONEDNN_DTYPES:
+        pytest.skip("this CPU has no oneDNN bf16 linear: nothing is packed")
     g = torch.Generator().manual_seed(1)
-    N, K = 512, linear_mod.ONEDNN_MIN_WEIGHT // 512  # a weight on the oneDNN path
-    w, x = torch.nn.Parameter(torch.randn(N, K, generator=g)), torch.randn(7, K, generator=g)
+    N, K = 512, 512  # a weight on the packed path
+    w = torch.nn.Parameter(torch.randn(N, K, generator=g).to(dtype))
+    x = torch.randn(7, K, generator=g).to(dtype)
 
     def fresh():  # the same kernel on a new tensor with the current values: nothing cached for it
         return exact_linear(x, w.detach().clone())
@@ -142,7 +181,7 @@ def test_packed_weights_cache_is_used_only_where_activated_and_follows_changes()
         with torch.no_grad():
             w.add_(0.25)  # in place: the version counter moves
         assert torch.equal(exact_linear(x, w), fresh()) and not torch.equal(exact_linear(x, w), cached)
-        w.data = torch.randn(N, K, generator=g)  # new storage
+        w.data = torch.randn(N, K, generator=g).to(dtype)  # new storage
         assert torch.equal(exact_linear(x, w), fresh())
         w.data.mul_(2)  # unseen by any fingerprint: the owner must clear
         cache.clear()

@@ -1,46 +1,44 @@
-"""Linear layers: the row-tiled exact matmul and the plain fast one.
+"""Linear layers: the exact batch-invariant matmul and the plain fast one.
 
-Why tiles: on CPU, `x[:M] @ W` picks a different GEMM kernel (and so a
-different reduction order over K) depending on M — in fp32 the first row of the
-product already changes its last bits between M <= 3 and M >= 4 (measured with
-torch 2.13). The exact kernel therefore pads the rows to a multiple of a fixed
-tile `ROW_TILE` and computes every tile with a GEMM of ONE fixed shape
-(ROW_TILE x K times K x N). Every output element is then produced by the same
-small GEMM whatever the number of rows, the row's neighbours, or its place in
-the tile; the tests sweep these (also at 1 and 2 threads). Two other shapes
-are used only where the running process checked that they give a tile's
-bits: fewer rows for a short call (`short_rows`) and BIG_TILE rows for a long
-one on the oneDNN path (`big_tile_ok`).
+The problem: on CPU, `x[:M] @ W` picks a different GEMM kernel (and so a
+different reduction order over K) depending on M — in fp32 the first row of
+the product already changes its last bits between M <= 3 and M >= 4 (measured
+with torch 2.13). The exact linear must give every row the same bits whatever
+the number of rows, the row's neighbours and the thread count. Two ways,
+chosen by dtype alone (so a row of a given weight always takes the same one):
 
-Two implementations of that rule, chosen per weight by its shape and dtype
-alone (so a row of a given weight always takes the same one, whatever the batch):
+fp32: the native linear (`native/gemm.c`). Every output is summed in an order
+fixed by K alone (an fma chain over each block of 256 k's, the blocks' sums
+added in order), in a register-blocked C kernel over a packed copy of the
+weight. No tiles, no padding, nothing to check at run time; its AVX-512, AVX2
+and plain-C builds give the same bits. Measured on a 2-core AVX-512 Xeon at
+2 threads (20M and 100M model shapes): at 32 rows 330-430 GFLOP/s, 1.1-2.3x
+`F.linear`; at 4096 rows 0.7-1.0x `F.linear`; one decode row about as fast
+as `F.linear`. The oneDNN tiles below, which fp32 used before, ran a 20M
+decode step's matmuls (batch 32) at 1.4x this kernel's time.
 
-- oneDNN, for weights of at least ONEDNN_MIN_WEIGHT elements (ONEDNN_MIN_WEIGHT_BF16
-  in bf16; on every x86 and most ARM builds of torch): the weight is re-laid out
-  into oneDNN's blocked format for 32-row products
+bf16 (and any mixed dtypes): row tiles. The rows are padded to a multiple of
+a fixed tile `ROW_TILE` and every tile is computed with a GEMM of ONE fixed
+shape (ROW_TILE x K times K x N). Every output element is then produced by
+the same small GEMM whatever the number of rows, the row's neighbours, or its
+place in the tile; the tests sweep these (also at 1 and 2 threads). Two other
+shapes are used only where the running process checked that they give a
+tile's bits: fewer rows for a short call (`short_rows`) and BIG_TILE rows for
+a long one on the oneDNN path (`big_tile_ok`). A native bf16 kernel could do
+without tiles too; oneDNN's AMX bf16 products are 2-4x an fp32 kernel's speed
+on CPUs that have AMX, which is why bf16 keeps them.
+
+Two implementations of the tile rule, chosen per weight by its shape and dtype alone:
+
+- oneDNN, for bf16 weights of at least ONEDNN_MIN_WEIGHT_BF16 elements
+  (where torch's oneDNN has bf16: AVX512 or AVX-NE-CONVERT): the weight is
+  re-laid out into oneDNN's blocked format for 32-row products
   (`mkldnn._reorder_linear_weight`) and each 32-row tile is one
   `mkldnn._linear_pointwise` call (or each run of BIG_TILE rows, below).
-  Packing costs a copy of the weight, so it is done per call unless a `PackedWeights` cache is active (`using_packed`):
-  the engine keeps one for its weights, which change only through
-  `Engine.update_weights`, and clears it there. A cache could not know of
-  every change by itself (writes through `.data` or a fused optimizer leave
-  the version counter alone), so no cache outlives its owner's knowledge.
-  Packing once instead of per call is what makes small products fast:
-  measured with torch 2.13 at 2 threads, a 32-row product runs at 127-206
-  GFLOP/s vs 58-108 for `F.linear` and 67 for the batched matmul below (fp32);
-  at 4096 rows 121-156 vs 100-138 (fp32) and 194-231 vs 183-208 (bf16, where
-  the other path upcasts to fp32). So an `F.linear`-only decode step is no
-  floor: vLLM's CPU backend beat one by 1.14x at 100M, batch 32.
-  oneDNN accumulates in fp32 (also for bf16 operands) and rounds once.
-  Its cost is one call (~20 us) per tile: for small weights that dominates
-  a many-row trainer batch (128 x 128 at 1344 rows: 8-40x the batched matmul
-  below), while for 384 x 1024 and up a trainer batch costs 0.8-1.4x and a
-  decode step ~0.5x. Hence the threshold (1 MB of fp32 weight). bf16 weights
-  have a lower one (ONEDNN_MIN_WEIGHT_BF16, 128 x 128): the other path
-  upcasts the weight at every call, and with BIG_TILE products (below) a
-  trainer batch no longer pays per tile. Measured on a 2-core AMX Xeon, 32
-  rows x 384 -> 384: 116 us upcast and batched vs 40 us packed oneDNN; at
-  4096 rows 7.4 ms vs 1.1 ms.
+  oneDNN accumulates in fp32 and rounds once. Its cost is one call (~20 us)
+  per tile. The other path upcasts the weight at every call: measured on a
+  2-core AMX Xeon, 32 rows x 384 -> 384: 116 us upcast and batched vs 40 us
+  packed oneDNN; at 4096 rows 7.4 ms vs 1.1 ms.
 - otherwise: ONE batched matmul over `(n_tiles, ROW_TILE, K)` with the weight
   broadcast along the batch (stride 0), in fp32 (bf16 operands upcast
   exactly, product rounded to bf16 once). A weight with more than SPLIT_ABOVE
@@ -49,42 +47,35 @@ alone (so a row of a given weight always takes the same one, whatever the batch)
   rows x 384 -> 16384: 93 GFLOP/s unsplit, 127 split); the split is decided by
   the weight's shape alone, so it is the same for every call.
 
-The two give different bits (different GEMMs); engine and trainer run in one
-process, or on machines of one kind, and use the same one for each weight.
+Packed weights (native and oneDNN alike) cost a copy of the weight, so they
+are made per call unless a `PackedWeights` cache is active (`using_packed`):
+the engine keeps one for its weights, which change only through
+`Engine.update_weights`, and clears it there. A cache could not know of every
+change by itself (writes through `.data` or a fused optimizer leave the
+version counter alone), so no cache outlives its owner's knowledge.
 
 Tile size: 32 rows. At training sizes 16-row tiles cost up to 1.9x plain
-matmul for K=1024, 32-row tiles ~1.1x (batched-matmul path); a decode batch of 32 is one tile
-either way (measured on this CPU, fp32).
+matmul for K=1024, 32-row tiles ~1.1x (batched-matmul path); a decode batch of
+32 is one tile either way.
 
 Fewer rows than a tile (a decode step of fewer than 32 sequences, a short
 prompt): padding them to 32 computes up to 32x the rows wanted. Such a call is
 padded only to the fewest rows r whose product gives bitwise the rows a whole
 tile gives (`short_rows`). Which r do depends on the GEMM and the machine, so
 it is checked in the running process, once per weight shape, dtype and thread
-count, on random operands (`_rows_like_tile`). Measured here: oneDNN gives
-a tile's bits for every r except r = 1 at K = 2048; the batched matmul for
-multiples of 4. One decode row at 20M then costs 44 us instead of 250 (MLP
-up projection, fp32). The checks take 0.6 s for all of the 20M model's
-shapes and 1.8 s for the 100M model's; an engine runs them when it is
-created (`Kernels.prepare`), anything else at its first short call.
+count, on random operands (`_rows_like_tile`); an engine runs the checks when
+it is created (`Kernels.prepare`), anything else at its first short call.
 
 Many rows on the oneDNN path (a trainer batch, a long prefill): one call per
-32-row tile pays oneDNN's per-call cost (~20 us) for every tile, which is most
-of the time in bf16 on a CPU with AMX (4096 x 384 -> 384: 7.4 ms in tiles,
-1.1 ms in 512-row calls, 0.5 ms for `F.linear`; fp32 4096 x 384 -> 1024: 14.4
-vs 9.9 ms). So whole runs of BIG_TILE rows go through one product of the
-fixed shape BIG_TILE x K, the rest through tiles, when that product gives
-bitwise the rows its tiles give, for this weight shape, dtype and thread
-count. That is checked in the running process once per key, like
-`short_rows` (`_big_tile_like_tiles`); when it fails every row stays in tiles.
-It is not a given: in bf16 on that Xeon, oneDNN's 512-row products of the
-100M model's 768 -> 768, 2048 -> 768 and 768 -> 32000 weights differ from
-their tiles (so those stay in tiles), and its 64- and 256-row products of
-768 -> 2048 differ while the 512-row ones do not. The checks take 0.2 s for
-the 20M model's shapes and 0.8 s for the 100M model's (fp32), at the first
-call of BIG_TILE rows or more. fp32 weights of more than SPLIT_ABOVE outputs
-(vocabulary heads) always stay in tiles, where big products were slower
-(`_big_tiles_pay`).
+32-row tile pays oneDNN's per-call cost for every tile (4096 x 384 -> 384 in
+bf16: 7.4 ms in tiles, 1.1 ms in 512-row calls). So whole runs of BIG_TILE
+rows go through one product of the fixed shape BIG_TILE x K, the rest through
+tiles, when that product gives bitwise the rows its tiles give, for this
+weight shape, dtype and thread count. That is checked in the running process
+once per key, like `short_rows` (`_big_tile_like_tiles`); when it fails every
+row stays in tiles. It is not a given: in bf16 on that Xeon, oneDNN's 512-row
+products of the 100M model's 768 -> 768, 2048 -> 768 and 768 -> 32000 weights
+differ from their tiles (so those stay in tiles).
 
 Backward: only the forward values must be batch-invariant. The gradients use
 plain matmuls (a custom autograd function), which avoids materialising the
@@ -100,6 +91,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+
+from exactrl.kernels import native
 
 ROW_TILE = 32  # rows per tile; part of the exactness contract — never vary it per call
 COL_BLOCK = 512  # output columns per GEMM when a weight has more than SPLIT_ABOVE of them
@@ -120,10 +113,8 @@ USE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, 
 # oneDNN's bf16 linear needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; on an AVX2-only CPU (measured: AMD EPYC
 # Zen 1) packing a bf16 weight raises, so bf16 weights take the batched-matmul path there. A property of the
 # machine, fixed for the process: a weight's path still depends on nothing but its shape and dtype.
-ONEDNN_DTYPES = ((torch.float32,) + ((torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
-                 if USE_ONEDNN else ())
-ONEDNN_MIN_WEIGHT = 1 << 18  # elements (K x N); a rule on the weight's shape only, never on the rows
-ONEDNN_MIN_WEIGHT_BF16 = 1 << 14  # the same rule for bf16 weights (where ONEDNN_DTYPES has bf16)
+ONEDNN_DTYPES = ((torch.bfloat16,) if USE_ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+ONEDNN_MIN_WEIGHT_BF16 = 1 << 14  # elements (K x N) of a bf16 weight that uses oneDNN; a rule on the shape only
 
 
 class PackedWeights:
@@ -168,7 +159,9 @@ def using_packed(cache: PackedWeights):
         _active.cache = previous
 
 
-def _pack(w_NK: torch.Tensor) -> torch.Tensor:
+def _pack(w_NK: torch.Tensor):
+    if w_NK.dtype == torch.float32:  # the native fp32 linear's panels (`_uses_native`)
+        return native.PackedLinearWeight(w_NK)
     return torch.ops.mkldnn._reorder_linear_weight(w_NK.detach(), ROW_TILE)
 
 
@@ -192,9 +185,12 @@ def _bmm_product(x_tTK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     return y_tTN
 
 
+def _uses_native(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
+    return x_MK.dtype == w_NK.dtype == torch.float32
+
+
 def _uses_onednn(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
-    least = ONEDNN_MIN_WEIGHT_BF16 if w_NK.dtype == torch.bfloat16 else ONEDNN_MIN_WEIGHT
-    return w_NK.numel() >= least and x_MK.dtype == w_NK.dtype and w_NK.dtype in ONEDNN_DTYPES
+    return w_NK.numel() >= ONEDNN_MIN_WEIGHT_BF16 and x_MK.dtype == w_NK.dtype and w_NK.dtype in ONEDNN_DTYPES
 
 
 _SHORT_OK: dict[tuple, list[bool]] = {}  # (path, weight shape, dtype, threads) -> ok[r], r = 0..ROW_TILE
@@ -216,8 +212,10 @@ def short_rows(onednn: bool, w_NK: torch.Tensor, m: int) -> int:
 
 
 def check_short_rows(w_NK: torch.Tensor) -> None:
-    """Runs `short_rows`' check for this weight (in its own dtype) now rather than at the first short call."""
-    short_rows(_uses_onednn(w_NK, w_NK), w_NK, 1)
+    """Runs `short_rows`' check for this weight (in its own dtype) now rather than at the first short call
+    (nothing to check for an fp32 weight: the native linear has no tiles)."""
+    if not _uses_native(w_NK, w_NK):
+        short_rows(_uses_onednn(w_NK, w_NK), w_NK, 1)
 
 
 def _rows_like_tile(onednn: bool, n: int, k: int, dtype: torch.dtype) -> list[bool]:
@@ -256,12 +254,6 @@ def big_tile_ok(w_NK: torch.Tensor) -> bool:
     return ok
 
 
-def _big_tiles_pay(w_NK: torch.Tensor) -> bool:
-    """Not for an fp32 vocabulary-sized weight (more than SPLIT_ABOVE outputs): measured on the AMX Xeon,
-    its 512-row products took 1.07x (16384 x 384) and 1.4x (32000 x 768) the time of their tiles."""
-    return w_NK.dtype != torch.float32 or w_NK.shape[0] <= SPLIT_ABOVE
-
-
 def _big_tile_like_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
     """A BIG_TILE-row oneDNN product equals its tiles' on SHORT_CHECK_DRAWS random operands (every
     output of every row; in bf16 the rounding-midpoint operands of `_probe_operands`)."""
@@ -298,6 +290,9 @@ def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, r
 
 def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     m, k = x_MK.shape
+    if _uses_native(x_MK, w_NK):  # fp32: no tiles, the order is fixed by K alone (native/gemm.c)
+        cache = getattr(_active, "cache", None)
+        return native.linear(x_MK, cache.get(w_NK) if cache is not None else _pack(w_NK))
     onednn = _uses_onednn(x_MK, w_NK)
     # fewer rows than a tile (a decode step of few sequences): padded only as far as gives the tile's bits
     rows = short_rows(onednn, w_NK, m) if 0 < m < ROW_TILE else ROW_TILE
@@ -309,7 +304,7 @@ def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
             return _onednn_product(x_PK, w)[:m]
         p = x_PK.shape[0]
         y_PN = torch.empty(p, w_NK.shape[0], dtype=w_NK.dtype)
-        big = (p // BIG_TILE) * BIG_TILE if p >= BIG_TILE and _big_tiles_pay(w_NK) and big_tile_ok(w_NK) else 0
+        big = (p // BIG_TILE) * BIG_TILE if p >= BIG_TILE and big_tile_ok(w_NK) else 0
         for i in range(0, big, BIG_TILE):  # runs of BIG_TILE rows: checked to give their tiles' bits
             y_PN[i:i + BIG_TILE] = _onednn_product(x_PK[i:i + BIG_TILE], w)
         for i in range(big, p, ROW_TILE):  # one oneDNN product of the fixed shape per tile

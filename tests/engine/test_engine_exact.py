@@ -242,13 +242,14 @@ def test_other_architectures_and_page_sizes(tmp_path, arch, block_size):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_exact_on_the_onednn_path_with_its_packed_weights(onednn_dir, dtype):
-    """Mixed batches, then `update_weights` (which must drop the engine's packed copies): still bitwise."""
+    """Mixed batches, then `update_weights` (which must drop the engine's packed copies): still bitwise.
+    fp32 weights are packed for the native linear, bf16 ones for oneDNN (kernels/linear.py)."""
     from exactrl.kernels import linear
 
-    if getattr(torch, dtype) not in linear.ONEDNN_DTYPES:
+    if dtype == "bfloat16" and torch.bfloat16 not in linear.ONEDNN_DTYPES:
         pytest.skip(f"this CPU has no oneDNN {dtype} linear (needs AVX512 or AVX-NE-CONVERT)")
     model = exactrl.load_model(onednn_dir, dtype=dtype)
-    assert model.model.layers[0].mlp.up_proj.weight.numel() >= linear.ONEDNN_MIN_WEIGHT and model.kernels.exact
+    assert model.model.layers[0].mlp.up_proj.weight.numel() >= linear.ONEDNN_MIN_WEIGHT_BF16 and model.kernels.exact
     engine = Engine(model, max_num_batched_tokens=48)
     rng = random.Random(5)
     sp = SamplingParams(max_tokens=12, n=2, seed=3, temperature=0.8, top_k=50)
@@ -265,11 +266,12 @@ def test_exact_on_the_onednn_path_with_its_packed_weights(onednn_dir, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
 def test_prefill_and_trainer_batches_beyond_a_big_tile(onednn_dir, dtype, kernels, monkeypatch):
-    """A prefill step and a trainer batch of more than BIG_TILE rows (whole big oneDNN products where the
-    machine passed their check, kernels/linear.py) against decode rows: exact is bitwise, fast is not."""
+    """A prefill step and a trainer batch of more than BIG_TILE rows (in bf16, whole big oneDNN products
+    where the machine passed their check; in fp32, the native linear's row blocks: kernels/linear.py)
+    against decode rows: exact is bitwise, fast is not."""
     from exactrl.kernels import linear
 
-    if getattr(torch, dtype) not in linear.ONEDNN_DTYPES:
+    if dtype == "bfloat16" and torch.bfloat16 not in linear.ONEDNN_DTYPES:
         pytest.skip(f"this CPU has no oneDNN {dtype} linear (needs AVX512 or AVX-NE-CONVERT)")
     model = exactrl.load_model(onednn_dir, dtype=dtype, kernels=kernels)
     engine = Engine(model, max_num_batched_tokens=1024)
@@ -285,17 +287,13 @@ def test_prefill_and_trainer_batches_beyond_a_big_tile(onednn_dir, dtype, kernel
     outs = engine.generate(prompts, sp)
     bad = mismatches(model, [(p, c, sp) for p, cs in zip(prompts, outs) for c in cs])  # a 1300-row trainer call
     assert (not bad) == (kernels == "exact"), bad[:3]
-    if kernels == "exact" and linear.big_tile_ok(model.model.layers[0].self_attn.q_proj.weight):
+    if kernels == "exact" and dtype == "bfloat16" and linear.big_tile_ok(model.model.layers[0].self_attn.q_proj.weight):
         assert any(big_calls), "no big product ran: the test would not cover them"
 
 
 def test_weights_changed_drops_packed_copies_of_weights_written_in_place(onednn_dir):
     """An engine sharing a trainer's model (the asynchronous loop's evaluation engine): a write through
     `.data` (ZeRO's broadcast) leaves the version counter alone, so only `weights_changed` tells it."""
-    from exactrl.kernels import linear
-
-    if torch.float32 not in linear.ONEDNN_DTYPES:
-        pytest.skip("this CPU has no oneDNN fp32 linear")
     model = exactrl.load_model(onednn_dir)
     engine = Engine(model, kv_budget_tokens=1024)
     prompt, sp = [[3, 14, 15, 92, 65]], SamplingParams(max_tokens=6, seed=2)

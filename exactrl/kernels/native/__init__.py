@@ -1,5 +1,8 @@
 """Native (C) exact kernels: compiled on first use with the machine's C compiler, loaded with ctypes.
 
+`exact.c`: attention, RMSNorm, RoPE. `gemm.c`: the fp32 exact linear (its
+order of sums is in that file's header).
+
 Why C: the exact attention computes each query row on its own with a fixed
 reduction order (`exact.c`). In torch ops that needs many tiny fixed-shape
 products and masks; measured on a 2-core AMD EPYC (Zen 1) at the 20M shape,
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("exact.c")
+SOURCES = (Path(__file__).with_name("exact.c"), Path(__file__).with_name("gemm.c"))
 _DTYPES = (torch.float32, torch.bfloat16)  # what the C kernels read
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
 
@@ -59,10 +62,14 @@ def _compiler() -> str:
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
+def library(portable: bool = False) -> ctypes.CDLL:
+    """The compiled kernels. `portable=True` builds gemm.c without its vector intrinsics (plain C `fmaf`),
+    as on a CPU with neither AVX-512 nor AVX2: the tests check it gives the vector build's bits."""
     cc = _compiler()
+    flags = FLAGS + (["-DEXACTRL_PORTABLE"] if portable else [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES), " ".join(flags), version,
+                                     _cpu_flags()]).encode())
     cache = _cache_dir()
     so = cache / f"exact-kernels-{key.hexdigest()[:16]}.so"
     if not so.exists():
@@ -74,9 +81,10 @@ def library() -> ctypes.CDLL:
                                f"EXACTRL_CACHE to a writable directory") from None
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"compiling exactrl's exact kernels failed ({cc} {' '.join(FLAGS)}):\n"
+                raise RuntimeError(f"compiling exactrl's exact kernels failed ({cc} {' '.join(flags)}):\n"
                                    f"{done.stderr[-2000:]}")
             os.replace(tmp, so)  # atomic: a concurrent or interrupted build never leaves a partial file
         finally:
@@ -91,6 +99,12 @@ def library() -> ctypes.CDLL:
     lib.exactrl_rms_norm.restype = None
     lib.exactrl_rotary.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr]
     lib.exactrl_rotary.restype = None
+    lib.exactrl_gemm_build.argtypes, lib.exactrl_gemm_build.restype = [], ctypes.c_char_p
+    lib.exactrl_gemm_panel_width.argtypes, lib.exactrl_gemm_panel_width.restype = [], i64
+    lib.exactrl_pack_weight.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    lib.exactrl_pack_weight.restype = None
+    lib.exactrl_linear.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.exactrl_linear.restype = None
     return lib
 
 
@@ -146,3 +160,28 @@ def rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> t
         library().exactrl_rotary(x.data_ptr(), c.data_ptr(), s.data_ptr(), x.dtype == torch.bfloat16, N, H, D,
                                  out.data_ptr())
     return out
+
+
+class PackedLinearWeight:
+    """An fp32 weight [N, K] laid out for `linear` (gemm.c's panels). Holds its own copy: a later change
+    to the weight is not seen, so whoever keeps one must drop it when the weight changes."""
+
+    def __init__(self, w_NK: torch.Tensor, portable: bool = False):
+        assert w_NK.dim() == 2 and w_NK.dtype == torch.float32, (w_NK.shape, w_NK.dtype)
+        self.lib = library(portable)
+        self.N, self.K = w_NK.shape
+        nr = self.lib.exactrl_gemm_panel_width()
+        w = w_NK.detach().contiguous()
+        self.panels = torch.empty(-(-self.N // nr) * nr * self.K, dtype=torch.float32)
+        self.lib.exactrl_pack_weight(w.data_ptr(), self.N, self.K, self.panels.data_ptr(), torch.get_num_threads())
+
+
+def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:
+    """y = x . W^T in fp32, each output summed in an order fixed by K alone (gemm.c): [M, N]."""
+    M, K = x_MK.shape
+    assert x_MK.dtype == torch.float32 and K == w.K, (x_MK.dtype, x_MK.shape, w.K)
+    x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
+    y = torch.empty(M, w.N, dtype=torch.float32)
+    if M and w.N:
+        w.lib.exactrl_linear(x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(), torch.get_num_threads())
+    return y
