@@ -60,6 +60,9 @@ typedef __m256 vf;
 #endif
 #define NR (2 * W)
 #define KC 256 /* the contract above */
+#ifndef PF
+#define PF 64
+#endif
 #define MC 96  /* rows of x kept in cache while a thread walks its panels: speed only */
 
 const char *exactrl_gemm_build(void) { return BUILD; }
@@ -86,7 +89,8 @@ void exactrl_pack_weight(const float *w, int64_t N, int64_t K, float *out, int t
 
 /* The mr x NR outputs at c (row stride ldc) of k's [k0, k1): stored (first block) or added to c. */
 static inline __attribute__((always_inline)) void block(const int mr, const float *x, int64_t ldx, const float *b,
-                                                        int64_t k0, int64_t k1, float *c, int64_t ldc, int first) {
+                                                        int64_t k0, int64_t k1, float *c, int64_t ldc, int first,
+                                                        int prefetch) {
 #ifdef PORTABLE
     float acc[MR][NR];
     for (int i = 0; i < mr; i++)
@@ -104,6 +108,10 @@ static inline __attribute__((always_inline)) void block(const int mr, const floa
     for (int i = 0; i < MR; i++)
         if (i < mr) acc0[i] = acc1[i] = VZERO();
     for (int64_t k = k0; k < k1; k++) {
+        if (prefetch) { /* the panel's rows PF ahead, from memory into L1 while these compute */
+            _mm_prefetch((const char *)(b + (k + PF) * NR), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + (k + PF) * NR + W), _MM_HINT_T0);
+        }
         const vf b0 = VLOAD(b + k * NR), b1 = VLOAD(b + k * NR + W);
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++)
@@ -130,9 +138,9 @@ static inline __attribute__((always_inline)) void block(const int mr, const floa
 
 /* `block` with mr a compile-time constant, so its loops unroll into registers. */
 static void block_rows(int mr, const float *x, int64_t ldx, const float *b, int64_t k0, int64_t k1, float *c,
-                       int64_t ldc, int first) {
+                       int64_t ldc, int first, int prefetch) {
     switch (mr) {
-#define ROWS(m) case m: block(m, x, ldx, b, k0, k1, c, ldc, first); break;
+#define ROWS(m) case m: block(m, x, ldx, b, k0, k1, c, ldc, first, prefetch); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #if MR > 4
         ROWS(5) ROWS(6)
@@ -164,12 +172,12 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
                 for (int64_t i = m0; i < m1; i += MR) {
                     const int mr = m1 - i < MR ? (int)(m1 - i) : MR;
                     if (cols == NR) {
-                        block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0);
+                        block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0, i == m0);
                         continue;
                     }
                     if (k0 > 0)
                         for (int r = 0; r < mr; r++) memcpy(part + r * NR, y + (i + r) * N + n0, sizeof(float) * cols);
-                    block_rows(mr, x + i * K, K, b, k0, k1, part, NR, k0 == 0);
+                    block_rows(mr, x + i * K, K, b, k0, k1, part, NR, k0 == 0, i == m0);
                     for (int r = 0; r < mr; r++) memcpy(y + (i + r) * N + n0, part + r * NR, sizeof(float) * cols);
                 }
             }
