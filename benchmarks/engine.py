@@ -10,12 +10,11 @@ then, for transformers its dynamic cache), plus the process's max RSS at the end
 
 Ceiling. `gemm_floor_tok_s` is batch / (time of one decode step's matmuls
 alone: every layer's projections and the LM head on `batch` rows, with the
-faster of plain `F.linear` and oneDNN on pre-packed weights). Any engine's
-step is those matmuls plus attention, norms and sampling, so
-`gemm_floor_over_hf` bounds the speed-up over transformers that any
-implementation on torch's GEMMs (in the run's `--dtype`) can reach on this
-machine (5.5x at 20M, batch 32, fp32, here; 8x in bf16, the CPU has
-AVX512-BF16). transformers' step is far from matmul-bound; see the README's
+fastest of plain `F.linear`, oneDNN and exactrl's fp32 GEMM, on pre-packed
+weights). Any engine's step is those matmuls plus attention, norms and
+sampling, so `gemm_floor_over_hf` bounds the speed-up over transformers that
+any implementation on these GEMMs (in the run's `--dtype`) can reach on this
+machine. transformers' step is far from matmul-bound; see the README's
 "The 3× targets are not met".
 
 vLLM (optional, `--vllm-python PATH`): DESIGN.md §6's peer. vLLM needs its

@@ -68,7 +68,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def onednn_dir(tmp_path_factory):
-    """Wide enough that q/o, the MLP and the LM head take the oneDNN path of the exact linear (kernels/linear.py)."""
+    """Wide weights (q/o, the MLP, the LM head): packed for the exact linear (kernels/linear.py): native fp32
+    panels, and in bf16 the oneDNN path with its big-tile products."""
     d = tmp_path_factory.mktemp("onednn")
     make_hf_model(d, "qwen3", hidden_size=512, intermediate_size=512, vocab_size=512, num_hidden_layers=1,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=64)

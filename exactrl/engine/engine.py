@@ -101,7 +101,8 @@ class Engine:
         self._check_ids("stop_token_ids", sorted(frozenset(stop_token_ids or ())))
         self.stop_token_ids = frozenset(eos) | frozenset(stop_token_ids or ())
         self.version = 0  # incremented by every update_weights
-        # oneDNN-packed copies of the large weights (kernels/linear.py), valid until update_weights
+        # packed copies of the weights (fp32 for the native linear, bf16 for oneDNN: kernels/linear.py),
+        # valid until update_weights
         self._packed = PackedWeights()
         model.kernels.prepare(model.linear_weights())  # at start, so that no request waits for them
         self._requests: dict[str, Request] = {}
