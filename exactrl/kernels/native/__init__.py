@@ -168,7 +168,7 @@ class PackedLinearWeight:
 
     def __init__(self, w_NK: torch.Tensor, portable: bool = False):
         assert w_NK.dim() == 2 and w_NK.dtype == torch.float32, (w_NK.shape, w_NK.dtype)
-        self.lib = library(portable)
+        self.lib = library(True) if portable else library()  # one cache entry for the usual build
         self.N, self.K = w_NK.shape
         nr = self.lib.exactrl_gemm_panel_width()
         w = w_NK.detach().contiguous()
