@@ -166,7 +166,8 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
         for (int64_t p = 0; p < panels; p++) {
             const float *b = wp + p * K * NR;
             const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
-            float part[MR * NR] = {0}; /* a last, partial panel's outputs, all NR columns */
+            float part[MR * NR]; /* a last, partial panel's outputs, all NR columns */
+            if (cols < NR) memset(part, 0, sizeof part);
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t k1 = k0 + KC < K ? k0 + KC : K;
                 for (int64_t i = m0; i < m1; i += MR) {
