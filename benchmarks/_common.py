@@ -64,8 +64,9 @@ def gemm_floor_s(weights: list[torch.Tensor], rows: int, repeat: int = 5) -> flo
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     with torch.inference_mode():
         best = timeit(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], repeat=repeat)
-        onednn = {torch.float32} | ({torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())
-        if torch.backends.mkldnn.is_available() and all(w.dtype in onednn for w in weights):
+        from exactrl.kernels.linear import ONEDNN_DTYPES, USE_ONEDNN
+
+        if USE_ONEDNN and all(w.dtype in {torch.float32, *ONEDNN_DTYPES} for w in weights):
             packed = [(xs[w.shape[1]], torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
             best = min(best, timeit(lambda: [torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
                                              for x, pw in packed], repeat=repeat))

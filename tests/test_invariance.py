@@ -52,7 +52,7 @@ def test_exact_linear_row_invariant(dtype, K, N):
         torch.set_num_threads(threads)
         for M in list(range(1, 40)) + [63, 64, 65, 95, 96, 97, 128, 193, 299]:
             assert torch.equal(exact_linear(X[:M], W)[0], ref), (M, threads)
-        for p in (1, 5, 15, 16, 17, 40):  # the same row at another place in a tile
+        for p in (1, 5, 15, 16, 17, 40, 95, 96, 100, 200):  # the same row elsewhere in a tile or row block
             assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
 
 
@@ -80,17 +80,52 @@ def test_native_linear_sums_in_the_documented_order():
     assert not torch.equal(got, plain)
 
 
+@pytest.mark.parametrize("build", ["avx2", "portable"])
 @pytest.mark.parametrize("M,N,K", [(1, 384, 384), (37, 100, 1030), (130, 640, 256), (5, 3, 7)])
-def test_native_linear_portable_build_gives_the_vector_builds_bits(M, N, K):
-    """A CPU without AVX2 runs gemm.c's plain-C build: the same sums, so the same bits as this machine's."""
+def test_native_linear_other_builds_give_this_machines_bits(build, M, N, K):
+    """An AVX2-only CPU runs gemm.c's AVX2 micro-kernel (6 x 16), one without AVX2 its plain-C build:
+    the same sums, so the same bits as this machine's own build."""
     from exactrl.kernels import native
 
+    own = native.library().exactrl_gemm_build()
+    if own == b"portable" or (build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"):
+        pytest.skip(f"this CPU cannot run both builds ({own.decode()} here)")
+    assert own != build.encode()  # a comparison of one build with itself could not fail
     g = torch.Generator().manual_seed(M + N)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-    vector = native.linear(x, native.PackedLinearWeight(w))
-    portable = native.linear(x, native.PackedLinearWeight(w, portable=True))
-    assert native.library(True).exactrl_gemm_build() == b"portable"
-    assert torch.equal(vector, portable)
+    assert torch.equal(native.linear(x, native.PackedLinearWeight(w)),
+                       native.linear(x, native.PackedLinearWeight(w, build)))
+
+
+def test_native_linear_columns_do_not_depend_on_the_other_columns():
+    """A column's bits are the same whatever the weight's other rows (the engine could stack q, k, v) and
+    whichever panel, full or partial, it falls in."""
+    from exactrl.kernels import native
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(50, 300, generator=g), torch.randn(200, 300, generator=g)
+    y = native.linear(x, native.PackedLinearWeight(w))
+    for a, b in ((0, 1), (0, 17), (5, 37), (31, 64), (100, 200)):
+        assert torch.equal(native.linear(x, native.PackedLinearWeight(w[a:b].contiguous())), y[:, a:b]), (a, b)
+
+
+def test_native_kernels_compute_in_the_callers_denormal_mode():
+    """Flush-to-zero is a per-thread setting; with it set on the calling thread only, subnormal results must
+    still come out the same in the columns the main thread computes and those another thread computes."""
+    from exactrl.kernels import native
+
+    if torch.get_num_threads() < 2 or not torch.set_flush_denormal(True):
+        pytest.skip("needs 2 threads and a CPU whose flush-to-zero torch can set")
+    try:
+        w = torch.full((64, 16), 2.0**-70)
+        x = torch.full((64, 16), 2.0**-70)  # each product 2^-140: subnormal in fp32
+        y = native.linear(x, native.PackedLinearWeight(torch.cat([w, w])))  # 4 panels: 2 per thread
+        assert torch.equal(y[:, :64], y[:, 64:])
+        assert bool((y == 0).all())  # flushed, as the caller asked, in every thread
+    finally:
+        torch.set_flush_denormal(False)
+    y = native.linear(x, native.PackedLinearWeight(torch.cat([w, w])))
+    assert bool((y > 0).all())  # and kept once the caller no longer flushes
 
 
 def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeypatch):

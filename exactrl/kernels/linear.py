@@ -56,8 +56,8 @@ change by itself (writes through `.data` or a fused optimizer leave the
 version counter alone), so no cache outlives its owner's knowledge.
 
 Tile size: 32 rows. At training sizes 16-row tiles cost up to 1.9x plain
-matmul for K=1024, 32-row tiles ~1.1x (batched-matmul path); a decode batch of
-32 is one tile either way.
+matmul for K=1024, 32-row tiles ~1.1x (batched-matmul path, measured in fp32
+when fp32 took tiles); a decode batch of 32 is one tile either way.
 
 Fewer rows than a tile (a decode step of fewer than 32 sequences, a short
 prompt): padding them to 32 computes up to 32x the rows wanted. Such a call is
@@ -128,7 +128,7 @@ class PackedWeights:
     def __init__(self):
         self._packed: dict[int, tuple] = {}  # id(weight) -> (weakref to it, fingerprint, packed copy)
 
-    def get(self, w_NK: torch.Tensor) -> torch.Tensor:
+    def get(self, w_NK: torch.Tensor) -> torch.Tensor | native.PackedLinearWeight:
         try:
             version = w_NK._version
         except RuntimeError:  # an inference-mode tensor has no version counter: not cached
@@ -160,7 +160,7 @@ def using_packed(cache: PackedWeights):
         _active.cache = previous
 
 
-def _pack(w_NK: torch.Tensor):
+def _pack(w_NK: torch.Tensor) -> torch.Tensor | native.PackedLinearWeight:
     if w_NK.dtype == torch.float32:  # the native fp32 linear's panels (`_uses_native`)
         return native.PackedLinearWeight(w_NK)
     return torch.ops.mkldnn._reorder_linear_weight(w_NK.detach(), ROW_TILE)
@@ -202,8 +202,9 @@ def short_rows(onednn: bool, w_NK: torch.Tensor, m: int) -> int:
     """Rows to pad a call of m < ROW_TILE rows to: the fewest r >= m whose product gives bitwise the rows
     of a whole tile's, for this weight shape, dtype and thread count (ROW_TILE when none does).
 
-    Which r do is checked once per key in this process (`_rows_like_tile`); here, in fp32, oneDNN gives
-    a tile's bits for any r except r = 1 at K = 2048, the batched matmul for multiples of 4.
+    Which r do is checked once per key in this process (`_rows_like_tile`); measured in fp32 when fp32 took
+    tiles, oneDNN gave a tile's bits for any r except r = 1 at K = 2048, the batched matmul for multiples
+    of 4.
     """
     key = (onednn, tuple(w_NK.shape), w_NK.dtype, torch.get_num_threads())
     ok = _SHORT_OK.get(key)
@@ -289,7 +290,7 @@ def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, r
     return t.to(dtype)
 
 
-def _tiled_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+def _exact_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     m, k = x_MK.shape
     if _uses_native(x_MK, w_NK):  # fp32: no tiles, the order is fixed by K alone (native/gemm.c)
         cache = getattr(_active, "cache", None)
@@ -319,7 +320,7 @@ class _ExactLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK):  # type: ignore[override]
         ctx.save_for_backward(x_MK, w_NK)
-        return _tiled_matmul(x_MK, w_NK)
+        return _exact_matmul(x_MK, w_NK)
 
     @staticmethod
     def backward(ctx, g_MN):  # type: ignore[override]
@@ -330,13 +331,13 @@ class _ExactLinear(torch.autograd.Function):
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b with a batch-invariant row-tiled matmul (see module docstring)."""
+    """y = x W^T + b with a batch-invariant matmul: native in fp32, row tiles otherwise (module docstring)."""
     lead = x.shape[:-1]
     x_MK = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _ExactLinear.apply(x_MK, weight)
     else:  # inference (the engine): no autograd node to build
-        y = _tiled_matmul(x_MK, weight)
+        y = _exact_matmul(x_MK, weight)
     if bias is not None:
         y = y + bias  # elementwise: invariant by construction
     return y.view(*lead, weight.shape[0])

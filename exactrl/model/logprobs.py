@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from exactrl.kernels import TokenLayout, sampling_logprobs
+from exactrl.kernels.linear import PackedWeights, using_packed
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.transformer import CausalLM
 
@@ -154,19 +155,22 @@ class _HeadLogprobs(torch.autograd.Function):
         ∂lp_t/∂z'_j = 1[j = t] − p_j          (no 1[j = t] when t itself was cut off)
         ∂H/∂z'_j    = −p_j (lp_j + H)          (0 where p_j = 0)
     then ∂/∂h = ∂z·W and ∂/∂W = ∂zᵀ·h with plain matmuls (only forward values
-    must be batch-invariant). Chunking changes no forward bit: every op after
-    the row-tiled projection is row-wise (tested against the unchunked path).
+    must be batch-invariant). Chunking changes no forward bit: the exact
+    projection is row-invariant and every op after it row-wise (tested against
+    the unchunked path).
     """
 
     @staticmethod
     def forward(ctx, h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad, backward):  # type: ignore[override]
         temp, top_k, top_p = dist
         lps, ents, keep = [], [], []
+        packed = PackedWeights()  # the head weight packed once for all chunks (it cannot change inside a call)
         for a in range(0, h_ND.shape[0], HEAD_CHUNK_ROWS):
             h_cD, tgt_c = h_ND[a:a + HEAD_CHUNK_ROWS], tgt_N[a:a + HEAD_CHUNK_ROWS]
             n = h_cD.shape[0]
-            lp_cV = sampling_logprobs(model.kernels.linear(h_cD, w_VD).float(), torch.full((n,), temp),
-                                      torch.full((n,), top_k), torch.full((n,), top_p))
+            with using_packed(packed):
+                z_cV = model.kernels.linear(h_cD, w_VD).float()
+            lp_cV = sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k), torch.full((n,), top_p))
             lps.append(lp_cV.gather(1, tgt_c[:, None]).squeeze(1))
             if with_entropy:
                 p_cV = lp_cV.exp()

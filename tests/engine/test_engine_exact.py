@@ -249,7 +249,8 @@ def test_exact_on_the_onednn_path_with_its_packed_weights(onednn_dir, dtype):
     if dtype == "bfloat16" and torch.bfloat16 not in linear.ONEDNN_DTYPES:
         pytest.skip(f"this CPU has no oneDNN {dtype} linear (needs AVX512 or AVX-NE-CONVERT)")
     model = exactrl.load_model(onednn_dir, dtype=dtype)
-    assert model.model.layers[0].mlp.up_proj.weight.numel() >= linear.ONEDNN_MIN_WEIGHT_BF16 and model.kernels.exact
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert model.kernels.exact and (dtype == "float32" or linear._uses_onednn(up, up))
     engine = Engine(model, max_num_batched_tokens=48)
     rng = random.Random(5)
     sp = SamplingParams(max_tokens=12, n=2, seed=3, temperature=0.8, top_k=50)

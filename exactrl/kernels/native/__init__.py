@@ -1,7 +1,8 @@
 """Native (C) exact kernels: compiled on first use with the machine's C compiler, loaded with ctypes.
 
 `exact.c`: attention, RMSNorm, RoPE. `gemm.c`: the fp32 exact linear (its
-order of sums is in that file's header).
+order of sums is in that file's header). `fpmode.h`: every thread of a
+parallel region computes in its caller's flush-to-zero / denormal mode.
 
 Why C: the exact attention computes each query row on its own with a fixed
 reduction order (`exact.c`). In torch ops that needs many tiny fixed-shape
@@ -35,6 +36,9 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).with_name("exact.c"), Path(__file__).with_name("gemm.c"))
+HEADERS = (Path(__file__).with_name("fpmode.h"),)
+# other builds of gemm.c, for the tests: the same sums, so the same bits, as the machine's own build
+BUILDS = {"": [], "avx2": ["-mno-avx512f"], "portable": ["-DEXACTRL_PORTABLE"]}
 _DTYPES = (torch.float32, torch.bfloat16)  # what the C kernels read
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
 
@@ -62,13 +66,13 @@ def _compiler() -> str:
 
 
 @functools.cache
-def library(portable: bool = False) -> ctypes.CDLL:
-    """The compiled kernels. `portable=True` builds gemm.c without its vector intrinsics (plain C `fmaf`),
-    as on a CPU with neither AVX-512 nor AVX2: the tests check it gives the vector build's bits."""
+def library(build: str = "") -> ctypes.CDLL:
+    """The compiled kernels. Another `build` ("avx2": without AVX-512, as on an AVX2-only CPU; "portable":
+    gemm.c without vector intrinsics, plain C `fmaf`) is for the tests, which compare its bits."""
     cc = _compiler()
-    flags = FLAGS + (["-DEXACTRL_PORTABLE"] if portable else [])
+    flags = FLAGS + BUILDS[build]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES), " ".join(flags), version,
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), " ".join(flags), version,
                                      _cpu_flags()]).encode())
     cache = _cache_dir()
     so = cache / f"exact-kernels-{key.hexdigest()[:16]}.so"
@@ -166,9 +170,9 @@ class PackedLinearWeight:
     """An fp32 weight [N, K] laid out for `linear` (gemm.c's panels). Holds its own copy: a later change
     to the weight is not seen, so whoever keeps one must drop it when the weight changes."""
 
-    def __init__(self, w_NK: torch.Tensor, portable: bool = False):
+    def __init__(self, w_NK: torch.Tensor, build: str = ""):
         assert w_NK.dim() == 2 and w_NK.dtype == torch.float32, (w_NK.shape, w_NK.dtype)
-        self.lib = library(True) if portable else library()  # one cache entry for the usual build
+        self.lib = library(build) if build else library()  # one cache entry for the usual build
         self.N, self.K = w_NK.shape
         nr = self.lib.exactrl_gemm_panel_width()
         w = w_NK.detach().contiguous()

@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fpmode.h"
+
 #define LANES 8
 
 static inline float bf16_to_float(uint16_t x) {
@@ -120,8 +122,10 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                       int64_t max_len, float scale, float *out, int threads) {
     const int64_t G = H / Hk, row_bytes = D * (bf16 ? 2 : 4);
     int failed = 0;
+    FP_MODE_OF_CALLER;
 #pragma omp parallel num_threads(threads)
     {
+        FP_MODE_ENTER;
         /* per thread: G query rows, G score rows of max_len, G accumulators, one K row, one V row */
         float *qs = malloc(sizeof(float) * (G * D + G * max_len + G * D + 2 * D));
         if (qs == NULL) {
@@ -166,6 +170,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
             }
         }
         free(qs);
+        FP_MODE_LEAVE;
     }
     return failed;
 }
@@ -188,28 +193,34 @@ static inline uint16_t float_to_bf16(float f) {
  */
 void exactrl_rms_norm(const void *x, const void *w, int bf16, int64_t rows, int64_t D, float eps, void *out,
                       int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows * D >= 65536)
-    for (int64_t i = 0; i < rows; i++) {
-        float acc[LANES] = {0};
-        int64_t d = 0;
-        if (bf16) {
-            const uint16_t *xr = (const uint16_t *)x + i * D, *wr = (const uint16_t *)w;
-            uint16_t *o = (uint16_t *)out + i * D;
-            for (; d + LANES <= D; d += LANES)
-                for (int l = 0; l < LANES; l++) { float v = bf16_to_float(xr[d + l]); acc[l] += v * v; }
-            for (int l = 0; d < D; d++, l++) { float v = bf16_to_float(xr[d]); acc[l] += v * v; }
-            const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-            const float r = 1.0f / sqrtf(ss / (float)D + eps);
-            for (d = 0; d < D; d++) {
-                const float y = bf16_to_float(float_to_bf16(bf16_to_float(xr[d]) * r));
-                o[d] = float_to_bf16(bf16_to_float(wr[d]) * y);
+    FP_MODE_OF_CALLER;
+#pragma omp parallel num_threads(threads) if (rows * D >= 65536)
+    {
+        FP_MODE_ENTER;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; i++) {
+            float acc[LANES] = {0};
+            int64_t d = 0;
+            if (bf16) {
+                const uint16_t *xr = (const uint16_t *)x + i * D, *wr = (const uint16_t *)w;
+                uint16_t *o = (uint16_t *)out + i * D;
+                for (; d + LANES <= D; d += LANES)
+                    for (int l = 0; l < LANES; l++) { float v = bf16_to_float(xr[d + l]); acc[l] += v * v; }
+                for (int l = 0; d < D; d++, l++) { float v = bf16_to_float(xr[d]); acc[l] += v * v; }
+                const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+                const float r = 1.0f / sqrtf(ss / (float)D + eps);
+                for (d = 0; d < D; d++) {
+                    const float y = bf16_to_float(float_to_bf16(bf16_to_float(xr[d]) * r));
+                    o[d] = float_to_bf16(bf16_to_float(wr[d]) * y);
+                }
+            } else {
+                const float *xr = (const float *)x + i * D, *wr = (const float *)w;
+                float *o = (float *)out + i * D;
+                const float r = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);  /* the same lanes and tree as bf16 */
+                for (d = 0; d < D; d++) o[d] = wr[d] * (xr[d] * r);
             }
-        } else {
-            const float *xr = (const float *)x + i * D, *wr = (const float *)w;
-            float *o = (float *)out + i * D;
-            const float r = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);  /* the same lanes and tree as bf16 */
-            for (d = 0; d < D; d++) o[d] = wr[d] * (xr[d] * r);
         }
+        FP_MODE_LEAVE;
     }
 }
 

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fpmode.h"
+
 #if defined(__AVX512F__) && !defined(EXACTRL_PORTABLE)
 #include <immintrin.h>
 #define W 16
@@ -159,29 +161,36 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
         return;
     }
     const int64_t panels = (N + NR - 1) / NR;
+    FP_MODE_OF_CALLER;
 #pragma omp parallel num_threads(threads) if (M * N * K >= (1 << 16))
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        const int64_t m1 = m0 + MC < M ? m0 + MC : M;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const float *b = wp + p * K * NR;
-            const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
-            float part[MR * NR]; /* a last, partial panel's outputs, all NR columns */
-            if (cols < NR) memset(part, 0, sizeof part);
-            for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                const int64_t k1 = k0 + KC < K ? k0 + KC : K;
-                for (int64_t i = m0; i < m1; i += MR) {
-                    const int mr = m1 - i < MR ? (int)(m1 - i) : MR;
-                    if (cols == NR) {
-                        block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0, i == m0);
-                        continue;
+    {
+        FP_MODE_ENTER;
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            const int64_t m1 = m0 + MC < M ? m0 + MC : M;
+    #pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                const float *b = wp + p * K * NR;
+                const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+                float part[MR * NR]; /* a last, partial panel's outputs, all NR columns */
+                if (cols < NR) memset(part, 0, sizeof part);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+                    for (int64_t i = m0; i < m1; i += MR) {
+                        const int mr = m1 - i < MR ? (int)(m1 - i) : MR;
+                        if (cols == NR) {
+                            block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0, i == m0);
+                            continue;
+                        }
+                        if (k0 > 0)
+                            for (int r = 0; r < mr; r++)
+                                memcpy(part + r * NR, y + (i + r) * N + n0, sizeof(float) * cols);
+                        block_rows(mr, x + i * K, K, b, k0, k1, part, NR, k0 == 0, i == m0);
+                        for (int r = 0; r < mr; r++)
+                            memcpy(y + (i + r) * N + n0, part + r * NR, sizeof(float) * cols);
                     }
-                    if (k0 > 0)
-                        for (int r = 0; r < mr; r++) memcpy(part + r * NR, y + (i + r) * N + n0, sizeof(float) * cols);
-                    block_rows(mr, x + i * K, K, b, k0, k1, part, NR, k0 == 0, i == m0);
-                    for (int r = 0; r < mr; r++) memcpy(y + (i + r) * N + n0, part + r * NR, sizeof(float) * cols);
                 }
             }
         }
+        FP_MODE_LEAVE;
     }
 }
