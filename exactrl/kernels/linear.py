@@ -290,17 +290,21 @@ def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, r
     return t.to(dtype)
 
 
+def _packed(w_NK: torch.Tensor) -> torch.Tensor | native.PackedLinearWeight:
+    """The weight's packed copy: from the cache `using_packed` made active, else packed now."""
+    cache = getattr(_active, "cache", None)
+    return cache.get(w_NK) if cache is not None else _pack(w_NK)
+
+
 def _exact_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     m, k = x_MK.shape
     if _uses_native(x_MK, w_NK):  # fp32: no tiles, the order is fixed by K alone (native/gemm.c)
-        cache = getattr(_active, "cache", None)
-        return native.linear(x_MK, cache.get(w_NK) if cache is not None else _pack(w_NK))
+        return native.linear(x_MK, _packed(w_NK))
     onednn = _uses_onednn(x_MK, w_NK)
     # fewer rows than a tile (a decode step of few sequences): padded only as far as gives the tile's bits
     rows = short_rows(onednn, w_NK, m) if 0 < m < ROW_TILE else ROW_TILE
     if onednn:
-        cache = getattr(_active, "cache", None)
-        w = cache.get(w_NK) if cache is not None else _pack(w_NK)
+        w = _packed(w_NK)
         x_PK = pad_rows(x_MK.contiguous(), rows)
         if x_PK.shape[0] <= ROW_TILE:  # one product
             return _onednn_product(x_PK, w)[:m]
