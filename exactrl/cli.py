@@ -197,8 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from exactrl.runtime import tune_allocator
+    from exactrl.runtime import exec_with_huge_pages, tune_allocator
 
+    if argv is None:  # the `exactrl` program (not a call from Python): start again with huge pages on
+        exec_with_huge_pages()
     tune_allocator()  # freed memory stays in the heap: no page faults per step (exactrl/runtime.py)
     try:
         return args.fn(args)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import signal
 import socket
@@ -187,6 +188,9 @@ def init_from_env() -> Ranks:
     if world <= 1:
         return Ranks()
     rank = int(os.environ["RANK"])
+    # a rank killed by a signal (an abort in torch's C++ code, a segfault) prints every thread's Python
+    # stack to stderr first: otherwise the launcher can only say which signal it was
+    faulthandler.enable(all_threads=True)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return Ranks(rank, world)
