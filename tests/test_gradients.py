@@ -14,6 +14,7 @@ import torch
 import exactrl
 import exactrl.model.logprobs as LP
 from exactrl.kernels import attention as A
+from exactrl.kernels import native
 from exactrl.kernels import sampling_logprobs
 from exactrl.model.logprobs import pack_layout, token_logprobs
 
@@ -61,7 +62,13 @@ def test_head_logprobs_values_and_gradients(qwen3_dir, monkeypatch, kernels, tem
     h.grad, w.grad = None, None
     ref_lp, ref_ent = _reference_head(model, h, w, tgt, temp, top_k, top_p, ent_coef)
     if kernels == "exact":  # forward: the same bits (fast linears depend on the chunk's row count)
-        assert torch.equal(lp, ref_lp) and torch.equal(ent, ref_ent)
+        assert torch.equal(lp, ref_lp)
+        # the entropy is pointwise.c's sum over the unchunked rows, bit for bit; the torch formula to rounding
+        with torch.no_grad():
+            ref_NV = sampling_logprobs(model.kernels.linear(h, w).float(), torch.full((30,), temp),
+                                       torch.full((30,), top_k), torch.full((30,), top_p))
+        assert torch.equal(ent, native.entropy(ref_NV))
+        assert torch.allclose(ent, ref_ent, rtol=1e-6, atol=1e-6)
     else:
         assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
     ((ref_lp.masked_fill(~torch.isfinite(ref_lp), 0) * coef).sum() + ent_coef * ref_ent.sum()).backward()

@@ -5,6 +5,7 @@ path; these tests pin the kernel's own contract.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from exactrl.kernels import attention as A
-from exactrl.kernels import native
+from exactrl.kernels import get_kernels, native
 
 
 def _paged(k_NHD, v_NHD, B, rng, spare=3):
@@ -141,9 +142,86 @@ def test_unwritable_cache_names_the_setting(monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("EXACTRL_CACHE", str(blocker / "cache"))
-    native.library.cache_clear()
+    native._library.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="EXACTRL_CACHE"):
             native.library()
     finally:
-        native.library.cache_clear()
+        native._library.cache_clear()
+
+
+# ---------------------------------------------------------------- pointwise.c
+
+
+def test_exp_is_within_one_ulp_and_keeps_the_special_values():
+    x = torch.linspace(-86.0, 88.72, 400_001)
+    want = x.double().exp()
+    ulp = (want.float().nextafter(torch.tensor(math.inf)).double() - want.float().double())
+    assert ((native.exp(x).double() - want).abs() / ulp).max() <= 1.0
+    special = torch.tensor([math.nan, math.inf, -math.inf, 89.0, -86.5, 0.0, -0.0])
+    got = native.exp(special)
+    assert torch.isnan(got[0]) and got[1] == math.inf and got[2] == 0 and got[3] == math.inf
+    assert got[4] == 0 and got[5] == 1 and got[6] == 1  # below exp.c's EXP_LO: 0 (the true value < 2^-124)
+
+
+def test_swiglu_is_silu_times_up_and_its_gradient_is_autograds():
+    g = torch.Generator().manual_seed(0)
+    gate, up, dy = (torch.randn(37, 300, generator=g) * 6 for _ in range(3))
+    gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp(-g) overflows / is 0
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(native.swiglu(gate, up), want, rtol=1e-6, atol=1e-30)
+    gg, uu = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    (torch.nn.functional.silu(gg) * uu).backward(dy)
+    dg, du = native.swiglu_backward(gate, up, dy)
+    assert torch.allclose(dg, gg.grad, rtol=1e-5, atol=1e-5) and torch.allclose(du, uu.grad, rtol=1e-5, atol=1e-5)
+    # through the model's kernels: exact fp32 takes the C pass forward and backward, bf16 torch's ops
+    k = get_kernels("exact")
+    gg2, uu2 = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = k.swiglu(gg2, uu2)
+    assert torch.equal(out, native.swiglu(gate, up))
+    out.backward(dy)
+    assert torch.equal(gg2.grad, dg) and torch.equal(uu2.grad, du)
+    half = k.swiglu(gate.bfloat16(), up.bfloat16())
+    assert torch.equal(half, torch.nn.functional.silu(gate.bfloat16()) * up.bfloat16())
+
+
+def test_draw_and_entropy_of_a_row_do_not_depend_on_the_other_rows_or_the_threads():
+    g = torch.Generator().manual_seed(1)
+    lp = torch.log_softmax(torch.randn(9, 1000, generator=g) * 4, -1)
+    lp[3, 500:] = -math.inf  # a truncated row
+    u = torch.rand(9, generator=g, dtype=torch.float64)
+    greedy = torch.tensor([False, True] + [False] * 7)
+    tok, tlp = native.draw(lp, 64, u, greedy)
+    ent = native.entropy(lp)
+    assert tok[1] == lp[1].argmax() and torch.equal(tlp, lp[torch.arange(9), tok]) and tok[3] < 500
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for r in range(9):
+            one, one_lp = native.draw(lp[r:r + 1], 64, u[r:r + 1], greedy[r:r + 1])
+            assert one == tok[r] and one_lp == tlp[r]
+            assert torch.equal(native.entropy(lp[r:r + 1]), ent[r:r + 1])
+    finally:
+        torch.set_num_threads(threads)
+    p = lp.double().exp()
+    assert torch.allclose(ent.double(), -(p * lp.double().nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
+    """pointwise.c's exp is plain arithmetic: vectorised 16 or 8 wide, or not at all, the same bits."""
+    if build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2":
+        pytest.skip("this CPU cannot run the AVX2 build")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3001, generator=g) * 30
+    lp = torch.log_softmax(x, -1)
+    u = torch.rand(5, generator=g, dtype=torch.float64)
+    tgt = torch.randint(3001, (5,), generator=g)
+    g_lp, g_ent = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    ent = native.entropy(lp)
+    for f in (lambda b: native.exp(x, b), lambda b: native.swiglu(x, x.flip(0), b),
+              lambda b: torch.cat(native.swiglu_backward(x, x.flip(0), x.flip(1), b)),
+              lambda b: native.draw(lp, 256, u, torch.zeros(5, dtype=torch.bool), b)[0],
+              lambda b: native.entropy(lp, b),
+              lambda b: native.head_grad(lp, g_lp, g_lp, tgt, g_ent, ent, 0.7, b)):
+        assert torch.equal(f(""), f(build))

@@ -55,6 +55,15 @@ class Kernels:
             return native.rotary(x_NHD, cos_ND, sin_ND)
         return apply_rotary(x_NHD, cos_ND, sin_ND)
 
+    def swiglu(self, gate, up):
+        """silu(gate) * up, the MLP's activation. Elementwise, so invariant either way; exact runs fp32 as one
+        C pass forward and one backward (native/pointwise.c) where torch made three tensors forward and
+        five backward; bf16 and `fast` keep torch's ops."""
+        if self.exact and gate.dtype == up.dtype == torch.float32:
+            return _SwiGLU.apply(gate, up) if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) \
+                else native.swiglu(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
     def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int):
         if self.exact:
             return _attn.plan_exact(layout, block_size)
@@ -66,6 +75,21 @@ class Kernels:
             return _attn.exact_attention(q_NHD, k_pages, v_pages, plan, scale)
         assert isinstance(plan, FastPlan)
         return _attn.fast_attention(q_NHD, k_pages, v_pages, plan, scale)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(g) * u with pointwise.c's forward and its hand-written gradient (the formula is there)."""
+
+    @staticmethod
+    def forward(ctx, g, u):  # type: ignore[override]
+        ctx.save_for_backward(g, u)
+        return native.swiglu(g, u)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        g, u = ctx.saved_tensors
+        dg, du = native.swiglu_backward(g, u, dy.float())
+        return dg, du
 
 
 def get_kernels(mode: str) -> Kernels:

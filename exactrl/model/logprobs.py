@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from exactrl.kernels import TokenLayout, sampling_logprobs
+from exactrl.kernels import TokenLayout, native, sampling_logprobs
 from exactrl.kernels.linear import PackedWeights, using_packed
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.transformer import CausalLM
@@ -173,8 +173,7 @@ class _HeadLogprobs(torch.autograd.Function):
             lp_cV = sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k), torch.full((n,), top_p))
             lps.append(lp_cV.gather(1, tgt_c[:, None]).squeeze(1))
             if with_entropy:
-                p_cV = lp_cV.exp()
-                ents.append(-(p_cV * lp_cV.masked_fill(p_cV == 0, 0.0)).sum(-1))
+                ents.append(native.entropy(lp_cV))
             if backward:  # under no_grad (reference model, behaviour recompute) nothing is kept
                 keep.append(lp_cV)
         lp_N = torch.cat(lps)
@@ -190,18 +189,14 @@ class _HeadLogprobs(torch.autograd.Function):
         h_ND, w_VD, tgt_N, lp_N, ent_N = ctx.saved_tensors
         gh_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
         gw_VD = torch.zeros_like(w_VD, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        g_lp_N = g_lp_N.float()
         g_hit_N = g_lp_N * torch.isfinite(lp_N)  # a cut-off target's own logit is a constant (-inf)
+        g_ent_N = g_ent_N.float() if ctx.entropy_grad and g_ent_N is not None else None
         w_f = w_VD.float()
         for c, lp_cV in enumerate(ctx.chunks):
             sl = slice(c * HEAD_CHUNK_ROWS, c * HEAD_CHUNK_ROWS + lp_cV.shape[0])
-            p_cV = lp_cV.exp()
-            gz_cV = p_cV * -g_lp_N[sl, None]
-            gz_cV.scatter_add_(1, tgt_N[sl, None], g_hit_N[sl, None])
-            if ctx.entropy_grad and g_ent_N is not None:
-                lpm_cV = lp_cV.masked_fill(p_cV == 0, 0.0)
-                gz_cV -= g_ent_N[sl, None] * p_cV * (lpm_cV + ent_N[sl, None])
-            if ctx.temp != 1.0:
-                gz_cV /= ctx.temp
+            gz_cV = native.head_grad(lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl],  # the formula above, one pass
+                                     None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp)
             if gh_ND is not None:
                 gh_ND[sl] = (gz_cV @ w_f).to(h_ND.dtype)
             if gw_VD is not None:  # accumulated in place: a [V, D] product and sum per chunk took 1.7x as long

@@ -75,12 +75,13 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, k: Kernels):
         super().__init__()
         D, F = cfg.hidden_size, cfg.intermediate_size
+        self.kernels = k
         self.gate_proj = Linear(k, D, F, cfg.mlp_bias)
         self.up_proj = Linear(k, D, F, cfg.mlp_bias)
         self.down_proj = Linear(k, F, D, cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,9 @@
 """Native (C) exact kernels: compiled on first use with the machine's C compiler, loaded with ctypes.
 
 `exact.c`: attention, RMSNorm, RoPE. `gemm.c`: the fp32 exact linear (its
-order of sums is in that file's header). `fpmode.h`: every thread of a
+order of sums is in that file's header). `pointwise.c`: fp32 SwiGLU and its
+gradient, the engine's token draw, the LM head's entropy and logit gradient,
+each one pass over memory where torch took several. `fpmode.h`: every thread of a
 parallel region computes in its caller's flush-to-zero / denormal mode.
 
 Why C: the exact attention computes each query row on its own with a fixed
@@ -35,10 +37,11 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).with_name("exact.c"), Path(__file__).with_name("gemm.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("exact.c", "gemm.c", "pointwise.c"))
 HEADERS = (Path(__file__).with_name("fpmode.h"),)
-# other builds of gemm.c, for the tests: the same sums, so the same bits, as the machine's own build
-BUILDS = {"": [], "avx2": ["-mno-avx512f"], "portable": ["-DEXACTRL_PORTABLE"]}
+# other builds, for the tests: the same sums, so the same bits, as the machine's own build ("portable":
+# gemm.c's plain-C kernel and no vectorising at all)
+BUILDS = {"": [], "avx2": ["-mno-avx512f"], "portable": ["-DEXACTRL_PORTABLE", "-fno-tree-vectorize"]}
 _DTYPES = (torch.float32, torch.bfloat16)  # what the C kernels read
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
 
@@ -65,10 +68,15 @@ def _compiler() -> str:
     return cc
 
 
-@functools.cache
 def library(build: str = "") -> ctypes.CDLL:
     """The compiled kernels. Another `build` ("avx2": without AVX-512, as on an AVX2-only CPU; "portable":
-    gemm.c without vector intrinsics, plain C `fmaf`) is for the tests, which compare its bits."""
+    gemm.c without vector intrinsics, plain C `fmaf`, nothing vectorised) is for the tests, which compare
+    its bits."""
+    return _library(build)
+
+
+@functools.cache  # one entry per build, however it is asked for
+def _library(build: str) -> ctypes.CDLL:
     cc = _compiler()
     flags = FLAGS + BUILDS[build]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
@@ -109,6 +117,14 @@ def library(build: str = "") -> ctypes.CDLL:
     lib.exactrl_pack_weight.restype = None
     lib.exactrl_linear.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.exactrl_linear.restype = None
+    f32 = ctypes.c_float
+    for name, args in [("exactrl_exp", [ptr, i64, ptr]),
+                       ("exactrl_swiglu", [ptr, ptr, i64, ptr, ctypes.c_int]),
+                       ("exactrl_swiglu_backward", [ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]),
+                       ("exactrl_draw", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
+                       ("exactrl_entropy", [ptr, i64, i64, ptr, ctypes.c_int]),
+                       ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int])]:
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
     return lib
 
 
@@ -172,7 +188,7 @@ class PackedLinearWeight:
 
     def __init__(self, w_NK: torch.Tensor, build: str = ""):
         assert w_NK.dim() == 2 and w_NK.dtype == torch.float32, (w_NK.shape, w_NK.dtype)
-        self.lib = library(build) if build else library()  # one cache entry for the usual build
+        self.lib = library(build)
         self.N, self.K = w_NK.shape
         nr = self.lib.exactrl_gemm_panel_width()
         w = w_NK.detach().contiguous()
@@ -189,3 +205,81 @@ def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:
     if M and w.N:
         w.lib.exactrl_linear(x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def _f32(*ts: torch.Tensor) -> list[torch.Tensor]:
+    assert all(t.dtype == torch.float32 for t in ts), [t.dtype for t in ts]
+    return [t if t.is_contiguous() else t.contiguous() for t in ts]
+
+
+def exp(x: torch.Tensor, build: str = "") -> torch.Tensor:
+    """pointwise.c's float32 exp (the one its kernels use), elementwise: for the tests."""
+    (x,) = _f32(x)
+    out = torch.empty_like(x)
+    library(build).exactrl_exp(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
+    """silu(g) * u, elementwise, float32 (pointwise.c)."""
+    assert g.shape == u.shape, (g.shape, u.shape)
+    g, u = _f32(g, u)
+    out = torch.empty_like(g)
+    library(build).exactrl_swiglu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of out = silu(g) * u for the output gradient dy (pointwise.c)."""
+    assert g.shape == u.shape == dy.shape, (g.shape, u.shape, dy.shape)
+    g, u, dy = _f32(g, u, dy)
+    dg, du = torch.empty_like(g), torch.empty_like(g)
+    library(build).exactrl_swiglu_backward(g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(),
+                                           du.data_ptr(), torch.get_num_threads())
+    return dg, du
+
+
+def draw(lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str = ""
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [R] int64, its logprob [R]) of each row: inverse CDF at uniform_R (float64) in blocks of
+    `block` tokens, or the first argmax where greedy_R (bool) is set (pointwise.c, exactrl_draw)."""
+    R, V = lp_RV.shape
+    (lp,) = _f32(lp_RV)
+    u = uniform_R.to(torch.float64).contiguous()
+    greedy = greedy_R.to(torch.uint8).contiguous()
+    assert u.shape == greedy.shape == (R,) and V > 0 and block > 0
+    tok, tok_lp = torch.empty(R, dtype=torch.int64), torch.empty(R, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    mass = torch.empty(threads * -(-V // block), dtype=torch.float64)
+    if R:
+        library(build).exactrl_draw(lp.data_ptr(), R, V, block, u.data_ptr(), greedy.data_ptr(), tok.data_ptr(),
+                                    tok_lp.data_ptr(), mass.data_ptr(), threads)
+    return tok, tok_lp
+
+
+def entropy(lp_RV: torch.Tensor, build: str = "") -> torch.Tensor:
+    """-sum_j p_j lp_j per row, p = exp(lp) (0 where p is 0), float32 (pointwise.c)."""
+    R, V = lp_RV.shape
+    (lp,) = _f32(lp_RV)
+    out = torch.empty(R, dtype=torch.float32)
+    if R:
+        library(build).exactrl_entropy(lp.data_ptr(), R, V, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def head_grad(lp_RV: torch.Tensor, g_lp_R: torch.Tensor, g_hit_R: torch.Tensor, tgt_R: torch.Tensor,
+              g_ent_R: torch.Tensor | None, ent_R: torch.Tensor, temperature: float, build: str = "") -> torch.Tensor:
+    """Gradient of sum_r g_lp[r] lp[r, tgt[r]] + g_ent[r] H[r] with respect to the tempered logits
+    (pointwise.c, exactrl_head_grad, has the formula): [R, V] float32."""
+    R, V = lp_RV.shape
+    lp, g_lp, g_hit, ent = _f32(lp_RV, g_lp_R, g_hit_R, ent_R)
+    tgt = tgt_R.contiguous()
+    assert tgt.dtype == torch.int64 and g_lp.shape == g_hit.shape == tgt.shape == (R,)
+    ge = None if g_ent_R is None else _f32(g_ent_R)[0]
+    gz = torch.empty(R, V, dtype=torch.float32)
+    if R:
+        library(build).exactrl_head_grad(lp.data_ptr(), R, V, g_lp.data_ptr(), g_hit.data_ptr(), tgt.data_ptr(),
+                                         None if ge is None else ge.data_ptr(), ent.data_ptr(), float(temperature),
+                                         gz.data_ptr(), torch.get_num_threads())
+    return gz

@@ -1,0 +1,223 @@
+/* exactrl's native elementwise kernels (float32): SwiGLU and its gradient, the engine's token draw, and the
+ * LM head's entropy and logit gradient.
+ *
+ * None of them reduces across rows, so none can make a row depend on the batch; each exists to do in one
+ * pass over memory what took several torch ops (and as many passes) before. Where a kernel sums (a row's
+ * entropy, the draw's block masses) it does so in a fixed order of its own: the same bits for a row
+ * whatever else is in the call.
+ *
+ * exp is `exp_f` below, not libm's: plain float arithmetic that the compiler vectorises, so every build
+ * (AVX-512, AVX2, no vectors) gives the same bits, and a loop of it runs at vector speed.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "fpmode.h"
+
+#define EXP_HI 88.72283905f /* above: +inf (exp overflows float) */
+#define EXP_LO (-86.0f)     /* below: 0 (exp < 2^-124; 2^n below stays a normal float) */
+
+/* exp(x) in float32, within ~2 ulp of the true value for x in [EXP_LO, EXP_HI] (tested against float64):
+ *     n = round(x / ln 2),  r = x - n ln 2  (ln 2 in two parts, so r is exact to float precision),
+ *     exp(r) = 1 + r + r^2 P(r)  with P the degree-5 polynomial of Cephes's expf (S. Moshier),
+ *     exp(x) = exp(r) * 2^(n-1) * 2  (two exact scalings: n can be 128 near EXP_HI).
+ * Below EXP_LO it returns 0, above EXP_HI +inf, and NaN for NaN. */
+static inline float exp_f(float x) {
+    const float xc = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
+    const float t = xc * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds x / ln 2 to an integer */
+    const float n = t - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float r2 = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r2 + r + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    const int32_t e = (bits - 0x4B400000 + 126) << 23; /* the float 2^(n-1) */
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    float y = (p * scale) * 2.0f;
+    y = x < EXP_LO ? 0.0f : y;
+    y = x > EXP_HI ? INFINITY : y;
+    return x != x ? x : y;
+}
+
+void exactrl_exp(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = exp_f(x[i]);
+}
+
+#define CHUNK 4096 /* elements per parallel work item of the flat loops */
+
+/* out = silu(g) * u = g / (1 + exp(-g)) * u, elementwise over n floats. */
+void exactrl_swiglu(const float *g, const float *u, int64_t n, float *out, int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 4 * CHUNK)
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        FP_MODE_ENTER;
+        const int64_t end = c + CHUNK < n ? c + CHUNK : n;
+        for (int64_t i = c; i < end; i++) out[i] = g[i] / (1.0f + exp_f(-g[i])) * u[i];
+        FP_MODE_LEAVE;
+    }
+}
+
+/* The gradient of out = silu(g) * u, with s = 1 / (1 + exp(-g)) and silu(g) = g s:
+ *     du = dy silu(g),   dg = dy u s (1 + g (1 - s)). */
+void exactrl_swiglu_backward(const float *g, const float *u, const float *dy, int64_t n, float *dg, float *du,
+                             int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 4 * CHUNK)
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        FP_MODE_ENTER;
+        const int64_t end = c + CHUNK < n ? c + CHUNK : n;
+        for (int64_t i = c; i < end; i++) {
+            const float s = 1.0f / (1.0f + exp_f(-g[i]));
+            du[i] = dy[i] * (g[i] * s);
+            dg[i] = dy[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+        }
+        FP_MODE_LEAVE;
+    }
+}
+
+#define LANES 8
+
+/* sum_j exp(lp[j]) over [a, b) in float64: LANES running sums (j mod LANES), then a fixed tree. */
+static double exp_mass(const float *lp, int64_t a, int64_t b) {
+    double acc[LANES] = {0};
+    int64_t j = a;
+    for (; j + LANES <= b; j += LANES)
+        for (int i = 0; i < LANES; i++) acc[i] += (double)exp_f(lp[j + i]);
+    for (int i = 0; j < b; j++, i++) acc[i] += (double)exp_f(lp[j]);
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* One token per row of lp [R, V] (log-probabilities), by inverse CDF at u[r] in [0, 1), in two levels and
+ * float64 throughout (a token's share stays resolvable down to ~1e-16):
+ *     m_b   = mass of block b (tokens bW .. bW + W - 1),  C_b = m_0 + ... + m_b (b ascending)
+ *     x     = u C_last, kept below C_last
+ *     b     = the first block with C_b > x
+ *     token = the first j of block b whose running mass from the block's start exceeds x - C_(b-1)
+ *             (kept below that running mass's block total: the two sums of one block may round apart)
+ * so the token is never one of probability 0. A greedy row (greedy[r] != 0) takes the first argmax instead.
+ * tok[r] is the token, tok_lp[r] its log-probability. Each row is drawn by one thread; `mass` is scratch of
+ * threads * ceil(V / W) doubles. */
+void exactrl_draw(const float *lp, int64_t R, int64_t V, int64_t W, const double *u, const uint8_t *greedy,
+                  int64_t *tok, float *tok_lp, double *mass, int threads) {
+    const int64_t nb = (V + W - 1) / W;
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        FP_MODE_ENTER;
+        const float *row = lp + r * V;
+        int64_t t = 0;
+        if (greedy[r]) {
+            float best = row[0];
+            for (int64_t j = 1; j < V; j++)
+                if (row[j] > best) best = row[j], t = j;
+        } else {
+#ifdef _OPENMP
+            double *cdf = mass + (int64_t)omp_get_thread_num() * nb;
+#else
+            double *cdf = mass;
+#endif
+            double run = 0.0;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t end = (b + 1) * W < V ? (b + 1) * W : V;
+                run += exp_mass(row, b * W, end);
+                cdf[b] = run;
+            }
+            double x = u[r] * cdf[nb - 1];
+            const double top = nextafter(cdf[nb - 1], 0.0);
+            x = x < top ? x : top;
+            int64_t b = 0;
+            while (b < nb - 1 && cdf[b] <= x) b++;
+            double rest = x - (b > 0 ? cdf[b - 1] : 0.0);
+            const int64_t start = b * W, end = (b + 1) * W < V ? (b + 1) * W : V;
+            double in = 0.0;
+            for (int64_t j = start; j < end; j++) in += (double)exp_f(row[j]);
+            const double in_top = nextafter(in, 0.0);
+            rest = rest < in_top ? rest : in_top;
+            double c = 0.0;
+            t = end - 1;
+            for (int64_t j = start; j < end; j++) {
+                c += (double)exp_f(row[j]);
+                if (c > rest) {
+                    t = j;
+                    break;
+                }
+            }
+        }
+        tok[r] = t;
+        tok_lp[r] = row[t];
+        FP_MODE_LEAVE;
+    }
+}
+
+/* Entropy of each row of lp [R, V]: H = -sum_j p_j lp_j with p_j = exp(lp_j) (a term with p_j = 0 counts 0),
+ * summed in float32 in LANES running sums and a fixed tree. */
+void exactrl_entropy(const float *lp, int64_t R, int64_t V, float *ent, int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        FP_MODE_ENTER;
+        const float *row = lp + r * V;
+        float acc[LANES] = {0};
+        int64_t j = 0;
+        for (; j + LANES <= V; j += LANES)
+            for (int i = 0; i < LANES; i++) {
+                const float p = exp_f(row[j + i]);
+                const float lpm = p == 0.0f ? 0.0f : row[j + i];
+                acc[i] += p * lpm;
+            }
+        for (int i = 0; j < V; j++, i++) {
+            const float p = exp_f(row[j]);
+            const float lpm = p == 0.0f ? 0.0f : row[j];
+            acc[i] += p * lpm;
+        }
+        ent[r] = -(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+        FP_MODE_LEAVE;
+    }
+}
+
+/* The gradient with respect to the tempered logits z' of  sum_r g_lp[r] lp[r, tgt[r]] + g_ent[r] H[r]
+ * (lp = log_softmax over the kept tokens, the cut-offs constant), per row r and token j, p = exp(lp):
+ *     gz[r, j] = ( -g_lp[r] p_j + [j = tgt[r]] g_hit[r] - g_ent[r] p_j (lp_j + H[r]) ) / T
+ * in that order of operations, with g_hit[r] = g_lp[r] unless the target itself was cut off (then 0,
+ * passed in), and the entropy term 0 where p_j = 0 (none without g_ent: g_ent == NULL). */
+static inline float head_grad_one(float lp, float a, float hit, const float *g_ent, float h, float temperature) {
+    const float p = exp_f(lp);
+    float v = p * a + hit;
+    if (g_ent) v = v - (*g_ent * p) * ((p == 0.0f ? 0.0f : lp) + h);
+    return v / temperature;
+}
+
+void exactrl_head_grad(const float *lp, int64_t R, int64_t V, const float *g_lp, const float *g_hit,
+                       const int64_t *tgt, const float *g_ent, const float *ent, float temperature, float *gz,
+                       int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        FP_MODE_ENTER;
+        const float *row = lp + r * V;
+        float *out = gz + r * V;
+        const float a = -g_lp[r], h = g_ent ? ent[r] : 0.0f;
+        const float *ge = g_ent ? g_ent + r : NULL;
+        if (ge) {
+            for (int64_t j = 0; j < V; j++) out[j] = head_grad_one(row[j], a, 0.0f, ge, h, temperature);
+        } else {
+            for (int64_t j = 0; j < V; j++) out[j] = head_grad_one(row[j], a, 0.0f, NULL, h, temperature);
+        }
+        out[tgt[r]] = head_grad_one(row[tgt[r]], a, g_hit[r], ge, h, temperature);
+        FP_MODE_LEAVE;
+    }
+}
