@@ -225,3 +225,42 @@ def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
               lambda b: native.entropy(lp, b),
               lambda b: native.head_grad(lp, g_lp, g_lp, tgt, g_ent, ent, 0.7, b)):
         assert torch.equal(f(""), f(build))
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_attention_gives_the_same_bits_in_every_build(build):
+    """exact.c's attention on exp_f (no libm expf): another vector width, or none, the same bits."""
+    if build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2":
+        pytest.skip("this CPU cannot run the AVX2 build")
+    g = torch.Generator().manual_seed(3)
+    P, Hk, B, D, H = 6, 2, 4, 20, 6
+    k, v = torch.randn(P, Hk, B, D, generator=g), torch.randn(P, Hk, B, D, generator=g)
+    q = torch.randn(9, H, D, generator=g) * 3
+    seq = torch.tensor([0] * 5 + [1] * 4)
+    pos = torch.tensor([0, 3, 4, 9, 11, 0, 1, 5, 7])
+    table = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    outs = []
+    for b in ("", build):
+        out = torch.empty(9, H, D)
+        native.library(b).exactrl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, seq.data_ptr(),
+                                            pos.data_ptr(), table.data_ptr(), 9, H, Hk, D, B, 3, 12, 0.125,
+                                            out.data_ptr(), torch.get_num_threads())
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], native.attention(q, k, v, seq, pos, table, 12, 0.125))
+
+
+@pytest.mark.parametrize("G", [2, 3, 8, 9])  # 2..8: exact.c's register paths for G heads at once; 9: the loop
+@pytest.mark.parametrize("D", [64, 20])
+def test_a_query_heads_bits_do_not_depend_on_how_many_heads_share_its_kv_head(G, D):
+    """exact.c computes the G query heads of a kv head together (their sums side by side): each still has
+    the bits it gets alone, with its kv head repeated as a kv head of its own (G = 1)."""
+    g = torch.Generator().manual_seed(G * D)
+    Hk, P, B = 2, 5, 4
+    k, v = torch.randn(P, Hk, B, D, generator=g), torch.randn(P, Hk, B, D, generator=g)
+    q = torch.randn(7, Hk * G, D, generator=g) * 3
+    seq, pos = torch.tensor([0, 0, 0, 1, 1, 1, 1]), torch.tensor([0, 5, 11, 2, 3, 8, 19])
+    table = torch.tensor([[0, 2, 4, -1, -1], [1, 3, 0, 2, 4]])
+    together = native.attention(q, k, v, seq, pos, table, 20, 0.2)
+    alone = native.attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), seq, pos, table, 20, 0.2)
+    assert torch.equal(together, alone)

@@ -5,6 +5,7 @@ order of sums is in that file's header). `pointwise.c`: fp32 SwiGLU and its
 gradient, the engine's token draw, the LM head's entropy and logit gradient,
 each one pass over memory where torch took several. `fpmode.h`: every thread of a
 parallel region computes in its caller's flush-to-zero / denormal mode.
+`exp_f.h`: the kernels' own float32 exp (vectorisable, the same bits on every CPU).
 
 Why C: the exact attention computes each query row on its own with a fixed
 reduction order (`exact.c`). In torch ops that needs many tiny fixed-shape
@@ -18,9 +19,9 @@ Build: `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` into
 the compiler's version and the CPU's feature flags, written atomically (a
 crash mid-build leaves no half-written library). `-ffp-contract=off` and no
 `-ffast-math` keep the source's order of every rounding, so `-march=native`
-changes speed, not bits (libm's `expf` aside: glibc may pick a variant per
-CPU, so two different CPUs could differ in a rare last bit; one machine
-never does). No torch headers: the build takes ~1 s, not a minute.
+changes speed, not bits. The kernels' exp is their own (`exp_f.h`), not
+libm's, whose variant glibc picks per CPU: the same bits on every CPU
+(the tests compare the AVX-512, AVX2 and unvectorised builds). No torch headers: the build takes ~1 s, not a minute.
 Needs a C compiler with OpenMP (gcc or clang: `$CC`, default `cc`); without
 one, exact kernels fail with an error that says so.
 """
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("exact.c", "gemm.c", "pointwise.c"))
-HEADERS = (Path(__file__).with_name("fpmode.h"),)
+HEADERS = (Path(__file__).with_name("fpmode.h"), Path(__file__).with_name("exp_f.h"))
 # other builds, for the tests: the same sums, so the same bits, as the machine's own build ("portable":
 # gemm.c's plain-C kernel and no vectorising at all)
 BUILDS = {"": [], "avx2": ["-mno-avx512f"], "portable": ["-DEXACTRL_PORTABLE", "-fno-tree-vectorize"]}

@@ -16,7 +16,9 @@
  * decode against a cache, chunked prefill and a trainer's whole-sequence
  * forward give the same bits. Built with -ffp-contract=off and without
  * -ffast-math, so the compiler keeps exactly this order (vectorising only
- * the independent lanes); expf is the C library's.
+ * the independent lanes); exp is exp_f.h's (vectorised over t, the same
+ * bits on every CPU; libm's expf, one call per key, took ~half of a decode
+ * step's attention at 20M).
  *
  * Layouts: q [N, H, D]; k_pages, v_pages [P, Hk, B, D] (key t of sequence s
  * is slot t % B of page table[s, t / B]); out [N, H, D] float32. The query
@@ -28,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_f.h"
 #include "fpmode.h"
 
 #define LANES 8
@@ -81,11 +84,55 @@ static inline void load_block(const void *store, int bf16, int64_t at, vblock *v
  * The loop runs over blocks of VB features outside and keys inside, so a block's G x VB sums stay in
  * registers while the keys pass (the whole attention call: 0.8x the time of a keys-outside loop, 20M shape,
  * batch 32, Zen 1); each sum still adds its terms in the order t = 0, 1, ..., L-1: the bits are unchanged. */
+#define FIXED_G 8  /* up to this many query heads per kv head, G is a compile-time constant (registers) */
+#define WV_BLOCKS 4 /* feature blocks summed together while the keys pass: 4 x G independent running sums */
+
+/* weighted_values' sums for features [d0, d0 + nb VB) with G and nb compile-time constants, so the G x nb
+ * running sums live in registers and, being independent, overlap in the pipeline. */
+static inline __attribute__((always_inline)) void wv_group(const int G, const int nb, const void *v_pages, int bf16,
+                                                           const float *e, int64_t max_len, int64_t L, int64_t D,
+                                                           int64_t B, const int64_t *table_J, int64_t Hk,
+                                                           int64_t kvh, float *acc, int64_t d0) {
+    vblock a[FIXED_G][WV_BLOCKS];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < nb; j++) a[g][j] = (vblock){0};
+    for (int64_t t0 = 0; t0 < L; t0 += B) {
+        const int64_t base = (table_J[t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
+        for (int64_t t = t0; t < end; t++) {
+            vblock v[WV_BLOCKS];
+            for (int j = 0; j < nb; j++) load_block(v_pages, bf16, (base + t) * D + d0 + j * VB, &v[j]);
+            for (int g = 0; g < G; g++) {
+                const float x = e[g * max_len + t];
+                for (int j = 0; j < nb; j++) a[g][j] += x * v[j];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < nb; j++) memcpy(acc + g * D + d0 + j * VB, &a[g][j], sizeof a[g][j]);
+}
+
+/* The features weighted_values' register paths cover (all whole blocks of VB), G a compile-time constant. */
+static inline __attribute__((always_inline)) int64_t wv_fixed(const int G, const void *v_pages, int bf16,
+                                                              const float *e, int64_t max_len, int64_t L, int64_t D,
+                                                              int64_t B, const int64_t *table_J, int64_t Hk,
+                                                              int64_t kvh, float *acc) {
+    int64_t d0 = 0;
+    for (; d0 + WV_BLOCKS * VB <= D; d0 += WV_BLOCKS * VB)
+        wv_group(G, WV_BLOCKS, v_pages, bf16, e, max_len, L, D, B, table_J, Hk, kvh, acc, d0);
+    for (; d0 + VB <= D; d0 += VB) wv_group(G, 1, v_pages, bf16, e, max_len, L, D, B, table_J, Hk, kvh, acc, d0);
+    return d0;
+}
+
 static void weighted_values(const void *v_pages, int bf16, const float *e, int64_t max_len, int64_t G, int64_t L,
                             int64_t D, int64_t B, const int64_t *table_J, int64_t Hk, int64_t kvh, float *acc,
                             float *vbuf) {
     int64_t d0 = 0;
-    if (G <= MAX_G) {
+    switch (G) {
+#define WV(g) case g: d0 = wv_fixed(g, v_pages, bf16, e, max_len, L, D, B, table_J, Hk, kvh, acc); break;
+        WV(1) WV(2) WV(3) WV(4) WV(5) WV(6) WV(7) WV(8)
+#undef WV
+    }
+    if (G > FIXED_G && G <= MAX_G) {
         for (; d0 + VB <= D; d0 += VB) {
             vblock a[MAX_G];
             for (int64_t g = 0; g < G; g++) a[g] = (vblock){0};
@@ -113,6 +160,44 @@ static void weighted_values(const void *v_pages, int bf16, const float *e, int64
             }
         }
     }
+}
+
+#if LANES != VB
+#error "dots_fixed keeps dot's LANES sums in one vblock"
+#endif
+/* dot(q_g, k) for g < G (G a compile-time constant): dot's lanes and tree, the G sums side by side so their
+ * chains of additions overlap; the same bits as G calls of dot. */
+static inline __attribute__((always_inline)) void dots_fixed(const int G, const float *q, const float *k, int64_t D,
+                                                             float *out, int64_t stride) {
+    vblock acc[FIXED_G];
+    for (int g = 0; g < G; g++) acc[g] = (vblock){0};
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) {
+        vblock kv;
+        memcpy(&kv, k + d, sizeof kv);
+        for (int g = 0; g < G; g++) {
+            vblock qv;
+            memcpy(&qv, q + g * D + d, sizeof qv);
+            acc[g] += qv * kv;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float a[LANES];
+        memcpy(a, &acc[g], sizeof a);
+        int64_t dd = d;
+        for (int i = 0; dd < D; dd++, i++) a[i] += q[g * D + dd] * k[dd];
+        out[g * stride] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+}
+
+/* out[g * stride] = dot(q_g, k) for the G query heads of a kv head. */
+static void scores(int64_t G, const float *q, const float *k, int64_t D, float *out, int64_t stride) {
+    switch (G) {
+#define DOTS(g) case g: dots_fixed(g, q, k, D, out, stride); return;
+        DOTS(1) DOTS(2) DOTS(3) DOTS(4) DOTS(5) DOTS(6) DOTS(7) DOTS(8)
+#undef DOTS
+    }
+    for (int64_t g = 0; g < G; g++) out[g * stride] = dot(q + g * D, k, D);
 }
 
 /* Returns 0, or 1 if a thread could not allocate its scratch memory. */
@@ -153,13 +238,13 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                         __builtin_prefetch((const char *)v_pages + (base + t) * row_bytes + off);
                     }
                     const float *k = load_row(k_pages, bf16, base + t, D, kbuf);
-                    for (int64_t g = 0; g < G; g++) sc[g * max_len + t] = dot(qs + g * D, k, D);
+                    scores(G, qs, k, D, sc + t, max_len);
                 }
             }
             for (int64_t g = 0; g < G; g++) {
                 float m = sc[g * max_len];
                 for (int64_t t = 1; t < L; t++) m = fmaxf(m, sc[g * max_len + t]);
-                for (int64_t t = 0; t < L; t++) sc[g * max_len + t] = expf(sc[g * max_len + t] - m);
+                for (int64_t t = 0; t < L; t++) sc[g * max_len + t] = exp_f(sc[g * max_len + t] - m);
             }
             weighted_values(v_pages, bf16, sc, max_len, G, L, D, B, table_SJ + s * J, Hk, kvh, acc, vbuf);
             for (int64_t g = 0; g < G; g++) {

@@ -1,0 +1,45 @@
+/* exp_f: float32 exp in plain arithmetic, for exactrl's native kernels (exact.c, pointwise.c).
+ *
+ * Not libm's expf, for two reasons: a loop of it vectorises (libm's is a call per element), and its bits
+ * are the same on every CPU and in every build (glibc picks an expf variant per CPU). No libm call, no
+ * fused multiply-add (the kernels build with -ffp-contract=off): the same roundings everywhere.
+ */
+#ifndef EXACTRL_EXP_F_H
+#define EXACTRL_EXP_F_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define EXP_HI 88.72283905f /* above: +inf (exp overflows float) */
+#define EXP_LO (-86.0f)     /* below: 0 (exp < 2^-124; 2^n below stays a normal float) */
+
+/* exp(x) in float32, within 1 ulp of the true value for x in [EXP_LO, EXP_HI] (0.97 at worst; tested):
+ *     n = round(x / ln 2),  r = x - n ln 2  (ln 2 in two parts, so r is exact to float precision),
+ *     exp(r) = 1 + r + r^2 P(r)  with P the degree-5 polynomial of Cephes's expf (S. Moshier),
+ *     exp(x) = exp(r) * 2^(n-1) * 2  (two exact scalings: n can be 128 near EXP_HI).
+ * Below EXP_LO it returns 0, above EXP_HI +inf, and NaN for NaN. */
+static inline float exp_f(float x) {
+    const float xc = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
+    const float t = xc * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds x / ln 2 to an integer */
+    const float n = t - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float r2 = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r2 + r + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    const int32_t e = (bits - 0x4B400000 + 126) << 23; /* the float 2^(n-1) */
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    float y = (p * scale) * 2.0f;
+    y = x < EXP_LO ? 0.0f : y;
+    y = x > EXP_HI ? INFINITY : y;
+    return x != x ? x : y;
+}
+#endif
