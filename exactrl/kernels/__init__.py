@@ -57,12 +57,13 @@ class Kernels:
 
     def swiglu(self, gate, up):
         """silu(gate) * up, the MLP's activation. Elementwise, so invariant either way; exact runs fp32 as one
-        C pass forward and one backward (native/pointwise.c) where torch made three tensors forward and
-        five backward; bf16 and `fast` keep torch's ops."""
-        if self.exact and gate.dtype == up.dtype == torch.float32:
-            return _SwiGLU.apply(gate, up) if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) \
-                else native.swiglu(gate, up)
-        return torch.nn.functional.silu(gate) * up
+        C pass forward and one backward (native/pointwise.c; at [10240, 1024] 4.5 ms vs torch's 6.3 forward,
+        6.1 vs ~40 backward); bf16 and `fast` keep torch's ops."""
+        if not (self.exact and gate.dtype == up.dtype == torch.float32):
+            return torch.nn.functional.silu(gate) * up
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return _SwiGLU.apply(gate, up)
+        return native.swiglu(gate, up)
 
     def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int):
         if self.exact:
