@@ -207,6 +207,64 @@ def test_draw_and_entropy_of_a_row_do_not_depend_on_the_other_rows_or_the_thread
     assert torch.allclose(ent.double(), -(p * lp.double().nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5)
 
 
+def test_log_softmax_rows_do_not_depend_on_the_batch_or_the_threads_and_match_torch():
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(33, 5003, generator=g) * 6  # 5003: a row that is not a multiple of the 16 lanes
+    z[2, 7:] = -math.inf  # a truncated row keeps its finite entries
+    lp = native.log_softmax(z)
+    assert torch.allclose(lp, torch.log_softmax(z, -1), rtol=0, atol=2e-6)
+    assert torch.equal(lp[2, 7:], torch.full((4996,), -math.inf))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for r in (0, 2, 32):
+                assert torch.equal(native.log_softmax(z[r:r + 1]), lp[r:r + 1])
+                assert torch.equal(native.log_softmax(torch.cat([z[r:r + 1], z[:5]])[:1]), lp[r:r + 1])
+    finally:
+        torch.set_num_threads(threads)
+    bad = torch.randn(3, 40, generator=g)
+    bad[0, 5], bad[1], bad[2, 3] = math.nan, -math.inf, math.inf
+    assert torch.isnan(native.log_softmax(bad)).all()  # as torch's: a NaN, no finite entry or an inf ruin the row
+
+
+def test_sampling_logprobs_gradient_is_torch_log_softmaxs():
+    from exactrl.kernels import sampling_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    z = (torch.randn(6, 300, generator=g) * 3).requires_grad_()
+    zt = z.detach().clone().requires_grad_()
+    w = torch.randn(6, 300, generator=g)
+    n = z.shape[0]
+    lp = sampling_logprobs(z, torch.full((n,), 0.7), torch.full((n,), 50), torch.full((n,), 0.9))
+    (lp.nan_to_num(neginf=0.0) * w).sum().backward()
+    # the same distribution in torch ops: the kept set is the one sampling_logprobs kept
+    keep = torch.isfinite(lp.detach())
+    ref = torch.log_softmax((zt / 0.7).masked_fill(~keep, -math.inf), -1)
+    assert torch.allclose(lp.detach(), ref.detach(), atol=2e-6)
+    (ref.nan_to_num(neginf=0.0) * w).sum().backward()
+    assert torch.allclose(z.grad, zt.grad, atol=1e-6)
+
+
+def test_draw_marks_a_row_it_cannot_draw_from():
+    lp = torch.log_softmax(torch.randn(4, 50), -1)
+    lp[1], lp[2, 9] = -math.inf, math.nan
+    for greedy in (False, True):
+        tok, tlp = native.draw(lp, 16, torch.full((4,), 0.5, dtype=torch.float64),
+                               torch.full((4,), greedy, dtype=torch.bool))
+        assert tok[0] >= 0 and tok[3] >= 0 and tok[1] == -1 and torch.isnan(tlp[1])
+        assert (tok[2] == -1) == (not greedy)  # greedy takes the max of the rest; the engine's rows are all NaN
+
+
+def test_write_rows_is_index_copy_and_refuses_a_row_outside_the_store():
+    dst, src = torch.zeros(10, 6), torch.randn(3, 6)
+    rows = torch.tensor([7, 0, 4])
+    native.write_rows(dst, rows, src, 7)
+    assert torch.equal(dst, torch.zeros(10, 6).index_copy_(0, rows, src))
+    with pytest.raises(ValueError, match="KV row 10 is beyond the store's 10 rows"):
+        native.write_rows(dst, torch.tensor([10]), src[:1], 10)
+
+
 @pytest.mark.parametrize("build", ["avx2", "portable"])
 def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
     """pointwise.c's exp is plain arithmetic: vectorised 16 or 8 wide, or not at all, the same bits."""
@@ -222,6 +280,7 @@ def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
     for f in (lambda b: native.exp(x, b), lambda b: native.swiglu(x, x.flip(0), b),
               lambda b: torch.cat(native.swiglu_backward(x, x.flip(0), x.flip(1), b)),
               lambda b: native.draw(lp, 256, u, torch.zeros(5, dtype=torch.bool), b)[0],
+              lambda b: native.log_softmax(x, b),
               lambda b: native.entropy(lp, b),
               lambda b: native.head_grad(lp, g_lp, g_lp, tgt, g_ent, ent, 0.7, b)):
         assert torch.equal(f(""), f(build))

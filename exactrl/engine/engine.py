@@ -242,9 +242,8 @@ class Engine:
             if batch.targets:
                 logits_RV = self.model.logits(hidden_ND[batch.rows_R])
                 rows = self._sample_rows(batch.targets)
-                lp_RV = row_logprobs(logits_RV, rows)
-                self._check_finite(lp_RV, batch.targets)
-                tok_R, lp_R = draw(lp_RV, rows)
+                tok_R, lp_R = draw(row_logprobs(logits_RV, rows), rows)
+                self._check_drawn(tok_R, batch.targets)
         # only now is the step's work kept: if anything above raised, every chunk is simply
         # computed again by the next step (its KV slots are rewritten with the same values)
         for c in sched.chunks:
@@ -253,10 +252,10 @@ class Engine:
             return []
         return self._commit(batch.targets, tok_R.tolist(), lp_R.tolist())
 
-    def _check_finite(self, lp_RV: torch.Tensor, targets: list[Sequence]) -> None:
-        """A row with a NaN or no finite logprob cannot be sampled: its requests are aborted, the step raises."""
-        # the row max is NaN if any entry is NaN and -inf if none is finite: one pass over [R, V]
-        bad_R = ~torch.isfinite(lp_RV.amax(-1))
+    def _check_drawn(self, tok_R: torch.Tensor, targets: list[Sequence]) -> None:
+        """A row with a NaN or no finite logprob cannot be sampled (`draw` gives it token -1): its requests
+        are aborted, the step raises."""
+        bad_R = tok_R < 0
         if not bool(bad_R.any()):
             return
         ids = sorted({targets[i].request.request_id for i in bad_R.nonzero().flatten().tolist()})

@@ -43,13 +43,17 @@ class TokenLayout:
     seq_N: torch.Tensor  # int64, row of `block_table_SJ` the token belongs to
     pos_N: torch.Tensor  # int64, absolute position of the token in its sequence
     block_table_SJ: torch.Tensor  # int64, page id of key block j of sequence s (-1 unused)
-    _kv_rows: dict = field(default_factory=dict, repr=False, compare=False)  # (Hk, B) -> kv_rows
+    _kv_rows: dict = field(default_factory=dict, repr=False, compare=False)  # (Hk, B) -> (kv_rows, max)
 
     def kv_rows(self, num_kv_heads: int, block_size: int) -> torch.Tensor:
         """[N * Hk] row of each new (token, kv head) in a page store [P, Hk, B, D] viewed as [P*Hk*B, D].
 
         Computed once per forward and shared by every layer.
         """
+        return self._rows(num_kv_heads, block_size)[0]
+
+    def _rows(self, num_kv_heads: int, block_size: int) -> tuple[torch.Tensor, int]:
+        """(`kv_rows`, their largest, -1 if none)."""
         key = (num_kv_heads, block_size)
         if key not in self._kv_rows:
             page_N = self.block_table_SJ[self.seq_N, self.pos_N // block_size]
@@ -57,7 +61,8 @@ class TokenLayout:
                 raise ValueError("a token has no page in the block table")
             head_NH = torch.arange(num_kv_heads)[None, :]
             rows_NH = (page_N[:, None] * num_kv_heads + head_NH) * block_size + (self.pos_N % block_size)[:, None]
-            self._kv_rows[key] = rows_NH.reshape(-1)
+            rows = rows_NH.reshape(-1)
+            self._kv_rows[key] = (rows, int(rows.max()) if rows.numel() else -1)
         return self._kv_rows[key]
 
 
@@ -130,8 +135,9 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
     if k_NHD.requires_grad or v_NHD.requires_grad:
         return (k_pages.reshape(-1, D).index_copy(0, rows_x, k_xD).view(k_pages.shape),
                 v_pages.reshape(-1, D).index_copy(0, rows_x, v_xD).view(v_pages.shape))
-    k_pages.view(-1, D).index_copy_(0, rows_x, k_xD)  # the engine's store: contiguous, written in place
-    v_pages.view(-1, D).index_copy_(0, rows_x, v_xD)
+    max_row = layout._rows(Hk, B)[1]
+    native.write_rows(k_pages.view(-1, D), rows_x, k_xD, max_row)  # the engine's store: contiguous, in place
+    native.write_rows(v_pages.view(-1, D), rows_x, v_xD, max_row)
     return k_pages, v_pages
 
 

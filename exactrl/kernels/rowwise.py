@@ -4,12 +4,12 @@ A per-row reduction is invariant as long as each row is reduced by one code
 path. The exact RMSNorm is a C loop that reduces every row alone in one fixed
 order (native/exact.c); it replaced torch ops that had to pad small batches
 and took ~7 ops per call, 33 calls per decode step of a Qwen3 at 20M.
-log_softmax stays in torch: torch parallelises a reduction over rows when
-there are at least as many rows as threads, but may split a single long row
-across threads when there are fewer (always when the result is a single
-value); `sampling_logprobs` therefore pads a batch of fewer than ROW_TILE
-rows to the tile so that case never arises. Larger batches are reduced as
-they are (padding them would only copy).
+log_softmax is C too (native/pointwise.c): one thread reduces each row in one
+fixed order. torch's log_softmax parallelises over rows when there are at
+least as many rows as threads but may split a single long row across threads
+when there are fewer, so its bits for a row depended on the batch size (it
+was used here with small batches padded to ROW_TILE rows: up to 32x the work
+for a decode step of one sequence).
 
 The sampling distribution is the one contract between engine and trainer
 (DESIGN.md §1): `log_softmax` of fp32 logits divided by the temperature, with
@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from exactrl.kernels import native
-from exactrl.kernels.linear import ROW_TILE, pad_rows
 
 
 def rms_norm(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,17 +102,12 @@ def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_
     the smallest set of largest probabilities whose mass reaches top_p, then
     renormalised. T = 0 (greedy) reports log_softmax(z), i.e. T = 1.
     """
-    n, V = logits_NV.shape
-    # fewer rows than threads could split one row's reduction across threads: pad small
-    # batches to a tile; a large batch is already reduced row by row (and is not copied)
-    z = pad_rows(logits_NV.float()) if n < ROW_TILE else logits_NV.float()
-    pad = z.shape[0] - n
-    temp = torch.nn.functional.pad(temperature_N.float(), (0, pad), value=1.0)
-    temp = torch.where(temp > 0, temp, 1.0)
+    V = logits_NV.shape[1]
+    z = logits_NV.float()
+    temp = torch.where(temperature_N > 0, temperature_N.float(), 1.0)
     if bool((temp != 1.0).any()):  # z / 1 == z exactly: skipping it saves a pass over [N, V]
         z = z / temp[:, None]
-    top_k = torch.nn.functional.pad(top_k_N, (0, pad), value=-1)
-    top_p = torch.nn.functional.pad(top_p_N.float(), (0, pad), value=1.0)
+    top_k, top_p = top_k_N, top_p_N.float()
     need_k = bool(((top_k > 0) & (top_k < V)).any())
     need_p = bool((top_p < 1.0).any())
     if need_k or need_p:
@@ -131,4 +125,27 @@ def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_
             cut = sorted_z.gather(1, (n_keep - 1)[:, None])
             keep &= z >= cut
         z = z.masked_fill(~keep, float("-inf"))
-    return torch.log_softmax(z, dim=-1)[:n]
+    return log_softmax(z)
+
+
+def log_softmax(z_NV: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension of fp32 rows, each row reduced in one fixed order (pointwise.c,
+    whose docstring has the formula); differentiable."""
+    if torch.is_grad_enabled() and z_NV.requires_grad:
+        return _LogSoftmax.apply(z_NV)
+    return native.log_softmax(z_NV)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """The C log_softmax; backward ∂L/∂z_j = g_j − exp(lp_j) · Σ_i g_i (row-wise), as torch's."""
+
+    @staticmethod
+    def forward(ctx, z_NV):  # type: ignore[override]
+        lp = native.log_softmax(z_NV)
+        ctx.save_for_backward(lp)
+        return lp
+
+    @staticmethod
+    def backward(ctx, g_NV):  # type: ignore[override]
+        (lp,) = ctx.saved_tensors
+        return g_NV - lp.exp() * g_NV.sum(-1, keepdim=True)

