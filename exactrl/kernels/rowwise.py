@@ -119,7 +119,7 @@ def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_
             keep &= z >= kth
             sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))
         if need_p:
-            probs = torch.softmax(sorted_z, dim=-1)
+            probs = native.log_softmax(sorted_z).exp()  # per row in C: torch.softmax could split a lone row
             mass_before = torch.cumsum(probs, dim=-1) - probs
             n_keep = (mass_before < top_p[:, None]).sum(-1).clamp(min=1)
             cut = sorted_z.gather(1, (n_keep - 1)[:, None])

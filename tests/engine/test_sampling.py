@@ -113,3 +113,15 @@ def test_page_pool_refcounts(qwen3_dir):
     assert torch.equal(pool.kv[0][0][b], pool.kv[0][0][a[0]])
     pool.release(a[:2] + [b])
     assert pool.num_free == 4
+
+
+def test_a_rows_distribution_is_the_same_alone_and_in_a_batch():
+    """Every reduction of sampling_logprobs is per row (C log-softmax, also under top-p): a lone row, as in
+    a decode step of one sequence, gets the bits it gets among 40 rows (a trainer's chunk)."""
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(40, 3000, generator=g) * 4
+    full = lambda n, v: torch.full((n,), v)  # noqa: E731
+    for temp, k, p in [(1.0, -1, 1.0), (0.7, 50, 0.9), (1.3, -1, 0.8)]:
+        batch = sampling_logprobs(z, full(40, temp), full(40, k), full(40, p))
+        for r in (0, 17, 39):
+            assert torch.equal(sampling_logprobs(z[r:r + 1], full(1, temp), full(1, k), full(1, p)), batch[r:r + 1])
