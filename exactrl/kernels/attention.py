@@ -130,12 +130,11 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
     out of place (differentiable) when the values require grad (trainer).
     """
     _, Hk, B, D = k_pages.shape
-    rows_x = layout.kv_rows(Hk, B)
+    rows_x, max_row = layout._rows(Hk, B)
     k_xD, v_xD = k_NHD.reshape(-1, D), v_NHD.reshape(-1, D)
     if k_NHD.requires_grad or v_NHD.requires_grad:
         return (k_pages.reshape(-1, D).index_copy(0, rows_x, k_xD).view(k_pages.shape),
                 v_pages.reshape(-1, D).index_copy(0, rows_x, v_xD).view(v_pages.shape))
-    max_row = layout._rows(Hk, B)[1]
     native.write_rows(k_pages.view(-1, D), rows_x, k_xD, max_row)  # the engine's store: contiguous, in place
     native.write_rows(v_pages.view(-1, D), rows_x, v_xD, max_row)
     return k_pages, v_pages
