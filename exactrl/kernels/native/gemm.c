@@ -19,7 +19,11 @@
  * x NR columns (2 x MR vector accumulators) reads each packed row of the
  * panel once per MR rows and broadcasts the rows' x[m, k] (the layout of
  * BLIS / GotoBLAS micro-kernels). Work is split over panels, so one thread
- * computes each output from start to end. Measured on a 2-core Xeon with
+ * computes each output from start to end. With a few blocks of rows (a decode
+ * step's batch), each block also prefetches its share of the next chunk into
+ * L2, so memory is read while all the blocks compute, not only the first: at
+ * 32 rows the 100M model's 85 products went from 32.2 to 25.5 ms back to back
+ * (the compute alone, from cache, would take ~20 ms). Measured on a 2-core Xeon with
  * AVX-512 at 2 threads: 330-430 GFLOP/s at 32 and 4096 rows for the 20M and
  * 100M models' shapes, against 60-410 for `F.linear` (oneDNN/MKL) on the same
  * shapes.
@@ -92,8 +96,9 @@ void exactrl_pack_weight(const float *w, int64_t N, int64_t K, float *out, int t
 /* The mr x NR outputs at c (row stride ldc) of k's [k0, k1): stored (first block) or added to c. */
 static inline __attribute__((always_inline)) void block(const int mr, const float *x, int64_t ldx, const float *b,
                                                         int64_t k0, int64_t k1, float *c, int64_t ldc, int first,
-                                                        int prefetch) {
+                                                        int prefetch, const float *ahead, int every) {
 #ifdef PORTABLE
+    (void)prefetch, (void)ahead, (void)every;
     float acc[MR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = 0.0f;
@@ -109,8 +114,15 @@ static inline __attribute__((always_inline)) void block(const int mr, const floa
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++)
         if (i < mr) acc0[i] = acc1[i] = VZERO();
+    int since = 0;
     for (int64_t k = k0; k < k1; k++) {
-        if (prefetch) { /* the panel's rows PF ahead, from memory into L1 while these compute */
+        if (every && ++since == every) { /* one row of the next chunk, from memory into L2 (see exactrl_linear) */
+            since = 0;
+            _mm_prefetch((const char *)ahead, _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + W), _MM_HINT_T1);
+            ahead += NR;
+        }
+        if (prefetch) { /* the panel's rows PF ahead, into L1 while these compute */
             _mm_prefetch((const char *)(b + (k + PF) * NR), _MM_HINT_T0);
             _mm_prefetch((const char *)(b + (k + PF) * NR + W), _MM_HINT_T0);
         }
@@ -140,9 +152,9 @@ static inline __attribute__((always_inline)) void block(const int mr, const floa
 
 /* `block` with mr a compile-time constant, so its loops unroll into registers. */
 static void block_rows(int mr, const float *x, int64_t ldx, const float *b, int64_t k0, int64_t k1, float *c,
-                       int64_t ldc, int first, int prefetch) {
+                       int64_t ldc, int first, int prefetch, const float *ahead, int every) {
     switch (mr) {
-#define ROWS(m) case m: block(m, x, ldx, b, k0, k1, c, ldc, first, prefetch); break;
+#define ROWS(m) case m: block(m, x, ldx, b, k0, k1, c, ldc, first, prefetch, ahead, every); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #if MR > 4
         ROWS(5) ROWS(6)
@@ -167,6 +179,7 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
         FP_MODE_ENTER;
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
             const int64_t m1 = m0 + MC < M ? m0 + MC : M;
+            const int blocks = (int)((m1 - m0 + MR - 1) / MR), spread = M <= MC && blocks >= 3;
     #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 const float *b = wp + p * K * NR;
@@ -177,14 +190,18 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
                     const int64_t k1 = k0 + KC < K ? k0 + KC : K;
                     for (int64_t i = m0; i < m1; i += MR) {
                         const int mr = m1 - i < MR ? (int)(m1 - i) : MR;
+                        /* each block of rows fetches 1/blocks of the next chunk (which starts at b + k1 * NR, in
+                         * this panel or the next) */
+                        const int j = (int)((i - m0) / MR), every = spread ? blocks : 0;
+                        const float *ahead = b + (k1 + j * (k1 - k0) / blocks) * NR;
                         if (cols == NR) {
-                            block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0, i == m0);
+                            block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0, i == m0, ahead, every);
                             continue;
                         }
                         if (k0 > 0)
                             for (int r = 0; r < mr; r++)
                                 memcpy(part + r * NR, y + (i + r) * N + n0, sizeof(float) * cols);
-                        block_rows(mr, x + i * K, K, b, k0, k1, part, NR, k0 == 0, i == m0);
+                        block_rows(mr, x + i * K, K, b, k0, k1, part, NR, k0 == 0, i == m0, ahead, every);
                         for (int r = 0; r < mr; r++)
                             memcpy(y + (i + r) * N + n0, part + r * NR, sizeof(float) * cols);
                     }
