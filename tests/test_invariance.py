@@ -109,6 +109,51 @@ def test_native_linear_columns_do_not_depend_on_the_other_columns():
         assert torch.equal(native.linear(x, native.PackedLinearWeight(w[a:b].contiguous())), y[:, a:b]), (a, b)
 
 
+@pytest.mark.parametrize("build", ["", "avx2", "portable"])
+def test_native_linears_give_each_weights_bits_in_one_call(build):
+    """One call for several weights of one input (the engine's q/k/v and gate/up): each output equals its
+    weight's own product, whatever the rows (the prefetching block counts included), partial panels and
+    empty weights; on every build."""
+    from exactrl.kernels import native
+
+    if build and build.encode() == native.library().exactrl_gemm_build():
+        pytest.skip("this machine's own build is the default one")
+    g = torch.Generator().manual_seed(6)
+    for Ns, K in (((384, 128, 128), 384), ((33, 7, 64), 600), ((0, 20), 16), ((5,), 7)):
+        ws = [torch.randn(n, K, generator=g) for n in Ns]
+        packed = native.PackedLinearWeight(ws, build)
+        for M in (1, 13, 32, 37, 96, 97, 200):
+            x = torch.randn(M, K, generator=g)
+            ys = native.linears(x, packed)
+            assert [tuple(y.shape) for y in ys] == [(M, n) for n in Ns]
+            for y, w in zip(ys, ws):
+                assert torch.equal(y, native.linear(x, native.PackedLinearWeight(w))), (Ns, M)
+
+
+def test_fused_projections_only_where_the_packed_cache_is_and_follow_changes():
+    """`Kernels.linears` fuses only without autograd and inside `using_packed` (else a module call each, so
+    gradients and forward hooks see every projection); its stacked copy follows in-place weight changes."""
+    from exactrl.kernels import get_kernels
+
+    kern, g = get_kernels("exact"), torch.Generator().manual_seed(7)
+    ws = [torch.nn.Parameter(torch.randn(n, 64, generator=g)) for n in (96, 32, 32)]
+    x, none = torch.randn(5, 64, generator=g), [None] * 3
+    assert not kern.fuses_linears(x, ws, none)  # no cache active
+    cache = linear_mod.PackedWeights()
+    with linear_mod.using_packed(cache):
+        assert not kern.fuses_linears(x, ws, none)  # autograd on
+        with torch.no_grad():
+            assert kern.fuses_linears(x, ws, none) and not get_kernels("fast").fuses_linears(x, ws, none)
+            assert not kern.fuses_linears(x, ws, [None, torch.zeros(32), None])  # a bias
+            assert not kern.fuses_linears(x.to(torch.bfloat16), ws, none)
+            before = kern.linears(x, ws)
+            assert all(torch.equal(y, exact_linear(x, w)) for y, w in zip(before, ws))
+            ws[1].add_(0.5)  # the version counter moves: packed again
+            after = kern.linears(x, ws)
+            assert torch.equal(after[1], exact_linear(x, ws[1].detach().clone())) and not torch.equal(after[1], before[1])
+            assert torch.equal(after[0], before[0])
+
+
 def test_native_kernels_compute_in_the_callers_denormal_mode():
     """Flush-to-zero is a per-thread setting; with it set on the calling thread only, subnormal results must
     still come out the same in the columns the main thread computes and those another thread computes."""

@@ -15,7 +15,7 @@ import torch
 from exactrl.kernels import attention as _attn
 from exactrl.kernels import native
 from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
-from exactrl.kernels.linear import check_short_rows, exact_linear, fast_linear
+from exactrl.kernels.linear import check_short_rows, exact_linear, exact_linears, fast_linear, fuses_linears
 from exactrl.kernels.rowwise import apply_rotary, exact_rms_norm, rms_norm, rotary_tables, sampling_logprobs
 
 KERNEL_MODES = ("exact", "fast")
@@ -37,6 +37,15 @@ class Kernels:
 
     def linear(self, x, weight, bias=None):
         return exact_linear(x, weight, bias) if self.exact else fast_linear(x, weight, bias)
+
+    def fuses_linears(self, x, weights, biases) -> bool:
+        """Whether `linears` can compute these projections of one input in one call (exact kernels, the
+        engine's packed weights, no biases, no autograd); else the caller applies them one by one."""
+        return self.exact and fuses_linears(x, weights, biases)
+
+    def linears(self, x, weights) -> list[torch.Tensor]:
+        """[linear(x, w) for w in weights] in one product, bit for bit (`fuses_linears` must hold)."""
+        return exact_linears(x, weights)
 
     def prepare(self, linear_weights) -> None:
         """One-off checks the exact linear would otherwise run at its first call of few rows (an engine's

@@ -89,6 +89,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -126,20 +127,28 @@ class PackedWeights:
     """
 
     def __init__(self):
-        self._packed: dict[int, tuple] = {}  # id(weight) -> (weakref to it, fingerprint, packed copy)
+        self._packed: dict[tuple, tuple] = {}  # ids of the weights -> (weakrefs to them, fingerprints, packed copy)
 
     def get(self, w_NK: torch.Tensor) -> torch.Tensor | native.PackedLinearWeight:
+        return self._get((w_NK,), _pack)
+
+    def get_stack(self, ws: Sequence[torch.Tensor]) -> native.PackedLinearWeight:
+        """fp32 weights of one input (a layer's q/k/v projections) packed one after another, for `native.linears`."""
+        return self._get(tuple(ws), native.PackedLinearWeight)
+
+    def _get(self, ws: tuple, pack):
         try:
-            version = w_NK._version
+            versions = [w._version for w in ws]
         except RuntimeError:  # an inference-mode tensor has no version counter: not cached
-            return _pack(w_NK)
-        fingerprint = (w_NK.data_ptr(), w_NK.shape, w_NK.stride(), w_NK.dtype, version)
-        entry = self._packed.get(id(w_NK))
-        if entry is None or entry[0]() is not w_NK or entry[1] != fingerprint:
+            return pack(ws[0] if len(ws) == 1 else ws)
+        fingerprint = [(w.data_ptr(), w.shape, w.stride(), w.dtype, v) for w, v in zip(ws, versions)]
+        key = tuple(id(w) for w in ws)
+        entry = self._packed.get(key)
+        if entry is None or any(r() is not w for r, w in zip(entry[0], ws)) or entry[1] != fingerprint:
             packed = self._packed
-            ref = weakref.ref(w_NK, lambda _, i=id(w_NK): packed.pop(i, None))  # forgotten with the weight
-            entry = (ref, fingerprint, _pack(w_NK))
-            packed[id(w_NK)] = entry
+            refs = tuple(weakref.ref(w, lambda _, k=key: packed.pop(k, None)) for w in ws)  # forgotten with a weight
+            entry = (refs, fingerprint, pack(ws[0] if len(ws) == 1 else ws))
+            packed[key] = entry
         return entry[2]
 
     def clear(self) -> None:
@@ -294,6 +303,21 @@ def _packed(w_NK: torch.Tensor) -> torch.Tensor | native.PackedLinearWeight:
     """The weight's packed copy: from the cache `using_packed` made active, else packed now."""
     cache = getattr(_active, "cache", None)
     return cache.get(w_NK) if cache is not None else _pack(w_NK)
+
+
+def fuses_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> bool:
+    """Whether `exact_linears` can take these: 2-D fp32 input and weights, no biases, no autograd, and a packed
+    cache active (outside one, each call would pack the weights again: nothing to gain)."""
+    return (x.dim() == 2 and x.dtype == torch.float32 and all(w.dtype == torch.float32 for w in weights)
+            and all(b is None for b in biases) and not torch.is_grad_enabled()
+            and getattr(_active, "cache", None) is not None)
+
+
+def exact_linears(x_MK: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """[x W_s^T for each weight] in one native call (`fuses_linears` must hold): each the same bits as
+    `exact_linear(x, W_s)`. A layer's q/k/v and gate/up projections: a 20M decode step's 57 products become
+    33, 0.92x their time back to back."""
+    return native.linears(x_MK, _active.cache.get_stack(weights))
 
 
 def _exact_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:

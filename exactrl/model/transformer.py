@@ -33,6 +33,15 @@ class Linear(nn.Module):
         return self.kernels.linear(x, self.weight, self.bias)
 
 
+def project(x, *linears: Linear) -> list[torch.Tensor]:
+    """x through several Linears that share it (q/k/v, gate/up): one product where the kernels can
+    (the engine: the same bits, fewer calls), else a module call each (autograd, forward hooks)."""
+    kernels, weights = linears[0].kernels, [m.weight for m in linears]
+    if kernels.fuses_linears(x, weights, [m.bias for m in linears]):
+        return kernels.linears(x, weights)
+    return [m(x) for m in linears]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, kernels: Kernels, dim: int, eps: float):
         super().__init__()
@@ -59,9 +68,9 @@ class Attention(nn.Module):
     def forward(self, x_ND, cos_ND, sin_ND, layout, plan, kv_pages):
         c = self.cfg
         n = x_ND.shape[0]
-        q = self.q_proj(x_ND).view(n, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(x_ND).view(n, c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(x_ND).view(n, c.num_key_value_heads, c.head_dim)
+        q, k, v = project(x_ND, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(n, c.num_attention_heads, c.head_dim)
+        k, v = k.view(n, c.num_key_value_heads, c.head_dim), v.view(n, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
@@ -81,7 +90,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(k, F, D, cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.kernels.swiglu(*project(x, self.gate_proj, self.up_proj)))
 
 
 class DecoderLayer(nn.Module):

