@@ -242,12 +242,11 @@ def linears(x_MK: torch.Tensor, w: PackedLinearWeight) -> list[torch.Tensor]:
     M, K = x_MK.shape
     assert x_MK.dtype == torch.float32 and K == w.K, (x_MK.dtype, x_MK.shape, w.K)
     x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
-    ys = [torch.empty(M, n, dtype=torch.float32) for n in w.Ns]
+    y = torch.empty(M * w.N, dtype=torch.float32)  # the outputs one after another, each contiguous
     if M:
-        out = (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys))
-        w.lib.exactrl_linear_multi(x.data_ptr(), w.panels.data_ptr(), M, K, len(ys), w._Ns, out,
+        w.lib.exactrl_linear_multi(x.data_ptr(), w.panels.data_ptr(), M, K, len(w.Ns), w._Ns, y.data_ptr(),
                                    torch.get_num_threads())
-    return ys
+    return [part.view(M, n) for part, n in zip(y.split([M * n for n in w.Ns]), w.Ns)]
 
 
 def _f32(*ts: torch.Tensor) -> list[torch.Tensor]:

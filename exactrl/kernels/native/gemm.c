@@ -168,19 +168,22 @@ static void block_rows(int mr, const float *x, int64_t ldx, const float *b, int6
 
 /* y_s [M, N_s] = x [M, K] . w_s^T for the n weights w_0..w_n-1 of one input (a layer's q/k/v or gate/up
  * projections), their packed panels one after another in wp (each weight's packed by `exactrl_pack_weight`,
- * its last panel zero-padded); x and every y_s contiguous. Each output is the same sum as a call per weight
- * (the order depends on K alone): one call spares the calls and reads x once. */
+ * its last panel zero-padded), the outputs one after another in y (y_0 [M, N_0], then y_1, ...); x
+ * contiguous. Each output is the same sum as a call per weight (the order depends on K alone): one call
+ * spares the calls and reads x once. */
 void exactrl_linear_multi(const float *x, const float *wp, int64_t M, int64_t K, int64_t n, const int64_t *N_s,
-                          float *const *y_s, int threads) {
-    int64_t panels = 0, work = 0;
+                          float *y_all, int threads) {
+    int64_t panels = 0, N_all = 0;
     for (int64_t s = 0; s < n; s++) {
         panels += (N_s[s] + NR - 1) / NR;
-        work += M * N_s[s] * K;
-        if (K == 0) memset(y_s[s], 0, sizeof(float) * M * N_s[s]);
+        N_all += N_s[s];
     }
-    if (K == 0) return;
+    if (K == 0) {
+        memset(y_all, 0, sizeof(float) * M * N_all);
+        return;
+    }
     FP_MODE_OF_CALLER;
-#pragma omp parallel num_threads(threads) if (work >= (1 << 16))
+#pragma omp parallel num_threads(threads) if (M * N_all * K >= (1 << 16))
     {
         FP_MODE_ENTER;
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
@@ -189,10 +192,10 @@ void exactrl_linear_multi(const float *x, const float *wp, int64_t M, int64_t K,
     #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 const float *b = wp + p * K * NR;
-                int64_t s = 0, q = p;  /* weight s, its panel q */
-                while (q >= (N_s[s] + NR - 1) / NR) q -= (N_s[s++] + NR - 1) / NR;
+                int64_t s = 0, q = p;  /* weight s, its panel q, its output y */
+                float *y = y_all;
+                while (q >= (N_s[s] + NR - 1) / NR) q -= (N_s[s] + NR - 1) / NR, y += M * N_s[s++];
                 const int64_t N = N_s[s], n0 = q * NR, cols = N - n0 < NR ? N - n0 : NR;
-                float *y = y_s[s];
                 float part[MR * NR]; /* a last, partial panel's outputs, all NR columns */
                 if (cols < NR) memset(part, 0, sizeof part);
                 for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -224,5 +227,5 @@ void exactrl_linear_multi(const float *x, const float *wp, int64_t M, int64_t K,
 
 /* y [M, N] = x [M, K] . w^T with w packed by `exactrl_pack_weight`; x, y contiguous. */
 void exactrl_linear(const float *x, const float *wp, int64_t M, int64_t N, int64_t K, float *y, int threads) {
-    exactrl_linear_multi(x, wp, M, K, 1, &N, &y, threads);
+    exactrl_linear_multi(x, wp, M, K, 1, &N, y, threads);
 }
