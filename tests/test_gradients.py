@@ -156,3 +156,26 @@ def test_head_logprobs_keeps_nothing_without_grad(qwen3_dir, monkeypatch):
         token_logprobs(model, [[1, 2, 3] * 10])
     token_logprobs(model, [[1, 2, 3] * 10])
     assert kept == [0, 4]  # 29 rows: 4 chunks of 8 kept only when a backward can follow
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 96), (7, 6, 20), (1, 5)])
+def test_exact_rms_norm_gradient_is_the_rms_norm_gradient(dtype, shape):
+    """fp32 takes exact.c's hand-written backward, bf16 autograd of the torch expression: both against
+    autograd of that expression in float64; each input's gradient alone as well."""
+    from exactrl.kernels.rowwise import exact_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).requires_grad_()
+    gy = torch.randn(*shape, generator=g).to(dtype)
+    dx, dw = torch.autograd.grad(exact_rms_norm(x, w, 1e-6), (x, w), gy)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref_dx, ref_dw = torch.autograd.grad(rms_norm(xd, wd, 1e-6), (xd, wd), gy.double())
+    rel = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: its products round, and dw sums rows in bf16
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    for got, ref in ((dx, ref_dx), (dw, ref_dw)):
+        assert torch.allclose(got.double(), ref, rtol=rel, atol=rel * ref.abs().max().item())
+    assert dw.abs().sum() > 0
+    (only_dx,) = torch.autograd.grad(exact_rms_norm(x, w.detach(), 1e-6), (x,), gy)
+    assert torch.equal(only_dx, dx)

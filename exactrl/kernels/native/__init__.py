@@ -127,6 +127,7 @@ def _library(build: str) -> ctypes.CDLL:
                        ("exactrl_swiglu", [ptr, ptr, i64, ptr, ctypes.c_int]),
                        ("exactrl_log_softmax", [ptr, i64, i64, ptr, ctypes.c_int]),
                        ("exactrl_swiglu_backward", [ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]),
+                       ("exactrl_rms_norm_backward", [ptr, ptr, ptr, i64, i64, f32, ptr, ptr, ctypes.c_int]),
                        ("exactrl_draw", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
                        ("exactrl_entropy", [ptr, i64, i64, ptr, ctypes.c_int]),
                        ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int])]:
@@ -172,6 +173,21 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
         library().exactrl_rms_norm(x.data_ptr(), weight_D.data_ptr(), x.dtype == torch.bfloat16, rows, D, eps,
                                    out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def rms_norm_backward(x: torch.Tensor, weight_D: torch.Tensor, g: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of the fp32 RMSNorm for the output gradient g (exact.c has the formula), dx shaped as x."""
+    D = x.shape[-1]
+    assert x.dtype == weight_D.dtype == g.dtype == torch.float32 and g.shape == x.shape and weight_D.shape == (D,)
+    x, g, w = (t if t.is_contiguous() else t.contiguous() for t in (x, g, weight_D))
+    threads = torch.get_num_threads()
+    dx, dw_TD = torch.empty_like(x), torch.zeros(threads, D)
+    rows = x.numel() // D if D else 0
+    if rows:
+        library().exactrl_rms_norm_backward(x.data_ptr(), w.data_ptr(), g.data_ptr(), rows, D, eps, dx.data_ptr(),
+                                            dw_TD.data_ptr(), threads)
+    return dx, dw_TD.sum(0)
 
 
 def rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:

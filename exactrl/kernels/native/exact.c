@@ -27,6 +27,9 @@
  * computed together so each key is read once for the G of them.
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -308,6 +311,42 @@ void exactrl_rms_norm(const void *x, const void *w, int bf16, int64_t rows, int6
                 const float r = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);  /* the same lanes and tree as bf16 */
                 for (d = 0; d < D; d++) o[d] = wr[d] * (xr[d] * r);
             }
+        }
+        FP_MODE_LEAVE;
+    }
+}
+
+/* The gradient of the fp32 RMSNorm above (gradients carry no bitwise contract: any order will do), with
+ * n = x r the normalised row and g the output's gradient:
+ *
+ *     dx = r (g w - n (sum_d g_d w_d n_d) / D)        dw += g n   (over the rows)
+ *
+ * dw_part is [threads, D], zeroed by the caller: each thread adds its rows' terms into its own row, and the
+ * caller sums them. One pass where autograd of the torch expression took ~10 ops of [rows, D] temporaries. */
+void exactrl_rms_norm_backward(const float *x, const float *w, const float *g, int64_t rows, int64_t D, float eps,
+                               float *dx, float *dw_part, int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel num_threads(threads) if (rows * D >= 65536)
+    {
+        FP_MODE_ENTER;
+#ifdef _OPENMP
+        float *dw = dw_part + (int64_t)omp_get_thread_num() * D;
+#else
+        float *dw = dw_part;
+#endif
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; i++) {
+            const float *xr = x + i * D, *gr = g + i * D;
+            float *o = dx + i * D;
+            const float r = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);
+            float c = 0.0f;
+            for (int64_t d = 0; d < D; d++) {
+                const float n = xr[d] * r;
+                c += gr[d] * w[d] * n;
+                dw[d] += gr[d] * n;
+            }
+            c /= (float)D;
+            for (int64_t d = 0; d < D; d++) o[d] = r * (gr[d] * w[d] - xr[d] * r * c);
         }
         FP_MODE_LEAVE;
     }
