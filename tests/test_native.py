@@ -132,6 +132,39 @@ def test_layout_without_a_page_for_a_key_is_a_value_error():
         A.exact_attention(torch.zeros(1, 1, 8), pages, pages, plan, 1.0)
 
 
+def test_layout_check_agrees_with_its_torch_statement():
+    """exact.c's one-pass layout check against the same rule in torch ops, on random layouts with and
+    without missing pages, out-of-table sequences and negative positions."""
+    from exactrl.kernels import native
+
+    def reference(seq, pos, table, B):
+        S, J = table.shape
+        if int(pos.min()) < 0 or int(seq.min()) < 0 or int(seq.max()) >= S:
+            return "positions must be"
+        last = torch.full((S,), -1, dtype=torch.int64).scatter_reduce(0, seq, pos, "amax")
+        need = (torch.arange(J) * B)[None, :] <= last[:, None]
+        if int(last.max()) // B >= J or not bool((table[need] >= 0).all()):
+            return "no page"
+        return int(pos.max()) + 1, int(table[need].max())
+
+    g = torch.Generator().manual_seed(4)
+    seen = set()
+    for _ in range(300):
+        S, J, B, N = (int(torch.randint(1, 6, (1,), generator=g)) for _ in range(4))
+        table = torch.randint(-1, 20, (S, J), generator=g) if _ % 3 else torch.randint(0, 20, (S, J), generator=g)
+        seq = torch.randint(-1 if _ % 17 == 0 else 0, S + (_ % 13 == 0), (N,), generator=g)
+        pos = torch.randint(-1 if _ % 19 == 0 else 0, J * B + (B if _ % 7 == 0 else 0), (N,), generator=g)
+        want = reference(seq, pos, table, B)
+        if isinstance(want, str):
+            with pytest.raises(ValueError, match=want):
+                native.check_layout(seq, pos, table, B)
+            seen.add(want)
+        else:
+            assert native.check_layout(seq, pos, table, B) == want
+            seen.add("ok")
+    assert seen == {"ok", "no page", "positions must be"}  # every outcome was drawn
+
+
 def test_missing_compiler_names_the_problem(monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-exactrl")
     with pytest.raises(RuntimeError, match="C compiler"):

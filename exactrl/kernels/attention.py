@@ -94,18 +94,12 @@ class FastPlan:
 
 
 def plan_exact(layout: TokenLayout, block_size: int) -> ExactPlan:
-    """Checks that every key a query row reads has a page (the kernel reads pages unchecked)."""
-    seq_N, pos_N, table_SJ = layout.seq_N, layout.pos_N, layout.block_table_SJ
-    S, J = table_SJ.shape
-    if len(seq_N) == 0:
+    """Checks that every key a query row reads has a page (the kernel reads pages unchecked): one C pass,
+    where a dozen torch ops took ~0.15 ms of a 20M decode step."""
+    if len(layout.seq_N) == 0:
         return ExactPlan(layout, block_size, 0, -1)
-    if int(pos_N.min()) < 0 or int(seq_N.min()) < 0 or int(seq_N.max()) >= S:
-        raise ValueError("token layout: positions must be >= 0 and sequences rows of the block table")
-    last_S = torch.full((S,), -1, dtype=torch.int64).scatter_reduce(0, seq_N, pos_N, "amax")
-    need_SJ = (torch.arange(J) * block_size)[None, :] <= last_S[:, None]
-    if int(last_S.max()) // block_size >= J or not bool((table_SJ[need_SJ] >= 0).all()):
-        raise ValueError("token layout: a key position has no page in the block table")
-    return ExactPlan(layout, block_size, int(pos_N.max()) + 1, int(table_SJ[need_SJ].max()))
+    max_len, max_page = native.check_layout(layout.seq_N, layout.pos_N, layout.block_table_SJ, block_size)
+    return ExactPlan(layout, block_size, max_len, max_page)
 
 
 def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
@@ -151,9 +145,8 @@ def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> 
     if plan.max_page >= k_pages.shape[0]:
         raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
     lay = plan.layout
-    with torch.no_grad():  # values only; `_ExactAttention` supplies the gradient
-        o = native.attention(q_NHD.detach(), k_pages.detach(), v_pages.detach(), lay.seq_N, lay.pos_N,
-                             lay.block_table_SJ, plan.max_len, scale)
+    # values only (`_ExactAttention` supplies the gradient): the C kernel fills a new tensor autograd never sees
+    o = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, plan.max_len, scale)
     return o.to(q_NHD.dtype)
 
 

@@ -122,6 +122,8 @@ def _library(build: str) -> ctypes.CDLL:
     lib.exactrl_linear.restype = None
     lib.exactrl_linear_multi.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
     lib.exactrl_linear_multi.restype = None
+    lib.exactrl_check_layout.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+    lib.exactrl_check_layout.restype = ctypes.c_int
     f32 = ctypes.c_float
     for name, args in [("exactrl_exp", [ptr, i64, ptr]),
                        ("exactrl_swiglu", [ptr, ptr, i64, ptr, ctypes.c_int]),
@@ -133,6 +135,23 @@ def _library(build: str) -> ctypes.CDLL:
                        ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int])]:
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
     return lib
+
+
+def check_layout(seq_N: torch.Tensor, pos_N: torch.Tensor, table_SJ: torch.Tensor, block_size: int
+                 ) -> tuple[int, int]:
+    """(max position + 1, highest page read) of a token layout, or a ValueError naming what is wrong (exact.c)."""
+    assert seq_N.dtype == pos_N.dtype == table_SJ.dtype == torch.int64 and seq_N.shape == pos_N.shape
+    seq, pos, table = (t if t.is_contiguous() else t.contiguous() for t in (seq_N, pos_N, table_SJ))
+    S, J = table.shape
+    scratch = torch.empty(S + 2, dtype=torch.int64)
+    err = library().exactrl_check_layout(seq.data_ptr(), pos.data_ptr(), seq.shape[0], table.data_ptr(), S, J,
+                                         block_size, scratch.data_ptr(), scratch[S:].data_ptr())
+    if err == 1:
+        raise ValueError("token layout: positions must be >= 0 and sequences rows of the block table")
+    if err == 2:
+        raise ValueError("token layout: a key position has no page in the block table")
+    max_len, max_page = scratch[S:].tolist()
+    return max_len, max_page
 
 
 def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, seq_N: torch.Tensor,

@@ -203,6 +203,34 @@ static void scores(int64_t G, const float *q, const float *k, int64_t D, float *
     for (int64_t g = 0; g < G; g++) out[g * stride] = dot(q + g * D, k, D);
 }
 
+/* The attention plan's checks of a token layout, in one pass (the kernel then reads pages unchecked):
+ * returns 1 if a position is < 0 or a sequence outside the table's S rows, 2 if a key position (0 up to the
+ * last query position of its sequence) has no page (j >= J or table -1), else 0 with out[0] = the longest
+ * key range (max position + 1) and out[1] = the highest page any query row reads (-1 if none).
+ * last_S is scratch of S int64. */
+int exactrl_check_layout(const int64_t *seq_N, const int64_t *pos_N, int64_t N, const int64_t *table_SJ,
+                         int64_t S, int64_t J, int64_t B, int64_t *last_S, int64_t *out) {
+    int64_t max_pos = -1, max_page = -1;
+    for (int64_t s = 0; s < S; s++) last_S[s] = -1;
+    for (int64_t n = 0; n < N; n++) {
+        if (pos_N[n] < 0 || seq_N[n] < 0 || seq_N[n] >= S) return 1;
+        if (pos_N[n] > last_S[seq_N[n]]) last_S[seq_N[n]] = pos_N[n];
+        if (pos_N[n] > max_pos) max_pos = pos_N[n];
+    }
+    for (int64_t s = 0; s < S; s++) {
+        if (last_S[s] < 0) continue;
+        if (last_S[s] / B >= J) return 2;
+        for (int64_t j = 0; j <= last_S[s] / B; j++) {
+            const int64_t page = table_SJ[s * J + j];
+            if (page < 0) return 2;
+            if (page > max_page) max_page = page;
+        }
+    }
+    out[0] = max_pos + 1;
+    out[1] = max_page;
+    return 0;
+}
+
 /* Returns 0, or 1 if a thread could not allocate its scratch memory. */
 int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
                       const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
