@@ -33,6 +33,25 @@ def test_row_logprobs_mixed_rows_equal_uniform_calls():
         assert torch.equal(lp[i], ref[0]), i
 
 
+def test_row_logprobs_plain_rows_take_the_short_path_with_the_same_bits(monkeypatch):
+    """Rows at T = 0 or 1 without top-k/top-p (the RL default) skip sampling_logprobs' checks: the same
+    bits as the full call; one tempered row sends the batch through the full path."""
+    import exactrl.engine.sampling as S
+
+    torch.manual_seed(1)
+    V = 3000
+    logits = torch.randn(6, V) * 4
+    params = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=V), SamplingParams(top_p=1.0),
+              SamplingParams(), SamplingParams(temperature=1.0)]
+    full = sampling_logprobs(logits, torch.tensor([float(p.temperature) for p in params]),
+                             torch.tensor([p.top_k for p in params]), torch.tensor([float(p.top_p) for p in params]))
+    calls = []
+    monkeypatch.setattr(S, "sampling_logprobs", lambda *a: calls.append(1) or sampling_logprobs(*a))
+    assert torch.equal(row_logprobs(logits, rows_for(params, V)), full) and not calls
+    row_logprobs(logits, rows_for(params[:5] + [SamplingParams(temperature=0.7)], V))
+    assert calls
+
+
 def test_uniform_is_counter_based():
     a = [sample_uniform(7, j, t) for j in range(3) for t in range(50)]
     assert a == [sample_uniform(7, j, t) for j in range(3) for t in range(50)]
