@@ -122,8 +122,9 @@ ONEDNN_MIN_WEIGHT_BF16 = 1 << 14  # elements (K x N) of a bf16 weight that uses 
 class PackedWeights:
     """Packed copies of weights (`_pack`), for an owner that knows when its weights change and clears it then.
 
-    Entries are keyed by the weight tensor (and checked against its storage, shape,
-    strides, dtype and version counter as a second guard); they go when the weight goes.
+    Entries are keyed by the weight tensor, or by the weights of a stack (`get_stack`), and checked
+    against each one's storage, shape, strides, dtype and version counter as a second guard; they go when
+    a weight goes.
     """
 
     def __init__(self):
