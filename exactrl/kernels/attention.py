@@ -91,6 +91,7 @@ class FastPlan:
     pos_SQ: torch.Tensor  # position, 0 where padded (a fully masked row would give NaN)
     block_table_SJ: torch.Tensor
     num_blocks: int
+    valid_x: torch.Tensor  # flat indices of the valid (s, q) slots, in order
 
 
 def plan_exact(layout: TokenLayout, block_size: int) -> ExactPlan:
@@ -113,7 +114,8 @@ def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
     valid_SQ = i_SQ < counts_S[:, None]
     tok_SQ = torch.where(valid_SQ, order_N[(offset_S[:, None] + i_SQ).clamp(max=len(order_N) - 1)], 0)
     pos_SQ = torch.where(valid_SQ, pos_N[tok_SQ], 0)
-    return FastPlan(tok_SQ, valid_SQ, pos_SQ, layout.block_table_SJ, int(pos_N.max()) // block_size + 1)
+    return FastPlan(tok_SQ, valid_SQ, pos_SQ, layout.block_table_SJ, int(pos_N.max()) // block_size + 1,
+                    valid_SQ.reshape(-1).nonzero().squeeze(1))
 
 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
@@ -188,10 +190,13 @@ def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Te
         return x.view(S, J, Hk, B, D).permute(0, 2, 1, 3, 4).reshape(S, Hk, J * B, D)
 
     k, v = gather(k_pages), gather(v_pages)
-    q = q_NHD[plan.tok_SQ].transpose(1, 2)  # [S, H, Q, D]
+    Q, (N, H, D) = plan.tok_SQ.shape[1], q_NHD.shape
+    # row copies by index_select / index_copy: their backwards are index_add / index_select, where
+    # advanced indexing's was an accumulating index_put (~7 ms each, 19 per 20M training step)
+    q = q_NHD.index_select(0, plan.tok_SQ.reshape(-1)).view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
     mask = torch.arange(J * B)[None, None, :] <= plan.pos_SQ[:, :, None]
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
                                        scale=scale, enable_gqa=True)
-    o = o.transpose(1, 2)  # [S, Q, H, D]
-    out = torch.zeros_like(q_NHD)
-    return out.index_put((plan.tok_SQ[plan.valid_SQ],), o[plan.valid_SQ])
+    o_xHD = o.transpose(1, 2).reshape(S * Q, H, D)  # [S * Q, H, D]
+    return torch.zeros_like(q_NHD).index_copy(0, plan.tok_SQ.reshape(-1)[plan.valid_x],
+                                              o_xHD.index_select(0, plan.valid_x))
