@@ -190,7 +190,7 @@ def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Te
         return x.view(S, J, Hk, B, D).permute(0, 2, 1, 3, 4).reshape(S, Hk, J * B, D)
 
     k, v = gather(k_pages), gather(v_pages)
-    Q, (N, H, D) = plan.tok_SQ.shape[1], q_NHD.shape
+    Q, (_, H, D) = plan.tok_SQ.shape[1], q_NHD.shape
     # row copies by index_select / index_copy: their backwards are index_add / index_select, where
     # advanced indexing's was an accumulating index_put (~7 ms each, 19 per 20M training step)
     q = q_NHD.index_select(0, plan.tok_SQ.reshape(-1)).view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]

@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) void block(const int mr, const floa
         if (i < mr) acc0[i] = acc1[i] = VZERO();
     int since = 0;
     for (int64_t k = k0; k < k1; k++) {
-        if (every && ++since == every) { /* one row of the next chunk, from memory into L2 (see exactrl_linear) */
+        if (every && ++since == every) { /* one row of the next chunk, from memory into L2 (see exactrl_linear_multi) */
             since = 0;
             _mm_prefetch((const char *)ahead, _MM_HINT_T1);
             _mm_prefetch((const char *)(ahead + W), _MM_HINT_T1);
