@@ -39,7 +39,7 @@ def test_matches_causal_softmax_attention(dtype, D, H, Hk):
     n, B = 45, 8
     q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (H, Hk, Hk))
     kp, vp, table = _paged(k, v, B, random.Random(0))
-    o = native.attention(q, kp, vp, torch.zeros(n, dtype=torch.int64), torch.arange(n), table, n, D**-0.5)
+    o = native.attention(q, kp, vp, torch.zeros(n, dtype=torch.int64), torch.arange(n), table, D**-0.5)
     ref = F.scaled_dot_product_attention(*(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
                                          enable_gqa=True)[0].transpose(0, 1)
     assert o.dtype == torch.float32
@@ -55,19 +55,19 @@ def test_a_row_depends_only_on_its_own_keys_whatever_else_is_in_the_call():
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (H, Hk, Hk))
     kp, vp, table = _paged(k, v, B, rng)
     seq, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n)
-    full = native.attention(q, kp, vp, seq, pos, table, n, 0.2)
+    full = native.attention(q, kp, vp, seq, pos, table, 0.2)
     threads = torch.get_num_threads()
     try:
         for t in range(0, n, 7):
             torch.set_num_threads(rng.choice([1, 2]))
-            one = native.attention(q[t:t + 1], kp, vp, seq[:1], pos[t:t + 1], table, t + 1, 0.2)
+            one = native.attention(q[t:t + 1], kp, vp, seq[:1], pos[t:t + 1], table, 0.2)
             assert torch.equal(one[0], full[t]), t
             # the same row inside a call with another sequence's rows before it (its own pages elsewhere)
             kp2, vp2, table2 = _paged(k, v, B, rng, spare=8)
             qq = torch.cat([torch.randn(5, H, D, generator=g), q[t:t + 1]])
             both = torch.cat([table2, torch.roll(table2, 1, dims=1)])
             out = native.attention(qq, kp2, vp2, torch.tensor([1] * 5 + [0]), torch.tensor([3, 9, 0, 60, 11, t]),
-                                   both, 61 + t, 0.2)
+                                   both, 0.2)
             assert torch.equal(out[-1], full[t]), t
     finally:
         torch.set_num_threads(threads)
@@ -335,11 +335,11 @@ def test_attention_gives_the_same_bits_in_every_build(build):
     for b in ("", build):
         out = torch.empty(9, H, D)
         native.library(b).exactrl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, seq.data_ptr(),
-                                            pos.data_ptr(), table.data_ptr(), 9, H, Hk, D, B, 3, 12, 0.125,
+                                            pos.data_ptr(), table.data_ptr(), 9, H, Hk, D, B, 3, 0.125,
                                             out.data_ptr(), torch.get_num_threads())
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    assert torch.equal(outs[0], native.attention(q, k, v, seq, pos, table, 12, 0.125))
+    assert torch.equal(outs[0], native.attention(q, k, v, seq, pos, table, 0.125))
 
 
 @pytest.mark.parametrize("G", [2, 3, 8, 9])  # 2..8: exact.c's register paths for G heads at once; 9: the loop
@@ -353,6 +353,6 @@ def test_a_query_heads_bits_do_not_depend_on_how_many_heads_share_its_kv_head(G,
     q = torch.randn(7, Hk * G, D, generator=g) * 3
     seq, pos = torch.tensor([0, 0, 0, 1, 1, 1, 1]), torch.tensor([0, 5, 11, 2, 3, 8, 19])
     table = torch.tensor([[0, 2, 4, -1, -1], [1, 3, 0, 2, 4]])
-    together = native.attention(q, k, v, seq, pos, table, 20, 0.2)
-    alone = native.attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), seq, pos, table, 20, 0.2)
+    together = native.attention(q, k, v, seq, pos, table, 0.2)
+    alone = native.attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), seq, pos, table, 0.2)
     assert torch.equal(together, alone)

@@ -26,7 +26,10 @@ class PagePool:
             raise ValueError(f"the KV budget must hold at least one page of {model.block_size} tokens")
         self.num_pages = num_pages
         self.block_size = model.block_size
-        self.kv = model.new_kv(num_pages)  # per layer [k_pages, v_pages], each [P, Hk, B, Dh]
+        # per layer [k_pages, v_pages], each [P + 1, Hk, B, Dh]: the last page is scratch, never handed out
+        # (the padding rows of a decode graph write there: engine/graph.py)
+        self.kv = model.new_kv(num_pages + 1)
+        self.scratch_page = num_pages
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids are reused first
 

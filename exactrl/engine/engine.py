@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 import torch
 
 from exactrl.engine.cache import PagePool
+from exactrl.engine.graph import DecodeGraphs
 from exactrl.engine.sampling import (SampleRows, SamplingParams, draw, params_per_prompt, row_logprobs,
                                      sample_uniform)
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
@@ -76,13 +77,15 @@ class _Batch:
     layout: TokenLayout
     rows_R: torch.Tensor  # row of the step's hidden states each sample reads
     targets: list[Sequence]  # sequence receiving each sampled token (R of them)
+    decode: bool  # one token per sequence, each row sampled once, in order: a step a decode graph replays
 
 
 class Engine:
     """Continuous-batching generator with bitwise-exact logprobs (in `exact` kernel mode)."""
 
     def __init__(self, model, *, stop_token_ids=None, kv_budget_tokens: int = 16384,
-                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None):
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 decode_graphs: bool = True):
         self.model = model
         cfg = model.config
         self.vocab_size = cfg.vocab_size
@@ -104,6 +107,11 @@ class Engine:
         # packed copies of the weights (fp32 for the native linear, bf16 for oneDNN: kernels/linear.py),
         # valid until update_weights
         self._packed = PackedWeights()
+        # decode_graphs: replay recorded decode steps (engine/graph.py; exact fp32 kernels), else run every
+        # step's forward eagerly. The same bits either way.
+        self._graphs = (DecodeGraphs(model, self.pool.kv, self.pool.scratch_page,
+                                     min(-(-self.max_model_len // model.block_size), self.pool.num_pages))
+                        if decode_graphs and DecodeGraphs.supported(model) else None)
         model.kernels.prepare(model.linear_weights())  # at start, so that no request waits for them
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()  # arrival order of sequences = scheduling priority
@@ -238,9 +246,12 @@ class Engine:
         with torch.inference_mode(), using_packed(self._packed):
             self.pool.copy(sched.copies)
             batch = self._build_batch(sched)
-            hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
+            if batch.decode and self._graphs is not None:
+                logits_RV = self._graphs.logits(batch.tokens_N, batch.layout)
+            else:
+                hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
+                logits_RV = self.model.logits(hidden_ND[batch.rows_R]) if batch.targets else None
             if batch.targets:
-                logits_RV = self.model.logits(hidden_ND[batch.rows_R])
                 rows = self._sample_rows(batch.targets)
                 tok_R, lp_R = draw(row_logprobs(logits_RV, rows), rows)
                 self._check_drawn(tok_R, batch.targets)
@@ -281,7 +292,8 @@ class Engine:
         J = max(len(c.seq.pages) for c in sched.chunks)
         table = [c.seq.pages + [-1] * (J - len(c.seq.pages)) for c in sched.chunks]
         layout = TokenLayout(torch.tensor(seq_idx), torch.tensor(pos), torch.tensor(table))
-        return _Batch(torch.tensor(tokens), layout, torch.tensor(rows, dtype=torch.int64), targets)
+        decode = len(tokens) == len(sched.chunks) and rows == list(range(len(tokens)))
+        return _Batch(torch.tensor(tokens), layout, torch.tensor(rows, dtype=torch.int64), targets, decode)
 
     def _sample_rows(self, targets: list[Sequence]) -> SampleRows:
         ps = [s.request.params for s in targets]
@@ -324,6 +336,7 @@ class Engine:
         if self._requests:
             raise RuntimeError("weights_changed() with requests running: use update_weights, which recomputes them")
         self._packed.clear()
+        self._clear_graphs()
 
     def close(self) -> None:
         """Nothing to release (the KV pool goes with the engine); every rollout backend closes alike
@@ -364,6 +377,11 @@ class Engine:
             for k, v in sd.items():
                 params[k].copy_(v.detach())
         self._packed.clear()
+        self._clear_graphs()
         self.version = self.version + 1 if version is None else version
         self.scheduler.preempt_all()
         return self.version
+
+    def _clear_graphs(self) -> None:
+        if self._graphs is not None:  # they point at the packed copies just dropped
+            self._graphs.clear()

@@ -72,7 +72,6 @@ class ExactPlan:
 
     layout: TokenLayout
     block_size: int
-    max_len: int  # longest key range of any query row (max position + 1): the kernel's scratch size
     max_page: int  # highest page any query row reads: must exist in the store
     _fast: FastPlan | None = None  # built on the first backward, shared by every layer
 
@@ -98,9 +97,9 @@ def plan_exact(layout: TokenLayout, block_size: int) -> ExactPlan:
     """Checks that every key a query row reads has a page (the kernel reads pages unchecked): one C pass,
     where a dozen torch ops took ~0.15 ms of a 20M decode step."""
     if len(layout.seq_N) == 0:
-        return ExactPlan(layout, block_size, 0, -1)
-    max_len, max_page = native.check_layout(layout.seq_N, layout.pos_N, layout.block_table_SJ, block_size)
-    return ExactPlan(layout, block_size, max_len, max_page)
+        return ExactPlan(layout, block_size, -1)
+    _, max_page = native.check_layout(layout.seq_N, layout.pos_N, layout.block_table_SJ, block_size)
+    return ExactPlan(layout, block_size, max_page)
 
 
 def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
@@ -148,7 +147,7 @@ def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> 
         raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
     lay = plan.layout
     # values only (`_ExactAttention` supplies the gradient): the C kernel fills a new tensor autograd never sees
-    o = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, plan.max_len, scale)
+    o = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale)
     return o.to(q_NHD.dtype)
 
 

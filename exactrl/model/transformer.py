@@ -139,16 +139,24 @@ class CausalLM(nn.Module):
                 for _ in range(c.num_hidden_layers)]
 
     def forward(self, tokens_N: torch.Tensor, layout: TokenLayout, kv: list[list[torch.Tensor]]) -> torch.Tensor:
+        x_ND, cos_ND, sin_ND, plan = self.layer_inputs(tokens_N, layout)
+        return self.run_layers(x_ND, cos_ND, sin_ND, layout, plan, kv)
+
+    def layer_inputs(self, tokens_N: torch.Tensor, layout: TokenLayout):
+        """(embeddings, rotary cos and sin at each position, attention plan): the layers' inputs, the layout
+        checked. Apart from `run_layers` because the engine's decode graphs replay that part only."""
         c = self.config
         if int(layout.pos_N.max()) >= c.max_position_embeddings:
             raise ValueError(f"position {int(layout.pos_N.max())} is beyond max_position_embeddings="
                              f"{c.max_position_embeddings}")
         plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size)
-        cos, sin = self.rope_cos[layout.pos_N], self.rope_sin[layout.pos_N]
-        x = self.model.embed_tokens(tokens_N)
+        return self.model.embed_tokens(tokens_N), self.rope_cos[layout.pos_N], self.rope_sin[layout.pos_N], plan
+
+    def run_layers(self, x_ND, cos_ND, sin_ND, layout, plan, kv) -> torch.Tensor:
+        """The decoder layers and the final norm: final hidden states [N, D]."""
         for layer, pages in zip(self.model.layers, kv):
-            x = layer(x, cos, sin, layout, plan, pages)
-        return self.model.norm(x)
+            x_ND = layer(x_ND, cos_ND, sin_ND, layout, plan, pages)
+        return self.model.norm(x_ND)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ gradient, the engine's token draw, the LM head's entropy and logit gradient,
 each one pass over memory where torch took several. `fpmode.h`: every thread of a
 parallel region computes in its caller's flush-to-zero / denormal mode.
 `exp_f.h`: the kernels' own float32 exp (vectorisable, the same bits on every CPU).
+`graph.c` (with `graph.py`): replays recorded kernel calls in one C loop (the engine's decode graphs).
 
 Why C: the exact attention computes each query row on its own with a fixed
 reduction order (`exact.c`). In torch ops that needs many tiny fixed-shape
@@ -34,12 +35,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("exact.c", "gemm.c", "pointwise.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("exact.c", "gemm.c", "pointwise.c", "graph.c"))
 HEADERS = (Path(__file__).with_name("fpmode.h"), Path(__file__).with_name("exp_f.h"))
 # other builds, for the tests: the same sums, so the same bits, as the machine's own build ("portable":
 # gemm.c's plain-C kernel and no vectorising at all)
@@ -73,8 +75,28 @@ def _compiler() -> str:
 def library(build: str = "") -> ctypes.CDLL:
     """The compiled kernels. Another `build` ("avx2": without AVX-512, as on an AVX2-only CPU; "portable":
     gemm.c without vector intrinsics, plain C `fmaf`, nothing vectorised) is for the tests, which compare
-    its bits."""
-    return _library(build)
+    its bits. While `graph.recording` is active on this thread, calls through it are also noted."""
+    calls = getattr(_recording, "calls", None)
+    return _library(build) if calls is None else _Recorder(_library(build), build, calls)
+
+
+_recording = threading.local()  # .calls: the list `graph.recording` notes this thread's kernel calls in
+
+
+class _Recorder:
+    """`library()` while a recording is active: each kernel call is made and noted as
+    (build, function name, argument types, arguments)."""
+
+    def __init__(self, lib: ctypes.CDLL, build: str, calls: list):
+        self._lib, self._build, self._calls = lib, build, calls
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._lib, name)
+
+        def call(*args):
+            self._calls.append((self._build, name, fn.argtypes, args))
+            return fn(*args)
+        return call
 
 
 @functools.cache  # one entry per build, however it is asked for
@@ -107,7 +129,7 @@ def _library(build: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.exactrl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                      i64, ctypes.c_float, ptr, ctypes.c_int]
+                                      ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_attention.restype = ctypes.c_int
     lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_rms_norm.restype = None
@@ -132,8 +154,11 @@ def _library(build: str) -> ctypes.CDLL:
                        ("exactrl_rms_norm_backward", [ptr, ptr, ptr, i64, i64, f32, ptr, ptr, ctypes.c_int]),
                        ("exactrl_draw", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
                        ("exactrl_entropy", [ptr, i64, i64, ptr, ctypes.c_int]),
+                       ("exactrl_add", [ptr, ptr, i64, i64, ptr]),
                        ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int])]:
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+    lib.exactrl_graph_kernels.argtypes, lib.exactrl_graph_kernels.restype = [], ctypes.c_char_p
+    lib.exactrl_graph_run.argtypes, lib.exactrl_graph_run.restype = [ptr, i64], i64
     return lib
 
 
@@ -155,11 +180,9 @@ def check_layout(seq_N: torch.Tensor, pos_N: torch.Tensor, table_SJ: torch.Tenso
 
 
 def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, seq_N: torch.Tensor,
-              pos_N: torch.Tensor, table_SJ: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+              pos_N: torch.Tensor, table_SJ: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of every query row over its sequence's keys 0..pos (exact.c): [N, H, D] fp32.
-
-    `max_len` must be at least every pos + 1 (the scratch size of a score row).
-    """
+    The layout must have passed `check_layout` (the kernel reads pages unchecked)."""
     N, H, D = q_NHD.shape
     P, Hk, B, Dk = k_pages.shape
     assert Dk == D and H % Hk == 0 and v_pages.shape == k_pages.shape
@@ -172,7 +195,7 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         return out
     failed = library().exactrl_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), seq.data_ptr(), pos.data_ptr(),
-        table.data_ptr(), N, H, Hk, D, B, table.shape[1], max_len, scale, out.data_ptr(), torch.get_num_threads())
+        table.data_ptr(), N, H, Hk, D, B, table.shape[1], scale, out.data_ptr(), torch.get_num_threads())
     if failed:
         raise MemoryError("exact attention could not allocate its per-thread scratch memory")
     return out
@@ -247,7 +270,7 @@ class PackedLinearWeight:
         ws = [w_NK] if isinstance(w_NK, torch.Tensor) else list(w_NK)
         assert ws and all(w.dim() == 2 and w.dtype == torch.float32 and w.shape[1] == ws[0].shape[1] for w in ws), \
             [(w.shape, w.dtype) for w in ws]
-        self.lib = library(build)
+        self.build, self.lib = build, _library(build)
         self.Ns = tuple(w.shape[0] for w in ws)
         self.N, self.K = sum(self.Ns), ws[0].shape[1]
         nr = self.lib.exactrl_gemm_panel_width()
@@ -268,7 +291,8 @@ def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:
     x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
     y = torch.empty(M, w.N, dtype=torch.float32)
     if M and w.N:
-        w.lib.exactrl_linear(x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(), torch.get_num_threads())
+        library(w.build).exactrl_linear(x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(),
+                                        torch.get_num_threads())
     return y
 
 
@@ -279,7 +303,7 @@ def linears(x_MK: torch.Tensor, w: PackedLinearWeight) -> list[torch.Tensor]:
     x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
     y = torch.empty(M * w.N, dtype=torch.float32)  # the outputs one after another, each contiguous
     if M:
-        w.lib.exactrl_linear_multi(x.data_ptr(), w.panels.data_ptr(), M, K, len(w.Ns), w._Ns, y.data_ptr(),
+        library(w.build).exactrl_linear_multi(x.data_ptr(), w.panels.data_ptr(), M, K, len(w.Ns), w._Ns, y.data_ptr(),
                                    torch.get_num_threads())
     return [part.view(M, n) for part, n in zip(y.split([M * n for n in w.Ns]), w.Ns)]
 
@@ -294,6 +318,17 @@ def exp(x: torch.Tensor, build: str = "") -> torch.Tensor:
     (x,) = _f32(x)
     out = torch.empty_like(x)
     library(build).exactrl_exp(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b, float32, b of a's shape or of its last dimensions (broadcast over the rest): torch's bits
+    (pointwise.c). What a recorded graph runs for a residual add or a bias."""
+    assert b.dim() <= a.dim() and a.shape[a.dim() - b.dim():] == b.shape, (a.shape, b.shape)
+    a, b = _f32(a, b)
+    out = torch.empty_like(a)
+    if b.numel():
+        library().exactrl_add(a.data_ptr(), b.data_ptr(), a.numel(), b.numel(), out.data_ptr())
     return out
 
 

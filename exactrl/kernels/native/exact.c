@@ -235,8 +235,10 @@ int exactrl_check_layout(const int64_t *seq_N, const int64_t *pos_N, int64_t N, 
 int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
                       const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
                       int64_t N, int64_t H, int64_t Hk, int64_t D, int64_t B, int64_t J,
-                      int64_t max_len, float scale, float *out, int threads) {
+                      float scale, float *out, int threads) {
     const int64_t G = H / Hk, row_bytes = D * (bf16 ? 2 : 4);
+    int64_t max_len = 0;  /* the longest key range (max position + 1): the score rows' length */
+    for (int64_t n = 0; n < N; n++) max_len = pos_N[n] + 1 > max_len ? pos_N[n] + 1 : max_len;
     int failed = 0;
     FP_MODE_OF_CALLER;
 #pragma omp parallel num_threads(threads)

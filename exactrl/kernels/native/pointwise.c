@@ -236,3 +236,10 @@ void exactrl_head_grad(const float *lp, int64_t R, int64_t V, const float *g_lp,
         FP_MODE_LEAVE;
     }
 }
+
+/* out = a + b over n floats, b's nb floats repeated (nb = n: a residual add; nb = a row: a bias), as a kernel a
+ * recorded graph can replay (graph.c). One IEEE sum per element, so the bits of torch's `a + b`. */
+void exactrl_add(const float *a, const float *b, int64_t n, int64_t nb, float *out) {
+    for (int64_t r = 0; r < n; r += nb)
+        for (int64_t i = 0; i < nb; i++) out[r + i] = a[r + i] + b[i];
+}
