@@ -105,7 +105,7 @@ class Engine:
         self.stop_token_ids = frozenset(eos) | frozenset(stop_token_ids or ())
         self.version = 0  # incremented by every update_weights
         # packed copies of the weights (fp32 for the native linear, bf16 for oneDNN: kernels/linear.py),
-        # valid until update_weights
+        # packed again by update_weights
         self._packed = PackedWeights()
         # decode_graphs: replay recorded decode steps (engine/graph.py; exact fp32 kernels), else run every
         # step's forward eagerly. The same bits either way.
@@ -336,7 +336,8 @@ class Engine:
         if self._requests:
             raise RuntimeError("weights_changed() with requests running: use update_weights, which recomputes them")
         self._packed.clear()
-        self._clear_graphs()
+        if self._graphs is not None:  # they point at the packed copies just dropped
+            self._graphs.clear()
 
     def close(self) -> None:
         """Nothing to release (the KV pool goes with the engine); every rollout backend closes alike
@@ -376,12 +377,10 @@ class Engine:
         with torch.no_grad():
             for k, v in sd.items():
                 params[k].copy_(v.detach())
-        self._packed.clear()
-        self._clear_graphs()
+        # packed again in place, so the decode graphs that point at the packed copies stay valid
+        self._packed.refresh()
+        if self._graphs is not None:
+            self._graphs.weights_updated()
         self.version = self.version + 1 if version is None else version
         self.scheduler.preempt_all()
         return self.version
-
-    def _clear_graphs(self) -> None:
-        if self._graphs is not None:  # they point at the packed copies just dropped
-            self._graphs.clear()

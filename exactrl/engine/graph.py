@@ -22,9 +22,10 @@ Steps with prefill chunks, and any other kernels or dtype, run eagerly.
   same IEEE sums); any other op raises, as its work would be missing from the
   replay.
 - A graph points at the weights' packed copies, the norms' weights and the KV
-  store. Graphs are dropped by `clear()` (the engine's `update_weights` and
-  `weights_changed`) and whenever a parameter's storage or version counter
-  has moved since they were recorded.
+  store. `update_weights` writes the weights and packs them again in place,
+  so graphs survive it (`weights_updated`); they are dropped by `clear()`
+  (`weights_changed`) and whenever a parameter's storage or version counter
+  has moved otherwise.
 
 Legend: N rows of the step (one token per sequence), Nb rows of its bucket, D hidden,
 Dh head dim, Hk kv heads, J block-table columns.
@@ -95,6 +96,14 @@ class DecodeGraphs:
     def clear(self) -> None:
         self._graphs.clear()
 
+    def weights_updated(self) -> None:
+        """The weights were written in place and the packed copies packed again in place
+        (`PackedWeights.refresh`): every pointer of the graphs still holds, so they are kept."""
+        self._fingerprint = self._weights()
+
+    def _weights(self) -> list[tuple[int, int]]:
+        return [(p.data_ptr(), p._version) for p in self._params]
+
     def logits(self, tokens_N: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """fp32 logits [N, V] of a decode step (each sequence's one new token): `model.logits(model(...))`,
         bit for bit. A view of the graph's output: valid until the next call."""
@@ -104,7 +113,7 @@ class DecodeGraphs:
         rows_x, max_row = layout._rows(Hk, B)
         if plan.max_page >= P or max_row >= P * Hk * B or layout.block_table_SJ.shape[1] > self.max_blocks:
             raise ValueError("token layout: a page is beyond the KV store")
-        fingerprint = [(p.data_ptr(), p._version) for p in self._params]
+        fingerprint = self._weights()
         if fingerprint != self._fingerprint:  # weights changed or moved: packed copies and pointers are stale
             self._graphs.clear()
             self._fingerprint = fingerprint

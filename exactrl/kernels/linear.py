@@ -142,7 +142,7 @@ class PackedWeights:
             versions = [w._version for w in ws]
         except RuntimeError:  # an inference-mode tensor has no version counter: not cached
             return pack(ws[0] if len(ws) == 1 else ws)
-        fingerprint = [(w.data_ptr(), w.shape, w.stride(), w.dtype, v) for w, v in zip(ws, versions)]
+        fingerprint = _fingerprint(ws, versions)
         key = tuple(id(w) for w in ws)
         entry = self._packed.get(key)
         if entry is None or any(r() is not w for r, w in zip(entry[0], ws)) or entry[1] != fingerprint:
@@ -154,6 +154,23 @@ class PackedWeights:
 
     def clear(self) -> None:
         self._packed.clear()
+
+    def refresh(self) -> None:
+        """Packs every entry again from its weights' values now: the fp32 panels in place (so a decode graph
+        that points at them stays valid); other entries, and those whose weights are gone or reshaped, go."""
+        for key, (refs, _, packed) in list(self._packed.items()):
+            ws = tuple(r() for r in refs)
+            if (isinstance(packed, native.PackedLinearWeight) and all(w is not None for w in ws)
+                    and all(w.dtype == torch.float32 for w in ws)
+                    and tuple(w.shape for w in ws) == tuple((n, packed.K) for n in packed.Ns)):
+                packed.repack(ws)
+                self._packed[key] = (refs, _fingerprint(ws, [w._version for w in ws]), packed)
+            else:
+                del self._packed[key]
+
+
+def _fingerprint(ws, versions) -> list[tuple]:
+    return [(w.data_ptr(), w.shape, w.stride(), w.dtype, v) for w, v in zip(ws, versions)]
 
 
 _active = threading.local()  # the cache `using_packed` made active on this thread, if any

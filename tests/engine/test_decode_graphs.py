@@ -78,8 +78,9 @@ def test_padding_rows_write_only_the_scratch_page(model):
 
 
 def test_graphs_follow_weight_changes(model, qwen3_dir):
-    """In-place changes (version counter), update_weights and weights_changed each drop the graphs: the
-    next steps compute with the new weights, bit for bit as an eager engine does."""
+    """In-place changes (version counter) and weights_changed drop the graphs; update_weights packs the
+    weights again in place and keeps them. Either way the next steps compute with the new weights, bit for
+    bit as an eager engine does."""
     m = exactrl.load_model(qwen3_dir, dtype="float32", kernels="exact")
     prompts, params = _workload(4)
     engine = Engine(m, max_num_seqs=16)
@@ -92,10 +93,12 @@ def test_graphs_follow_weight_changes(model, qwen3_dir):
     assert after != first and engine._graphs.num_captures > captures
     assert after == _completions(Engine(m, max_num_seqs=16, decode_graphs=False), prompts, params)
     sd = {k: v * 0.9 for k, v in m.state_dict().items() if not k.startswith("rope")}
+    captures = engine._graphs.num_captures
     engine.update_weights({k: v for k, v in sd.items() if k in dict(m.named_parameters())})
-    assert not engine._graphs._graphs
-    assert _completions(engine, prompts, params) == _completions(Engine(m, max_num_seqs=16, decode_graphs=False),
-                                                                  prompts, params)
+    assert engine._graphs._graphs
+    updated = _completions(engine, prompts, params)
+    assert engine._graphs.num_captures == captures and updated != after  # replayed on the new weights
+    assert updated == _completions(Engine(m, max_num_seqs=16, decode_graphs=False), prompts, params)
     with torch.no_grad():
         m.model.layers[0].self_attn.o_proj.weight.data.mul_(0.5)  # through .data: no version change
     engine.weights_changed()

@@ -275,13 +275,20 @@ class PackedLinearWeight:
         self.N, self.K = sum(self.Ns), ws[0].shape[1]
         nr = self.lib.exactrl_gemm_panel_width()
         self.panels = torch.empty(sum(-(-n // nr) for n in self.Ns) * nr * self.K, dtype=torch.float32)
-        at = 0
+        self._Ns = (ctypes.c_int64 * len(ws))(*self.Ns)
+        self.repack(ws)
+
+    def repack(self, w_NK: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Packs the weights' current values into these panels (the same shapes): whoever holds their address
+        (a decode graph) reads the new values."""
+        ws = [w_NK] if isinstance(w_NK, torch.Tensor) else list(w_NK)
+        assert tuple(w.shape for w in ws) == tuple((n, self.K) for n in self.Ns), [w.shape for w in ws]
+        nr, at = self.lib.exactrl_gemm_panel_width(), 0
         for w in ws:  # each weight's panels, its last one zero-padded
             w = w.detach().contiguous()
             self.lib.exactrl_pack_weight(w.data_ptr(), w.shape[0], self.K, self.panels[at:].data_ptr(),
                                          torch.get_num_threads())
             at += -(-w.shape[0] // nr) * nr * self.K
-        self._Ns = (ctypes.c_int64 * len(ws))(*self.Ns)
 
 
 def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:
