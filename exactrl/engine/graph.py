@@ -36,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
 from exactrl.kernels import TokenLayout, native
@@ -56,7 +57,7 @@ def bucket(n: int) -> int:
 
 class GraphCaptureError(RuntimeError):
     """The model's forward did something a replay would not repeat (a torch op other than a view, an
-    allocation or an add)."""
+    allocation or an add; a forward hook)."""
 
 
 @dataclass
@@ -168,6 +169,10 @@ class DecodeGraphs:
     def _capture(self, g: _Captured) -> None:
         """Runs the step eagerly on g's buffers while recording its kernel calls."""
         m = self.model
+        hooked = [n or "the model" for n, mod in m.named_modules() if mod._forward_hooks or mod._forward_pre_hooks]
+        if hooked or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            raise GraphCaptureError(f"forward hooks (on {hooked[:3] or 'every module'}) would not run in a replayed "
+                                    f"decode step: remove them or use Engine(decode_graphs=False)")
         P, Hk, B, _ = self.kv[0][0].shape
         # validated by `logits` (the step's rows) and built so (the padding rows)
         layout = TokenLayout(g.seq_N, g.pos_N, g.table_NJ, _kv_rows={(Hk, B): (g.kv_rows_x, P * Hk * B - 1)})

@@ -128,6 +128,19 @@ def test_a_forward_with_a_torch_op_is_refused_not_replayed(model, qwen3_dir, mon
     assert not mismatches(m, [([1, 2, 3], out[0][0], SamplingParams(max_tokens=3, seed=0))])
 
 
+def test_forward_hooks_are_refused_not_skipped(qwen3_dir):
+    """A replay runs no Python, so a hook on the engine's model would silently stop running: refused."""
+    m = exactrl.load_model(qwen3_dir, dtype="float32", kernels="exact")
+    seen = []
+    handle = m.model.layers[1].mlp.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    with pytest.raises(GraphCaptureError, match="forward hooks.*model.layers.1.mlp"):
+        Engine(m).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    Engine(m, decode_graphs=False).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    assert len(seen) > 3  # every step called it
+    handle.remove()
+    Engine(m).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+
+
 def test_only_exact_fp32_engines_record(qwen3_dir):
     for dtype, kernels in (("bfloat16", "exact"), ("float32", "fast")):
         m = exactrl.load_model(qwen3_dir, dtype=dtype, kernels=kernels)
