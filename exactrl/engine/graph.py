@@ -83,6 +83,7 @@ class DecodeGraphs:
         self.scratch_page = scratch_page  # a page of `kv` no sequence uses: the padding rows' keys and values
         self.max_blocks = max_blocks  # block-table columns: the most pages a sequence can have
         self._params = list(model.parameters())
+        self._modules = list(model.named_modules())
         self._graphs: OrderedDict[tuple[int, int], _Captured] = OrderedDict()
         self._fingerprint: list | None = None
         self.num_captures = 0  # since the start: graphs recorded
@@ -102,6 +103,14 @@ class DecodeGraphs:
         (`PackedWeights.refresh`): every pointer of the graphs still holds, so they are kept."""
         self._fingerprint = self._weights()
 
+    def _check_hooks(self) -> None:
+        """A replay runs no Python: a forward hook on the model would silently not run. Checked every step
+        (a hook can come after the graphs), ~60 dict lookups."""
+        hooked = [n or "the model" for n, mod in self._modules if mod._forward_hooks or mod._forward_pre_hooks]
+        if hooked or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            raise GraphCaptureError(f"forward hooks (on {hooked[:3] or 'every module'}) would not run in a replayed "
+                                    f"decode step: remove them or use Engine(decode_graphs=False)")
+
     def _weights(self) -> list[tuple[int, int]]:
         return [(p.data_ptr(), p._version) for p in self._params]
 
@@ -109,6 +118,7 @@ class DecodeGraphs:
         """fp32 logits [N, V] of a decode step (each sequence's one new token): `model.logits(model(...))`,
         bit for bit. A view of the graph's output: valid until the next call."""
         m = self.model
+        self._check_hooks()
         x_ND, cos_ND, sin_ND, plan = m.layer_inputs(tokens_N, layout)  # checks the layout, as the forward does
         P, Hk, B, _ = self.kv[0][0].shape
         rows_x, max_row = layout._rows(Hk, B)
@@ -169,10 +179,6 @@ class DecodeGraphs:
     def _capture(self, g: _Captured) -> None:
         """Runs the step eagerly on g's buffers while recording its kernel calls."""
         m = self.model
-        hooked = [n or "the model" for n, mod in m.named_modules() if mod._forward_hooks or mod._forward_pre_hooks]
-        if hooked or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            raise GraphCaptureError(f"forward hooks (on {hooked[:3] or 'every module'}) would not run in a replayed "
-                                    f"decode step: remove them or use Engine(decode_graphs=False)")
         P, Hk, B, _ = self.kv[0][0].shape
         # validated by `logits` (the step's rows) and built so (the padding rows)
         layout = TokenLayout(g.seq_N, g.pos_N, g.table_NJ, _kv_rows={(Hk, B): (g.kv_rows_x, P * Hk * B - 1)})

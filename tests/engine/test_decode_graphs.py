@@ -138,7 +138,12 @@ def test_forward_hooks_are_refused_not_skipped(qwen3_dir):
     Engine(m, decode_graphs=False).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert len(seen) > 3  # every step called it
     handle.remove()
-    Engine(m).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    engine = Engine(m)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    handle = m.model.norm.register_forward_pre_hook(lambda mod, i: None)  # after the graphs were recorded
+    with pytest.raises(GraphCaptureError, match="model.norm"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    handle.remove()
 
 
 def test_only_exact_fp32_engines_record(qwen3_dir):
