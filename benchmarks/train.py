@@ -16,7 +16,8 @@ Model shapes are benchmarks/_common.py's SIZES: `20M` (vocab 16384, hidden
 
 - exactrl: a full step as `exactrl/rl/loop.py` does it — `Engine.generate`
   (n = G per prompt) -> rewards -> `compute_advantages` -> `train_step`
-  (PPO-clip, token-mean, the run config's defaults) -> `engine.update_weights`.
+  (PPO-clip, token-mean, the run config's defaults, so each group's prompt is
+  laid out once in the trainer's forward: `optim.share_prompts`) -> `engine.update_weights`.
   `train/train_rollout_logprob_abs_diff` and `_max` are the metrics
   `train_step` itself returns (engine μ vs trainer π_old, DESIGN.md §3); with
   `exact` kernels they must be 0.0. With `--fast` the `fast` kernels run
@@ -164,7 +165,7 @@ def exactrl_components(model_dir: Path, kernels: str, a) -> dict:
     # one forward/backward over the whole batch, as TRL's per_device_train_batch_size = P·G does
     micro = max(o.micro_batch_size, a.prompts * a.group)
     settings = StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=micro, agg_mode=alg.agg_mode,
-                            agg_constant=float(a.new), grad_clip=o.grad_clip)
+                            agg_constant=float(a.new), grad_clip=o.grad_clip, share_prompts=o.share_prompts)
     return {"model": model, "tokenizer": tok, "engine": engine, "optimizer": optimizer, "settings": settings,
             "loss_fn": build_loss(alg.loss, **alg.loss_kwargs), "advantage": (alg.advantage, alg.advantage_kwargs)}
 
@@ -379,16 +380,18 @@ def flop_floor(model: dict, a, trl: dict | None) -> dict:
 
     Rollout: the prompt's prefill once per prompt (P·prompt rows) and one row per
     generated token through the layers; the LM head on generated tokens only.
-    Training: forward + backward (3 × 2 FLOPs per weight and row) over all B·(prompt + N)
-    rows through the layers, the LM head on the completion rows only (as TRL's
-    `logits_to_keep`). Attention scores, norms and the optimizer are left out, so the
+    Training: forward + backward (3 × 2 FLOPs per weight and row) through the layers
+    over each prompt once and every completion token (P·prompt + B·N rows: a group's
+    samples share their prompt, as exactrl's trainer lays it out, `optim.share_prompts`;
+    TRL computes B·(prompt + N) rows), the LM head on the completion rows only (as
+    TRL's `logits_to_keep`). Attention scores, norms and the optimizer are left out, so the
     floor is lower than any real step; `ceiling_over_trl` = TRL's step time / floor
     bounds the speed-up any implementation on this CPU can show.
     """
     body, head = model["matmul_params_body"], model["matmul_params_head"]
     B = a.prompts * a.group
     rollout = 2 * body * (a.prompts * a.prompt + B * a.new) + 2 * head * B * a.new
-    train = 6 * body * B * (a.prompt + a.new) + 6 * head * B * a.new
+    train = 6 * body * (a.prompts * a.prompt + B * a.new) + 6 * head * B * a.new
     peak = matmul_peak_gflops()
     floor_s = (rollout + train) / 1e9 / peak
     out = {"gflop_rollout": round(rollout / 1e9, 3), "gflop_train": round(train / 1e9, 3),

@@ -433,6 +433,61 @@ def test_token_logprobs_first_selects_rows_bitwise(models):
         token_logprobs(model, [[1, 2, 3]], first=[1, 1])
 
 
+def _grouped(rng: random.Random, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """GRPO-like sequences: groups of samples of one prompt (prompts shorter than, equal to and longer than
+    whole pages of 8), some completions empty, and a lone prompt."""
+    seqs, first = [], []
+    for plen, group in ((5, 3), (8, 2), (16, 3), (21, 4), (13, 1)):
+        prompt = [rng.randrange(vocab) for _ in range(plen)]
+        for _ in range(group):
+            seqs.append(prompt + [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 7, 12]))])
+            first.append(plen)
+    return seqs, first
+
+
+def test_shared_prompts_same_logprobs_and_gradients(qwen3_dir):
+    """`share_prompts` lays each repeated prompt's whole pages out once: logprobs and entropies bit for bit
+    those of the plain layout (the exact kernels are row- and page-invariant; the fast kernels' twins of
+    that property are the batch-invariance tests above), and the same gradients up to rounding (a shared
+    position's gradient arrives summed from the samples that read it)."""
+    from exactrl.model.logprobs import pack_shared, token_logprobs
+
+    model = exactrl.load_model(qwen3_dir, block_size=8)
+    seqs, first = _grouped(random.Random(5), model.config.vocab_size)
+    layout, pages, tokens, _ = pack_shared(seqs, first, 8)
+    plain = sum(len(s) for s in seqs)
+    # groups of 2, 3 and 4 share 1, 2 and 2 pages of 8: 8 + 2*16 + 3*16 rows fewer
+    assert len(tokens) == plain - (8 + 2 * 16 + 3 * 16) and pages < sum(-(-len(s) // 8) for s in seqs)
+    out = {}
+    for share in (False, True):
+        model.zero_grad()
+        lps, ents = token_logprobs(model, seqs, first=first, with_entropy=True, entropy_grad=True,
+                                   share_prompts=share)
+        (torch.cat(lps).sum() + 0.1 * torch.cat(ents).sum()).backward()
+        out[share] = lps, ents, [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
+        assert torch.equal(a.detach(), b.detach())
+    for g0, g1 in zip(out[False][2], out[True][2]):
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)
+
+
+def test_shared_prompts_layout_reads_the_owners_pages(qwen3_dir):
+    """Each non-owner's block table starts with its owner's prompt pages; positions resume after them; the
+    row map sends a shared position to the owner's row."""
+    from exactrl.model.logprobs import pack_shared
+
+    p = list(range(20))
+    seqs = [p + [30, 31], p + [40], [1] * 20 + [50], p + [60, 61, 62]]
+    layout, pages, tokens, row_of = pack_shared(seqs, [20, 20, 20, 20], 8)
+    t = layout.block_table_SJ
+    assert t[1, :2].tolist() == t[0, :2].tolist() == t[3, :2].tolist() and t[2, :2].tolist() != t[0, :2].tolist()
+    assert t[1, 2] not in t[0].tolist() and t[3, 2] not in (t[0].tolist() + t[1].tolist())
+    assert layout.pos_N[layout.seq_N == 1].tolist() == list(range(16, 21))
+    assert row_of[1][:16].tolist() == row_of[0][:16].tolist() and row_of[1][16] != row_of[0][16]
+    assert tokens[row_of[3]].tolist() == seqs[3] and tokens[row_of[2]].tolist() == seqs[2]
+    assert pages == 3 + 1 + 3 + 1
+
+
 def test_entropy_without_grad_has_the_same_values(models):
     """A metric-only entropy (`entropy_grad=False`) skips autograd but keeps its value bit for bit."""
     from exactrl.model.logprobs import token_logprobs

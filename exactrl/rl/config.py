@@ -101,6 +101,9 @@ class OptimSettings(BaseModel):
     """Max global gradient norm."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward; gradients accumulate over the step's batch."""
+    share_prompts: bool = True
+    """Lay the prompt of a micro-batch's samples of one prompt out once in the trainer's forward (its
+    whole KV pages; `model/logprobs.py` `pack_shared`): the same logprob bits, fewer rows to compute."""
     warmup_steps: int = Field(0, ge=0)
     shard_state: bool = False
     """Data-parallel runs (`--nproc N`): each rank keeps the AdamW moments of its share of the

@@ -291,7 +291,7 @@ def _step_settings(cfg: RunConfig, corrections) -> StepSettings:
                         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode,
                         agg_constant=float(r.max_tokens), grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef,
                         kl_coef=a.kl.coef, kl_kind=a.kl.kind, kl_in_loss=a.kl.where == "loss",
-                        corrections=corrections, bypass=a.bypass)
+                        corrections=corrections, bypass=a.bypass, share_prompts=cfg.optim.share_prompts)
 
 
 def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:

@@ -76,6 +76,7 @@ class StepSettings:
     kl_in_loss: bool = True
     corrections: object | None = None  # callable(old, behav, mask, advantages) -> (weights, mask, metrics)
     bypass: bool = False  # loss ratio against μ instead of π_old (corrections.apply_bypass)
+    share_prompts: bool = True  # a micro-batch's repeated prompts are laid out once (logprobs.pack_shared)
     extra: dict = field(default_factory=dict)
 
 
@@ -90,7 +91,7 @@ def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings
     seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
     plens = [len(batch.prompt_ids[k]) for k in idx]
     lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True, first=plens,
-                               entropy_grad=bool(s.entropy_coef))
+                               entropy_grad=bool(s.entropy_coef), share_prompts=s.share_prompts)
     logp_BT, ent_BT = _pad(lps, T), _pad(ents, T)
     mask_BT = torch.zeros(len(idx), T)
     for r, k in enumerate(idx):
@@ -168,7 +169,7 @@ def _ref_logprobs(ref_model, batch, idx, s: StepSettings, T: int) -> torch.Tenso
     seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
     with torch.no_grad():
         lps, _ = token_logprobs(ref_model, seqs, s.temperature, s.top_k, s.top_p,
-                                first=[len(batch.prompt_ids[k]) for k in idx])
+                                first=[len(batch.prompt_ids[k]) for k in idx], share_prompts=s.share_prompts)
     return _pad(lps, T)
 
 

@@ -71,3 +71,29 @@ def test_micro_batches_with_no_completion_tokens_are_skipped(qwen3_dir, completi
     assert m["train/loss"] == m["train/loss"]  # finite, not NaN
     changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert changed == any(completions)  # a step with no token at all leaves the weights alone
+
+
+def test_shared_prompts_same_step(qwen3_dir):
+    """A GRPO batch (groups of one prompt) trained with `share_prompts` on and off: the same logprob bits (the
+    metrics that compare them with μ are equal), and weights equal up to rounding after the step."""
+    import random
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100) for _ in range(40)] for _ in range(2)]
+    seqs = [(p, [rng.randrange(100) for _ in range(rng.randint(1, 9))]) for p in prompts for _ in range(3)]
+    results = {}
+    for share in (False, True):
+        model = exactrl.load_model(qwen3_dir)
+        with torch.no_grad():
+            lps, _ = token_logprobs(model, [p + c for p, c in seqs], first=[40] * len(seqs))
+        batch = TrainBatch([p for p, _ in seqs], [c for _, c in seqs], [lp.tolist() for lp in lps],
+                           [1.0, -0.5, -0.5, 0.3, 0.3, -0.6])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        m = train_step(model, opt, build_loss("ppo"), batch, _settings(share_prompts=share, micro_batch_size=3))
+        results[share] = m, [p.detach().clone() for p in model.parameters()]
+    (m0, w0), (m1, w1) = results[False], results[True]
+    assert m0["train/train_rollout_logprob_abs_diff"] == m1["train/train_rollout_logprob_abs_diff"] == 0.0
+    assert m0["train/loss"] == m1["train/loss"] and m0["train/entropy"] == m1["train/entropy"]
+    assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-4)
+    for a, b in zip(w0, w1):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
