@@ -289,6 +289,31 @@ def test_draw_marks_a_row_it_cannot_draw_from():
         assert (tok[2] == -1) == (not greedy)  # greedy takes the max of the rest; the engine's rows are all NaN
 
 
+@pytest.mark.parametrize("build", ["", "avx2", "portable"])
+def test_sample_is_log_softmax_then_draw_bit_for_bit(build):
+    """The engine's fused step (`native.sample`) draws the token and logprob of `draw(log_softmax(z))` on
+    every build: ordinary, truncated (-inf), NaN and all -inf rows, greedy or not, row lengths that are not
+    a multiple of the lanes or the draw's blocks; and its rows do not depend on the others or the threads."""
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(12, 3001, generator=g) * 5
+    z[3, 100:], z[4, 17], z[5] = -math.inf, math.nan, -math.inf
+    u = torch.rand(12, generator=g, dtype=torch.float64)
+    u[6] = 1.0 - 2.0**-53  # the last uniform: the draw's upper clamps
+    for greedy in (torch.zeros(12, dtype=torch.bool), torch.arange(12) % 3 == 1):
+        tok, tlp = native.sample(z, 64, u, greedy, build)
+        ref_tok, ref_lp = native.draw(native.log_softmax(z, build), 64, u, greedy, build)
+        assert torch.equal(tok, ref_tok) and torch.equal(tlp.nan_to_num(7.0), ref_lp.nan_to_num(7.0))
+        assert tok[5] == tok[4] == -1 and 0 <= tok[3] < 100  # log_softmax makes a NaN row all NaN
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            for r in (0, 3, 11):
+                one, one_lp = native.sample(z[r:r + 1], 64, u[r:r + 1], greedy[r:r + 1], build)
+                assert one == tok[r] and one_lp == tlp[r]
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_write_rows_is_index_copy_and_refuses_a_row_outside_the_store():
     dst, src = torch.zeros(10, 6), torch.randn(3, 6)
     rows = torch.tensor([7, 0, 4])

@@ -28,7 +28,7 @@ import torch
 
 from exactrl.engine.cache import PagePool
 from exactrl.engine.graph import DecodeGraphs
-from exactrl.engine.sampling import (SampleRows, SamplingParams, draw, params_per_prompt, row_logprobs,
+from exactrl.engine.sampling import (SampleRows, SamplingParams, params_per_prompt, sample,
                                      sample_uniform)
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
@@ -253,7 +253,7 @@ class Engine:
                 logits_RV = self.model.logits(hidden_ND[batch.rows_R]) if batch.targets else None
             if batch.targets:
                 rows = self._sample_rows(batch.targets)
-                tok_R, lp_R = draw(row_logprobs(logits_RV, rows), rows)
+                tok_R, lp_R = sample(logits_RV, rows)
                 self._check_drawn(tok_R, batch.targets)
         # only now is the step's work kept: if anything above raised, every chunk is simply
         # computed again by the next step (its KV slots are rewritten with the same values)

@@ -129,9 +129,24 @@ class SampleRows:
     flags: list[tuple[bool, bool]]  # (needs top-k, needs top-p): rows are grouped by it
 
 
+def _plain(rows: SampleRows) -> bool:
+    """No row tempers or truncates: the distribution is log_softmax of the logits (T = 0 reports T = 1)."""
+    return all(t in (0.0, 1.0) for t in rows.temperature) and not any(k or p for k, p in rows.flags)
+
+
+def sample(logits_RV: torch.Tensor, rows: SampleRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw(row_logprobs(logits_RV, rows), rows)`, bit for bit. When no row tempers or truncates, one C
+    pass per row computes each log-probability where the draw reads it (`native.sample`), so the [R, V]
+    log-probabilities are neither written nor read back."""
+    if not _plain(rows):
+        return draw(row_logprobs(logits_RV, rows), rows)
+    greedy = torch.tensor([t == 0 for t in rows.temperature], dtype=torch.bool)
+    return native.sample(logits_RV.float(), DRAW_BLOCK, torch.tensor(rows.uniform, dtype=torch.float64), greedy)
+
+
 def row_logprobs(logits_RV: torch.Tensor, rows: SampleRows) -> torch.Tensor:
     """`sampling_logprobs` with each row's parameters, called once per flag group."""
-    if all(t in (0.0, 1.0) for t in rows.temperature) and not any(k or p for k, p in rows.flags):
+    if _plain(rows):
         return log_softmax(logits_RV.float())  # what sampling_logprobs computes then, without its ~10 checks
     temp_R = torch.tensor(rows.temperature, dtype=torch.float32)
     top_k_R = torch.tensor(rows.top_k, dtype=torch.int64)

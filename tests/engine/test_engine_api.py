@@ -73,15 +73,15 @@ def _poison_first_row(monkeypatch, at_call: int):
     """Makes the engine's `at_call`-th sampling call return NaN for its first row; returns the real function."""
     import exactrl.engine.engine as engine_mod
 
-    real, calls = engine_mod.row_logprobs, []
+    real, calls = engine_mod.sample, []
 
     def poisoned(logits_RV, rows):
-        lp = real(logits_RV, rows)
         calls.append(1)
         if len(calls) == at_call:
-            lp[0] = float("nan")
-        return lp
-    monkeypatch.setattr(engine_mod, "row_logprobs", poisoned)
+            logits_RV = logits_RV.clone()
+            logits_RV[0] = float("nan")
+        return real(logits_RV, rows)
+    monkeypatch.setattr(engine_mod, "sample", poisoned)
     return real
 
 
@@ -94,7 +94,7 @@ def test_a_generate_that_raises_leaves_none_of_its_requests_behind(model, monkey
     with pytest.raises(engine_mod.NonFiniteLogitsError):
         engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=20, ignore_eos=True))
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.num_pages
-    monkeypatch.setattr(engine_mod, "row_logprobs", real)
+    monkeypatch.setattr(engine_mod, "sample", real)
     assert engine.generate([[9, 9]], SamplingParams(max_tokens=2, ignore_eos=True))[0][0].token_ids
     assert engine.step() == []  # nothing was left to deliver
 

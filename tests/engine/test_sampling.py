@@ -5,7 +5,7 @@ import torch
 
 from exactrl import SamplingParams
 from exactrl.engine.cache import PagePool
-from exactrl.engine.sampling import SampleRows, draw, row_logprobs, sample_uniform
+from exactrl.engine.sampling import SampleRows, draw, row_logprobs, sample, sample_uniform
 from exactrl.kernels import sampling_logprobs
 
 
@@ -31,6 +31,28 @@ def test_row_logprobs_mixed_rows_equal_uniform_calls():
         ref = sampling_logprobs(logits[i:i + 1].expand(n, V), torch.full((n,), float(p.temperature)),
                                 torch.full((n,), p.top_k), torch.full((n,), float(p.top_p)))
         assert torch.equal(lp[i], ref[0]), i
+
+
+def test_sample_is_draw_of_row_logprobs(monkeypatch):
+    """The engine's `sample`: the fused C pass for plain rows (T in {0, 1}, no truncation), the two calls
+    otherwise; both the tokens and logprobs of `draw(row_logprobs(...))`."""
+    from exactrl.kernels import native
+
+    torch.manual_seed(3)
+    V = 2000
+    logits = torch.randn(6, V) * 3
+    us = [sample_uniform(7, j, 40) for j in range(6)]
+    for params in ([SamplingParams(), SamplingParams(temperature=0)] * 3,
+                   [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_k=5)] * 2):
+        rows = rows_for(params, V, us)
+        tok, lp = sample(logits, rows)
+        ref_tok, ref_lp = draw(row_logprobs(logits, rows), rows)
+        assert torch.equal(tok, ref_tok) and torch.equal(lp, ref_lp)
+    real, fused = native.sample, []
+    monkeypatch.setattr(native, "sample", lambda *a: fused.append(1) or real(*a))
+    sample(logits[:2], rows_for([SamplingParams(), SamplingParams(temperature=0)], V, us[:2]))
+    sample(logits[:2], rows_for([SamplingParams(), SamplingParams(temperature=0.7)], V, us[:2]))
+    assert fused == [1]  # only the plain rows took the fused pass
 
 
 def test_row_logprobs_plain_rows_take_the_short_path_with_the_same_bits(monkeypatch):

@@ -153,6 +153,7 @@ def _library(build: str) -> ctypes.CDLL:
                        ("exactrl_swiglu_backward", [ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]),
                        ("exactrl_rms_norm_backward", [ptr, ptr, ptr, i64, i64, f32, ptr, ptr, ctypes.c_int]),
                        ("exactrl_draw", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
+                       ("exactrl_sample", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
                        ("exactrl_entropy", [ptr, i64, i64, ptr, ctypes.c_int]),
                        ("exactrl_add", [ptr, ptr, i64, i64, ptr]),
                        ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int])]:
@@ -374,6 +375,11 @@ def draw(lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: tor
     """(token [R] int64, its logprob [R]) of each row: inverse CDF at uniform_R (float64) in blocks of
     `block` tokens, or the first argmax where greedy_R (bool) is set (pointwise.c, exactrl_draw). A row with
     nothing to draw (NaN, or no mass: every entry -inf) gets token -1 and a NaN logprob."""
+    return _draw("exactrl_draw", lp_RV, block, uniform_R, greedy_R, build)
+
+
+def _draw(name: str, lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     R, V = lp_RV.shape
     (lp,) = _f32(lp_RV)
     u = uniform_R.to(torch.float64).contiguous()
@@ -383,9 +389,16 @@ def draw(lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: tor
     threads = torch.get_num_threads()
     mass = torch.empty(threads * -(-V // block), dtype=torch.float64)
     if R:
-        library(build).exactrl_draw(lp.data_ptr(), R, V, block, u.data_ptr(), greedy.data_ptr(), tok.data_ptr(),
-                                    tok_lp.data_ptr(), mass.data_ptr(), threads)
+        getattr(library(build), name)(lp.data_ptr(), R, V, block, u.data_ptr(), greedy.data_ptr(), tok.data_ptr(),
+                                      tok_lp.data_ptr(), mass.data_ptr(), threads)
     return tok, tok_lp
+
+
+def sample(z_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str = ""
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw(log_softmax(z_RV), ...)` bit for bit, without writing the [R, V] log-probabilities
+    (pointwise.c, exactrl_sample)."""
+    return _draw("exactrl_sample", z_RV, block, uniform_R, greedy_R, build)
 
 
 def entropy(lp_RV: torch.Tensor, build: str = "") -> torch.Tensor:

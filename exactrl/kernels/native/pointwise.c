@@ -67,6 +67,29 @@ void exactrl_swiglu_backward(const float *g, const float *u, const float *dy, in
  * A row holding a NaN, or nothing above -inf, comes out NaN everywhere (exp of NaN makes s NaN), as torch's
  * log_softmax does. 512-bit vectors where the CPU has them: 32 x 16k floats in ~180 us at 2 threads (torch's
  * log_softmax ~145 us), ~205 us at the compiler's default width of 256 bits; the same bits either way. */
+/* log_softmax's two reductions of a row: *m = max_j z_j and the return value (float)log(s) (see below). */
+#if defined(__AVX512F__)
+__attribute__((target("prefer-vector-width=512")))
+#endif
+static inline __attribute__((always_inline)) float max_logsum(const float *row, int64_t V, float *m_out) {
+    float mx[SUM_LANES];
+    float acc[SUM_LANES];
+    for (int i = 0; i < SUM_LANES; i++) mx[i] = -INFINITY, acc[i] = 0.0f;
+    int64_t j = 0;
+    for (; j + SUM_LANES <= V; j += SUM_LANES)
+        for (int i = 0; i < SUM_LANES; i++) mx[i] = row[j + i] > mx[i] ? row[j + i] : mx[i];
+    for (int i = 0; j < V; j++, i++) mx[i] = row[j] > mx[i] ? row[j] : mx[i];
+    float m = mx[0];
+    for (int i = 1; i < SUM_LANES; i++) m = mx[i] > m ? mx[i] : m;
+    for (j = 0; j + SUM_LANES <= V; j += SUM_LANES)
+        for (int i = 0; i < SUM_LANES; i++) acc[i] += exp_f(row[j + i] - m);
+    for (int i = 0; j < V; j++, i++) acc[i] += exp_f(row[j] - m);
+    for (int w = SUM_LANES / 2; w > 0; w /= 2) /* the fixed tree: lane i + w into lane i */
+        for (int i = 0; i < w; i++) acc[i] += acc[i + w];
+    *m_out = m;
+    return (float)log(acc[0]);
+}
+
 #if defined(__AVX512F__)
 __attribute__((target("prefer-vector-width=512")))
 #endif
@@ -76,35 +99,65 @@ void exactrl_log_softmax(const float *z, int64_t R, int64_t V, float *out, int t
     for (int64_t r = 0; r < R; r++) {
         FP_MODE_ENTER;
         const float *row = z + r * V;
-        float *o = out + r * V;
-        float mx[SUM_LANES];
-        float acc[SUM_LANES];
-        for (int i = 0; i < SUM_LANES; i++) mx[i] = -INFINITY, acc[i] = 0.0f;
-        int64_t j = 0;
-        for (; j + SUM_LANES <= V; j += SUM_LANES)
-            for (int i = 0; i < SUM_LANES; i++) mx[i] = row[j + i] > mx[i] ? row[j + i] : mx[i];
-        for (int i = 0; j < V; j++, i++) mx[i] = row[j] > mx[i] ? row[j] : mx[i];
-        float m = mx[0];
-        for (int i = 1; i < SUM_LANES; i++) m = mx[i] > m ? mx[i] : m;
-        for (j = 0; j + SUM_LANES <= V; j += SUM_LANES)
-            for (int i = 0; i < SUM_LANES; i++) acc[i] += exp_f(row[j + i] - m);
-        for (int i = 0; j < V; j++, i++) acc[i] += exp_f(row[j] - m);
-        for (int w = SUM_LANES / 2; w > 0; w /= 2) /* the fixed tree: lane i + w into lane i */
-            for (int i = 0; i < w; i++) acc[i] += acc[i + w];
-        const float ls = (float)log(acc[0]);
-        for (j = 0; j < V; j++) o[j] = (row[j] - m) - ls;
+        float *o = out + r * V, m;
+        const float ls = max_logsum(row, V, &m);
+        for (int64_t j = 0; j < V; j++) o[j] = (row[j] - m) - ls;
         FP_MODE_LEAVE;
     }
 }
 
-/* sum_j exp(lp[j]) over [a, b) in float64: LANES running sums (j mod LANES), then a fixed tree. */
-static double exp_mass(const float *lp, int64_t a, int64_t b) {
+/* The log-probability of token j of a row: the row itself (lp), or log_softmax of logits computed on the fly,
+ * (z_j - m) - ls, the same expression and so the same bits as exactrl_log_softmax's output. */
+#define LP(row, j, shift, m, ls) ((shift) ? ((row)[j] - (m)) - (ls) : (row)[j])
+
+/* sum_j exp(lp_j) over [a, b) in float64: LANES running sums (j mod LANES), then a fixed tree. */
+static inline __attribute__((always_inline)) double exp_mass(const float *row, int64_t a, int64_t b, int shift,
+                                                             float m, float ls) {
     double acc[LANES] = {0};
     int64_t j = a;
     for (; j + LANES <= b; j += LANES)
-        for (int i = 0; i < LANES; i++) acc[i] += (double)exp_f(lp[j + i]);
-    for (int i = 0; j < b; j++, i++) acc[i] += (double)exp_f(lp[j]);
+        for (int i = 0; i < LANES; i++) acc[i] += (double)exp_f(LP(row, j + i, shift, m, ls));
+    for (int i = 0; j < b; j++, i++) acc[i] += (double)exp_f(LP(row, j, shift, m, ls));
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* One row's draw (exactrl_draw's rule, below); returns the token, -1 if the row cannot be drawn from. */
+static inline __attribute__((always_inline)) int64_t draw_row(const float *row, int64_t V, int64_t W, double u,
+                                                              int greedy, double *cdf, int shift, float m, float ls) {
+    const int64_t nb = (V + W - 1) / W;
+    int64_t t = 0;
+    if (greedy) {
+        float best = LP(row, 0, shift, m, ls);
+        for (int64_t j = 1; j < V; j++) {
+            const float x = LP(row, j, shift, m, ls);
+            if (x > best) best = x, t = j;
+        }
+        return best > -INFINITY ? t : -1;
+    }
+    double run = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t end = (b + 1) * W < V ? (b + 1) * W : V;
+        run += exp_mass(row, b * W, end, shift, m, ls);
+        cdf[b] = run;
+    }
+    if (!(cdf[nb - 1] > 0.0)) return -1;
+    double x = u * cdf[nb - 1];
+    const double top = nextafter(cdf[nb - 1], 0.0);
+    x = x < top ? x : top;
+    int64_t b = 0;
+    while (b < nb - 1 && cdf[b] <= x) b++;
+    double rest = x - (b > 0 ? cdf[b - 1] : 0.0);
+    const int64_t start = b * W, end = (b + 1) * W < V ? (b + 1) * W : V;
+    double in = 0.0;
+    for (int64_t j = start; j < end; j++) in += (double)exp_f(LP(row, j, shift, m, ls));
+    const double in_top = nextafter(in, 0.0);
+    rest = rest < in_top ? rest : in_top;
+    double c = 0.0;
+    for (int64_t j = start; j < end; j++) {
+        c += (double)exp_f(LP(row, j, shift, m, ls));
+        if (c > rest) return j;
+    }
+    return end - 1;
 }
 
 /* One token per row of lp [R, V] (log-probabilities), by inverse CDF at u[r] in [0, 1), in two levels and
@@ -126,54 +179,44 @@ void exactrl_draw(const float *lp, int64_t R, int64_t V, int64_t W, const double
 #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
     for (int64_t r = 0; r < R; r++) {
         FP_MODE_ENTER;
-        const float *row = lp + r * V;
-        int64_t t = 0;
-        if (greedy[r]) {
-            float best = row[0];
-            for (int64_t j = 1; j < V; j++)
-                if (row[j] > best) best = row[j], t = j;
-            if (!(best > -INFINITY)) t = -1;
-        } else {
 #ifdef _OPENMP
-            double *cdf = mass + (int64_t)omp_get_thread_num() * nb;
+        double *cdf = mass + (int64_t)omp_get_thread_num() * nb;
 #else
-            double *cdf = mass;
+        double *cdf = mass;
 #endif
-            double run = 0.0;
-            for (int64_t b = 0; b < nb; b++) {
-                const int64_t end = (b + 1) * W < V ? (b + 1) * W : V;
-                run += exp_mass(row, b * W, end);
-                cdf[b] = run;
-            }
-            if (!(cdf[nb - 1] > 0.0)) {
-                tok[r] = -1;
-                tok_lp[r] = NAN;
-                FP_MODE_LEAVE;
-                continue;
-            }
-            double x = u[r] * cdf[nb - 1];
-            const double top = nextafter(cdf[nb - 1], 0.0);
-            x = x < top ? x : top;
-            int64_t b = 0;
-            while (b < nb - 1 && cdf[b] <= x) b++;
-            double rest = x - (b > 0 ? cdf[b - 1] : 0.0);
-            const int64_t start = b * W, end = (b + 1) * W < V ? (b + 1) * W : V;
-            double in = 0.0;
-            for (int64_t j = start; j < end; j++) in += (double)exp_f(row[j]);
-            const double in_top = nextafter(in, 0.0);
-            rest = rest < in_top ? rest : in_top;
-            double c = 0.0;
-            t = end - 1;
-            for (int64_t j = start; j < end; j++) {
-                c += (double)exp_f(row[j]);
-                if (c > rest) {
-                    t = j;
-                    break;
-                }
-            }
-        }
+        const float *row = lp + r * V;
+        const int64_t t = draw_row(row, V, W, u[r], greedy[r], cdf, 0, 0.0f, 0.0f);
         tok[r] = t;
         tok_lp[r] = t < 0 ? NAN : row[t];
+        FP_MODE_LEAVE;
+    }
+}
+
+/* exactrl_log_softmax then exactrl_draw, for rows of logits z [R, V], without writing the log-probabilities:
+ * each lp_j is computed where the draw reads it, by the same expression, so token and logprob are those
+ * bits of the two calls. (The engine's step when no row needs temperature, top-k or top-p: a [R, V] row
+ * of log-probabilities is neither written nor read back.) */
+#if defined(__AVX512F__)
+__attribute__((target("prefer-vector-width=512")))
+#endif
+void exactrl_sample(const float *z, int64_t R, int64_t V, int64_t W, const double *u, const uint8_t *greedy,
+                    int64_t *tok, float *tok_lp, double *mass, int threads) {
+    const int64_t nb = (V + W - 1) / W;
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        FP_MODE_ENTER;
+#ifdef _OPENMP
+        double *cdf = mass + (int64_t)omp_get_thread_num() * nb;
+#else
+        double *cdf = mass;
+#endif
+        const float *row = z + r * V;
+        float m;
+        const float ls = max_logsum(row, V, &m);
+        const int64_t t = draw_row(row, V, W, u[r], greedy[r], cdf, 1, m, ls);
+        tok[r] = t;
+        tok_lp[r] = t < 0 ? NAN : (row[t] - m) - ls;
         FP_MODE_LEAVE;
     }
 }
