@@ -172,8 +172,12 @@ static inline __attribute__((always_inline)) int64_t draw_row(const float *row, 
  * (a NaN in it, or nothing above -inf) or, greedy, its maximum NaN or -inf, gets tok[r] = -1 and a NaN
  * tok_lp[r]: the caller's check of the step's logits costs no pass of its own. Each row is drawn by one
  * thread; `mass` is scratch of threads * ceil(V / W) doubles. */
-void exactrl_draw(const float *lp, int64_t R, int64_t V, int64_t W, const double *u, const uint8_t *greedy,
-                  int64_t *tok, float *tok_lp, double *mass, int threads) {
+#if defined(__AVX512F__)
+__attribute__((target("prefer-vector-width=512")))
+#endif
+static inline __attribute__((always_inline)) void draw_rows(const float *x, int64_t R, int64_t V, int64_t W,
+                                                            const double *u, const uint8_t *greedy, int64_t *tok,
+                                                            float *tok_lp, double *mass, int threads, int shift) {
     const int64_t nb = (V + W - 1) / W;
     FP_MODE_OF_CALLER;
 #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
@@ -184,12 +188,22 @@ void exactrl_draw(const float *lp, int64_t R, int64_t V, int64_t W, const double
 #else
         double *cdf = mass;
 #endif
-        const float *row = lp + r * V;
-        const int64_t t = draw_row(row, V, W, u[r], greedy[r], cdf, 0, 0.0f, 0.0f);
+        const float *row = x + r * V;
+        float m = 0.0f, ls = 0.0f;
+        if (shift) ls = max_logsum(row, V, &m);
+        const int64_t t = draw_row(row, V, W, u[r], greedy[r], cdf, shift, m, ls);
         tok[r] = t;
-        tok_lp[r] = t < 0 ? NAN : row[t];
+        tok_lp[r] = t < 0 ? NAN : LP(row, t, shift, m, ls);
         FP_MODE_LEAVE;
     }
+}
+
+#if defined(__AVX512F__)
+__attribute__((target("prefer-vector-width=512")))
+#endif
+void exactrl_draw(const float *lp, int64_t R, int64_t V, int64_t W, const double *u, const uint8_t *greedy,
+                  int64_t *tok, float *tok_lp, double *mass, int threads) {
+    draw_rows(lp, R, V, W, u, greedy, tok, tok_lp, mass, threads, 0);
 }
 
 /* exactrl_log_softmax then exactrl_draw, for rows of logits z [R, V], without writing the log-probabilities:
@@ -201,24 +215,7 @@ __attribute__((target("prefer-vector-width=512")))
 #endif
 void exactrl_sample(const float *z, int64_t R, int64_t V, int64_t W, const double *u, const uint8_t *greedy,
                     int64_t *tok, float *tok_lp, double *mass, int threads) {
-    const int64_t nb = (V + W - 1) / W;
-    FP_MODE_OF_CALLER;
-#pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
-    for (int64_t r = 0; r < R; r++) {
-        FP_MODE_ENTER;
-#ifdef _OPENMP
-        double *cdf = mass + (int64_t)omp_get_thread_num() * nb;
-#else
-        double *cdf = mass;
-#endif
-        const float *row = z + r * V;
-        float m;
-        const float ls = max_logsum(row, V, &m);
-        const int64_t t = draw_row(row, V, W, u[r], greedy[r], cdf, 1, m, ls);
-        tok[r] = t;
-        tok_lp[r] = t < 0 ? NAN : (row[t] - m) - ls;
-        FP_MODE_LEAVE;
-    }
+    draw_rows(z, R, V, W, u, greedy, tok, tok_lp, mass, threads, 1);
 }
 
 /* Entropy of each row of lp [R, V]: H = -sum_j p_j lp_j with p_j = exp(lp_j) (a term with p_j = 0 counts 0),
