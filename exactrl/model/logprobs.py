@@ -45,8 +45,9 @@ def pack_shared(token_ids: list[list[int]], first: list[int], block_size: int
     no logprob bit changes (tested); the body's forward and backward skip the
     repeated rows (G = 8, prompt 32 of 160 tokens: 17.5% fewer rows), and the
     gradients of a shared position arrive summed from the samples that read it
-    (the same gradient up to rounding). verl's `PrefixGrouper` shares GRPO prompts
-    in its trainer forward in the same spirit (attention over a grouped layout).
+    (the same gradient up to rounding). Prefix Grouper (Liu et al. 2025,
+    arXiv:2506.05433; verl's `use_prefix_grouper`) removes the same redundancy by
+    splitting attention into prefix and suffix parts; here the paged layout does it.
     Returns (layout, pages, flat tokens, row_of) with row_of[k][p] the flat row of
     sequence k's position p.
     """
