@@ -60,8 +60,12 @@ class Kernels:
     def rotary(self, x_NHD, cos_ND, sin_ND):
         """RoPE. Elementwise, so invariant either way; exact inference runs it as one C call whose bits
         equal the torch expression's (tested), which autograd needs when a gradient is wanted."""
-        if self.exact and not (torch.is_grad_enabled() and x_NHD.requires_grad):
+        if not self.exact:
+            return apply_rotary(x_NHD, cos_ND, sin_ND)
+        if not (torch.is_grad_enabled() and x_NHD.requires_grad):
             return native.rotary(x_NHD, cos_ND, sin_ND)
+        if x_NHD.dtype == torch.float32:
+            return _Rotary.apply(x_NHD, cos_ND, sin_ND)
         return apply_rotary(x_NHD, cos_ND, sin_ND)
 
     def swiglu(self, gate, up):
@@ -100,6 +104,28 @@ class _SwiGLU(torch.autograd.Function):
         g, u = ctx.saved_tensors
         dg, du = native.swiglu_backward(g, u, dy.float())
         return dg, du
+
+
+class _Rotary(torch.autograd.Function):
+    """RoPE as one C pass forward and one backward (torch's ops and their autograd took ~5 passes each way).
+
+    Rotating each pair (x_d, x_d+D/2) by θ is orthogonal, so the gradient is the rotation by −θ:
+    gx = rotary(g, cos, −sin). That reads sin_d for both halves of a pair, which `rotary_tables` makes
+    equal (its angles are [f, f]); other tables are refused.
+    """
+
+    @staticmethod
+    def forward(ctx, x_NHD, cos_ND, sin_ND):  # type: ignore[override]
+        half = sin_ND.shape[-1] // 2
+        if not torch.equal(sin_ND[:, :half], sin_ND[:, half:]):
+            raise ValueError("rotary: the sin table's two halves differ (rotate-half RoPE repeats its angles)")
+        ctx.save_for_backward(cos_ND, sin_ND)
+        return native.rotary(x_NHD, cos_ND, sin_ND)
+
+    @staticmethod
+    def backward(ctx, g_NHD):  # type: ignore[override]
+        cos_ND, sin_ND = ctx.saved_tensors
+        return native.rotary(g_NHD.float(), cos_ND, -sin_ND), None, None
 
 
 def get_kernels(mode: str) -> Kernels:
