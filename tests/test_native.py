@@ -119,6 +119,29 @@ def test_rotary_has_the_bits_of_the_torch_expression(dtype, D):
     assert torch.equal(native.rotary(x, c, s), apply_rotary(x, c, s))
 
 
+@pytest.mark.parametrize("D", [64, 20])
+def test_rotary_gradient_is_autograds_of_the_torch_expression(D):
+    """Training runs RoPE as the C pass both ways (`_Rotary`): the values and the gradient (the rotation
+    by -angle) must be torch autograd's."""
+    from exactrl.kernels import get_kernels
+    from exactrl.kernels.rowwise import apply_rotary, rotary_tables
+
+    cos, sin = rotary_tables(D, 4096, 1e6)
+    g = torch.Generator().manual_seed(5)
+    pos = torch.randint(0, 4096, (129,), generator=g)
+    x = (torch.randn(129, 3, D, generator=g) * 4).requires_grad_()
+    w = torch.randn(129, 3, D, generator=g)
+    y = get_kernels("exact").rotary(x, cos[pos], sin[pos])
+    assert y.grad_fn is not None and "Rotary" in type(y.grad_fn).__name__
+    got = torch.autograd.grad((y * w).sum(), x)[0]
+    ref = torch.autograd.grad((apply_rotary(x, cos[pos], sin[pos]) * w).sum(), x)[0]
+    assert torch.equal(y, apply_rotary(x, cos[pos], sin[pos]))
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, w, rtol=1e-3, atol=1e-3)  # the gradient rotates: not the identity
+    with pytest.raises(ValueError, match="sin table's two halves differ"):
+        get_kernels("exact").rotary(x, cos[pos], torch.randn(129, D, generator=g))
+
+
 def test_layout_without_a_page_for_a_key_is_a_value_error():
     lay = A.TokenLayout(torch.tensor([0, 0]), torch.tensor([5, 40]), torch.tensor([[0, -1]]))
     with pytest.raises(ValueError, match="no page"):
@@ -314,6 +337,30 @@ def test_sample_is_log_softmax_then_draw_bit_for_bit(build):
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("build", ["", "avx2", "portable"])
+def test_log_softmax_entropy_is_the_two_calls_bit_for_bit(build):
+    """The LM head's training forward (`native.log_softmax_entropy`, also in place) gives the bits of
+    `log_softmax` then `entropy` on every build: ordinary, truncated (-inf), NaN and all -inf rows, lengths
+    that are not a multiple of the lanes; a row alone gives its bits among others."""
+    if build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2":
+        pytest.skip("this CPU cannot run the AVX2 build")
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(10, 3001, generator=g) * 6
+    z[3, 100:], z[4, 17], z[5] = -math.inf, math.nan, -math.inf
+    ref_lp = native.log_softmax(z, build)
+    ref_ent = native.entropy(ref_lp, build)
+    lp, ent = native.log_softmax_entropy(z, build=build)
+    assert torch.equal(lp.nan_to_num(7.0), ref_lp.nan_to_num(7.0)) and torch.equal(ent.nan_to_num(7.0),
+                                                                                  ref_ent.nan_to_num(7.0))
+    assert ent[0] > 0 and torch.isnan(ent[4]) and torch.isfinite(ent[3])
+    zc = z.clone()
+    lp_in, ent_in = native.log_softmax_entropy(zc, inplace=True, build=build)
+    assert lp_in.data_ptr() == zc.data_ptr() and torch.equal(lp_in.nan_to_num(7.0), lp.nan_to_num(7.0))
+    assert torch.equal(ent_in.nan_to_num(7.0), ent.nan_to_num(7.0))
+    one_lp, one_ent = native.log_softmax_entropy(z[7:8].clone(), build=build)
+    assert torch.equal(one_lp, lp[7:8]) and torch.equal(one_ent, ent[7:8])
+
+
 def test_write_rows_is_index_copy_and_refuses_a_row_outside_the_store():
     dst, src = torch.zeros(10, 6), torch.randn(3, 6)
     rows = torch.tensor([7, 0, 4])
@@ -361,7 +408,7 @@ def test_attention_gives_the_same_bits_in_every_build(build):
         out = torch.empty(9, H, D)
         native.library(b).exactrl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, seq.data_ptr(),
                                             pos.data_ptr(), table.data_ptr(), 9, H, Hk, D, B, 3, 0.125,
-                                            out.data_ptr(), torch.get_num_threads())
+                                            out.data_ptr(), None, torch.get_num_threads())
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], native.attention(q, k, v, seq, pos, table, 0.125))

@@ -91,6 +91,15 @@ class FastPlan:
     block_table_SJ: torch.Tensor
     num_blocks: int
     valid_x: torch.Tensor  # flat indices of the valid (s, q) slots, in order
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def additive_mask(self, keys: int) -> torch.Tensor:
+        """[S, 1, Q, keys] fp32: 0 where a query slot sees the key, -inf past its position. Built once per
+        forward, shared by every layer's backward."""
+        if keys not in self._masks:
+            after = torch.arange(keys)[None, None, :] > self.pos_SQ[:, :, None]
+            self._masks[keys] = torch.zeros(after.shape).masked_fill_(after, float("-inf"))[:, None]
+        return self._masks[keys]
 
 
 def plan_exact(layout: TokenLayout, block_size: int) -> ExactPlan:
@@ -142,38 +151,71 @@ def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     return _exact_attention(q_NHD, k_pages, v_pages, plan, scale)
 
 
-def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float) -> torch.Tensor:
+def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float, with_lse: bool = False):
+    """Output in q's dtype; with `with_lse`, (fp32 output, fp32 log-sum-exp [N, H]) for the backward."""
     if plan.max_page >= k_pages.shape[0]:
         raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
     lay = plan.layout
     # values only (`_ExactAttention` supplies the gradient): the C kernel fills a new tensor autograd never sees
-    o = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale)
-    return o.to(q_NHD.dtype)
+    out = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale, with_lse)
+    return out if with_lse else out.to(q_NHD.dtype)
 
 
 class _ExactAttention(torch.autograd.Function):
-    """Exact forward values; the backward is SDPA's (the same function, differentiated by its kernel).
+    """Exact forward values; the backward is SDPA's flash-attention backward (CPU kernel), fed this
+    forward's own output and log-sum-exp.
 
     Only forward values must be batch-invariant (DESIGN.md §1), as for the
-    linear layers' plain-matmul backward. Nothing but the inputs is kept and the
-    backward recomputes attention with SDPA under autograd, in fp32.
+    linear layers' plain-matmul backward. A flash backward needs the forward's
+    output O and per-row log-sum-exp L of the scaled scores (P = exp(S - L)):
+    the C forward returns both, so the backward does not run attention again
+    (differentiating SDPA under autograd recomputed its forward: ~13 of a
+    layer's ~58 ms at 20M, 64 x 160 tokens). The queries, O and the incoming
+    gradient are laid out per sequence (FastPlan); a padded query slot gets
+    L = +inf and gradient 0, so it adds nothing. Key and value gradients go
+    back to their pages with index_add (shared pages: summed, in one order).
     """
 
     @staticmethod
     def forward(ctx, q_NHD, k_pages, v_pages, plan, scale):  # type: ignore[override]
-        ctx.save_for_backward(q_NHD, k_pages, v_pages)
+        o, lse = _exact_attention(q_NHD, k_pages, v_pages, plan, scale, with_lse=True)
+        ctx.save_for_backward(q_NHD, k_pages, v_pages, o, lse)
         ctx.plan, ctx.scale = plan, scale
-        return _exact_attention(q_NHD, k_pages, v_pages, plan, scale)
+        return o.to(q_NHD.dtype)
 
     @staticmethod
     def backward(ctx, g_NHD):  # type: ignore[override]
-        q_NHD, k_pages, v_pages = ctx.saved_tensors
-        raw = (q_NHD, k_pages, v_pages)
-        with torch.enable_grad():  # in fp32 whatever the model dtype, as the forward computes
-            ins = [t.detach().float().requires_grad_(need) for t, need in zip(raw, ctx.needs_input_grad)]
-            o = fast_attention(*ins, ctx.plan.fast(), ctx.scale)
-            got = iter(torch.autograd.grad(o, [t for t in ins if t.requires_grad], g_NHD.float()))
-        return tuple(next(got).to(r.dtype) if t.requires_grad else None for t, r in zip(ins, raw)) + (None, None)
+        q_NHD, k_pages, v_pages, o_NHD, lse_NH = ctx.saved_tensors
+        fp: FastPlan = ctx.plan.fast()
+        P, Hk, B, D = k_pages.shape
+        S, Q = fp.tok_SQ.shape
+        H, J = q_NHD.shape[1], fp.num_blocks
+        pages_x = fp.block_table_SJ[:, :J].clamp(min=0).reshape(-1)  # unused (-1) blocks: masked keys, grad 0
+        tok_x = fp.tok_SQ.reshape(-1)
+
+        def per_seq(t_N):  # [N, H, ...] -> [S, H, Q, ...]
+            return t_N.index_select(0, tok_x).view(S, Q, *t_N.shape[1:]).transpose(1, 2)
+
+        def gather(pages):  # [P, Hk, B, D] -> [S, Hk, J*B, D]
+            return (pages.detach().float().index_select(0, pages_x).view(S, J, Hk, B, D).permute(0, 2, 1, 3, 4)
+                    .reshape(S, Hk, J * B, D))
+
+        valid_S1Q = fp.valid_SQ[:, None, :]
+        g = per_seq(g_NHD.float()) * valid_S1Q[..., None]
+        lse = per_seq(lse_NH).masked_fill(~valid_S1Q, float("inf"))
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, per_seq(q_NHD.detach().float()), gather(k_pages), gather(v_pages), per_seq(o_NHD), lse, 0.0, False,
+            attn_mask=fp.additive_mask(J * B), scale=ctx.scale)
+        gq_N = torch.empty(q_NHD.shape, dtype=torch.float32).index_copy_(
+            0, tok_x[fp.valid_x], gq.transpose(1, 2).reshape(S * Q, H, D).index_select(0, fp.valid_x))
+
+        def to_pages(gp):  # [S, Hk, J*B, D] -> [P, Hk, B, D], summed where sequences share a page
+            x = gp.view(S, Hk, J, B, D).permute(0, 2, 1, 3, 4).reshape(S * J, Hk, B, D)
+            return torch.zeros(P, Hk, B, D).index_add_(0, pages_x, x)
+
+        need = ctx.needs_input_grad
+        return (gq_N.to(q_NHD.dtype) if need[0] else None, to_pages(gk).to(k_pages.dtype) if need[1] else None,
+                to_pages(gv).to(v_pages.dtype) if need[2] else None, None, None)
 
 
 def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan,

@@ -216,15 +216,22 @@ class _HeadLogprobs(torch.autograd.Function):
         temp, top_k, top_p = dist
         lps, ents, keep = [], [], []
         packed = PackedWeights()  # the head weight packed once for all chunks (it cannot change inside a call)
+        V = w_VD.shape[0]
+        plain = temp in (0, 1) and not 0 < top_k < V and top_p >= 1  # sampling_logprobs is then log_softmax
         for a in range(0, h_ND.shape[0], HEAD_CHUNK_ROWS):
             h_cD, tgt_c = h_ND[a:a + HEAD_CHUNK_ROWS], tgt_N[a:a + HEAD_CHUNK_ROWS]
             n = h_cD.shape[0]
             with using_packed(packed):
-                z_cV = model.kernels.linear(h_cD, w_VD).float()
-            lp_cV = sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k), torch.full((n,), top_p))
+                z_cV = model.kernels.linear(h_cD, w_VD).float().contiguous()
+            if plain and with_entropy:  # one pass, over the logits' own memory: the bits of the two calls below
+                lp_cV, ent_c = native.log_softmax_entropy(z_cV, inplace=True)
+                ents.append(ent_c)
+            else:
+                lp_cV = sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k),
+                                          torch.full((n,), top_p))
+                if with_entropy:
+                    ents.append(native.entropy(lp_cV))
             lps.append(lp_cV.gather(1, tgt_c[:, None]).squeeze(1))
-            if with_entropy:
-                ents.append(native.entropy(lp_cV))
             if backward:  # under no_grad (reference model, behaviour recompute) nothing is kept
                 keep.append(lp_cV)
         lp_N = torch.cat(lps)

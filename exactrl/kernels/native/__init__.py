@@ -129,7 +129,7 @@ def _library(build: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.exactrl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                      ctypes.c_float, ptr, ctypes.c_int]
+                                      ctypes.c_float, ptr, ptr, ctypes.c_int]
     lib.exactrl_attention.restype = ctypes.c_int
     lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_rms_norm.restype = None
@@ -155,6 +155,7 @@ def _library(build: str) -> ctypes.CDLL:
                        ("exactrl_draw", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
                        ("exactrl_sample", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
                        ("exactrl_entropy", [ptr, i64, i64, ptr, ctypes.c_int]),
+                       ("exactrl_log_softmax_entropy", [ptr, i64, i64, ptr, ptr, ctypes.c_int]),
                        ("exactrl_add", [ptr, ptr, i64, i64, ptr]),
                        ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int])]:
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
@@ -181,9 +182,12 @@ def check_layout(seq_N: torch.Tensor, pos_N: torch.Tensor, table_SJ: torch.Tenso
 
 
 def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, seq_N: torch.Tensor,
-              pos_N: torch.Tensor, table_SJ: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of every query row over its sequence's keys 0..pos (exact.c): [N, H, D] fp32.
-    The layout must have passed `check_layout` (the kernel reads pages unchecked)."""
+              pos_N: torch.Tensor, table_SJ: torch.Tensor, scale: float, with_lse: bool = False
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of every query row over its sequence's keys 0..pos (exact.c): [N, H, D] fp32, and
+    with `with_lse` also each row's log-sum-exp of its scaled scores, m + log(sum_t exp(s_t - m)), [N, H]
+    (what a flash backward needs). The layout must have passed `check_layout` (the kernel reads pages
+    unchecked)."""
     N, H, D = q_NHD.shape
     P, Hk, B, Dk = k_pages.shape
     assert Dk == D and H % Hk == 0 and v_pages.shape == k_pages.shape
@@ -192,14 +196,15 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     q, k, v = q_NHD.contiguous(), k_pages.contiguous(), v_pages.contiguous()
     seq, pos, table = seq_N.contiguous(), pos_N.contiguous(), table_SJ.contiguous()
     out = torch.empty(N, H, D, dtype=torch.float32)
-    if N == 0:
-        return out
-    failed = library().exactrl_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), seq.data_ptr(), pos.data_ptr(),
-        table.data_ptr(), N, H, Hk, D, B, table.shape[1], scale, out.data_ptr(), torch.get_num_threads())
-    if failed:
-        raise MemoryError("exact attention could not allocate its per-thread scratch memory")
-    return out
+    lse = torch.empty(N, H, dtype=torch.float32) if with_lse else None
+    if N:
+        failed = library().exactrl_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), seq.data_ptr(),
+            pos.data_ptr(), table.data_ptr(), N, H, Hk, D, B, table.shape[1], scale, out.data_ptr(),
+            None if lse is None else lse.data_ptr(), torch.get_num_threads())
+        if failed:
+            raise MemoryError("exact attention could not allocate its per-thread scratch memory")
+    return (out, lse) if with_lse else out
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -409,6 +414,24 @@ def entropy(lp_RV: torch.Tensor, build: str = "") -> torch.Tensor:
     if R:
         library(build).exactrl_entropy(lp.data_ptr(), R, V, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def log_softmax_entropy(z_RV: torch.Tensor, inplace: bool = False, build: str = ""
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax(z), entropy(log_softmax(z))) bit for bit, in one pass (pointwise.c); `inplace` writes the
+    log-probabilities over z (which must be contiguous float32) and returns it."""
+    R, V = z_RV.shape
+    if inplace:
+        assert z_RV.dtype == torch.float32 and z_RV.is_contiguous(), (z_RV.dtype, z_RV.stride())
+        z, out = z_RV, z_RV
+    else:
+        (z,) = _f32(z_RV)
+        out = torch.empty_like(z)
+    ent = torch.empty(R, dtype=torch.float32)
+    if R and V:
+        library(build).exactrl_log_softmax_entropy(z.data_ptr(), R, V, out.data_ptr(), ent.data_ptr(),
+                                                   torch.get_num_threads())
+    return out, ent
 
 
 def head_grad(lp_RV: torch.Tensor, g_lp_R: torch.Tensor, g_hit_R: torch.Tensor, tgt_R: torch.Tensor,

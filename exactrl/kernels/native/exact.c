@@ -235,7 +235,7 @@ int exactrl_check_layout(const int64_t *seq_N, const int64_t *pos_N, int64_t N, 
 int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
                       const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
                       int64_t N, int64_t H, int64_t Hk, int64_t D, int64_t B, int64_t J,
-                      float scale, float *out, int threads) {
+                      float scale, float *out, float *lse, int threads) {
     const int64_t G = H / Hk, row_bytes = D * (bf16 ? 2 : 4);
     int64_t max_len = 0;  /* the longest key range (max position + 1): the score rows' length */
     for (int64_t n = 0; n < N; n++) max_len = pos_N[n] + 1 > max_len ? pos_N[n] + 1 : max_len;
@@ -282,6 +282,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                 float m = sc[g * max_len];
                 for (int64_t t = 1; t < L; t++) m = fmaxf(m, sc[g * max_len + t]);
                 for (int64_t t = 0; t < L; t++) sc[g * max_len + t] = exp_f(sc[g * max_len + t] - m);
+                if (lse != NULL) lse[n * H + kvh * G + g] = m;
             }
             weighted_values(v_pages, bf16, sc, max_len, G, L, D, B, table_SJ + s * J, Hk, kvh, acc, vbuf);
             for (int64_t g = 0; g < G; g++) {
@@ -289,6 +290,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                 for (int64_t t = 0; t < L; t++) l += sc[g * max_len + t];
                 float *o = out + (n * H + kvh * G + g) * D;
                 for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] / l;
+                if (lse != NULL) lse[n * H + kvh * G + g] += logf(l);
             }
         }
         free(qs);

@@ -244,6 +244,37 @@ void exactrl_entropy(const float *lp, int64_t R, int64_t V, float *ent, int thre
     }
 }
 
+/* exactrl_log_softmax then exactrl_entropy of its output, in one pass that writes each log-probability where the
+ * entropy reads it: the bits of the two calls. out may be z (in place: each element is read before it is
+ * written). The LM head's forward in training: one pass over [rows, vocabulary] fewer, and no new tensor. */
+#if defined(__AVX512F__)
+__attribute__((target("prefer-vector-width=512")))
+#endif
+void exactrl_log_softmax_entropy(const float *z, int64_t R, int64_t V, float *out, float *ent, int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= (1 << 15))
+    for (int64_t r = 0; r < R; r++) {
+        FP_MODE_ENTER;
+        const float *row = z + r * V;
+        float *o = out + r * V, m, acc[LANES] = {0};
+        const float ls = max_logsum(row, V, &m);
+        int64_t j = 0;
+        for (; j + LANES <= V; j += LANES)
+            for (int i = 0; i < LANES; i++) {
+                const float lp = (row[j + i] - m) - ls, p = exp_f(lp);
+                o[j + i] = lp;
+                acc[i] += p * (p == 0.0f ? 0.0f : lp);
+            }
+        for (int i = 0; j < V; j++, i++) {
+            const float lp = (row[j] - m) - ls, p = exp_f(lp);
+            o[j] = lp;
+            acc[i] += p * (p == 0.0f ? 0.0f : lp);
+        }
+        ent[r] = -(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+        FP_MODE_LEAVE;
+    }
+}
+
 /* The gradient with respect to the tempered logits z' of  sum_r g_lp[r] lp[r, tgt[r]] + g_ent[r] H[r]
  * (lp = log_softmax over the kept tokens, the cut-offs constant), per row r and token j, p = exp(lp):
  *     gz[r, j] = ( -g_lp[r] p_j + [j = tgt[r]] g_hit[r] - g_ent[r] p_j (lp_j + H[r]) ) / T
