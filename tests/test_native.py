@@ -47,6 +47,40 @@ def test_matches_causal_softmax_attention(dtype, D, H, Hk):
     assert torch.allclose(o.double(), ref, atol=tol)
 
 
+def _attention_by_its_formula(q_HD, k_LHD, v_LHD, scale):
+    """exact.c's documented order of operations, op by op in float32 torch (each op rounds once, as the C
+    without contraction): s_t = dot(scale * q, k_t) in 8 lanes then the tree ((0+1)+(2+3))+((4+5)+(6+7)),
+    e_t = exp_f(s_t - max s), o = (sum_t e_t v_t) / (sum_t e_t) with t ascending."""
+    H, D = q_HD.shape
+    G = H // k_LHD.shape[1]
+    k, v = k_LHD.repeat_interleave(G, 1), v_LHD.repeat_interleave(G, 1)  # [L, H, D]
+    qs = scale * q_HD
+    acc = torch.zeros(k.shape[0], H, 8)
+    for d0 in range(0, D, 8):
+        w = min(8, D - d0)
+        acc[..., :w] = acc[..., :w] + qs[None, :, d0:d0 + w] * k[..., d0:d0 + w]
+    a = acc.unbind(-1)
+    s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))  # [L, H]
+    e = native.exp(s - s.max(0).values)
+    o, l = torch.zeros(H, D), torch.zeros(H)
+    for t in range(k.shape[0]):
+        o, l = o + e[t][:, None] * v[t], l + e[t]
+    return o / l[:, None]
+
+
+@pytest.mark.parametrize("D,B", [(64, 16), (64, 8), (20, 8), (16, 4)])
+def test_attention_computes_its_documented_order_bit_for_bit(D, B):
+    """Scores of 8 keys at once (fp32, D a multiple of 8, 8 keys left in a page) and one key at a time give
+    the bits of the formula in exact.c's header: rows whose keys end anywhere in a page."""
+    g = torch.Generator().manual_seed(8)
+    n, H, Hk = 41, 6, 2
+    q, k, v = (torch.randn(n, h, D, generator=g) * 2 for h in (H, Hk, Hk))
+    kp, vp, table = _paged(k, v, B, random.Random(2))
+    o = native.attention(q, kp, vp, torch.zeros(n, dtype=torch.int64), torch.arange(n), table, D**-0.5)
+    for t in (0, 6, 7, 8, 15, 16, 23, 24, 31, 40):
+        assert torch.equal(o[t], _attention_by_its_formula(q[t], k[:t + 1], v[:t + 1], D**-0.5)), t
+
+
 def test_a_row_depends_only_on_its_own_keys_whatever_else_is_in_the_call():
     """Decode-style single rows, rows among other sequences' rows, any page placement, 1 or 2 threads."""
     g = torch.Generator().manual_seed(1)
