@@ -34,7 +34,11 @@ after one untimed warm-up step: exactrl from before `generate` to after
 `update_weights`; TRL between consecutive `on_step_end` callbacks (so it
 includes its data loading and logging hooks, as exactrl's loop timing does).
 Both trainers run one forward/backward over the whole batch (no
-micro-batching). `phase_ratio_*` splits the speed-up: rollout (engine vs
+micro-batching). The sides alternate step by step in one process (TRL's
+step i, then exactrl's step i, each timed alone: TRL's clock restarts after
+exactrl's step), so a change in the machine's speed during the run (a shared
+VM's neighbours) slows both sides alike; `--sequential` runs all of
+exactrl's steps first, then TRL's. `phase_ratio_*` splits the speed-up: rollout (engine vs
 transformers `generate`, timed around TRL's call) and the rest of the step.
 `flop_floor` is the step's matmul FLOPs at the fp32 matmul peak measured in
 the same run, and `ceiling_over_trl` TRL's step time over that floor: the
@@ -75,6 +79,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -195,24 +200,40 @@ def exactrl_step(c: dict, prompt_ids_P: list[list[int]], a, step: int) -> tuple[
     return metrics, {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0}
 
 
-def run_exactrl(model_dir: Path, prompts: list[str], a, kernels: str) -> dict:
-    c = exactrl_components(model_dir, kernels, a)
-    ids = [c["tokenizer"].encode(p) for p in prompts]
-    assert all(len(x) == a.prompt for x in ids), "digit prompts must tokenize to --prompt tokens"
-    diffs, maxes, times = [], [], []
-    for step in range(1 + a.steps):
-        metrics, t = exactrl_step(c, ids[step * a.prompts:(step + 1) * a.prompts], a, step + 1)
-        diffs.append(metrics[DIFF]), maxes.append(metrics[DIFF_MAX])
+class ExactrlRun:
+    """exactrl's side, step by step: `step(i)` runs step i (0 is the untimed warm-up), `result()` sums up."""
+
+    def __init__(self, model_dir: Path, prompts: list[str], a, kernels: str):
+        self.c, self.a, self.kernels = exactrl_components(model_dir, kernels, a), a, kernels
+        self.ids = [self.c["tokenizer"].encode(p) for p in prompts]
+        assert all(len(x) == a.prompt for x in self.ids), "digit prompts must tokenize to --prompt tokens"
+        self.diffs, self.maxes, self.times = [], [], []
+
+    def step(self, step: int) -> None:
+        a = self.a
+        metrics, t = exactrl_step(self.c, self.ids[step * a.prompts:(step + 1) * a.prompts], a, step + 1)
+        self.diffs.append(metrics[DIFF]), self.maxes.append(metrics[DIFF_MAX])
         if step > 0:  # the first step warms up allocator and kernels
-            times.append(t)
-        log(f"exactrl {kernels} step {step + 1}: {t['step_s']:.2f} s (rollout {t['rollout_s']:.2f}, "
+            self.times.append(t)
+        log(f"exactrl {self.kernels} step {step + 1}: {t['step_s']:.2f} s (rollout {t['rollout_s']:.2f}, "
             f"train {t['train_s']:.2f}), diff {metrics[DIFF]:.3g} max {metrics[DIFF_MAX]:.3g}")
-    out = throughput([t["step_s"] for t in times], a.prompts * a.group * a.new)
-    for k in ("rollout_s", "train_s", "sync_s"):
-        out[f"{k}_mean"] = round(sum(t[k] for t in times) / len(times), 3)
-    # worst step over all steps (warm-up included): the contract holds on every step
-    out[DIFF], out[DIFF_MAX] = max(diffs), max(maxes)
-    return out
+
+    def result(self) -> dict:
+        a, times = self.a, self.times
+        assert len(times) == a.steps, (len(times), a.steps)
+        out = throughput([t["step_s"] for t in times], a.prompts * a.group * a.new)
+        for k in ("rollout_s", "train_s", "sync_s"):
+            out[f"{k}_mean"] = round(sum(t[k] for t in times) / len(times), 3)
+        # worst step over all steps (warm-up included): the contract holds on every step
+        out[DIFF], out[DIFF_MAX] = max(self.diffs), max(self.maxes)
+        return out
+
+
+def run_exactrl(model_dir: Path, prompts: list[str], a, kernels: str) -> dict:
+    run = ExactrlRun(model_dir, prompts, a, kernels)
+    for step in range(1 + a.steps):
+        run.step(step)
+    return run.result()
 
 
 # ---------------------------------------------------------------- TRL side
@@ -300,18 +321,24 @@ def trl_config(out_dir: str, a):
         gradient_checkpointing=False, disable_dropout=True, dataloader_num_workers=0, log_completions=False)
 
 
-def run_trl(model_dir: Path, prompts: list[str], a) -> dict:
+def run_trl(model_dir: Path, prompts: list[str], a, between: Callable[[int], None] | None = None) -> dict:
+    """TRL's side. `between(i)`, if given, runs after TRL's step i, outside TRL's timing (interleaving)."""
     import transformers
     from datasets import Dataset
 
     probe = TRLProbe(temperature=1.0)
     ends: list[float] = []
+    resumes: list[float] = []  # when TRL's clock restarts after step i: its end, or after `between`
 
     class StepTimes(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.perf_counter())
             probe.active = False
-            log(f"TRL step {len(ends)}" + (f": {ends[-1] - ends[-2]:.2f} s" if len(ends) > 1 else " (warm-up)"))
+            log(f"TRL step {len(ends)}" +
+                (f": {ends[-1] - resumes[-1]:.2f} s" if len(ends) > 1 else " (warm-up)"))
+            if between is not None:
+                between(len(ends) - 1)
+            resumes.append(time.perf_counter())
 
     model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -325,7 +352,7 @@ def run_trl(model_dir: Path, prompts: list[str], a) -> dict:
     if probe.completion_tokens != [tokens_per_step] * (1 + a.steps):
         raise RuntimeError(f"TRL generated {probe.completion_tokens} completion tokens per step, expected "
                            f"{tokens_per_step} each (min_new_tokens should force --new tokens)")
-    out = throughput([t1 - t0 for t0, t1 in zip(ends, ends[1:])], tokens_per_step)
+    out = throughput([t1 - t0 for t0, t1 in zip(resumes, ends[1:])], tokens_per_step)
     gen_s = probe.generate_s[1:]  # the timed steps' rollouts
     out["generate_s_mean"] = round(sum(gen_s) / len(gen_s), 3)
     out["rest_s_mean"] = round(out["step_s_mean"] - out["generate_s_mean"], 3)  # logprobs, loss, backward, step
@@ -413,6 +440,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer")
     p.add_argument("--fast", action="store_true", help="also run exactrl with fast kernels (non-zero diff)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run exactrl's steps, then TRL's (default: each exactrl step right after TRL's)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2x4 sequences, 8+8 tokens, 1 step")
     a = p.parse_args(argv)
     if a.quick:
@@ -438,12 +467,17 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as d:
         out["model"] = build_model_dir(Path(d), a.size, a.seed)
         log(f"model {out['model']['params'] / 1e6:.1f}M params; {out['shapes']}")
-        kernels = ["exact", "fast"] if a.fast else ["exact"]
-        out["exactrl"] = {k: run_exactrl(Path(d), prompts, a, k) for k in kernels}
-        if with_trl:
-            out["trl"] = run_trl(Path(d), prompts, a)
+        if with_trl and not a.sequential:  # each exactrl step right after TRL's: drift slows both alike
+            exact = ExactrlRun(Path(d), prompts, a, "exact")
+            out["trl"] = run_trl(Path(d), prompts, a, between=exact.step)
+            out["exactrl"] = {"exact": exact.result()}
         else:
-            out["trl"] = "skipped (--no-trl)" if a.no_trl else TRL_MISSING
+            out["exactrl"] = {"exact": run_exactrl(Path(d), prompts, a, "exact")}
+            out["trl"] = run_trl(Path(d), prompts, a) if with_trl else (
+                "skipped (--no-trl)" if a.no_trl else TRL_MISSING)
+        out["order"] = "interleaved (TRL step, then exactrl step)" if with_trl and not a.sequential else "sequential"
+        if a.fast:
+            out["exactrl"]["fast"] = run_exactrl(Path(d), prompts, a, "fast")
     if with_trl:
         out |= ratios(out["exactrl"], out["trl"])
     out["flop_floor"] = flop_floor(out["model"], a, out["trl"] if with_trl else None)

@@ -33,7 +33,7 @@ def test_bench_train_quick_exactrl_side(capsys):
     out = run_bench(capsys, "--no-trl", "--fast")
     assert out["shapes"]["completion_tokens_per_step"] == 2 * 4 * 8
     assert out["model"]["params"] > 0 and out["threads"] >= 1
-    assert out["trl"] == "skipped (--no-trl)"
+    assert out["trl"] == "skipped (--no-trl)" and out["order"] == "sequential"
     exact, fast = out["exactrl"]["exact"], out["exactrl"]["fast"]
     check_side(exact), check_side(fast)
     assert exact[DIFF] == 0.0 and exact[DIFF_MAX] == 0.0
@@ -56,6 +56,8 @@ def test_bench_train_quick_trl_side(capsys):
     assert trl["logprob_diff_sequences"] == 2 * 4
     assert 0.0 <= trl[DIFF] <= trl[DIFF_MAX] < 1e-3  # fp32: small, measured, not assumed
     assert out["exactrl"]["exact"][DIFF] == 0.0
+    check_side(out["exactrl"]["exact"])  # its steps ran between TRL's, each timed alone
+    assert out["order"].startswith("interleaved")
     assert out["ratio_exact_over_trl"] > 0 and "ratio_fast_over_trl" not in out
     assert out["flop_floor"]["ceiling_over_trl"] > 0
     assert out["phase_ratio_exact_over_trl"]["rollout"] > 0 and out["phase_ratio_exact_over_trl"]["rest"] > 0
