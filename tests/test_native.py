@@ -421,8 +421,16 @@ def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
               lambda b: native.draw(lp, 256, u, torch.zeros(5, dtype=torch.bool), b)[0],
               lambda b: native.log_softmax(x, b),
               lambda b: native.entropy(lp, b),
-              lambda b: native.head_grad(lp, g_lp, g_lp, tgt, g_ent, ent, 0.7, b)):
+              lambda b: native.head_grad(lp, g_lp, g_lp, tgt, g_ent, ent, 0.7, b),
+              lambda b: native.head_grad(lp.clone(), g_lp, g_lp, tgt, g_ent, ent, 0.7, b, inplace=True)):
         assert torch.equal(f(""), f(build))
+    # in place (the trainer's LM head backward writes the gradient over its kept logprobs): the same bits,
+    # the target's own entry included (read before the row is overwritten)
+    for ge in (g_ent, None):
+        ref = native.head_grad(lp, g_lp, g_lp * 0.5, tgt, ge, ent, 0.7)
+        own = lp.clone()
+        got = native.head_grad(own, g_lp, g_lp * 0.5, tgt, ge, ent, 0.7, inplace=True)
+        assert got.data_ptr() == own.data_ptr() and torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])

@@ -253,8 +253,11 @@ class _HeadLogprobs(torch.autograd.Function):
         w_f = w_VD.float()
         for c, lp_cV in enumerate(ctx.chunks):
             sl = slice(c * HEAD_CHUNK_ROWS, c * HEAD_CHUNK_ROWS + lp_cV.shape[0])
-            gz_cV = native.head_grad(lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl],  # the formula above, one pass
-                                     None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp)
+            # the formula above, one pass, over the chunk's own memory (this backward is its last reader)
+            gz_cV = native.head_grad(lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl],
+                                     None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp,
+                                     inplace=lp_cV.is_contiguous())
+            ctx.chunks[c] = None
             if gh_ND is not None:
                 gh_ND[sl] = (gz_cV @ w_f).to(h_ND.dtype)
             if gw_VD is not None:  # accumulated in place: a [V, D] product and sum per chunk took 1.7x as long

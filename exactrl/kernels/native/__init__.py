@@ -435,15 +435,19 @@ def log_softmax_entropy(z_RV: torch.Tensor, inplace: bool = False, build: str = 
 
 
 def head_grad(lp_RV: torch.Tensor, g_lp_R: torch.Tensor, g_hit_R: torch.Tensor, tgt_R: torch.Tensor,
-              g_ent_R: torch.Tensor | None, ent_R: torch.Tensor, temperature: float, build: str = "") -> torch.Tensor:
+              g_ent_R: torch.Tensor | None, ent_R: torch.Tensor, temperature: float, build: str = "",
+              inplace: bool = False) -> torch.Tensor:
     """Gradient of sum_r g_lp[r] lp[r, tgt[r]] + g_ent[r] H[r] with respect to the tempered logits
-    (pointwise.c, exactrl_head_grad, has the formula): [R, V] float32."""
+    (pointwise.c, exactrl_head_grad, has the formula): [R, V] float32; `inplace` writes it over lp (which
+    must be contiguous float32) and returns that."""
     R, V = lp_RV.shape
+    if inplace:
+        assert lp_RV.dtype == torch.float32 and lp_RV.is_contiguous(), (lp_RV.dtype, lp_RV.stride())
     lp, g_lp, g_hit, ent = _f32(lp_RV, g_lp_R, g_hit_R, ent_R)
     tgt = tgt_R.contiguous()
     assert tgt.dtype == torch.int64 and g_lp.shape == g_hit.shape == tgt.shape == (R,)
     ge = None if g_ent_R is None else _f32(g_ent_R)[0]
-    gz = torch.empty(R, V, dtype=torch.float32)
+    gz = lp if inplace else torch.empty(R, V, dtype=torch.float32)
     if R:
         library(build).exactrl_head_grad(lp.data_ptr(), R, V, g_lp.data_ptr(), g_hit.data_ptr(), tgt.data_ptr(),
                                          None if ge is None else ge.data_ptr(), ent.data_ptr(), float(temperature),

@@ -298,12 +298,13 @@ void exactrl_head_grad(const float *lp, int64_t R, int64_t V, const float *g_lp,
         float *out = gz + r * V;
         const float a = -g_lp[r], h = g_ent ? ent[r] : 0.0f;
         const float *ge = g_ent ? g_ent + r : NULL;
+        const float lp_t = row[tgt[r]];  /* read before the row is written: gz may be lp itself (in place) */
         if (ge) {
             for (int64_t j = 0; j < V; j++) out[j] = head_grad_one(row[j], a, 0.0f, ge, h, temperature);
         } else {
             for (int64_t j = 0; j < V; j++) out[j] = head_grad_one(row[j], a, 0.0f, NULL, h, temperature);
         }
-        out[tgt[r]] = head_grad_one(row[tgt[r]], a, g_hit[r], ge, h, temperature);
+        out[tgt[r]] = head_grad_one(lp_t, a, g_hit[r], ge, h, temperature);
         FP_MODE_LEAVE;
     }
 }
