@@ -219,7 +219,15 @@ void exactrl_sample(const float *z, int64_t R, int64_t V, int64_t W, const doubl
 }
 
 /* Entropy of each row of lp [R, V]: H = -sum_j p_j lp_j with p_j = exp(lp_j) (a term with p_j = 0 counts 0),
- * summed in float32 in LANES running sums and a fixed tree. */
+ * summed in float32 in LANES running sums (j mod LANES) and a fixed tree. */
+static inline float entropy_term(float lp) {
+    const float p = exp_f(lp);
+    return p * (p == 0.0f ? 0.0f : lp);
+}
+static inline float entropy_of_lanes(const float *acc) {
+    return -(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+}
+
 void exactrl_entropy(const float *lp, int64_t R, int64_t V, float *ent, int threads) {
     FP_MODE_OF_CALLER;
 #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
@@ -229,17 +237,9 @@ void exactrl_entropy(const float *lp, int64_t R, int64_t V, float *ent, int thre
         float acc[LANES] = {0};
         int64_t j = 0;
         for (; j + LANES <= V; j += LANES)
-            for (int i = 0; i < LANES; i++) {
-                const float p = exp_f(row[j + i]);
-                const float lpm = p == 0.0f ? 0.0f : row[j + i];
-                acc[i] += p * lpm;
-            }
-        for (int i = 0; j < V; j++, i++) {
-            const float p = exp_f(row[j]);
-            const float lpm = p == 0.0f ? 0.0f : row[j];
-            acc[i] += p * lpm;
-        }
-        ent[r] = -(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+            for (int i = 0; i < LANES; i++) acc[i] += entropy_term(row[j + i]);
+        for (int i = 0; j < V; j++, i++) acc[i] += entropy_term(row[j]);
+        ent[r] = entropy_of_lanes(acc);
         FP_MODE_LEAVE;
     }
 }
@@ -259,18 +259,19 @@ void exactrl_log_softmax_entropy(const float *z, int64_t R, int64_t V, float *ou
         float *o = out + r * V, m, acc[LANES] = {0};
         const float ls = max_logsum(row, V, &m);
         int64_t j = 0;
+#pragma GCC ivdep /* out may be z: element j is read, then written, by the same lane (vectorise anyway) */
         for (; j + LANES <= V; j += LANES)
             for (int i = 0; i < LANES; i++) {
-                const float lp = (row[j + i] - m) - ls, p = exp_f(lp);
+                const float lp = (row[j + i] - m) - ls;
                 o[j + i] = lp;
-                acc[i] += p * (p == 0.0f ? 0.0f : lp);
+                acc[i] += entropy_term(lp);
             }
         for (int i = 0; j < V; j++, i++) {
-            const float lp = (row[j] - m) - ls, p = exp_f(lp);
+            const float lp = (row[j] - m) - ls;
             o[j] = lp;
-            acc[i] += p * (p == 0.0f ? 0.0f : lp);
+            acc[i] += entropy_term(lp);
         }
-        ent[r] = -(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+        ent[r] = entropy_of_lanes(acc);
         FP_MODE_LEAVE;
     }
 }
@@ -299,9 +300,12 @@ void exactrl_head_grad(const float *lp, int64_t R, int64_t V, const float *g_lp,
         const float a = -g_lp[r], h = g_ent ? ent[r] : 0.0f;
         const float *ge = g_ent ? g_ent + r : NULL;
         const float lp_t = row[tgt[r]];  /* read before the row is written: gz may be lp itself (in place) */
+        /* gz may be lp (in place): element j is read, then written, by the same lane; vectorise anyway */
         if (ge) {
+#pragma GCC ivdep
             for (int64_t j = 0; j < V; j++) out[j] = head_grad_one(row[j], a, 0.0f, ge, h, temperature);
         } else {
+#pragma GCC ivdep
             for (int64_t j = 0; j < V; j++) out[j] = head_grad_one(row[j], a, 0.0f, NULL, h, temperature);
         }
         out[tgt[r]] = head_grad_one(lp_t, a, g_hit[r], ge, h, temperature);
