@@ -81,6 +81,22 @@ def test_attention_computes_its_documented_order_bit_for_bit(D, B):
         assert torch.equal(o[t], _attention_by_its_formula(q[t], k[:t + 1], v[:t + 1], D**-0.5)), t
 
 
+def test_sdpa_does_not_compute_the_documented_order():
+    """The inverse twin of the test above: the fast kernels' attention (SDPA) is close to the formula but
+    not its bits, so that test's bitwise comparison can fail."""
+    from exactrl.kernels.attention import TokenLayout, fast_attention, plan_fast
+
+    g = torch.Generator().manual_seed(8)
+    n, H, Hk, D, B = 41, 6, 2, 64, 16
+    q, k, v = (torch.randn(n, h, D, generator=g) * 2 for h in (H, Hk, Hk))
+    kp, vp, table = _paged(k, v, B, random.Random(2))
+    lay = TokenLayout(torch.zeros(n, dtype=torch.int64), torch.arange(n), table)
+    o = fast_attention(q, kp, vp, plan_fast(lay, B), D**-0.5)
+    rows = [_attention_by_its_formula(q[t], k[:t + 1], v[:t + 1], D**-0.5) for t in range(8, n)]
+    assert all(torch.allclose(o[t], r, atol=1e-5) for t, r in zip(range(8, n), rows))
+    assert not all(torch.equal(o[t], r) for t, r in zip(range(8, n), rows))
+
+
 def test_a_row_depends_only_on_its_own_keys_whatever_else_is_in_the_call():
     """Decode-style single rows, rows among other sequences' rows, any page placement, 1 or 2 threads."""
     g = torch.Generator().manual_seed(1)
