@@ -2,7 +2,8 @@
 
 Only forward values carry the bitwise contract; the gradients of the chunked
 LM head (`_HeadLogprobs`) and of exact attention (`_ExactAttention`, which
-back-propagates through SDPA) must still be the gradients of that forward, to
+runs SDPA's flash backward on its own forward's output and log-sum-exp; the
+sequences' lengths leave padded query slots) must still be the gradients of that forward, to
 fp32 rounding. The references differentiate the unchunked, untiled ops with
 autograd (attention: token by token in plain torch ops).
 """
@@ -94,7 +95,8 @@ def test_head_logprobs_cut_off_target_matches_autograd(qwen3_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_attention_gradient_is_the_attention_gradient(dtype):
-    """Backward through SDPA vs autograd through plain attention math; forward values close to it."""
+    """The flash backward fed the C forward's output and log-sum-exp vs autograd through plain attention math;
+    forward values close to it."""
     g = torch.Generator().manual_seed(1)
     lengths, H, Hk, D, B = [37, 5, 64], 6, 2, 16, 8
     lay, pages = pack_layout(lengths, B)
