@@ -17,7 +17,7 @@ import exactrl.model.logprobs as LP
 from exactrl.kernels import attention as A
 from exactrl.kernels import native
 from exactrl.kernels import sampling_logprobs
-from exactrl.model.logprobs import pack_layout, token_logprobs
+from exactrl.model.logprobs import pack_layout, pack_shared, token_logprobs
 
 
 def _math_attention(q_NHD, k_pages, v_pages, plan, scale):
@@ -119,6 +119,29 @@ def test_exact_attention_gradient_is_the_attention_gradient(dtype):
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a.float(), b.float(), **tol)
         assert a.float().abs().sum() > 0
+
+
+def test_attention_backward_without_the_flash_op_differentiates_sdpa(monkeypatch):
+    """A torch without the CPU flash backward (or its attn_mask) takes autograd through SDPA: the same
+    gradients to rounding, shared pages and padded query slots included."""
+    g = torch.Generator().manual_seed(2)
+    seqs = [[1] * 40 + [2] * 9, [1] * 40 + [3] * 20, [5] * 7]
+    lay, pages, _, _ = pack_shared(seqs, [40, 40, 3], 8)
+    n, H, Hk, D, B = len(lay.seq_N), 4, 2, 16, 8
+    q, k, v = (torch.randn(n, h, D, generator=g).requires_grad_() for h in (H, Hk, Hk))
+    w = torch.randn(n, H, D, generator=g)
+
+    def grads():
+        kp, vp = A.write_kv(torch.zeros(pages, Hk, B, D), torch.zeros(pages, Hk, B, D), k, v, lay)
+        o = A.exact_attention(q, kp, vp, A.plan_exact(lay, B), 0.25)
+        return torch.autograd.grad((o * w).sum(), (q, k, v))
+
+    assert A.flash_backward_available()  # torch 2.13, the version this project pins for its tests
+    flash = grads()
+    monkeypatch.setattr(A, "flash_backward_available", lambda: False)
+    sdpa = grads()
+    for a, b in zip(flash, sdpa):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and a.abs().sum() > 0
 
 
 def test_trainer_path_gradients_match_unchunked_autograd(qwen3_dir, monkeypatch):

@@ -28,6 +28,7 @@ J blocks per sequence, P pages, B keys per block.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -174,6 +175,8 @@ class _ExactAttention(torch.autograd.Function):
     gradient are laid out per sequence (FastPlan); a padded query slot gets
     L = +inf and gradient 0, so it adds nothing. Key and value gradients go
     back to their pages with index_add (shared pages: summed, in one order).
+    A torch without that op (or without its attn_mask) differentiates SDPA
+    under autograd instead, running attention again (`_sdpa_backward`).
     """
 
     @staticmethod
@@ -186,6 +189,8 @@ class _ExactAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_NHD):  # type: ignore[override]
         q_NHD, k_pages, v_pages, o_NHD, lse_NH = ctx.saved_tensors
+        if not flash_backward_available():
+            return _sdpa_backward(ctx, g_NHD, q_NHD, k_pages, v_pages) + (None, None)
         fp: FastPlan = ctx.plan.fast()
         P, Hk, B, D = k_pages.shape
         S, Q = fp.tok_SQ.shape
@@ -216,6 +221,23 @@ class _ExactAttention(torch.autograd.Function):
         need = ctx.needs_input_grad
         return (gq_N.to(q_NHD.dtype) if need[0] else None, to_pages(gk).to(k_pages.dtype) if need[1] else None,
                 to_pages(gv).to(v_pages.dtype) if need[2] else None, None, None)
+
+
+@functools.cache
+def flash_backward_available() -> bool:
+    """Whether this torch has the CPU flash-attention backward with an attention mask (torch 2.13 does)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return op is not None and "attn_mask" in str(op.default._schema)
+
+
+def _sdpa_backward(ctx, g_NHD, q_NHD, k_pages, v_pages) -> tuple:
+    """The attention gradient by autograd through SDPA (`fast_attention`), run again in fp32."""
+    raw = (q_NHD, k_pages, v_pages)
+    with torch.enable_grad():
+        ins = [t.detach().float().requires_grad_(need) for t, need in zip(raw, ctx.needs_input_grad)]
+        o = fast_attention(*ins, ctx.plan.fast(), ctx.scale)
+        got = iter(torch.autograd.grad(o, [t for t in ins if t.requires_grad], g_NHD.float()))
+    return tuple(next(got).to(r.dtype) if t.requires_grad else None for t, r in zip(ins, raw))
 
 
 def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan,
