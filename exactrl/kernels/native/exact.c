@@ -239,6 +239,45 @@ static inline __attribute__((always_inline)) void scores8(int64_t G, const float
     }
 }
 
+/* max_t x[t] over t < L, NaNs passed over: the value a fold of fmaxf gives, taken in LANES lanes (a max is
+ * exact in any order). Only the sign of a zero maximum could differ, and no output reads it: exp(s - m) and
+ * m + log(l) are the same for m = +0 and m = -0. A call of libm's fmaxf per score took ~1/3 of a decode
+ * step's attention (AMD EPYC Zen 4, 20M, batch 32). */
+static inline float row_max(const float *x, int64_t L) {
+    float mx[LANES];
+    for (int i = 0; i < LANES; i++) mx[i] = -INFINITY;
+    int64_t t = 0;
+    for (; t + LANES <= L; t += LANES)
+        for (int i = 0; i < LANES; i++) mx[i] = x[t + i] > mx[i] ? x[t + i] : mx[i];
+    for (int i = 0; t < L; t++, i++) mx[i] = x[t] > mx[i] ? x[t] : mx[i];
+    float m = mx[0];
+    for (int i = 1; i < LANES; i++) m = mx[i] > m ? mx[i] : m;
+    return m;
+}
+
+/* l[g] = sum_t e[g * stride + t] for t = 0..L-1 in ascending order, one running sum per head g < G (G a
+ * compile-time constant): the G chains of additions side by side, so their latencies overlap. */
+static inline __attribute__((always_inline)) void sums_fixed(const int G, const float *e, int64_t stride, int64_t L,
+                                                             float *l) {
+    float acc[MAX_G] = {0};
+    for (int64_t t = 0; t < L; t++)
+        for (int g = 0; g < G; g++) acc[g] += e[g * stride + t];
+    for (int g = 0; g < G; g++) l[g] = acc[g];
+}
+
+static void row_sums(int64_t G, const float *e, int64_t stride, int64_t L, float *l) {
+    switch (G) {
+#define SUMS(g) case g: sums_fixed(g, e, stride, L, l); return;
+        SUMS(1) SUMS(2) SUMS(3) SUMS(4) SUMS(5) SUMS(6) SUMS(7) SUMS(8)
+#undef SUMS
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t < L; t++) acc += e[g * stride + t];
+        l[g] = acc;
+    }
+}
+
 /* The attention plan's checks of a token layout, in one pass (the kernel then reads pages unchecked):
  * returns 1 if a position is < 0 or a sequence outside the table's S rows, 2 if a key position (0 up to the
  * last query position of its sequence) has no page (j >= J or table -1), else 0 with out[0] = the longest
@@ -280,8 +319,8 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
 #pragma omp parallel num_threads(threads)
     {
         FP_MODE_ENTER;
-        /* per thread: G query rows, G score rows of max_len, G accumulators, one K row, one V row */
-        float *qs = malloc(sizeof(float) * (G * D + G * max_len + G * D + 2 * D));
+        /* per thread: G query rows, G score rows of max_len, G accumulators, one K row, one V row, G sums */
+        float *qs = malloc(sizeof(float) * (G * D + G * max_len + G * D + 2 * D + G));
         if (qs == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -289,7 +328,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
 #pragma omp for schedule(dynamic, 4)
         for (int64_t item = 0; item < N * Hk; item++) {
             if (qs == NULL) continue;
-            float *sc = qs + G * D, *acc = sc + G * max_len, *kbuf = acc + G * D, *vbuf = kbuf + D;
+            float *sc = qs + G * D, *acc = sc + G * max_len, *kbuf = acc + G * D, *vbuf = kbuf + D, *l = vbuf + D;
             const int64_t n = item / Hk, kvh = item % Hk, s = seq_N[n], L = pos_N[n] + 1;
             for (int64_t g = 0; g < G; g++) {
                 const int64_t row = n * H + kvh * G + g;
@@ -301,7 +340,10 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                 const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
                 /* speed only: while key t is scored, the key in its slot one page ahead (this sequence's next
                  * page, else the next item's first) and value t start coming from memory (a layer's KV store
-                 * is larger than the caches). 0.93x the time of prefetching 4 keys ahead (20M, batch 32). */
+                 * is larger than the caches). 0.93x the time of prefetching 4 keys ahead (20M, batch 32, Zen 1).
+                 * Into L2, not L1 (locality 1, prefetcht1): an item's values do not fit in L1 beside its keys,
+                 * and on Zen 4 a decode step's attention took 0.7x the time of L1 prefetches (100M, batch 32:
+                 * 12 layers 6.6 -> 4.8 ms with the KV store in memory; 20M, batch 64: 4.0 -> 3.0 ms). */
                 const int64_t next = item + 1, ahead =
                     t0 + B < L ? (table_SJ[s * J + t0 / B + 1] * Hk + kvh) * B - t0
                     : next < N * Hk ? (table_SJ[seq_N[next / Hk] * J] * Hk + next % Hk) * B - t0 : base;
@@ -309,8 +351,8 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                     const int64_t keys = !bf16 && D % LANES == 0 && end - t >= 8 ? 8 : 1;
                     for (int64_t j = t; j < t + keys; j++)
                         for (int64_t off = 0; off < row_bytes; off += 64) {
-                            __builtin_prefetch((const char *)k_pages + (ahead + j) * row_bytes + off);
-                            __builtin_prefetch((const char *)v_pages + (base + j) * row_bytes + off);
+                            __builtin_prefetch((const char *)k_pages + (ahead + j) * row_bytes + off, 0, 1);
+                            __builtin_prefetch((const char *)v_pages + (base + j) * row_bytes + off, 0, 1);
                         }
                     if (keys == 8)
                         scores8(G, qs, (const float *)k_pages + (base + t) * D, D, sc + t, max_len);
@@ -320,18 +362,16 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                 }
             }
             for (int64_t g = 0; g < G; g++) {
-                float m = sc[g * max_len];
-                for (int64_t t = 1; t < L; t++) m = fmaxf(m, sc[g * max_len + t]);
+                const float m = row_max(sc + g * max_len, L);
                 for (int64_t t = 0; t < L; t++) sc[g * max_len + t] = exp_f(sc[g * max_len + t] - m);
                 if (lse != NULL) lse[n * H + kvh * G + g] = m;
             }
             weighted_values(v_pages, bf16, sc, max_len, G, L, D, B, table_SJ + s * J, Hk, kvh, acc, vbuf);
+            row_sums(G, sc, max_len, L, l);
             for (int64_t g = 0; g < G; g++) {
-                float l = 0.0f;
-                for (int64_t t = 0; t < L; t++) l += sc[g * max_len + t];
                 float *o = out + (n * H + kvh * G + g) * D;
-                for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] / l;
-                if (lse != NULL) lse[n * H + kvh * G + g] += logf(l);
+                for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] / l[g];
+                if (lse != NULL) lse[n * H + kvh * G + g] += logf(l[g]);
             }
         }
         free(qs);
