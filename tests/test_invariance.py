@@ -56,7 +56,10 @@ def test_exact_linear_row_invariant(dtype, K, N):
             assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
 
 
-def test_native_linear_sums_in_the_documented_order():
+# (13, 40, 600): a partial panel of columns, three blocks of k's (the last partial); (100, 40, 1024): K a
+# multiple of 512, so gemm.c reads x from a copy with padded rows, in two chunks of rows (MC = 96)
+@pytest.mark.parametrize("M,N,K", [(13, 40, 600), (100, 40, 1024)])
+def test_native_linear_sums_in_the_documented_order(M, N, K):
     """gemm.c's contract: each output is an fma chain over each block of KC = 256 k's from 0, the blocks'
     sums added in order. Emulated here in float64, rounded to fp32 after every step (exact for the
     products; a double rounding of the sum could differ in ~2^-29 of steps, and these fixed operands
@@ -64,7 +67,6 @@ def test_native_linear_sums_in_the_documented_order():
     from exactrl.kernels import native
 
     g = torch.Generator().manual_seed(3)
-    M, N, K = 13, 40, 600  # a partial panel of columns, three blocks of k's (the last partial)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     want = None
     for k0 in range(0, K, 256):
@@ -81,7 +83,8 @@ def test_native_linear_sums_in_the_documented_order():
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
-@pytest.mark.parametrize("M,N,K", [(1, 384, 384), (37, 100, 1030), (130, 640, 256), (5, 3, 7)])
+@pytest.mark.parametrize("M,N,K", [(1, 384, 384), (37, 100, 1030), (130, 640, 256), (5, 3, 7),
+                                   (100, 40, 1024)])  # K % 512 == 0: x read from a padded copy
 def test_native_linear_other_builds_give_this_machines_bits(build, M, N, K):
     """An AVX2-only CPU runs gemm.c's AVX2 micro-kernel (6 x 16), one without AVX2 its plain-C build:
     the same sums, so the same bits as this machine's own build."""
