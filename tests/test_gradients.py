@@ -1,10 +1,9 @@
 """Hand-written backwards against plain autograd of the same forward.
 
 Only forward values carry the bitwise contract; the gradients of the chunked
-LM head (`_HeadLogprobs`) and of exact attention (`_ExactAttention`, which
-runs SDPA's flash backward on its own forward's output and log-sum-exp; the
-sequences' lengths leave padded query slots) must still be the gradients of that forward, to
-fp32 rounding. The references differentiate the unchunked, untiled ops with
+LM head (`_HeadLogprobs`) and of exact attention (`_ExactAttention`, whose
+backward in C starts from its own forward's output and log-sum-exp) must
+still be the gradients of that forward, to fp32 rounding. The references differentiate the unchunked, untiled ops with
 autograd (attention: token by token in plain torch ops).
 """
 from __future__ import annotations
@@ -95,7 +94,7 @@ def test_head_logprobs_cut_off_target_matches_autograd(qwen3_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_attention_gradient_is_the_attention_gradient(dtype):
-    """The flash backward fed the C forward's output and log-sum-exp vs autograd through plain attention math;
+    """The C backward fed the C forward's output and log-sum-exp vs autograd through plain attention math;
     forward values close to it."""
     g = torch.Generator().manual_seed(1)
     lengths, H, Hk, D, B = [37, 5, 64], 6, 2, 16, 8
@@ -121,27 +120,36 @@ def test_exact_attention_gradient_is_the_attention_gradient(dtype):
         assert a.float().abs().sum() > 0
 
 
-def test_attention_backward_without_the_flash_op_differentiates_sdpa(monkeypatch):
-    """A torch without the CPU flash backward (or its attn_mask) takes autograd through SDPA: the same
-    gradients to rounding, shared pages and padded query slots included."""
+@pytest.mark.parametrize("H,Hk,D", [(4, 2, 16), (6, 2, 64), (3, 3, 12)])  # D = 12: the loops past 8-lane blocks
+def test_attention_backward_over_shared_pages_is_autograd_through_sdpa_and_thread_independent(H, Hk, D):
+    """exact.c's attention backward, over prompts laid out once and shared by their samples (their keys'
+    gradients summed from every sequence reading them), partly filled pages and a sequence alone: the
+    gradients of autograd through SDPA (`fast_attention`, the other path) to rounding, and the same bits
+    at 1 and 2 threads (each sequence and kv head is summed by one thread, rows in call order)."""
     g = torch.Generator().manual_seed(2)
-    seqs = [[1] * 40 + [2] * 9, [1] * 40 + [3] * 20, [5] * 7]
-    lay, pages, _, _ = pack_shared(seqs, [40, 40, 3], 8)
-    n, H, Hk, D, B = len(lay.seq_N), 4, 2, 16, 8
+    seqs = [[1] * 40 + [2] * 9, [1] * 40 + [3] * 20, [5] * 7, [1] * 40 + [4] * 13]
+    lay, pages, _, _ = pack_shared(seqs, [40, 40, 3, 40], 8)
+    n, B = len(lay.seq_N), 8
     q, k, v = (torch.randn(n, h, D, generator=g).requires_grad_() for h in (H, Hk, Hk))
     w = torch.randn(n, H, D, generator=g)
 
-    def grads():
+    def grads(attend, plan):
         kp, vp = A.write_kv(torch.zeros(pages, Hk, B, D), torch.zeros(pages, Hk, B, D), k, v, lay)
-        o = A.exact_attention(q, kp, vp, A.plan_exact(lay, B), 0.25)
+        o = attend(q, kp, vp, plan(lay, B), 0.25)
         return torch.autograd.grad((o * w).sum(), (q, k, v))
 
-    assert A.flash_backward_available()  # torch 2.13, the version this project pins for its tests
-    flash = grads()
-    monkeypatch.setattr(A, "flash_backward_available", lambda: False)
-    sdpa = grads()
-    for a, b in zip(flash, sdpa):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) and a.abs().sum() > 0
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = grads(A.exact_attention, A.plan_exact)
+        torch.set_num_threads(2)
+        two = grads(A.exact_attention, A.plan_exact)
+    finally:
+        torch.set_num_threads(threads)
+    sdpa = grads(A.fast_attention, A.plan_fast)
+    for a, b, c in zip(one, two, sdpa):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, c, rtol=1e-4, atol=1e-5) and a.abs().sum() > 0
 
 
 def test_trainer_path_gradients_match_unchunked_autograd(qwen3_dir, monkeypatch):

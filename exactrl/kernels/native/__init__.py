@@ -131,6 +131,8 @@ def _library(build: str) -> ctypes.CDLL:
     lib.exactrl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                       ctypes.c_float, ptr, ptr, ctypes.c_int]
     lib.exactrl_attention.restype = ctypes.c_int
+    lib.exactrl_attention_backward.argtypes = [ptr] * 9 + [i64] * 7 + [ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+    lib.exactrl_attention_backward.restype = ctypes.c_int
     lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_rms_norm.restype = None
     lib.exactrl_rotary.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr]
@@ -205,6 +207,31 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
         if failed:
             raise MemoryError("exact attention could not allocate its per-thread scratch memory")
     return (out, lse) if with_lse else out
+
+
+def attention_backward(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, o_NHD: torch.Tensor,
+                       lse_NH: torch.Tensor, g_NHD: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor,
+                       table_SJ: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of `attention` (exact.c, `exactrl_attention_backward`), all fp32: dq [N, H, D] and each
+    sequence's key and value gradients [S, Hk, J * B, D] (key t of sequence s at t, zero past its last
+    position), for the caller to sum into the pages."""
+    N, H, D = q_NHD.shape
+    P, Hk, B, Dk = k_pages.shape
+    S, J = table_SJ.shape
+    assert Dk == D and H % Hk == 0 and v_pages.shape == k_pages.shape
+    ts = [t.contiguous() for t in (q_NHD, k_pages, v_pages, o_NHD, lse_NH, g_NHD)]
+    assert all(t.dtype == torch.float32 for t in ts), [t.dtype for t in ts]
+    seq, pos, table = seq_N.contiguous(), pos_N.contiguous(), table_SJ.contiguous()
+    assert seq.dtype == pos.dtype == table.dtype == torch.int64
+    dq = torch.empty(N, H, D, dtype=torch.float32)
+    dk, dv = torch.zeros(2, S, Hk, J * B, D, dtype=torch.float32)  # zero past each sequence's last position
+    if N:
+        failed = library().exactrl_attention_backward(
+            *(t.data_ptr() for t in ts), seq.data_ptr(), pos.data_ptr(), table.data_ptr(), N, S, H, Hk, D, B, J,
+            scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
+        if failed:
+            raise MemoryError("the exact attention backward could not allocate its scratch memory")
+    return dq, dk, dv
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
-/* exactrl's native exact kernels: causal attention over a paged KV store, the KV store's writes, RMSNorm
- * and RoPE.
+/* exactrl's native exact kernels: causal attention over a paged KV store and its gradient, the KV store's
+ * writes, RMSNorm and RoPE.
  *
  * Attention, one query row at a time.
  *
@@ -377,6 +377,127 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
         free(qs);
         FP_MODE_LEAVE;
     }
+    return failed;
+}
+
+/* The gradient of exactrl_attention (fp32 operands): with o the forward's output, lse its log-sum-exp and
+ * g the output's gradient, for query row n (sequence s, position p) and head h of kv head kvh,
+ *
+ *     P_t  = exp(s_t - lse)          s_t = (scale q) . k_t as the forward's, t = 0..p
+ *     dS_t = P_t (g . v_t - g . o)
+ *     dq   = scale sum_t dS_t k_t;   dk_t += dS_t (scale q);   dv_t += P_t g
+ *
+ * (the flash-attention backward). No bit of a gradient needs to be batch-invariant, but every one is
+ * deterministic: item (s, kvh) is computed by one thread, its query rows in their order in the call, and
+ * it alone adds to its sequence's key and value gradients, dk_S / dv_S [S, Hk, J * B, D] (key t of s at
+ * t; zero on entry), which the caller sums into the pages, some of which sequences share. dq [N, H, D]. Returns 0, or 1 if scratch memory could not be allocated. */
+int exactrl_attention_backward(const float *q, const float *k_pages, const float *v_pages, const float *o,
+                               const float *lse, const float *g, const int64_t *seq_N, const int64_t *pos_N,
+                               const int64_t *table_SJ, int64_t N, int64_t S, int64_t H, int64_t Hk, int64_t D,
+                               int64_t B, int64_t J, float scale, float *dq, float *dk_S, float *dv_S,
+                               int threads) {
+    const int64_t G = H / Hk, Lmax = J * B;
+    /* each sequence's query rows in call order (a counting sort) and its last position (-1: none) */
+    int64_t *start = calloc((size_t)(3 * S + 1 + N), sizeof(int64_t)); /* start [S + 1], at [S], last [S], rows [N] */
+    if (start == NULL) return 1;
+    int64_t *at = start + S + 1, *last = at + S, *rows = last + S, max_len = 0;
+    for (int64_t s = 0; s < S; s++) last[s] = -1;
+    for (int64_t n = 0; n < N; n++) {
+        start[seq_N[n] + 1]++;
+        if (pos_N[n] > last[seq_N[n]]) last[seq_N[n]] = pos_N[n];
+        if (pos_N[n] + 1 > max_len) max_len = pos_N[n] + 1;
+    }
+    for (int64_t s = 0; s < S; s++) start[s + 1] += start[s], at[s] = start[s];
+    for (int64_t n = 0; n < N; n++) rows[at[seq_N[n]]++] = n;
+    int failed = 0;
+    FP_MODE_OF_CALLER;
+#pragma omp parallel num_threads(threads)
+    {
+        FP_MODE_ENTER;
+        /* per thread: G scaled query rows, G gradient rows, G dq rows, G deltas, and G rows of P and dS */
+        float *qs = malloc(sizeof(float) * (3 * G * D + G + 2 * G * max_len + 1));
+        if (qs == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < S * Hk; item++) {
+            if (qs == NULL) continue;
+            float *go = qs + G * D, *gq = go + G * D, *delta = gq + G * D, *pr = delta + G, *ds = pr + G * max_len;
+            const int64_t s = item / Hk, kvh = item % Hk;
+            float *dk = dk_S + item * Lmax * D, *dv = dv_S + item * Lmax * D;
+            if (last[s] < 0) continue;
+            for (int64_t r = start[s]; r < start[s + 1]; r++) {
+                const int64_t n = rows[r], L = pos_N[n] + 1;
+                for (int64_t h = 0; h < G; h++) {
+                    const int64_t row = n * H + kvh * G + h;
+                    float dl = 0.0f;
+                    for (int64_t d = 0; d < D; d++) {
+                        qs[h * D + d] = scale * q[row * D + d];
+                        go[h * D + d] = g[row * D + d];
+                        gq[h * D + d] = 0.0f;
+                        dl += g[row * D + d] * o[row * D + d];
+                    }
+                    delta[h] = dl;
+                }
+                /* pass 1: scores and g . v_t of every key, 8 keys at a time where a page holds 8 more */
+                for (int64_t t0 = 0; t0 < L; t0 += B) {
+                    const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
+                    for (int64_t t = t0; t < end;) {
+                        if (D % LANES == 0 && end - t >= 8) {
+                            scores8(G, qs, k_pages + (base + t) * D, D, pr + t, max_len);
+                            scores8(G, go, v_pages + (base + t) * D, D, ds + t, max_len);
+                            t += 8;
+                        } else {
+                            scores(G, qs, k_pages + (base + t) * D, D, pr + t, max_len);
+                            scores(G, go, v_pages + (base + t) * D, D, ds + t, max_len);
+                            t += 1;
+                        }
+                    }
+                }
+                for (int64_t h = 0; h < G; h++) {
+                    const float m = lse[n * H + kvh * G + h];
+                    float *p = pr + h * max_len, *e = ds + h * max_len;
+                    for (int64_t t = 0; t < L; t++) {
+                        p[t] = exp_f(p[t] - m);
+                        e[t] = p[t] * (e[t] - delta[h]);
+                    }
+                }
+                /* pass 2: the sums over keys (dq) and over query rows (dk, dv) */
+                for (int64_t t0 = 0; t0 < L; t0 += B) {
+                    const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
+                    for (int64_t t = t0; t < end; t++) {
+                        const float *k = k_pages + (base + t) * D;
+                        float *dkt = dk + t * D, *dvt = dv + t * D;
+                        int64_t d = 0;
+                        for (; d + VB <= D; d += VB) { /* dk_t, dv_t summed over the G heads in registers */
+                            vblock kk, a, b;
+                            memcpy(&kk, k + d, sizeof kk), memcpy(&a, dvt + d, sizeof a), memcpy(&b, dkt + d, sizeof b);
+                            for (int64_t h = 0; h < G; h++) {
+                                const float p = pr[h * max_len + t], e = ds[h * max_len + t];
+                                vblock gh, qh, c;
+                                memcpy(&gh, go + h * D + d, sizeof gh), memcpy(&qh, qs + h * D + d, sizeof qh);
+                                memcpy(&c, gq + h * D + d, sizeof c);
+                                a += p * gh, b += e * qh, c += e * kk;
+                                memcpy(gq + h * D + d, &c, sizeof c);
+                            }
+                            memcpy(dvt + d, &a, sizeof a), memcpy(dkt + d, &b, sizeof b);
+                        }
+                        for (int64_t h = 0; h < G; h++)
+                            for (int64_t dd = d; dd < D; dd++) {
+                                const float p = pr[h * max_len + t], e = ds[h * max_len + t];
+                                dvt[dd] += p * go[h * D + dd], dkt[dd] += e * qs[h * D + dd], gq[h * D + dd] += e * k[dd];
+                            }
+                    }
+                }
+                for (int64_t h = 0; h < G; h++)
+                    for (int64_t d = 0; d < D; d++) dq[(n * H + kvh * G + h) * D + d] = scale * gq[h * D + d];
+            }
+        }
+        free(qs);
+        FP_MODE_LEAVE;
+    }
+    free(start);
     return failed;
 }
 
