@@ -120,15 +120,20 @@ def test_exact_attention_gradient_is_the_attention_gradient(dtype):
         assert a.float().abs().sum() > 0
 
 
-@pytest.mark.parametrize("H,Hk,D", [(4, 2, 16), (6, 2, 64), (3, 3, 12)])  # D = 12: the loops past 8-lane blocks
+# D = 12: the loops past 8-lane blocks; G = 9: the scores past the fixed-G paths
+@pytest.mark.parametrize("H,Hk,D", [(4, 2, 16), (6, 2, 64), (3, 3, 12), (9, 1, 16)])
 def test_attention_backward_over_shared_pages_is_autograd_through_sdpa_and_thread_independent(H, Hk, D):
     """exact.c's attention backward, over prompts laid out once and shared by their samples (their keys'
-    gradients summed from every sequence reading them), partly filled pages and a sequence alone: the
-    gradients of autograd through SDPA (`fast_attention`, the other path) to rounding, and the same bits
-    at 1 and 2 threads (each sequence and kv head is summed by one thread, rows in call order)."""
+    gradients summed from every sequence reading them), partly filled pages, a sequence alone, a row of
+    the block table no token uses and the tokens in shuffled order: the gradients of autograd through SDPA
+    (`fast_attention`, the other path) to rounding, and the same bits at 1 and 2 threads (each sequence
+    and kv head is summed by one thread, rows in call order)."""
     g = torch.Generator().manual_seed(2)
     seqs = [[1] * 40 + [2] * 9, [1] * 40 + [3] * 20, [5] * 7, [1] * 40 + [4] * 13]
     lay, pages, _, _ = pack_shared(seqs, [40, 40, 3, 40], 8)
+    perm = torch.randperm(len(lay.seq_N), generator=g)
+    table = torch.cat([lay.block_table_SJ, torch.full((1, lay.block_table_SJ.shape[1]), -1)])  # an idle row
+    lay = A.TokenLayout(lay.seq_N[perm], lay.pos_N[perm], table)
     n, B = len(lay.seq_N), 8
     q, k, v = (torch.randn(n, h, D, generator=g).requires_grad_() for h in (H, Hk, Hk))
     w = torch.randn(n, H, D, generator=g)

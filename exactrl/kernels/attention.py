@@ -175,7 +175,7 @@ class _ExactAttention(torch.autograd.Function):
         q_NHD, k_pages, v_pages, o_NHD, lse_NH = ctx.saved_tensors
         lay = ctx.plan.layout
         P, Hk, B, D = k_pages.shape
-        J = int(lay.pos_N.max()) // B + 1  # the blocks any row reads
+        J = int(lay.pos_N.max()) // B + 1 if len(lay.pos_N) else 0  # the blocks any row reads
         table_SJ = lay.block_table_SJ[:, :J].contiguous()
         S = table_SJ.shape[0]
         gq, gk_S, gv_S = native.attention_backward(

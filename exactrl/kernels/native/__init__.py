@@ -214,7 +214,8 @@ def attention_backward(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
                        table_SJ: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of `attention` (exact.c, `exactrl_attention_backward`), all fp32: dq [N, H, D] and each
     sequence's key and value gradients [S, Hk, J * B, D] (key t of sequence s at t, zero past its last
-    position), for the caller to sum into the pages."""
+    position), for the caller to sum into the pages. The layout must have passed `check_layout` (the kernel
+    reads pages unchecked), as the forward's did."""
     N, H, D = q_NHD.shape
     P, Hk, B, Dk = k_pages.shape
     S, J = table_SJ.shape

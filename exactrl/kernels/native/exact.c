@@ -390,7 +390,8 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
  * (the flash-attention backward). No bit of a gradient needs to be batch-invariant, but every one is
  * deterministic: item (s, kvh) is computed by one thread, its query rows in their order in the call, and
  * it alone adds to its sequence's key and value gradients, dk_S / dv_S [S, Hk, J * B, D] (key t of s at
- * t; zero on entry), which the caller sums into the pages, some of which sequences share. dq [N, H, D]. Returns 0, or 1 if scratch memory could not be allocated. */
+ * t; zero on entry), which the caller sums into the pages, some of which sequences share. dq [N, H, D].
+ * The layout must have passed exactrl_check_layout. Returns 0, or 1 if scratch memory could not be allocated. */
 int exactrl_attention_backward(const float *q, const float *k_pages, const float *v_pages, const float *o,
                                const float *lse, const float *g, const int64_t *seq_N, const int64_t *pos_N,
                                const int64_t *table_SJ, int64_t N, int64_t S, int64_t H, int64_t Hk, int64_t D,
@@ -486,7 +487,8 @@ int exactrl_attention_backward(const float *q, const float *k_pages, const float
                         for (int64_t h = 0; h < G; h++)
                             for (int64_t dd = d; dd < D; dd++) {
                                 const float p = pr[h * max_len + t], e = ds[h * max_len + t];
-                                dvt[dd] += p * go[h * D + dd], dkt[dd] += e * qs[h * D + dd], gq[h * D + dd] += e * k[dd];
+                                dvt[dd] += p * go[h * D + dd], dkt[dd] += e * qs[h * D + dd];
+                                gq[h * D + dd] += e * k[dd];
                             }
                     }
                 }
