@@ -306,6 +306,16 @@ int exactrl_check_layout(const int64_t *seq_N, const int64_t *pos_N, int64_t N, 
     return 0;
 }
 
+/* A thread's scratch memory of `floats` floats, or NULL with *failed set (its call then returns 1). */
+static float *thread_scratch(size_t floats, int *failed) {
+    float *p = malloc(sizeof(float) * floats);
+    if (p == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return p;
+}
+
 /* Returns 0, or 1 if a thread could not allocate its scratch memory. */
 int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
                       const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
@@ -320,11 +330,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
     {
         FP_MODE_ENTER;
         /* per thread: G query rows, G score rows of max_len, G accumulators, one K row, one V row, G sums */
-        float *qs = malloc(sizeof(float) * (G * D + G * max_len + G * D + 2 * D + G));
-        if (qs == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *qs = thread_scratch((size_t)(G * D + G * max_len + G * D + 2 * D + G), &failed);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t item = 0; item < N * Hk; item++) {
             if (qs == NULL) continue;
@@ -416,11 +422,7 @@ int exactrl_attention_backward(const float *q, const float *k_pages, const float
     {
         FP_MODE_ENTER;
         /* per thread: G scaled query rows, G gradient rows, G dq rows, G deltas, and G rows of P and dS */
-        float *qs = malloc(sizeof(float) * (3 * G * D + G + 2 * G * max_len + 1));
-        if (qs == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *qs = thread_scratch((size_t)(3 * G * D + G + 2 * G * max_len + 1), &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < S * Hk; item++) {
             if (qs == NULL) continue;
