@@ -80,7 +80,6 @@ class FastPlan:
     """Per-sequence padded query matrix for SDPA."""
 
     tok_SQ: torch.Tensor  # token index, 0 where padded
-    valid_SQ: torch.Tensor
     pos_SQ: torch.Tensor  # position, 0 where padded (a fully masked row would give NaN)
     block_table_SJ: torch.Tensor
     num_blocks: int
@@ -107,7 +106,7 @@ def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
     valid_SQ = i_SQ < counts_S[:, None]
     tok_SQ = torch.where(valid_SQ, order_N[(offset_S[:, None] + i_SQ).clamp(max=len(order_N) - 1)], 0)
     pos_SQ = torch.where(valid_SQ, pos_N[tok_SQ], 0)
-    return FastPlan(tok_SQ, valid_SQ, pos_SQ, layout.block_table_SJ, int(pos_N.max()) // block_size + 1,
+    return FastPlan(tok_SQ, pos_SQ, layout.block_table_SJ, int(pos_N.max()) // block_size + 1,
                     valid_SQ.reshape(-1).nonzero().squeeze(1))
 
 
