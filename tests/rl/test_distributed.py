@@ -65,9 +65,12 @@ def _collectives(rank: int, port: int, out) -> None:
                             timeout=datetime.timedelta(seconds=60))
     ranks = Ranks(rank, 2)
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    c, d = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     a.grad = torch.full((3,), float(rank + 1)) if rank == 0 else None  # only rank 0 has one for a; none for b
-    ranks.sum_grads([a, b])
-    got = {"a": a.grad.tolist(), "b": b.grad}
+    c.grad = torch.full((2,), float(rank + 1))  # both ranks: 1 + 2
+    d.grad = torch.full((2,), 5.0) if rank == 1 else None  # only rank 1
+    ranks.sum_grads([a, b, c, d])
+    got = {"a": a.grad.tolist(), "b": b.grad, "c": c.grad.tolist(), "d": d.grad.tolist()}
     try:
         ranks.check_same("test weights", [torch.tensor([1.0, float(rank)])], "the reason")
         got["check"] = "passed"
@@ -96,6 +99,8 @@ def test_gradients_sum_over_ranks_and_a_parameter_without_any_keeps_none():
         p.join(60)
     for r in (0, 1):
         assert got[r]["a"] == [1.0, 1.0, 1.0]  # rank 0's gradient plus rank 1's (none: zeros)
+        assert got[r]["c"] == [3.0, 3.0]  # a sum, not either rank's own
+        assert got[r]["d"] == [5.0, 5.0]  # rank 1's reaches rank 0 too
         assert got[r]["b"] is None  # no rank had one: the optimizer leaves b alone, as one process would
         assert "ranks hold different test weights (tensor 0 differs): the reason" in got[r]["check"]
 
