@@ -53,7 +53,8 @@ class PolicyLoss:
         adv_BT = masked_values(upcast(inp.advantages_BT), mask_BT)
         loss_BT, metrics = self.token_loss(lp_BT, old_BT, adv_BT, mask_BT)
         assert loss_BT.shape == lp_BT.shape, (loss_BT.shape, lp_BT.shape)
-        loss = aggregate(loss_BT * upcast(inp.weights_BT), mask_BT, agg_mode, norm)
+        loss = aggregate(loss_BT * upcast(inp.weights_BT), mask_BT, agg_mode, norm,
+                         lengths_B=inp.sampled_mask_BT.sum(dim=1))
         metrics["loss/weight_mean"] = _mean(inp.weights_BT, mask_BT)
         return loss, metrics
 

@@ -124,16 +124,17 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
             weights_BT, mask_BT, cm = s.corrections(old_BT, behav_BT, mask_BT, adv_BT)
             _accumulate(sums, cm, len(idx))
         inp = LossInputs(logprobs_BT=logp_BT, old_logprobs_BT=old_BT, behav_logprobs_BT=behav_BT,
-                         advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT)
+                         advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT, sampled_mask_BT=sampled_BT)
+        lengths_B = sampled_BT.sum(dim=1)  # seq-mean-token-mean's n_b: a masked token stays in it
         if s.bypass:
             inp = apply_bypass(inp)
         loss, lm = loss_fn(inp, s.agg_mode, norm)
         if s.entropy_coef:
-            loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm)
+            loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm, lengths_B)
         if ref_model is not None and s.kl_coef and s.kl_in_loss:
             ref_BT = _ref_logprobs(ref_model, batch, idx, s, T)
             kl_BT = kl_estimate(logp_BT, ref_BT, s.kl_kind)
-            kl = aggregate(kl_BT, mask_BT, s.agg_mode, norm)
+            kl = aggregate(kl_BT, mask_BT, s.agg_mode, norm, lengths_B)
             loss = loss + s.kl_coef * kl
             _accumulate(sums, {"train/kl_ref": kl.item()}, len(batch))
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from

@@ -42,11 +42,17 @@ class LossInputs:
     """Float 0/1 loss mask: 1 = this token is trained on (padding, prompts, tool output = 0)."""
     weights_BT: torch.Tensor | None = None
     """Per-token importance weight from the corrections (detached); None means ones."""
+    sampled_mask_BT: torch.Tensor | None = None
+    """The loss mask as sampled, before a correction removed tokens (None: mask_BT). Its per-sequence
+    counts are `seq-mean-token-mean`'s lengths, so a masked token stays in its sequence's denominator."""
 
     def __post_init__(self):
         check_mask("mask_BT", self.mask_BT)
         if self.weights_BT is None:
             self.weights_BT = torch.ones_like(self.mask_BT)
+        if self.sampled_mask_BT is None:
+            self.sampled_mask_BT = self.mask_BT
+        check_mask("sampled_mask_BT", self.sampled_mask_BT)
         named = self._named()
         check_same_shape(named)
         for name, x in named.items():
@@ -55,13 +61,16 @@ class LossInputs:
             if name != "logprobs_BT" and x.requires_grad:
                 raise ValueError(f"LossInputs.{name} requires grad: pass it .detach()ed; "
                                  "only logprobs_BT (π_θ) may carry the graph")
-            if name != "mask_BT":
+            if name not in ("mask_BT", "sampled_mask_BT"):
                 check_finite(f"LossInputs.{name}", x, self.mask_BT)
+        if bool((self.mask_BT > self.sampled_mask_BT).any()):
+            raise ValueError("LossInputs.mask_BT keeps a token that sampled_mask_BT does not: a correction "
+                             "may only remove sampled tokens")
 
     def _named(self) -> dict[str, torch.Tensor]:
         return {"logprobs_BT": self.logprobs_BT, "old_logprobs_BT": self.old_logprobs_BT,
                 "behav_logprobs_BT": self.behav_logprobs_BT, "advantages_BT": self.advantages_BT,
-                "mask_BT": self.mask_BT, "weights_BT": self.weights_BT}
+                "mask_BT": self.mask_BT, "weights_BT": self.weights_BT, "sampled_mask_BT": self.sampled_mask_BT}
 
 
 @dataclass(frozen=True)

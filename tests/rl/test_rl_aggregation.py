@@ -25,6 +25,18 @@ def test_modes_hand_computed(mode, expected):
     assert out.item() == pytest.approx(expected, rel=1e-12)
 
 
+def test_seq_mean_token_mean_divides_by_the_lengths_as_sampled():
+    """A token a correction removed (row 1's second, masked now but sampled) stays in its sequence's
+    denominator; the other modes take their denominators from LossNorm and do not change."""
+    lengths = torch.tensor([3.0, 2.0, 0.0], dtype=torch.float64)
+    out = aggregate(VALUES, MASK, "seq-mean-token-mean", NORM, lengths)
+    assert out.item() == pytest.approx(((1 + 2 + 3) / 3 + 4 / 2 + 0) / 3, rel=1e-12)  # 4/3, not 2.0
+    for mode in ("token-mean", "seq-mean-token-sum", "constant-normalised"):
+        assert aggregate(VALUES, MASK, mode, NORM, lengths).item() == aggregate(VALUES, MASK, mode, NORM).item()
+    with pytest.raises(ValueError, match="lengths_B"):  # fewer than the unmasked tokens
+        aggregate(VALUES, MASK, "seq-mean-token-mean", NORM, torch.tensor([3.0, 0.0, 0.0]))
+
+
 def test_mode_names_are_the_contract():
     assert set(AGG_MODES) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"}
 

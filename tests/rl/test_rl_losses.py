@@ -205,3 +205,18 @@ def test_fp32_and_bf16_inputs_compute_in_fp32():
     inp = LossInputs(lp, lp.detach(), lp.detach(), torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(1, 2))
     value, _ = PPOClipLoss()(inp, "token-mean", LossNorm(2, 1))
     assert value.dtype == torch.float32 and value.item() == -1.0
+
+
+def test_a_token_removed_by_a_correction_stays_in_its_sequences_length():
+    """seq-mean-token-mean: a sequence of 4 sampled tokens, one of them masked by a correction. The 3 kept
+    tokens each get 1/4 of the sequence's weight (as under token-mean), not 1/3: masking shrinks the step."""
+    lp = t([[-1.0, -2.0, -3.0, -4.0]])
+    sampled, kept = torch.ones(1, 4, dtype=F64), t([[1.0, 0.0, 1.0, 1.0]])
+    inp = LossInputs(lp.clone().requires_grad_(True), lp, lp, torch.ones(1, 4, dtype=F64), kept,
+                     sampled_mask_BT=sampled)
+    value, _ = ReinforceLoss()(inp, "seq-mean-token-mean", LossNorm(total_tokens=4, total_seqs=1))
+    value.backward()
+    assert value.item() == pytest.approx(-(-1.0 - 3.0 - 4.0) / 4)
+    assert inp.logprobs_BT.grad.tolist() == [[-0.25, 0.0, -0.25, -0.25]]
+    with pytest.raises(ValueError, match="may only remove sampled tokens"):
+        LossInputs(lp, lp, lp, torch.ones(1, 4, dtype=F64), sampled, sampled_mask_BT=kept)
