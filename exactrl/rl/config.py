@@ -64,6 +64,8 @@ class KLSettings(BaseModel):
     coef: float = Field(0.0, ge=0.0)
     """Weight of KL(π_θ‖π_ref); 0 disables the reference model entirely."""
     kind: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimator (rl/kl.py). In the loss, k1's expected gradient is 0, k2's is the reverse KL's,
+    k3's the forward KL's; π_ref is taken at the sampling temperature without top-k/top-p."""
     where: Literal["loss", "reward"] = "loss"
     """`loss`: added to the loss per token; `reward`: subtracted from the sequence reward."""
 

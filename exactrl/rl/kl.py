@@ -10,9 +10,26 @@ Divergence", 2020):
 
 Uses here: KL to a reference policy (p = π_θ, q = π_ref; in the loss or as a
 reward penalty), and train/rollout mismatch diagnostics (p = μ, q = π_old,
-since tokens were sampled from μ). As a *loss*, note that the gradient of the
-k3 sample value is not an unbiased gradient of KL(π_θ‖π_ref); it is the
-common choice (GRPO, DeepSeekMath) and behaves like a reverse-KL penalty.
+since tokens were sampled from μ). "Unbiased" holds for samples from p; in
+the asynchronous loop the tokens come from an older μ and are not
+re-weighted.
+
+π_θ here is the sampling distribution (temperature, then top-k/top-p), the
+one the loss trains; π_ref is taken at the same temperature but never
+truncated (as TRL and verl do): a token that π_ref's own top-k/top-p would
+cut off has log π_ref = −inf, and every estimator would be +inf.
+
+As a *loss*, the gradient of an estimator's sample value is not the
+gradient of the KL it estimates (Tang & Munos 2025, "On a few pitfalls in KL
+divergence gradient estimation for RL"): with y ~ π_θ,
+
+    E[∇ k1] = 0                       (k1 in the loss only adds noise)
+    E[∇ k2] = ∇ KL(π_θ‖π_ref)          (the reverse KL's gradient)
+    E[∇ k3] = ∇ KL(π_ref‖π_θ)          (the forward KL's gradient)
+
+k3 in the loss is the common choice (GRPO, DeepSeekMath); k2 is the one
+whose gradient is the reverse KL's. As a reward penalty (REINFORCE on
+−β·k) k1 is the usual choice.
 
 Numerics shared by the losses and corrections:
 - log-ratios are formed in at least fp32 (fp64 stays fp64): two bf16

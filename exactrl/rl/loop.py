@@ -91,7 +91,7 @@ def kl_shaped_rewards(c: Components, groups: list[list[Rollout]]) -> tuple[list[
     mine = [flat[k] for k in c.ranks.shard(len(flat))]  # each rank scores its share; all get every score
     with torch.no_grad():
         ref, _ = token_logprobs(c.ref_model, [r.prompt_ids + r.completion_ids for r in mine], rs.temperature,
-                               rs.top_k, rs.top_p, first=[len(r.prompt_ids) for r in mine],
+                               -1, 1.0, first=[len(r.prompt_ids) for r in mine],  # untruncated: kl.py
                                share_prompts=c.cfg.optim.share_prompts)
     ref = c.ranks.gather_sharded(len(flat), [t.clone() for t in ref])  # a view would send its whole batch
     penalties, metrics = kl_reward_penalty([torch.tensor(r.behav_logprobs) for r in flat], ref, c.cfg.algorithm.kl.kind,

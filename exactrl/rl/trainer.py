@@ -167,9 +167,11 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
 
 
 def _ref_logprobs(ref_model, batch, idx, s: StepSettings, T: int) -> torch.Tensor:
+    """log π_ref of the sampled tokens at the sampling temperature, never truncated (`kl.py`: π_ref must
+    cover every token the policy samples, or the KL is infinite)."""
     seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
     with torch.no_grad():
-        lps, _ = token_logprobs(ref_model, seqs, s.temperature, s.top_k, s.top_p,
+        lps, _ = token_logprobs(ref_model, seqs, s.temperature, -1, 1.0,
                                 first=[len(batch.prompt_ids[k]) for k in idx], share_prompts=s.share_prompts)
     return _pad(lps, T)
 

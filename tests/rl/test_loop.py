@@ -216,6 +216,15 @@ def test_kl_in_the_reward_shapes_the_advantages(model_dir, tmp_path):
     assert "train/kl_ref" not in kl[2]  # not in the loss as well
 
 
+def test_kl_in_the_reward_with_truncated_sampling_is_finite(model_dir, tmp_path):
+    """top-k sampling: π_ref is scored untruncated (rl/kl.py), so a token outside its own top-k costs a
+    finite penalty (it used to be +inf, and the run stopped on a non-finite reward)."""
+    kl = run(model_dir, tmp_path / "kl", "max_steps=3", "algorithm.kl.coef=0.5", "algorithm.kl.where=reward",
+             "rollout.top_k=2")
+    assert all(math.isfinite(r["rollout/kl_ref_per_seq"]) for r in kl)
+    assert kl[0]["rollout/kl_ref_per_seq"] > 0  # π_θ truncated against π_ref whole: not 0 even at step 1
+
+
 def test_resume_after_a_crash_between_checkpoints_has_no_duplicate_rows(model_dir, tmp_path):
     """A crash after step 3's row but before its checkpoint: resuming from step 2 redoes step 3, once."""
     import shutil

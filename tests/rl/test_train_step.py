@@ -11,13 +11,15 @@ from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.corrections import build_corrections
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings, TrainBatch, train_step
+from conftest import make_hf_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6]]
 COMPLETIONS = [[7, 8, 9, 10], [11, 12, 13, 14]]
 
 
 def _settings(**kw) -> StepSettings:
-    return StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=kw.pop("micro_batch_size", 8),
+    return StepSettings(temperature=1.0, top_k=kw.pop("top_k", -1), top_p=1.0,
+                        micro_batch_size=kw.pop("micro_batch_size", 8),
                         agg_mode="token-mean", agg_constant=None, grad_clip=1.0, **kw)
 
 
@@ -99,3 +101,20 @@ def test_shared_prompts_same_step(qwen3_dir):
     assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-4)
     for a, b in zip(w0, w1):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_kl_to_the_reference_stays_finite_when_sampling_truncates(qwen3_dir, tmp_path):
+    """With top-k = 1 the policy's sampled tokens are its argmax; another model's top-1 is mostly another
+    token. π_ref is taken untruncated (rl/kl.py), so its logprobs, and the KL, stay finite."""
+    make_hf_model(tmp_path, "qwen3", seed=1)
+    model, ref = exactrl.load_model(qwen3_dir), exactrl.load_model(tmp_path).requires_grad_(False)
+    outs = exactrl.Engine(model).generate(PROMPTS, exactrl.SamplingParams(temperature=0, max_tokens=6))
+    completions = [o[0].token_ids for o in outs]
+    with torch.no_grad():
+        ref_top1, _ = token_logprobs(ref, [p + c for p, c in zip(PROMPTS, completions)], top_k=1, first=[3, 3])
+    assert any(not torch.isfinite(lp).all() for lp in ref_top1)  # the reference's own top-1 cuts them off
+    batch = TrainBatch(PROMPTS, completions, [[0.0] * len(c) for c in completions], [1.0, -1.0])
+    for kind in ("k1", "k2", "k3"):
+        m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), batch,
+                       _settings(top_k=1, kl_coef=0.1, kl_kind=kind), ref_model=ref)
+        assert math.isfinite(m["train/kl_ref"]) and m["train/kl_ref"] > 0, (kind, m["train/kl_ref"])
