@@ -119,6 +119,7 @@ class Correction:
     """Base: validates, calls `compute`, applies the neutral-outside-mask rule, prefixes metrics."""
 
     key = "correction"
+    weighs: str | None = None  # "token": its weights are (truncated) token ratios ρ_t; "sequence": one per sequence
 
     def __call__(self, old_logprobs_BT, behav_logprobs_BT, mask_BT, advantages_BT=None):
         b = _prepare(old_logprobs_BT, behav_logprobs_BT, mask_BT, advantages_BT)
@@ -140,6 +141,7 @@ class TokenTIS(Correction):
     """Token truncated IS (Yao et al.): w_t = clamp(π_old/μ, lower, upper); default upper C = 2."""
 
     key = "token_tis"
+    weighs = "token"
 
     def __init__(self, lower: float | None = None, upper: float | None = 2.0):
         _check_bounds(type(self).__name__, lower, upper)
@@ -169,6 +171,7 @@ class SequenceTIS(Correction):
     variance grows exponentially with length."""
 
     key = "sequence_tis"
+    weighs = "sequence"
 
     def __init__(self, lower: float | None = None, upper: float | None = 2.0):
         _check_bounds(type(self).__name__, lower, upper)
@@ -271,7 +274,13 @@ class Composed:
         keys = [c.key for c in corrections]
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate corrections {keys}: each kind (and KL level) may appear once")
+        if {"token_tis", "decoupled"} <= set(keys):
+            raise ValueError("corrections token_tis and decoupled both weigh each token by π_old/μ: together they "
+                             "would apply the ratio twice; keep one (decoupled takes bounds too)")
         self.corrections = list(corrections)
+        weighs = {c.weighs for c in self.corrections}
+        # the applied weight is each token's own (truncated) ratio: a weight ≠ ρ_t marks a truncated token
+        self.weighs_token_ratios = "token" in weighs and "sequence" not in weighs
 
     def __call__(self, old_logprobs_BT, behav_logprobs_BT, mask_BT, advantages_BT=None):
         check_mask("mask_BT", mask_BT)

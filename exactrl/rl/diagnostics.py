@@ -15,7 +15,9 @@ difference can never round to zero.
     mismatch/chi2_seq      E_i[(Π_t ρ_t)²] − 1    (sequence level)
     mismatch/ess           (Σw)² / (n Σw²) ∈ (0, 1], normalised effective sample size
     mismatch/is_weight_*   mean / min / max of w
-    mismatch/token_clip_frac   tokens whose applied weight differs from ρ_t (truncated)
+    mismatch/token_clip_frac   tokens whose applied weight differs from ρ_t (truncated), when the
+                               weights are token ratios (token_tis, decoupled); else 0 (a masking
+                               or sequence-level correction reports its own figures)
     mismatch/token_mask_frac   tokens the corrections removed
     mismatch/seq_mask_frac     non-empty sequences the corrections removed entirely
 
@@ -73,10 +75,10 @@ def _weight_stats(w_BT: torch.Tensor, keep_BT: torch.Tensor) -> dict[str, float]
             "mismatch/is_weight_min": float(w.min().item()), "mismatch/is_weight_max": float(w.max().item())}
 
 
-def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT) -> dict[str, float]:
+def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, token_ratios: bool) -> dict[str, float]:
     n = max(float(mask_BT.sum().item()), 1.0)
     clipped = 0.0
-    if weights_BT is not None:  # |w − ρ| beyond fp32 rounding of the applied weight
+    if weights_BT is not None and token_ratios:  # |w − ρ| beyond fp32 rounding of the applied weight
         differs_BT = (weights_BT - ratio_BT).abs() > 1e-6 * ratio_BT.clamp(min=1.0)
         clipped = float(masked_mean(differs_BT.to(torch.float64), final_BT).item())
     has_B = mask_BT.sum(dim=1) > 0
@@ -88,8 +90,10 @@ def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT) -> dict[str, floa
 
 def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
                      weights_BT: torch.Tensor | None = None,
-                     final_mask_BT: torch.Tensor | None = None) -> dict[str, float]:
-    """Flat `mismatch/...` metrics (see the module docstring for each key)."""
+                     final_mask_BT: torch.Tensor | None = None, weights_are_token_ratios: bool = True
+                     ) -> dict[str, float]:
+    """Flat `mismatch/...` metrics (see the module docstring for each key). `weights_are_token_ratios`:
+    whether `weights_BT` are the tokens' own (truncated) ratios, which token_clip_frac compares with ρ_t."""
     old_BT, behav_BT = _clean({"old_logprobs_BT": old_logprobs_BT, "behav_logprobs_BT": behav_logprobs_BT},
                               mask_BT)
     final_BT = mask_BT if final_mask_BT is None else final_mask_BT
@@ -110,5 +114,5 @@ def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Ten
         "mismatch/chi2_seq": _mean_over_nonempty(seq_ratio_B.square() - 1.0, mask_BT),
     }
     metrics |= _weight_stats(ratio_BT if weights_BT is None else weights_BT, final_BT)
-    metrics |= _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT)
+    metrics |= _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weights_are_token_ratios)
     return metrics

@@ -161,7 +161,8 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     # over the tokens as sampled, before any correction drops some: a mask never hides the mismatch it acts on
     metrics |= logprob_diff_metrics(old, behav, mask)
     metrics |= mismatch_metrics(old, behav, mask, weights_BT=torch.cat(weights) if s.corrections else None,
-                                final_mask_BT=torch.cat(finals))
+                                final_mask_BT=torch.cat(finals),
+                                weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False))
     metrics["train/grad_norm"] = float(grad_norm)
     return metrics
 

@@ -107,6 +107,14 @@ def test_opsm_masks_only_negative_far_off_policy_sequences():
         OPSM(0.1)(behav + log_rho, behav, mask)
 
 
+def test_token_tis_and_decoupled_together_are_refused():
+    with pytest.raises(ValueError, match="apply the ratio twice"):
+        build_corrections([{"name": "token_tis"}, {"name": "decoupled"}])
+    assert build_corrections([{"name": "token_tis"}, {"name": "token_mask_is"}]).weighs_token_ratios
+    assert not build_corrections([{"name": "token_tis"}, {"name": "sequence_tis"}]).weighs_token_ratios
+    assert not build_corrections([{"name": "token_mask_is"}]).weighs_token_ratios
+
+
 def test_compose_multiplies_weights_ands_masks_in_any_order():
     a, b = TokenTIS(upper=2.0), SequenceMaskIS(upper=2.0)
     w1, m1, met1 = compose([a, b])(OLD, BEHAV, MASK)

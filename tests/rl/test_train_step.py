@@ -64,6 +64,18 @@ def test_truncation_is_reported_as_clipped_weights(qwen3_dir):
     assert _step(qwen3_dir)["mismatch/token_clip_frac"] == 0.0
 
 
+@pytest.mark.parametrize("correction", [{"name": "token_mask_is", "upper": 2.0},
+                                        {"name": "sequence_tis", "upper": 2.0}])
+def test_only_truncated_token_ratios_count_as_clipped(qwen3_dir, correction):
+    """A masking correction applies weight 1 and a sequence-level one its sequence's weight: neither is a
+    token's own ratio, so neither marks tokens as truncated (every ρ_t ≠ 1 here used to count)."""
+    m = _step(qwen3_dir, [correction])
+    assert m["mismatch/token_clip_frac"] == 0.0
+    if correction["name"] == "token_mask_is":  # with token_tis its weights stay token ratios: truncation shows
+        both = _step(qwen3_dir, [{**correction, "upper": 3.0}, {"name": "token_tis", "upper": 2.0}])
+        assert both["mismatch/token_clip_frac"] == pytest.approx(1 / 8)  # ρ = e on 1 of 8 tokens, kept by 3.0
+
+
 @pytest.mark.parametrize("completions", [[[], []], [[], [7]]])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_micro_batches_with_no_completion_tokens_are_skipped(qwen3_dir, completions, entropy_coef):
