@@ -114,6 +114,7 @@ class Engine:
                         if decode_graphs and DecodeGraphs.supported(model) else None)
         model.kernels.prepare(model.linear_weights())  # at start, so that no request waits for them
         self._requests: dict[str, Request] = {}
+        self._weights_broken: str | None = None  # why stepping is refused: a failed update_weights
         self._seq_ids = itertools.count()  # arrival order of sequences = scheduling priority
         self._request_ids = itertools.count()
         self._unclaimed: list[RequestOutput] = []  # other requests' outputs finished inside generate()
@@ -145,6 +146,8 @@ class Engine:
     def _validate(self, prompt, params, request_id) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id is not None and request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, torch.Tensor):
@@ -224,6 +227,9 @@ class Engine:
             while len(done) < len(ids):
                 if on_step is not None:
                     on_step()
+                gone = [i for i in ids if i not in done and i not in self._requests]
+                if gone:  # aborted while we waited (from on_step, another thread): it will never finish
+                    raise RuntimeError(f"request {gone[0]!r} of this generate() call was aborted")
                 for req in self._step():
                     if req.finished:
                         out = self._output(req)
@@ -239,6 +245,8 @@ class Engine:
 
     def _step(self) -> list[Request]:
         """One scheduled forward; returns touched requests (finished ones are dropped from the engine)."""
+        if self._weights_broken:
+            raise RuntimeError(self._weights_broken)
         if not self.scheduler.has_work():
             return []
         sched = self.scheduler.schedule()
@@ -361,7 +369,8 @@ class Engine:
         params = dict(self.model.named_parameters())
         tied = self.model.config.tie_word_embeddings
         sd = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
-        if version is not None and not (isinstance(version, int) and version > self.version):
+        if version is not None and not (isinstance(version, int) and not isinstance(version, bool)
+                                        and version > self.version):
             raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
         missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
         if missing or unexpected:
@@ -374,9 +383,24 @@ class Engine:
             if v.dtype != params[k].dtype:  # a cast is not the bitwise copy exactness needs (DESIGN.md §3)
                 raise ValueError(f"state_dict[{k!r}] is {v.dtype}, the engine's model is {params[k].dtype}: the copy "
                                  f"would not be bitwise; cast it yourself (v.to({params[k].dtype})) if you mean it")
-        with torch.no_grad():
-            for k, v in sd.items():
-                params[k].copy_(v.detach())
+            if (type(v) not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided
+                    or v.device != params[k].device):
+                raise ValueError(f"state_dict[{k!r}] must be a dense tensor on {params[k].device}, got a "
+                                 f"{type(v).__name__} ({v.layout}) on {v.device}: pass plain tensors (a DTensor's "
+                                 f"full_tensor(), .to_dense(), .to('{params[k].device}'))")
+        try:
+            with torch.no_grad():
+                for k, v in sd.items():
+                    params[k].copy_(v.detach())
+        except BaseException as e:  # some weights are new, some old: nothing may be sampled from that
+            self.scheduler.preempt_all()
+            self._packed.clear()
+            if self._graphs is not None:
+                self._graphs.clear()
+            self._weights_broken = (f"the engine's weights are partly updated: update_weights failed copying them "
+                                    f"({type(e).__name__}: {e}); call update_weights again with a whole state_dict")
+            raise
+        self._weights_broken = None
         # packed again in place, so the decode graphs that point at the packed copies stay valid
         self._packed.refresh()
         if self._graphs is not None:

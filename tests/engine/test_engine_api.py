@@ -201,8 +201,63 @@ def test_update_weights_rejects_mismatched_state_dict(model):
         engine.update_weights({**sd, name: sd[name].tolist()})
     with pytest.raises(ValueError, match="mapping"):
         engine.update_weights(list(sd.items()))
+    with pytest.raises(ValueError, match="dense tensor on cpu"):
+        engine.update_weights({**sd, name: torch.empty(sd[name].shape, device="meta")})
+    with pytest.raises(ValueError, match="dense tensor on cpu"):
+        engine.update_weights({**sd, name: sd[name].to_sparse()})
+    with pytest.raises(ValueError, match="version"):
+        engine.update_weights(sd, version=True)
     assert engine.version == 0
     assert engine.update_weights(sd) == 1
+
+
+def test_a_failed_weight_copy_stops_sampling_until_a_whole_update(model, monkeypatch):
+    """A copy that fails halfway leaves some weights new and some old: the running requests are preempted
+    and no step runs until update_weights succeeds; then the results are exact again."""
+    engine = Engine(model, kv_budget_tokens=512)
+    sp = SamplingParams(max_tokens=8, seed=4, ignore_eos=True)
+    rid = engine.add_request([1, 2, 3, 4], sp)
+    engine.step()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    real, calls = torch.Tensor.copy_, []
+
+    def failing_copy(self, src, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("disk gone")
+        return real(self, src, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "copy_", failing_copy)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        engine.update_weights(sd)
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    assert engine.version == 0 and all(s.num_computed == 0 for s in engine._requests[rid].seqs)
+    with pytest.raises(RuntimeError, match="partly updated"):
+        engine.step()
+    assert engine.update_weights(sd) == 1
+    outs = [o for _ in range(20) if engine.has_unfinished() for o in engine.step() if o.finished]
+    comp = outs[0].completions[0]
+    assert len(comp.token_ids) == 8 and not mismatches(model, [([1, 2, 3, 4], comp, sp)])
+    assert all_pages_free(engine)
+
+
+def test_generate_raises_when_one_of_its_requests_is_aborted(model):
+    engine = Engine(model)
+    steps = []
+
+    def on_step():
+        steps.append(1)
+        if len(steps) == 3:
+            engine.abort(next(iter(engine._requests)))
+    with pytest.raises(RuntimeError, match="was aborted"):
+        engine.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=20, ignore_eos=True), on_step=on_step)
+    assert len(steps) == 3 and not engine.has_unfinished() and all_pages_free(engine)  # raised at once
+
+
+def test_request_id_must_be_a_string(model):
+    engine = Engine(model)
+    with pytest.raises(ValueError, match="request_id must be a str"):
+        engine.add_request([1, 2], request_id=["a"])
+    assert not engine.has_unfinished()
 
 
 def test_smallest_temperature_is_finite_and_exact(model):
