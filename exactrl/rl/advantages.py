@@ -55,7 +55,8 @@ def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
 def grpo(rewards_PG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i − mean_g r) / (std_g r + eps).
 
-    With normalize_std=False this is Dr.GRPO's estimator.
+    With normalize_std=False this is Dr.GRPO's estimator; Dr.GRPO also takes the loss with
+    `agg_mode: constant-normalised` (the run config's default is `token-mean`).
     """
     r = _check_rewards(rewards_PG)
     centred_PG = r - r.mean(dim=1, keepdim=True)

@@ -250,7 +250,8 @@ class OPSM(Correction):
     """Off-policy sequence masking (DeepSeek-V3.2): drop a sequence with negative
     advantage whose mean KL(μ‖π_old), (1/|y|) Σ_t (log μ − log π_old), exceeds δ.
     Negative samples far off-policy are the ones that destabilise training;
-    positive ones are kept. Needs `advantages_BT`."""
+    positive ones are kept. Needs `advantages_BT`. The paper measures
+    π_sampling against π_θ; π_old here is π_θ's value in this trainer."""
 
     key = "opsm"
 

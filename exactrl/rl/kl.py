@@ -39,7 +39,10 @@ Numerics shared by the losses and corrections:
   exponent to ±MAX_LOG_RATIO. A sequence log-ratio is a sum over thousands of
   tokens and easily passes 88, where fp32 exp overflows to inf; inf·0 is NaN,
   which would poison a whole step. e^20 ≈ 4.9e8 is far beyond any clip or
-  truncation bound in use, so the clamp never changes a clipped result.
+  truncation bound in use, so the clamp never changes a clipped result; it
+  changes a result only where a ratio beyond e^±20 meets no bound (PPO's
+  A < 0 side without a dual clip, a TIS bound left open), whose value then
+  stops at the clamp and whose gradient is 0.
 
 Legend: B sequences, T tokens.
 """

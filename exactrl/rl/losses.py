@@ -10,7 +10,10 @@ so the DENOMINATOR of every loss below is the one of `agg_mode`
 (aggregation.py): total_tokens for `token-mean`, total_seqs for the seq-mean
 modes, constant·total_seqs for `constant-normalised`. The papers' own choices
 are noted per class. The ratio r_t = π_θ/π_old is always against π_old (the
-proximal policy); for ratios against μ use `corrections.apply_bypass`.
+proximal policy); for ratios against μ use `corrections.apply_bypass`. The
+trainer takes one optimizer step per batch and π_old as the detached value of
+its own forward, so r_t = 1 in value (gradient ∇log π_θ) and the ratio clips
+and their clip fractions only act with `bypass` (ratio against μ).
 
 Masked positions are replaced by zeros before any arithmetic, so garbage in
 padding never reaches the value or the gradient. Metrics are python floats,
@@ -104,7 +107,9 @@ class GSPOLoss(PolicyLoss):
         s_i,t = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)]               (value s_i, grad s_i ∇log π_θ(y_t))
         ℓ_t   = max(−A_t s_i,t, −A_t clip(s_i,t, 1−ε_low, 1+ε_high))
 
-    With a sequence advantage this equals sequence-level GSPO. The clip
+    With a sequence advantage and `seq-mean-token-mean` this equals
+    sequence-level GSPO (under `token-mean` the 1/|y_i| becomes
+    1/total_tokens). The clip
     acts on the whole sequence, so ε is tiny (paper: 3e-4 / 4e-4).
     Denominator: agg_mode (paper: seq-mean-token-mean).
     """
