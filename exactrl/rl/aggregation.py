@@ -72,9 +72,7 @@ def _token_mean(values_BT, mask_BT, norm: LossNorm, lengths_B=None) -> torch.Ten
 
 def _seq_mean_token_mean(values_BT, mask_BT, norm: LossNorm, lengths_B=None) -> torch.Tensor:
     """Σ_b (Σ_t m·v / n_b) / total_seqs, n_b = lengths_B (default Σ_t m); 0 for an empty sequence."""
-    if lengths_B is None:
-        return seq_mean(values_BT, mask_BT).sum() / max(norm.total_seqs, 1)
-    n_B = lengths_B.to(values_BT.dtype).clamp(min=1)
+    n_B = (mask_BT.sum(dim=1) if lengths_B is None else lengths_B).to(values_BT.dtype).clamp(min=1)
     return (seq_sum(values_BT, mask_BT) / n_B).sum() / max(norm.total_seqs, 1)
 
 
