@@ -38,3 +38,32 @@ def test_save_load_keep_and_crash(qwen3_dir, tmp_path, monkeypatch):
     latest = ck.latest_checkpoint(tmp_path)
     assert latest.name == "step_000003"
     assert ck.load_checkpoint(latest, "float32", "exact")[2]["step"] == 3
+    assert not list((tmp_path / "checkpoints").glob(".tmp_step_*"))  # the failed save's partial dir is gone
+
+
+def test_a_lost_or_bad_pointer_falls_back_to_the_newest_complete_checkpoint(qwen3_dir, tmp_path):
+    model = exactrl.load_model(qwen3_dir)
+    opt = _opt(model)
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, model, opt, {"prompts": {}}, keep=3)
+    root = tmp_path / "checkpoints"
+    (root / "latest").unlink()  # killed between step 2's rename and its pointer's
+    assert ck.latest_checkpoint(tmp_path).name == "step_000002"
+    (root / "latest").write_text("")  # an empty pointer
+    assert ck.latest_checkpoint(tmp_path).name == "step_000002"
+    (root / "latest").write_text("step_000002\n")
+    (root / "step_000002" / "state.json").unlink()  # the pointer's target incomplete
+    assert ck.latest_checkpoint(tmp_path).name == "step_000001"
+    assert ck.latest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_checkpoints_are_pruned_by_step_number_and_an_unreadable_one_is_named(qwen3_dir, tmp_path):
+    model = exactrl.load_model(qwen3_dir)
+    opt = _opt(model)
+    for step in (999_990, 1_000_000, 1_000_010):  # by name, step_999990 would sort last and stay
+        ck.save_checkpoint(tmp_path, step, model, opt, {"prompts": {}}, keep=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1000000", "step_1000010"]
+    (root / "step_1000010" / "optimizer.pt").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match=r"step_1000010 cannot be read .*older checkpoints there: step_1000000"):
+        ck.load_checkpoint(ck.latest_checkpoint(tmp_path), "float32", "exact")

@@ -4,13 +4,17 @@ Layout: RUN_DIR/checkpoints/step_000040/{model.safetensors, config.json,
 optimizer.pt, state.json} plus RUN_DIR/checkpoints/latest (a one-line pointer).
 A checkpoint is written into a temporary directory, fsynced, renamed into
 place, and only then does `latest` move (os.replace is atomic on POSIX): a
-crash at any point leaves the previous checkpoint and pointer intact. The model
-part is a normal Hugging Face directory that `load_model` and transformers read.
+crash at any point leaves the previous checkpoint and pointer intact. Each
+rename is fsynced before the next step (the directory too), old checkpoints
+are pruned only after the pointer is on disk, and a pointer that names no
+complete checkpoint falls back to the newest complete one. The model part is
+a normal Hugging Face directory that `load_model` and transformers read.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,10 +25,8 @@ from exactrl.model import load_model, save_model
 from exactrl.model.transformer import CausalLM
 
 
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+def _fsync(path: Path) -> None:
+    """fsync of a file or directory (a directory's: its entries, so a rename in it reaches the disk)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -32,39 +34,72 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        _fsync(f)
+    _fsync(path)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories under root, oldest first (by step number: step_1000000 > step_999999)."""
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                  key=lambda p: int(p.name[5:]))
+
+
 def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], keep: int) -> Path:
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    if not root.is_dir():
+        root.mkdir(parents=True)
+        _fsync(root.parent)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
-    _fsync_dir(tmp)
+    for stale in root.glob(".tmp_step_*"):  # left by a save that crashed or failed (a full disk)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        save_model(model, tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and pointer are untouched
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    _fsync(root)  # the rename is on disk before the pointer names it
     pointer = root / ".latest.tmp"
     pointer.write_text(final.name + "\n")
+    _fsync(pointer)
     os.replace(pointer, root / "latest")
-    for old in sorted(p for p in root.glob("step_*") if p != final)[:-(keep - 1) or None]:
+    _fsync(root)  # the pointer is on disk before an older checkpoint goes
+    for old in [p for p in _step_dirs(root) if p != final][:-(keep - 1) or None]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / "state.json").is_file():
-        raise ValueError(f"checkpoint pointer {pointer} names {path}, which is incomplete")
-    return path
+    """The checkpoint `latest` names; if it names none that is complete (a crash between a checkpoint's
+    rename and the pointer's, or a lost pointer), the newest complete one there is; None if none is."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = pointer.read_text().strip()
+        if named and (root / named / "state.json").is_file():
+            return root / named
+    complete = [p for p in _step_dirs(root) if (p / "state.json").is_file()] if root.is_dir() else []
+    return complete[-1] if complete else None
 
 
 def load_checkpoint(path: Path, dtype: str, kernels: str) -> tuple[CausalLM, dict, dict[str, Any]]:
-    """(model, optimizer state dict, trainer state) of a checkpoint directory."""
-    model = load_model(path, dtype=dtype, kernels=kernels)
-    opt_state = torch.load(path / "optimizer.pt", weights_only=False)
-    return model, opt_state, json.loads((path / "state.json").read_text())
+    """(model, optimizer state dict, trainer state) of a checkpoint directory; a ValueError naming the
+    file that cannot be read."""
+    older = [p.name for p in _step_dirs(path.parent) if p != path]
+    hint = (f"; older checkpoints there: {', '.join(older)} (remove {path.name} to resume from the newest)"
+            if older else "")
+    try:
+        state = json.loads((path / "state.json").read_text())
+        model = load_model(path, dtype=dtype, kernels=kernels)
+        opt_state = torch.load(path / "optimizer.pt", weights_only=False)
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}){hint}") from None
+    return model, opt_state, state
