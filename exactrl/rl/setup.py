@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from exactrl.distributed import Ranks, make_optimizer
@@ -44,13 +45,19 @@ class Components:
     start_step: int
     new_run_dir: bool = False  # build created run_dir (a run that fails before its first step removes it)
     ranks: Ranks = Ranks()  # this process's rank in a data-parallel run (exactrl/distributed); one by default
+    run_lock: Any = None  # the open run_dir/.lock that rank 0 holds for the run (`_lock_run_dir`)
 
     def close(self) -> None:
-        """Closes the log and the rollout backend (an external server's client, Ray engines); idempotent."""
+        """Closes the log and the rollout backend (an external server's client, Ray engines), then releases
+        the run dir; idempotent."""
         try:
             self.logger.close()
         finally:
-            self.engine.close()
+            try:
+                self.engine.close()
+            finally:
+                if self.run_lock is not None:
+                    self.run_lock.close()
 
     def set_lr(self, step: int) -> float:
         """Linear warm-up, then constant; a pure function of the step (resume-safe)."""
@@ -63,8 +70,10 @@ class Components:
     def trainer_state(self, prompts_state: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint holds besides weights and optimizer; `prompts_state` is the data position
         after the last trained batch (the asynchronous loop's rollouts may already be further)."""
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
         rng = {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
-               "python_gauss_next": random.getstate()[2]}
+               "python_gauss_next": random.getstate()[2],
+               "numpy_rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
         state = {"prompts": prompts_state, **rng, "config": self.cfg.model_dump(by_alias=True)}
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
@@ -79,8 +88,12 @@ def _restore_rng(state: dict[str, Any], ranks: Ranks, ckpt: Path) -> None:
                          f"it with the same number (exactrl train --nproc {len(saved)})")
     rng = saved[ranks.rank]
     torch.set_rng_state(torch.tensor(rng["torch_rng"], dtype=torch.uint8))
-    # Python's `random` too (a task's generate/reward may use it); version 3 is CPython's Mersenne Twister
+    # Python's `random` and numpy's global one too (a task's generate/reward may use them); version 3 is
+    # CPython's Mersenne Twister
     random.setstate((3, tuple(rng["python_rng"]), rng.get("python_gauss_next")))
+    if "numpy_rng" in rng:  # checkpoints saved before it was kept have none
+        kind, keys, pos, has_gauss, gauss = rng["numpy_rng"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -118,6 +131,21 @@ def _default_run_dir() -> str:
         n += 1
         d = base.with_name(f"{base.name}_{n}")
     return str(d)
+
+
+def _lock_run_dir(d: Path):
+    """An exclusive lock on d/.lock, held while the returned file is open (the OS drops it if the process
+    dies): two runs never write one run dir. A ValueError if another run holds it."""
+    import fcntl
+
+    f = open(d / ".lock", "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ValueError(f"run_dir {d} is in use by another run: wait for it to end, or choose another run_dir") \
+            from None
+    return f
 
 
 def _make_dir(d: Path) -> bool:
@@ -199,6 +227,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     check_ranks(cfg, ranks)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
     named = cfg.run_dir is not None or ranks.world > 1
     if ranks.world > 1:  # one run dir for every rank: rank 0's choice
         cfg.run_dir = ranks.broadcast(cfg.run_dir if cfg.run_dir is not None else _default_run_dir())
@@ -257,9 +286,18 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
             cfg.run_dir = _default_run_dir()
             run_dir = Path(cfg.run_dir)
             new_run_dir = _make_dir(run_dir)
-        logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
+        run_lock = _lock_run_dir(run_dir)
+        try:  # the checks again, under the lock: a run that ended meanwhile may have written the dir
+            _run_dir(cfg)
+            if latest_checkpoint(run_dir) != ckpt:
+                raise ValueError(f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
+                                 f"wrote it): start again to resume from it, or choose another run_dir")
+            logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
+        except BaseException:
+            run_lock.close()
+            raise
         return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
-                          loss_fn, settings, logger, start, new_run_dir, ranks)
+                          loss_fn, settings, logger, start, new_run_dir, ranks, run_lock)
     except BaseException:
         engine.close()
         raise

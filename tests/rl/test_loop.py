@@ -94,6 +94,7 @@ def test_resumed_run_equals_uninterrupted_run(model_dir, tmp_path):
 
 NOISY_TASK = """
 import random
+import numpy as np
 from exactrl.envs import register_task
 from exactrl.envs.arithmetic import ArithmeticTask
 
@@ -102,12 +103,12 @@ from exactrl.envs.arithmetic import ArithmeticTask
 class NoisyArithmetic(ArithmeticTask):
     name = "noisy_arithmetic_for_resume"
 
-    def reward(self, problem, completion):  # a sampled judge: Python's global random stream
-        return super().reward(problem, completion) + random.random()
+    def reward(self, problem, completion):  # a sampled judge: Python's and numpy's global random streams
+        return super().reward(problem, completion) + random.random() + float(np.random.random())
 """
 
 
-def test_resume_restores_pythons_random_stream_for_tasks_that_use_it(model_dir, tmp_path):
+def test_resume_restores_pythons_and_numpys_random_streams_for_tasks_that_use_them(model_dir, tmp_path):
     task = tmp_path / "noisy_task.py"
     task.write_text(NOISY_TASK)
     args = (f"task.module={task}", "task.name=noisy_arithmetic_for_resume", "task.eval_size=0", "save_every=2")
@@ -115,6 +116,8 @@ def test_resume_restores_pythons_random_stream_for_tasks_that_use_it(model_dir, 
     run(model_dir, tmp_path / "part", "max_steps=2", *args)
     resumed = run(model_dir, tmp_path / "part", "max_steps=4", "resume=true", *args)
     same_metrics(full, resumed)
+    again = run(model_dir, tmp_path / "again", "max_steps=2", *args)  # seeded: a fresh run repeats itself
+    same_metrics(full[:2], again)
 
 
 def test_resume_refuses_to_overwrite_or_invent(model_dir, tmp_path, capsys):
@@ -240,6 +243,25 @@ def test_resume_after_a_crash_between_checkpoints_has_no_duplicate_rows(model_di
     resumed = run(model_dir, part, "max_steps=4", "save_every=2", "resume=true")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     same_metrics(full, resumed)
+
+
+def test_a_run_dir_in_use_by_another_run_is_refused(model_dir, tmp_path, capsys):
+    """Another run holds the dir (its lock): a second start on it fails before writing anything."""
+    from exactrl.rl.setup import _lock_run_dir
+
+    d = tmp_path / "busy"
+    run(model_dir, d, "max_steps=1")
+    before = (d / "metrics.jsonl").read_text()
+    held = _lock_run_dir(d)
+    try:
+        args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=2",
+                                                "resume=true"] for x in ("--set", o)]
+        assert cli_main(args) == 2
+        assert f"run_dir {d} is in use by another run" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert (d / "metrics.jsonl").read_text() == before
+    assert [r["step"] for r in run(model_dir, d, "max_steps=2", "resume=true")] == [1, 2]  # free again
 
 
 def test_resume_before_the_first_checkpoint_starts_again(model_dir, tmp_path, capsys):
