@@ -30,7 +30,8 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            tb_dir = Path(run_dir) / "tensorboard"  # a resume, from step 0 too, purges what a crash left past it
+            self.tb = SummaryWriter(str(tb_dir), purge_step=start_step + 1 if start_step or tb_dir.exists() else None)
         self.progress = None
         self.last: dict[str, Any] = {}
         if progress:
@@ -58,6 +59,11 @@ class MetricsLogger:
         else:
             print(json.dumps({k: metrics[k] for k, _, _ in DISPLAY if k in metrics} | {"step": metrics["step"]}),
                   flush=True)
+
+    def flush(self) -> None:
+        """TensorBoard's buffered events to disk (before a checkpoint: a step it covers is never lost)."""
+        if self.tb is not None:
+            self.tb.flush()
 
     def close(self) -> None:
         """Stops the display and flushes TensorBoard; closing twice is harmless."""
@@ -124,6 +130,9 @@ class NullLogger:
         self.last: dict[str, Any] = {}
 
     def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def close(self) -> None:

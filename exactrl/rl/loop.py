@@ -115,5 +115,6 @@ def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dic
         state = c.trainer_state(prompts_state)  # every rank's random streams (a collective)
         with whole_optimizer_state(c.optimizer):  # optim.shard_state: every rank's moments (a collective)
             if c.ranks.main:
+                c.logger.flush()
                 save_checkpoint(c.run_dir, step, c.model, c.optimizer, state, cfg.keep_checkpoints)
     return metrics

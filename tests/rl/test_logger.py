@@ -25,3 +25,29 @@ def test_a_bad_row_before_the_last_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
         _keep_steps_up_to(p, 2)
     assert p.read_text() == '{"step": 0}\n{"step": 1\n{"step": 2}\n'  # left as it was
+
+
+def _tb_steps(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars("x")]
+
+
+def test_tensorboard_keeps_checkpointed_steps_and_purges_redone_ones(tmp_path):
+    """flush() (before each checkpoint) puts the steps on disk; a resume, from step 0 too, purges the steps
+    past it that a crash left, so each step shows once."""
+    from exactrl.rl.logger import MetricsLogger
+
+    first = MetricsLogger(tmp_path, True, False, 4, 0)
+    for s in (1, 2):
+        first.log({"step": s, "x": float(s)})
+    first.flush()  # a checkpoint at step 2; the process is then killed without closing
+    first.tb = None  # (its writer's later buffers are lost)
+    assert _tb_steps(tmp_path) == [1, 2]
+    resumed = MetricsLogger(tmp_path, True, False, 4, 0)  # resume=true before any checkpoint: from step 0
+    for s in (1, 2, 3):
+        resumed.log({"step": s, "x": float(s)})
+    resumed.close()
+    assert _tb_steps(tmp_path) == [1, 2, 3]
