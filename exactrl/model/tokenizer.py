@@ -26,6 +26,7 @@ transformers tokenizer is `tok.hf`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -206,6 +207,13 @@ class Tokenizer:
     def stop_token_ids(self) -> frozenset[int]:
         """Token ids that end a generation: eos and end of turn."""
         return frozenset({self.eos_token_id, self.end_of_turn_id})
+
+    def fingerprint(self) -> str:
+        """A hash of what decides the token ids a run sees: the tokenizer's model and rules, its chat template
+        and special ids (a resumed run must tokenize as the run it continues; its path may move)."""
+        what = [self.hf.backend_tokenizer.to_str(), self.hf.chat_template, self.eos_token_id, self.end_of_turn_id,
+                self.pad_token_id]
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no bos/eos added (special-token strings in `text` map to their ids)."""

@@ -74,7 +74,8 @@ class Components:
         rng = {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
                "python_gauss_next": random.getstate()[2],
                "numpy_rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-        state = {"prompts": prompts_state, **rng, "config": self.cfg.model_dump(by_alias=True)}
+        state = {"prompts": prompts_state, **rng, "config": self.cfg.model_dump(by_alias=True),
+                 "tokenizer": self.tokenizer.fingerprint()}
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
         return state
@@ -264,6 +265,10 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     if ckpt is not None:
         model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
         _check_same_run(state.get("config"), cfg, ckpt)
+        if state.get("tokenizer", tokenizer.fingerprint()) != tokenizer.fingerprint():
+            raise ValueError(f"resume from {ckpt} with another tokenizer ({tokenizer.path}: model.tokenizer, or "
+                             f"model.path without it): its token ids, chat template or special tokens differ from "
+                             f"the run's; point model.tokenizer at the tokenizer the run started with")
         optimizer = _optimizer(cfg, model, ranks)
         optimizer.load_state_dict(opt_state)
         prompts.load_state_dict(state["prompts"])

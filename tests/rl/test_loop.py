@@ -304,6 +304,22 @@ def test_with_kl_on_resume_refuses_another_model_path(model_dir, tmp_path, capsy
     assert [r["step"] for r in training_rows(run(moved, e, "max_steps=2", "resume=true"))] == [1, 2]
 
 
+def test_resume_refuses_another_tokenizer(model_dir, tmp_path, capsys):
+    """A moved copy of the tokenizer is the same one (above); one whose chat template differs is not."""
+    import shutil
+
+    d, other = tmp_path / "r", tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    cfg_path = other / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = cfg["chat_template"] + " "
+    cfg_path.write_text(json.dumps(cfg))
+    run(model_dir, d, "max_steps=1")
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"model.tokenizer={other}", f"run_dir={d}",
+                                            "max_steps=2", "resume=true"] for x in ("--set", o)]
+    assert cli_main(args) == 2 and "with another tokenizer" in capsys.readouterr().err
+
+
 def test_ctrl_c_keeps_the_run_and_says_how_to_resume(model_dir, tmp_path, capsys, monkeypatch):
     import exactrl.rl.loop as loop_mod
 
