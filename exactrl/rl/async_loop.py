@@ -60,7 +60,7 @@ from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.config import AsyncSettings
 from exactrl.rl.loop import end_step, engine_metrics, initial_eval, train_on
 from exactrl.rl.rollout import Rollout, generate_groups
-from exactrl.rl.setup import Components
+from exactrl.rl.setup import Components, rng_state
 
 
 @dataclass
@@ -71,6 +71,8 @@ class RolloutBatch:
     groups: list[list[Rollout]]  # this rank's share of the step's problems (all of them in one process)
     n_problems: int  # the step's problems over every rank
     prompts_state: dict  # PromptSource position after this batch's prompts (what a checkpoint saves)
+    rng: dict  # the global random streams after this batch was scored (`rng_state`: what a checkpoint saves;
+    # a task's reward may draw from them, and the next batch's draws start while this one is saved)
     rollout_s: float  # generation wall time
     engine_stats: dict[str, float]  # an external server's version and gauges when the batch was done (in process: {})
 
@@ -134,7 +136,7 @@ class RolloutWorker:
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
                 stats = engine_metrics(c.engine)
                 stats = stats if any(k.startswith(("external/", "ray/")) for k in stats) else {}
-                self._out.put(RolloutBatch(step, groups, len(problems), c.prompts.state_dict(),
+                self._out.put(RolloutBatch(step, groups, len(problems), c.prompts.state_dict(), rng_state(),
                                            time.perf_counter() - t0, stats))
         except BaseException as e:  # handed to the trainer, which raises it
             self._out.put(e)
@@ -224,6 +226,6 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
             metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1,
                         "engine/version": step} | item.engine_stats | initial  # in process: the version published
             # to the engine; an external server: the version it held (0 with weight_sync none) and its lag
-            last = end_step(c, step, groups, metrics, t2 - t_prev, eval_engine, item.prompts_state)
+            last = end_step(c, step, groups, metrics, t2 - t_prev, eval_engine, item.prompts_state, item.rng)
             initial, t_prev = {}, time.perf_counter()
     return last

@@ -101,8 +101,9 @@ def kl_shaped_rewards(c: Components, groups: list[list[Rollout]]) -> tuple[list[
 
 
 def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dict[str, float], step_s: float,
-             eval_engine, prompts_state: dict) -> dict[str, float]:
-    """Rollout metrics, throughput, evaluation, logging and checkpointing of a finished step."""
+             eval_engine, prompts_state: dict, rng: dict | None = None) -> dict[str, float]:
+    """Rollout metrics, throughput, evaluation, logging and checkpointing of a finished step. `rng`: the random
+    streams a checkpoint keeps (None: as they are now)."""
     cfg = c.cfg
     n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
     metrics = metrics | rollout_metrics(groups) | {
@@ -112,7 +113,7 @@ def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dic
         metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed, c.ranks)
     c.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
-        state = c.trainer_state(prompts_state)  # every rank's random streams (a collective)
+        state = c.trainer_state(prompts_state, rng)  # every rank's random streams (a collective)
         with whole_optimizer_state(c.optimizer):  # optim.shard_state: every rank's moments (a collective)
             if c.ranks.main:
                 c.logger.flush()

@@ -67,18 +67,24 @@ class Components:
             g["lr"] = lr
         return lr
 
-    def trainer_state(self, prompts_state: dict[str, Any]) -> dict[str, Any]:
+    def trainer_state(self, prompts_state: dict[str, Any], rng: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint holds besides weights and optimizer; `prompts_state` is the data position
-        after the last trained batch (the asynchronous loop's rollouts may already be further)."""
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        rng = {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
-               "python_gauss_next": random.getstate()[2],
-               "numpy_rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+        after the last trained batch and `rng` the random streams then (`rng_state()`; None: now). The
+        asynchronous loop's rollouts may already be further: it passes both as they were after that batch."""
+        rng = rng_state() if rng is None else rng
         state = {"prompts": prompts_state, **rng, "config": self.cfg.model_dump(by_alias=True),
                  "tokenizer": self.tokenizer.fingerprint()}
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
         return state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's global random streams (torch, Python, numpy), as a checkpoint holds them."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
+            "python_gauss_next": random.getstate()[2],
+            "numpy_rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
 
 
 def _restore_rng(state: dict[str, Any], ranks: Ranks, ckpt: Path) -> None:

@@ -167,6 +167,44 @@ def test_async_inflight_updates_keep_every_token_exact(model_dir, tmp_path):
     assert all(r["async/staleness_max"] <= 1 for r in rows)
 
 
+NOISY_ROLLOUT_TASK = """
+import random
+import threading
+import time
+from exactrl.envs import register_task
+from exactrl.envs.arithmetic import ArithmeticTask
+
+
+@register_task
+class NoisyRollouts(ArithmeticTask):
+    name = "noisy_rollouts_for_async_resume"
+
+    def reward(self, problem, completion):
+        if threading.current_thread().name == "exactrl-rollout":  # a sampled judge for training rollouts
+            return super().reward(problem, completion) + random.random()
+        time.sleep(0.05)  # evaluation: slow, so the next batch is scored while this step is saved
+        return super().reward(problem, completion)
+"""
+
+
+def test_async_resume_after_a_crash_is_bitwise_although_the_next_batch_drew_ahead(model_dir, tmp_path):
+    """max_staleness 0: the rollout thread scores batch k+1 (drawing from the global random stream) while
+    the trainer evaluates and saves step k. The checkpoint keeps the streams as they were after batch k."""
+    import shutil
+
+    task = tmp_path / "noisy_rollouts.py"
+    task.write_text(NOISY_ROLLOUT_TASK)
+    args = (f"task.module={task}", "task.name=noisy_rollouts_for_async_resume", "task.eval_size=16",
+            "eval_every=2", "save_every=2", "async.enabled=true", "async.max_staleness=0",
+            "async.recompute_behaviour=false")
+    full = run(model_dir, tmp_path / "full", "max_steps=4", *args)
+    crashed = tmp_path / "crashed"  # killed after step 2's checkpoint
+    shutil.copytree(tmp_path / "full", crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_000004")
+    (crashed / "checkpoints" / "latest").write_text("step_000002\n")
+    same_metrics(full, run(model_dir, crashed, "max_steps=4", "resume=true", *args))
+
+
 def test_async_resume_continues_from_the_trained_data_position(model_dir, tmp_path):
     d = tmp_path / "run"
     run(model_dir, d, "max_steps=2", "save_every=2", "async.enabled=true", "async.max_staleness=2")
