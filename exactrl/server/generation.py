@@ -57,10 +57,10 @@ class Choice:
     def text_delta(self, hold: int) -> str:
         """Unsent text that can no longer change (all of it once done)."""
         end = len(self.text)
-        if not self.done:
-            end -= hold
-            while end > self.sent_text and self.text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+        if not self.done:  # an incomplete UTF-8 sequence at the end first, then what may begin a stop string
+            while end > self.sent_text and self.text[end - 1] == "\ufffd":
                 end -= 1
+            end -= hold
         delta = self.text[self.sent_text:max(end, self.sent_text)]
         self.sent_text += len(delta)
         return delta

@@ -392,3 +392,26 @@ def test_a_negative_session_ttl_is_refused_by_name():
         build_parser().parse_args(["serve", "--model", "m", "--session-ttl", "-1"])
     with pytest.raises(ValueError, match="session_ttl_s"):
         ServerConfig("m", session_ttl_s=-1)
+
+
+# ---------------------------------------------------------------- 10. streamed text around stop strings
+def test_a_streamed_delta_never_sends_the_start_of_a_stop_string_before_a_split_character():
+    """'x😀' as a stop string, the emoji's 4 bytes split over tokens: while the text ends in an incomplete
+    character, the held-back characters are counted before it, so 'x' is not streamed (it used to be)."""
+    from types import SimpleNamespace as NS
+
+    from exactrl.server.app import _BYTE_OF
+    from exactrl.server.generation import Generation
+
+    tok = served().state.tokenizer
+    char_of = {b: c for c, b in _BYTE_OF.items()}
+    ids = [tok.hf.convert_tokens_to_ids(char_of[b]) for b in b"ab" + b"x" + "😀".encode() + b"yz"]
+    g = Generation(NS(tokenizer=tok, loop=None), [1], SamplingParams(max_tokens=100), ["x😀"], track_text=True)
+    c, sent = g.choices[0], ""
+    for k in range(1, len(ids) + 1):
+        g._advance(c, NS(token_ids=ids[:k], logprobs=[0.0] * k, versions=[0] * k,
+                         finish_reason=None if k < len(ids) else "length"))
+        sent += c.text_delta(g.hold)
+        if c.done:
+            break
+    assert c.stop_string and c.text == "ab" and sent == "ab"
