@@ -116,20 +116,23 @@ class ServerState:
         """Prompt + generation tokens one request may hold (the model's context, the KV cache's size)."""
         return min(self.engine.max_model_len, self.engine.pool.num_pages * self.engine.pool.block_size)
 
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_field: str = "messages",
+                           field: str = "max_tokens", default: int | None = None) -> int:
+        """The generation's max_tokens: `requested` (the client's `field`), else `default` (None: all the
+        room the prompt leaves), capped at that room when the client did not ask."""
         limit = self.context_limit
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{prompt_len} tokens", param="messages", code="context_length_exceeded")
+                                f"{prompt_len} tokens", param=prompt_field, code="context_length_exceeded")
         room = limit - prompt_len
         if requested is None:
-            return room
+            return room if default is None else min(default, room)
         if requested < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
+            raise APIError(400, f"{field} must be >= 1, got {requested}", param=field)
         if requested > room:
             raise APIError(400, f"This model's maximum context length is {limit} tokens: the prompt has "
-                                f"{prompt_len} tokens and max_tokens is {requested}; lower max_tokens to at most "
-                                f"{room}", param="max_tokens", code="context_length_exceeded")
+                                f"{prompt_len} tokens and {field} is {requested}; lower {field} to at most "
+                                f"{room}", param=field, code="context_length_exceeded")
         return requested
 
     async def load_weights(self, model_path: str) -> int:

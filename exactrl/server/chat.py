@@ -85,8 +85,8 @@ class _ChatJob:
         if plan.kind in ("split", "truncate"):
             st.count(f"chat/monotonicity_{plan.kind}")
         st.count("chat/history_tokens_reused", plan.reused)
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = st.resolve_max_tokens(requested, len(plan.prompt_ids))
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = st.resolve_max_tokens(getattr(body, field), len(plan.prompt_ids), field=field)
         self.params = sampling_params(body, max_tokens, st.stop_token_ids)
         self.gen = Generation(st, plan.prompt_ids, self.params, self.stops, track_text=body.stream)
         # the session as it is now: a DELETE while this request runs drops its record too (see app.session)

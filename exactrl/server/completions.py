@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from exactrl.chat.trajectory import Session
 from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
                                        stream_error, token_fields, until_done)
-from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common, sampling_params
+from exactrl.server.schemas import (MAX_SEQUENCES, MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common,
+                                    sampling_params)
 
 
 def _prompts(st, prompt) -> list[list[int]]:
@@ -53,13 +54,17 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs")
-    if body.logprobs and body.stream:
-        raise APIError(400, "logprobs > 0 is not available with stream=true (alternatives are recomputed after "
-                            "generation)", param="logprobs")
+    if body.logprobs is not None and body.stream:  # (0 used to stream null logprobs without a word)
+        raise APIError(400, "logprobs is not available with stream=true (alternatives are recomputed after "
+                            "generation); the stream's last chunk of each choice carries generation_log_probs, "
+                            "the sampled tokens' logprobs", param="logprobs")
     prompts = await asyncio.to_thread(_prompts, st, body.prompt)
+    if len(prompts) * body.n > MAX_SEQUENCES:
+        raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences in one "
+                            f"request: send fewer prompts per request", param="prompt")
     gens = []
     for p in prompts:
-        max_tokens = st.resolve_max_tokens(body.max_tokens if body.max_tokens is not None else 16, len(p))
+        max_tokens = st.resolve_max_tokens(body.max_tokens, len(p), "prompt", default=16)  # OpenAI's default
         gens.append(Generation(st, p, sampling_params(body, max_tokens, st.stop_token_ids), stops, body.stream))
     st.count("server/completion_requests")
     # the session as it is now: a DELETE while this request runs drops its record too (see app.session)

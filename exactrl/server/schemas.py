@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from exactrl.engine import SamplingParams
 
@@ -64,6 +64,14 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_take_defaults(cls, data: Any) -> Any:
+        """A client may send null for a field it leaves unset (OpenAI's API allows it): null is the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
+        return data
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -96,6 +104,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+MAX_SEQUENCES = 2048  # prompts x n of one /v1/completions request: bounds how long it can hold back others
 SEED_RANGE = (-(2**63), 2**63)  # int64, passed to the engine unchanged: distinct seeds draw distinct streams
 
 

@@ -263,7 +263,7 @@ def test_distinct_seeds_draw_distinct_samples_and_out_of_range_seeds_are_400():
     ({"prompt": [1, "x"]}, "prompt", ["prompt must be one of", "[1, 'x']"]),
     ({"prompt": [True, False]}, "prompt", ["prompt must be one of"]),
     ({"prompt": [[1, True]]}, "prompt", ["prompt"]),
-    ({"prompt": "hi", "n": None}, "n", ["invalid n", "None"]),
+    ({"prompt": "hi", "n": "two"}, "n", ["invalid n", "two"]),
     ({"prompt": "hi", "temperature": 1e-6}, "temperature", ["temperature"]),
     ({"prompt": "hi", "n": 100}, "n", ["n must be"]),
     ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids", ["stop_token_ids"]),
@@ -277,6 +277,42 @@ def test_error_messages_name_the_field(body, param, words):
     assert err["param"] == param
     for w in words:
         assert w in err["message"], err["message"]
+
+
+def test_null_takes_the_default_as_openai_allows():
+    s = served()
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "temperature": None, "seed": None}
+    r = post("/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2, "echo": None} | nulls)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = post("/v1/chat/completions", json=chat(max_tokens=2, logprobs=None, **nulls))
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+
+
+def test_a_completions_request_of_too_many_sequences_is_refused():
+    from exactrl.server.schemas import MAX_SEQUENCES
+
+    s = served()
+    r = post("/v1/completions", json={"model": s.model, "prompt": [[5]] * (MAX_SEQUENCES // 4 + 1), "n": 4,
+                                      "max_tokens": 1})
+    assert "sequences in one request" in error_of(r)["message"] and error_of(r)["param"] == "prompt"
+
+
+def test_streamed_completions_refuse_logprobs_rather_than_drop_them():
+    s = served()
+    err = error_of(post("/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2, "stream": True,
+                                                 "logprobs": 0}))
+    assert err["param"] == "logprobs" and "generation_log_probs" in err["message"]
+
+
+def test_context_errors_name_the_field_the_client_sent():
+    s = served()
+    long = {"model": s.model, "prompt": [5] * 600}
+    assert error_of(post("/v1/completions", json=long | {"max_tokens": 1}))["param"] == "prompt"
+    err = error_of(post("/v1/chat/completions", json=chat(max_completion_tokens=100000)))
+    assert err["param"] == "max_completion_tokens" and "max_completion_tokens is 100000" in err["message"]
+    # no max_tokens sent: OpenAI's default of 16 shrinks to the room the prompt leaves
+    r = post("/v1/completions", json={"model": s.model, "prompt": [5] * 500, "ignore_eos": True})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["generation_token_ids"]) == 12, r.text
 
 
 def test_tool_choice_of_the_wrong_type_names_tool_choice():
