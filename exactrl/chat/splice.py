@@ -50,6 +50,7 @@ from exactrl.chat.messages import TokenFields, template_message, token_fields
 from exactrl.chat.parsing import parse_assistant_text
 
 POLICIES = ("raise", "split", "truncate")
+CUT_WINDOW = 16  # characters past a cut answer's last field where the cut may lie (a tag and its whitespace)
 
 
 class PromptTooLongError(ValueError):
@@ -232,11 +233,24 @@ class Splicer:
         want_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
         want_content = (msg.get("content") or "").strip()
         want_reasoning = (msg.get("reasoning_content") or "").strip()
+        def same(p, content_prefix: bool) -> bool:
+            return ((p.reasoning or "").strip() == want_reasoning
+                    and [(c.name, c.arguments) for c in p.tool_calls] == want_calls
+                    and (p.content == want_content or (content_prefix and p.content.startswith(want_content))))
+
         for parse_tools in (True, False):  # the response parsed calls only if tools were enabled
-            p = parse_assistant_text(text, parse_tools)
-            if (p.reasoning or "").strip() != want_reasoning or [(c.name, c.arguments) for c in p.tool_calls] != want_calls:
-                continue
             # a stop string ends the content early without a stop token: its text is cut from the content
-            if p.content == want_content or (not stopped and p.content.startswith(want_content)):
+            if same(parse_assistant_text(text, parse_tools), not stopped):
                 return True
-        return False
+        if stopped:
+            return False
+        # a stop string may have cut the text anywhere: in the reasoning, or in a tag. The answer was the
+        # parse of a prefix of the text, which ends just after the last field it shows (or a tag's few
+        # characters later)
+        anchor = want_content or want_reasoning
+        at = text.find(anchor) if anchor else 0
+        if at < 0:
+            return False
+        at += len(anchor)
+        return any(same(parse_assistant_text(text[:k], parse_tools), False)
+                   for k in range(at, min(len(text), at + CUT_WINDOW) + 1) for parse_tools in (True, False))

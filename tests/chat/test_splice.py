@@ -150,6 +150,21 @@ def test_stop_string_cut_content_is_consistent(tok, sp):
     assert sp.build([USER, a1, {"role": "user", "content": "x"}]).kind == "spliced"
 
 
+@pytest.mark.parametrize("cut", ["<think>Let me", "<thi", "<think>Let me think.</thi", ""])
+def test_stop_string_cut_in_the_reasoning_or_a_tag_is_consistent(tok, sp, cut):
+    """A stop string may cut the text anywhere: the answer is the parse of that prefix (reasoning only, or a
+    bare piece of a tag), and sent back unchanged it still splices by token id; an edited one does not."""
+    p1 = sp.build([USER]).prompt_ids
+    full = "<think>Let me think.</think>84"
+    gen = tok.encode(full)  # no stop token: a stop string ended it
+    tokens = {k: v for k, v in turn(tok, p1, gen, eot=False).items() if k.endswith("_ids") or k.endswith("probs")}
+    a1 = parse_assistant_text(cut).to_message() | tokens
+    assert sp.build([USER, a1, {"role": "user", "content": "x"}]).kind == "spliced"
+    edited = a1 | {"reasoning_content": "Let us"} if "Let" in cut else a1 | {"content": "<tho"}
+    with pytest.raises(MonotonicityError):
+        sp.build([USER, edited, {"role": "user", "content": "x"}])
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda m: m.pop("generation_log_probs"), "not \\['generation_log_probs'\\]"),
     (lambda m: m.update(generation_log_probs=m["generation_log_probs"][:-1]), "generation_log_probs"),
