@@ -33,7 +33,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -70,6 +73,7 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's piece for one raw byte
 
 
 @dataclass
@@ -201,18 +205,30 @@ class ServerState:
         return s
 
     def token_bytes(self, t: int) -> list[int]:
-        """The token's raw bytes (a byte-level BPE piece may be part of a UTF-8 character)."""
+        """The token's raw bytes (a piece may be part of a UTF-8 character): a byte-level BPE piece's
+        characters stand for bytes; a SentencePiece piece is text with '▁' for a space, or a byte
+        fallback <0xNN>."""
         b = self._token_bytes.get(t)
         if b is None:
             piece = self.tokenizer.hf.convert_ids_to_tokens(t)
             if piece is None:  # a padded row of the model's vocabulary: no text, no bytes
                 b = []
-            elif t in self.tokenizer.hf.added_tokens_decoder or not all(ch in _BYTE_OF for ch in piece):
+            elif t in self.tokenizer.hf.added_tokens_decoder:
                 b = list(self.token_str(t).encode())
+            elif self._byte_level:
+                b = [_BYTE_OF[ch] for ch in piece] if all(ch in _BYTE_OF for ch in piece) else \
+                    list(self.token_str(t).encode())
+            elif (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+                b = [int(m.group(1), 16)]
             else:
-                b = [_BYTE_OF[ch] for ch in piece]
+                b = list(piece.replace("\u2581", " ").encode())
             self._token_bytes[t] = b
         return b
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer decodes byte-level BPE pieces (GPT-2, Qwen, ours) rather than SentencePiece's."""
+        return '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.hf.backend_tokenizer.to_str()).get("decoder"))
 
     def logprob_entry(self, t: int, lp: float, top: list[tuple[int, float]]) -> dict:
         return {"token": self.token_str(t), "logprob": lp, "bytes": self.token_bytes(t),

@@ -451,3 +451,31 @@ def test_a_streamed_delta_never_sends_the_start_of_a_stop_string_before_a_split_
         if c.done:
             break
     assert c.stop_string and c.text == "ab" and sent == "ab"
+
+
+# ---------------------------------------------------------------- 11. logprob bytes of both tokenizer kinds
+def test_logprob_bytes_of_a_sentencepiece_byte_fallback_tokenizer():
+    """Llama-2/Mistral style pieces: <0x0A> is the byte 10 and '▁' a space (they read as byte-level BPE
+    characters before); the byte-level tokenizer keeps its own mapping."""
+    from types import SimpleNamespace as NS
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from exactrl.server.app import ServerState
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {"\u2581hello": len(vocab), "hello": len(vocab) + 1}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    st = NS(tokenizer=NS(hf=hf, decode=hf.decode), _token_str={}, _token_bytes={})
+    st.token_str = lambda i: ServerState.token_str(st, i)
+    st._byte_level = ServerState._byte_level.func(st)
+    assert not st._byte_level
+    assert ServerState.token_bytes(st, vocab["<0x0A>"]) == [10]
+    assert ServerState.token_bytes(st, vocab["<0xC3>"]) == [0xC3]
+    assert ServerState.token_bytes(st, vocab["\u2581hello"]) == list(b" hello")
+    s = served().state
+    assert s._byte_level and s.token_bytes(s.tokenizer.encode("\n")[0]) == [10]
