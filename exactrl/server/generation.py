@@ -30,7 +30,7 @@ import torch
 from fastapi.responses import StreamingResponse
 
 from exactrl.kernels import sampling_logprobs
-from exactrl.model.logprobs import forward_logits
+from exactrl.model.logprobs import HEAD_CHUNK_ROWS, forward_hidden
 from exactrl.server.schemas import APIError
 
 log = logging.getLogger("exactrl.server")
@@ -149,19 +149,24 @@ def sampling_key(params) -> tuple[float, int, float]:
 
 def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
                        ) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Logprob of token_ids[i] and its top-k alternatives, for i in [start, L), under the sampling distribution."""
+    """Logprob of token_ids[i] and its top-k alternatives, for i in [start, L), under the sampling distribution.
+    Only those rows go through the LM head, HEAD_CHUNK_ROWS at a time: memory stays at a chunk's [rows, V]
+    whatever the prompt's length (the exact head is row-invariant, so the bits are those of one call)."""
+    chosen, tops = [], []
     with torch.inference_mode():
-        logits_LV = forward_logits(engine.model, [token_ids])[0]
-        rows = logits_LV[start - 1:len(token_ids) - 1]
-        n = rows.shape[0]
-        lp_NV = sampling_logprobs(rows, torch.full((n,), float(params.temperature)),
-                                  torch.full((n,), int(params.top_k)), torch.full((n,), float(params.top_p)))
-        chosen = lp_NV.gather(1, torch.tensor(token_ids[start:])[:, None]).squeeze(1).tolist()
-        if k == 0:
-            return chosen, [[] for _ in range(n)]
-        vals, idx = lp_NV.topk(min(k, lp_NV.shape[1]), dim=-1)
-    tops = [[(int(t), float(v)) for t, v in zip(ti, vi) if v != float("-inf")]
-            for ti, vi in zip(idx.tolist(), vals.tolist())]
+        hidden_LD, _ = forward_hidden(engine.model, [token_ids])
+        for a in range(start - 1, len(token_ids) - 1, HEAD_CHUNK_ROWS):
+            rows = engine.model.logits(hidden_LD[a:min(a + HEAD_CHUNK_ROWS, len(token_ids) - 1)])
+            n = rows.shape[0]
+            lp_NV = sampling_logprobs(rows, torch.full((n,), float(params.temperature)),
+                                      torch.full((n,), int(params.top_k)), torch.full((n,), float(params.top_p)))
+            chosen += lp_NV.gather(1, torch.tensor(token_ids[a + 1:a + 1 + n])[:, None]).squeeze(1).tolist()
+            if k == 0:
+                tops += [[] for _ in range(n)]
+                continue
+            vals, idx = lp_NV.topk(min(k, lp_NV.shape[1]), dim=-1)
+            tops += [[(int(t), float(v)) for t, v in zip(ti, vi) if v != float("-inf")]
+                     for ti, vi in zip(idx.tolist(), vals.tolist())]
     return chosen, tops
 
 

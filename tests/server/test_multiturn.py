@@ -112,6 +112,10 @@ def test_completions_endpoint():
     assert e.choices[0].text.startswith("the quick") and e.choices[0].logprobs.token_logprobs[0] is None
     full = ids + e.choices[0].model_extra["generation_token_ids"]
     assert e.choices[0].logprobs.token_logprobs[1:] == trainer_logprobs(full)
+    long = [(7 * i) % 200 + 5 for i in range(300)]  # echo scored over more rows than one head chunk (256)
+    e = client.completions.create(model=s.model, prompt=long, max_tokens=4, seed=5, echo=True, logprobs=1)
+    full = long + e.choices[0].model_extra["generation_token_ids"]
+    assert e.choices[0].logprobs.token_logprobs[1:] == trainer_logprobs(full)
     stream = list(client.completions.create(model=s.model, prompt=[ids, ids], max_tokens=5, seed=9, stream=True))
     texts = {}
     for ch in stream:
