@@ -208,6 +208,13 @@ class Tokenizer:
         """Token ids that end a generation: eos and end of turn."""
         return frozenset({self.eos_token_id, self.end_of_turn_id})
 
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether the decoder is byte-level BPE's alone (GPT-2, Qwen, ours): each piece's characters stand for
+        bytes, and the text of ids a + b is a's text then b's wherever a's bytes end a character."""
+        decoder = json.loads(self.hf.backend_tokenizer.to_str()).get("decoder") or {}
+        return decoder.get("type") == "ByteLevel"
+
     def fingerprint(self) -> str:
         """A hash of what decides the token ids a run sees: the tokenizer's model and rules, its chat template
         and special ids (a resumed run must tokenize as the run it continues; its path may move)."""

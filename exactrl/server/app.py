@@ -33,8 +33,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
-import json
 import logging
 import re
 import socket
@@ -215,7 +213,7 @@ class ServerState:
                 b = []
             elif t in self.tokenizer.hf.added_tokens_decoder:
                 b = list(self.token_str(t).encode())
-            elif self._byte_level:
+            elif self.tokenizer.byte_level:
                 b = [_BYTE_OF[ch] for ch in piece] if all(ch in _BYTE_OF for ch in piece) else \
                     list(self.token_str(t).encode())
             elif (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
@@ -224,11 +222,6 @@ class ServerState:
                 b = list(piece.replace("\u2581", " ").encode())
             self._token_bytes[t] = b
         return b
-
-    @functools.cached_property
-    def _byte_level(self) -> bool:
-        """Whether the tokenizer decodes byte-level BPE pieces (GPT-2, Qwen, ours) rather than SentencePiece's."""
-        return '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.hf.backend_tokenizer.to_str()).get("decoder"))
 
     def logprob_entry(self, t: int, lp: float, top: list[tuple[int, float]]) -> dict:
         return {"token": self.token_str(t), "logprob": lp, "bytes": self.token_bytes(t),

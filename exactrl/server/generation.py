@@ -49,6 +49,8 @@ class Choice:
     text: str = ""  # visible text so far (stop token excluded, stop string cut)
     new_tokens: int = 0  # tokens added by the last update (for streaming logprobs)
     sent_text: int = 0  # characters already streamed
+    settled: int = 0  # tokens whose text is `settled_text` and ends a whole character (`Generation.decoded`)
+    settled_text: str = ""
 
     @property
     def done(self) -> bool:
@@ -118,7 +120,7 @@ class Generation:
             if self.track_text:
                 c.text = self.visible_text(c.token_ids, c.finish_reason)
         elif not c.done and self.track_text and not self.stops:
-            c.text = self.visible_text(c.token_ids, None)
+            c.text = self.decoded(c)
         return c.new_tokens > 0 or c.done
 
     def _hit_stop_string(self, c: Choice, comp) -> bool:
@@ -126,7 +128,7 @@ class Generation:
         if last and comp.finish_reason == "stop" and c.token_ids[-1] in self.stop_ids:
             return False  # the stop token itself is not text
         before = len(c.text)
-        c.text = self.visible_text(c.token_ids, None)
+        c.text = self.decoded(c)
         start = max(0, before - self.hold - 1)
         hits = [i for s in self.stops if (i := c.text.find(s, start)) >= 0]
         if not hits:
@@ -134,6 +136,18 @@ class Generation:
         c.text = c.text[:min(hits)]
         c.finish_reason, c.stop_string = "stop", True
         return True
+
+    def decoded(self, c: Choice) -> str:
+        """The text of all of c's tokens, `tok.decode(c.token_ids)` exactly. A byte-level tokenizer's text
+        is the settled tokens' text (kept) then the rest's, so each token costs the decode of the few since
+        the last whole character, not of the whole generation (which made long generations quadratic on
+        the event loop, stop strings and streams alike)."""
+        if not self.tok.byte_level:
+            return self.tok.decode(c.token_ids, skip_special_tokens=False)
+        tail = self.tok.decode(c.token_ids[c.settled:], skip_special_tokens=False)
+        if tail and not tail.endswith("\ufffd"):  # ends a whole character: a place to cut the text
+            c.settled_text, c.settled, tail = c.settled_text + tail, len(c.token_ids), ""
+        return c.settled_text + tail
 
     def visible_text(self, token_ids: list[int], finish_reason: str | None) -> str:
         ids = token_ids

@@ -462,6 +462,7 @@ def test_logprob_bytes_of_a_sentencepiece_byte_fallback_tokenizer():
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
+    from exactrl.model.tokenizer import Tokenizer as Tok
     from exactrl.server.app import ServerState
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
@@ -472,10 +473,44 @@ def test_logprob_bytes_of_a_sentencepiece_byte_fallback_tokenizer():
     hf = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     st = NS(tokenizer=NS(hf=hf, decode=hf.decode), _token_str={}, _token_bytes={})
     st.token_str = lambda i: ServerState.token_str(st, i)
-    st._byte_level = ServerState._byte_level.func(st)
-    assert not st._byte_level
+    st.tokenizer.byte_level = Tok.byte_level.func(st.tokenizer)
+    assert not st.tokenizer.byte_level
     assert ServerState.token_bytes(st, vocab["<0x0A>"]) == [10]
     assert ServerState.token_bytes(st, vocab["<0xC3>"]) == [0xC3]
     assert ServerState.token_bytes(st, vocab["\u2581hello"]) == list(b" hello")
     s = served().state
-    assert s._byte_level and s.token_bytes(s.tokenizer.encode("\n")[0]) == [10]
+    assert s.tokenizer.byte_level and s.token_bytes(s.tokenizer.encode("\n")[0]) == [10]
+
+
+def test_streamed_text_is_decoded_incrementally_and_exactly():
+    """Each update decodes only the tokens since the last whole character, and the text is always the
+    whole decode: split multi-byte characters, invalid bytes and special tokens included."""
+    import random
+    from types import SimpleNamespace as NS
+
+    from exactrl.server.app import _BYTE_OF
+    from exactrl.server.generation import Generation
+
+    tok = served().state.tokenizer
+    char_of = {b: c for c, b in _BYTE_OF.items()}
+    rng = random.Random(0)
+    ids = []
+    for _ in range(300):
+        piece = rng.choice(["é", "😀", "ab", " x", "\n"]).encode()
+        ids += [tok.hf.convert_tokens_to_ids(char_of[b]) for b in piece]
+        if rng.random() < 0.1:
+            ids.append(rng.choice([tok.hf.convert_tokens_to_ids(char_of[0xFF]), tok.end_of_turn_id]))
+    decoded = []
+
+    class Counting:  # the tokenizer, counting the tokens each decode call reads
+        byte_level = True
+
+        def decode(self, xs, skip_special_tokens=False):
+            decoded.append(len(xs))
+            return tok.decode(xs, skip_special_tokens)
+    g = Generation(NS(tokenizer=Counting(), loop=None), [1], SamplingParams(max_tokens=5000), [], track_text=True)
+    c = g.choices[0]
+    for k in range(1, len(ids) + 1):
+        g._advance(c, NS(token_ids=ids[:k], logprobs=[0.0] * k, versions=[0] * k, finish_reason=None))
+        assert c.text == tok.decode(ids[:k]), k
+    assert sum(decoded) < 5 * len(ids)  # the whole generation each time would be ~len(ids)² / 2
