@@ -12,7 +12,9 @@ in prompts (answers may still be negative unless `nonnegative=True`).
 Reward: 1.0 if the first integer in the completion (after dropping any
 `<think>...</think>` reasoning) equals the answer, else 0.0. "The answer is 19"
 and "19" both score; "12+7=19" does not (its first integer is 12), which
-teaches the model to answer rather than to echo the question.
+teaches the model to answer rather than to echo the question. An integer is a
+whole number on its own: not the start of "19.5" or "19,000" (those hold no
+integer), not a piece of a word ("Step-1"), and "−19" (U+2212) is −19.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ from exactrl.envs.base import Problem, Task, register_task, strip_reasoning
 
 SUPPORTED_OPS = ("+", "-", "*")
 _INT = re.compile(r"-?[0-9]+")  # ASCII digits only (\d would also take e.g. Arabic-Indic digits)
+# an integer standing alone: no letter, digit, point, comma or hyphen just before it (a word's "-1", the
+# "5" of "19.5", the "000" of "19,000"), and no digit or decimal/thousands part just after it
+_WHOLE_INT = re.compile(r"(?<![\w.,-])-?[0-9]+(?![0-9]|[.,][0-9])")
 _MAX_DIGITS = 64  # longer digit runs are not answers, unless the answer itself is (int() refuses > 4300 digits)
 _MAX_ATTEMPTS = 1000  # rejection-sampling budget for `nonnegative`
 
@@ -42,8 +47,9 @@ def evaluate_terms(terms: Sequence[int], ops: Sequence[str]) -> int:
 
 
 def first_integer(text: str, max_digits: int = _MAX_DIGITS) -> int | None:
-    """The first (optionally negative) integer in `text`, or None if there is none (or it is too long)."""
-    m = _INT.search(text)
+    """The first (optionally negative) integer standing alone in `text` (module docstring), or None if there is
+    none (or it is too long)."""
+    m = _WHOLE_INT.search(text.replace("\u2212", "-"))
     if m is None or len(m.group()) > max_digits:
         return None
     return int(m.group())

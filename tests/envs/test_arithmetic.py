@@ -26,6 +26,10 @@ P = Problem(prompt="3+5=", answer="8")
     ("eight", 0.0),
     ("<think>8", 0.0),  # unfinished reasoning, no answer
     ("9" * 5000, 0.0),  # absurd digit runs score 0 instead of raising
+    ("8.5", 0.0),  # not an integer: its "8" is not the answer
+    ("8,000", 0.0),
+    ("Step-8: 9", 0.0),  # a word's number is no answer: the first integer is 9
+    ("Step-1: 8", 1.0),
 ])
 def test_reward(completion, expected):
     assert ArithmeticTask().reward(P, completion) == expected
@@ -36,6 +40,8 @@ def test_negative_answers():
     assert task.reward(p, "-2") == 1.0
     assert task.reward(p, " -2 ") == 1.0
     assert task.reward(p, "2") == 0.0
+    assert task.reward(p, "\u22122") == 1.0  # the Unicode minus sign
+    assert task.reward(p, "Step-2: 5") == 0.0  # a hyphen inside a word is no minus
 
 
 def test_non_integer_reference_answer_is_a_clear_error():
