@@ -74,12 +74,40 @@ def read_jsonl(path: str | Path) -> list[Problem]:
     return problems
 
 
-def make_dataset(task: Task, n: int, seed: int) -> list[Problem]:
-    """`n` problems from `task`, a pure function of (task settings, n, seed)."""
+HELD_OUT = 5  # one problem in HELD_OUT, chosen by a hash of its prompt, is for evaluation only
+SPLITS = ("train", "eval")
+
+
+def held_out(problem: Problem) -> bool:
+    """Whether the problem belongs to the evaluation split: a fixed fifth of every task's problems (by a hash
+    of the prompt), never drawn for training or the warm start, so evaluation scores unseen problems."""
+    return int(hashlib.sha256(problem.prompt.encode()).hexdigest()[:8], 16) % HELD_OUT == 0
+
+
+def generate(task: Task, rng: random.Random, split: str | None = None) -> Problem:
+    """One problem of `task` from its generator, of the given split (None: any), by rejection."""
+    if split is None:
+        return task.generate(rng)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
+    for _ in range(MAX_SPLIT_DRAWS):
+        p = task.generate(rng)
+        if held_out(p) == (split == "eval"):
+            return p
+    raise ValueError(f"task {task.name!r} drew no {split} problem in {MAX_SPLIT_DRAWS} draws: its settings leave "
+                     f"too few distinct problems to hold some out for evaluation (widen them)")
+
+
+MAX_SPLIT_DRAWS = 10_000
+
+
+def make_dataset(task: Task, n: int, seed: int, split: str | None = None) -> list[Problem]:
+    """`n` problems from `task`, a pure function of (task settings, n, seed, split); `split` "train" or
+    "eval" keeps to one side of `held_out` (None: both)."""
     if n < 0:
         raise ValueError(f"dataset size must be >= 0, got {n}")
     rng = random.Random(seed)
-    return [task.generate(rng) for _ in range(n)]
+    return [generate(task, rng, split) for _ in range(n)]
 
 
 def fingerprint(problems: list[Problem]) -> str:

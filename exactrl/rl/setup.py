@@ -253,9 +253,15 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     except ValueError as e:
         raise ValueError(f"algorithm.advantage_kwargs: {e}") if a.advantage_kwargs else e from None
     train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
-             else make_dataset(task, cfg.task.train_size, cfg.seed))
+             else make_dataset(task, cfg.task.train_size, cfg.seed, split="train"))
     prompts = PromptSource(train, seed=cfg.seed)
-    eval_problems = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919) if cfg.task.eval_size else []
+    # the held-out split, and none of a training file's prompts: evaluation scores problems never trained on
+    seen = {p.prompt for p in train} if cfg.task.train_jsonl else set()
+    eval_problems = [p for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval")
+                     if p.prompt not in seen]
+    if cfg.task.eval_size and not eval_problems:
+        raise ValueError(f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
+                         f"drew: nothing is left to evaluate on (set task.eval_size=0, or train on fewer problems)")
     model_dir = _model_dir(cfg, log, ranks)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)

@@ -51,6 +51,31 @@ def test_meta_clash_on_write(tmp_path):
         write_jsonl(tmp_path / "d.jsonl", [Problem("p", "a", {"answer": "b"})])
 
 
+@pytest.mark.parametrize("task", [ArithmeticTask(), CountdownTask()])
+def test_train_and_eval_splits_never_share_a_problem(task):
+    """A fixed fifth of a task's problems (by a hash of the prompt) is evaluation's alone: the default
+    arithmetic task has 200 problems, and fresh draws of an eval set used to be all training problems."""
+    from exactrl.envs.dataset import held_out
+
+    train = make_dataset(task, 2000, seed=0, split="train")
+    evals = make_dataset(task, 200, seed=7919, split="eval")
+    assert not {p.prompt for p in train} & {p.prompt for p in evals}
+    assert all(held_out(p) for p in evals) and not any(held_out(p) for p in train)
+    anyp = make_dataset(task, 2000, seed=0)
+    assert 0.1 < sum(map(held_out, anyp)) / len(anyp) < 0.3  # about a fifth
+    with pytest.raises(ValueError, match="split must be one of"):
+        make_dataset(task, 1, seed=0, split="test")
+
+
+def test_a_task_too_small_to_hold_problems_out_is_a_clear_error():
+    from exactrl.envs.dataset import held_out
+
+    task = ArithmeticTask(min_value=1, max_value=1, ops=("+",))  # one problem, "1+1=": on one side only
+    missing = "train" if held_out(make_dataset(task, 1, seed=0)[0]) else "eval"
+    with pytest.raises(ValueError, match="too few distinct problems"):
+        make_dataset(task, 1, seed=0, split=missing)
+
+
 def test_make_dataset_is_deterministic():
     assert make_dataset(ArithmeticTask(), 100, seed=7) == make_dataset(ArithmeticTask(), 100, seed=7)
     assert make_dataset(ArithmeticTask(), 0, seed=7) == []
