@@ -65,8 +65,12 @@ def read_jsonl(path: str | Path) -> list[Problem]:
     if not path.is_file():
         raise ValueError(f"dataset file {path} does not exist")
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:  # a byte-order mark at the start is not part of the first line
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if line.strip():
                 problems.append(_parse_line(line, f"{path}:{lineno}"))
     if not problems:

@@ -123,3 +123,12 @@ def test_resume_refuses_another_dataset_or_seed():
 def test_empty_source():
     with pytest.raises(ValueError, match="at least one"):
         PromptSource([])
+
+
+def test_a_file_that_is_not_utf8_is_named_by_line_and_a_bom_is_accepted(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not UTF-8"):
+        read_jsonl(p)
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n')
+    assert read_jsonl(p) == [Problem("1+1=", "2")]

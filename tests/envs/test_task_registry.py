@@ -72,9 +72,18 @@ def test_register_rejects_nameless_and_non_tasks():
 @pytest.mark.parametrize("text, answer", [
     ("a<think>b</think>c", "ac"), ("<think>x</think>\n\n8", "\n\n8"), ("reasoning</think>8", "8"),
     ("8<think>unfinished", "8"), ("<think>1</think>2<think>3</think>4", "24"), ("plain", "plain"),
+    ("<think>a<think>b</think>c</think>d", "d"), ("x</think>y<think>z</think>w", "yw"),
+    ("<think>a</think>b<think>c", "b"),
 ])
 def test_strip_reasoning(text, answer):
     assert strip_reasoning(text) == answer
+
+
+def test_strip_reasoning_takes_one_pass_over_degenerate_text():
+    """Thousands of unclosed <think> (a collapsed policy; a regex took ~10 s on these): the answer is what
+    precedes the first."""
+    assert strip_reasoning("7" + "<think>" * 20_000) == "7"
+    assert strip_reasoning("<think>" * 20_000 + "</think>9") == "9"
 
 
 def test_a_task_in_a_file_of_its_own_is_named_from_the_run_config(tmp_path):
@@ -112,3 +121,43 @@ def test_the_agent_task_registers_when_its_module_is_imported():
 
     import_task_module("exactrl.envs.tool_use")
     assert TASKS["calculator"].__name__ == "CalculatorTask"
+
+
+def test_two_task_files_of_one_name_in_two_directories_are_two_modules(tmp_path):
+    """a/tasks.py and b/tasks.py both registering "clash_task": the second is refused by name (it used to
+    replace the first silently, as if it were a reload); a file whose import fails leaves no module behind."""
+    import sys
+
+    from exactrl.envs import import_task_module
+
+    body = '''
+from exactrl.envs import Problem, Task, register_task
+
+@register_task
+class Clash(Task):
+    name = "clash_task"
+    def generate(self, rng):
+        return Problem(prompt="1+1=", answer="2")
+    def reward(self, problem, completion):
+        return 1.0
+'''
+    files = []
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        files.append(tmp_path / d / "tasks.py")
+        files[-1].write_text(body)
+    try:
+        import_task_module(str(files[0]))
+        first = TASKS["clash_task"]
+        import_task_module(str(files[0]))  # the same file again: a reload
+        with pytest.raises(ValueError, match="already registered"):
+            import_task_module(str(files[1]))
+        assert TASKS["clash_task"].__module__ == first.__module__
+    finally:
+        TASKS.pop("clash_task", None)
+    bad = tmp_path / "broken.py"
+    bad.write_text("raise RuntimeError('broken task file')\n")
+    before = set(sys.modules)
+    with pytest.raises(RuntimeError, match="broken task file"):
+        import_task_module(str(bad))
+    assert set(sys.modules) == before
