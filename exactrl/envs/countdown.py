@@ -146,6 +146,11 @@ def _render(tree: _Tree) -> tuple[str, int]:
     return left + op + right, p
 
 
+def _is_int(x) -> bool:
+    """A JSON integer (bools and floats are not: 15.9 used to become 15, true a 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @register_task
 class CountdownTask(Task):
     """Reach `target` from `num_numbers` numbers in [1, max_number] with + - * /."""
@@ -193,11 +198,15 @@ class CountdownTask(Task):
         if "numbers" not in problem.meta or "target" not in problem.meta:
             raise ValueError(f"countdown problem {problem.prompt!r} lacks meta 'numbers' and 'target' "
                              f"(JSONL rows need them as extra keys)")
+        numbers, target = problem.meta["numbers"], problem.meta["target"]
+        if not (isinstance(numbers, list) and numbers and all(_is_int(x) for x in numbers) and _is_int(target)):
+            raise ValueError(f"countdown problem {problem.prompt!r}: meta 'numbers' must be a non-empty list of "
+                             f"integers and 'target' an integer, got {numbers!r} and {target!r}")
         try:
             parsed = parse_expression(extract_expression(completion))
         except (ExpressionError, ZeroDivisionError):
             return 0.0
-        used, given = Counter(parsed.numbers), Counter(int(x) for x in problem.meta["numbers"])
+        used, given = Counter(parsed.numbers), Counter(numbers)
         legal = used == given if self.use_all_numbers else not (used - given)
-        correct = legal and parsed.value == int(problem.meta["target"])
+        correct = legal and parsed.value == target
         return 1.0 if correct else self.format_reward

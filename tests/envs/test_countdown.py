@@ -63,6 +63,15 @@ def test_at_most_once_versus_exactly_once():
     assert CountdownTask(use_all_numbers=True).reward(P, "9*(5+3)") == 1.0
 
 
+@pytest.mark.parametrize("meta", [{"numbers": [3, 5, 7], "target": 15.9}, {"numbers": [3.7, 5, 7], "target": 15},
+                                  {"numbers": "357", "target": 15}, {"numbers": [True, 5, 7], "target": 5},
+                                  {"numbers": [], "target": 15}])
+def test_bad_row_metadata_is_refused_not_coerced(meta):
+    """A JSONL row's numbers and target must be integers: 15.9 used to be cut to 15 (so 3*5 scored 1.0)."""
+    with pytest.raises(ValueError, match="must be a non-empty list of integers"):
+        CountdownTask().reward(Problem("Use 3 5 7 to make 15.", "3*5", meta), "3*5")
+
+
 def test_format_reward():
     task = CountdownTask(format_reward=0.1)
     assert task.reward(P, "9*5+3") == 0.1
