@@ -125,9 +125,11 @@ class RolloutBackendSettings(BaseModel):
             roots = self.server_roots
             if len(set(roots)) != len(roots):
                 raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")
-        elif self.base_urls:
-            raise ValueError(f"rollout_backend.base_urls needs rollout_backend.kind=openai (kind={self.kind} "
-                             f"samples with exactrl engines)")
+        else:  # an external server's settings without kind=openai would be ignored without a word
+            for key in ("base_url", "base_urls", "model", "weight_sync", "sync_dir"):
+                if getattr(self, key) != type(self).model_fields[key].get_default(call_default_factory=True):
+                    raise ValueError(f"rollout_backend.{key} needs rollout_backend.kind=openai (kind={self.kind} "
+                                     f"samples with exactrl engines)")
         if self.kind != "ray" and self.ray != RayEngineSettings():
             raise ValueError(f"rollout_backend.ray.* needs rollout_backend.kind=ray (kind is {self.kind})")
         return self

@@ -403,6 +403,13 @@ def test_many_servers_config_errors_name_the_key():
             RolloutBackendSettings(**(ok | extra))
     with pytest.raises(ValueError, match="base_urls needs rollout_backend.kind=openai"):
         RolloutBackendSettings(base_urls=["http://b:1"])
+    # a forgotten kind=openai: the server's settings would be ignored and the run sample in process
+    for extra in (dict(base_url="http://b:1"), dict(model="m"), dict(weight_sync="disk"), dict(sync_dir="/x")):
+        key = next(iter(extra))
+        with pytest.raises(ValueError, match=f"rollout_backend.{key} needs rollout_backend.kind=openai"):
+            RolloutBackendSettings(**extra)
+        with pytest.raises(ValueError, match=f"rollout_backend.{key} needs rollout_backend.kind=openai"):
+            RolloutBackendSettings(kind="ray", **extra)
 
 
 def test_training_over_two_exact_servers_logs_the_one_server_run_bitwise(model_dir, tmp_path):
