@@ -235,15 +235,26 @@ def launch(argv: list[str], nproc: int) -> int:
                     for q in live:  # the others would wait in a collective until the timeout
                         q.send_signal(signal.SIGTERM)
             time.sleep(0.1)
-    except KeyboardInterrupt:  # Ctrl-C reached the ranks too (one process group): they save nothing new and
-        deadline = time.monotonic() + 30  # say how to resume; a rank still running after 30 s is stopped
+    except KeyboardInterrupt:  # a Ctrl-C reaches the ranks too (one process group): they save nothing new and
+        # say how to resume. A SIGINT sent to this launcher alone (a job manager, kill -INT) is passed on to
+        # the ranks still running after a moment; a rank still running after 30 s is stopped
+        grace, deadline = time.monotonic() + 2, time.monotonic() + 30
+        for p in procs:
+            try:
+                p.wait(max(0.0, grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
         for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGTERM)
                 p.wait()
-        return 130
+        codes = [p.returncode for p in procs]
+        return 0 if all(c == 0 for c in codes) else 130  # the run may have ended just as the signal came
     finally:
         signal.signal(signal.SIGTERM, previous)
     return code

@@ -18,7 +18,8 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
     try:
         code = _train(cfg, ranks, print if ranks.main else _quiet)
-        ranks.barrier()  # every rank is done before any tears the group down
+        if code != 130:  # an interrupted rank may have left the others in another collective: no barrier
+            ranks.barrier()  # every rank is done before any tears the group down
         return code
     finally:
         if ranks.world > 1:

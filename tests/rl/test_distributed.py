@@ -218,3 +218,26 @@ def test_what_a_data_parallel_run_cannot_do_is_refused_naming_the_key(model_dir,
     done = ranks_run(model_dir, tmp_path / "run", "max_steps=1", *extra)
     assert done.returncode != 0 and words in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # refused before the run dir was made
+
+
+def test_a_sigint_to_the_launcher_alone_reaches_the_ranks(tmp_path, monkeypatch):
+    """kill -INT on the launcher (a job manager), not on the process group: the ranks still running are
+    sent SIGINT after a moment, stop as from a Ctrl-C, and the launcher returns 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import exactrl.distributed as dist_mod
+
+    rank = tmp_path / "rank.py"
+    rank.write_text("import pathlib, sys, time\ntry:\n    while True:\n        time.sleep(0.05)\n"
+                    "except KeyboardInterrupt:\n    pathlib.Path(sys.argv[1]).write_text('interrupted')\n"
+                    "    sys.exit(130)\n")
+    real = subprocess.Popen
+    monkeypatch.setattr(dist_mod.subprocess, "Popen", lambda cmd, env: real(
+        [sys.executable, str(rank), str(tmp_path / f"rank{env['RANK']}")], env=env))
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    assert dist_mod.launch(["train"], 2) == 130
+    assert all((tmp_path / f"rank{r}").read_text() == "interrupted" for r in (0, 1))
