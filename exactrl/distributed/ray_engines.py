@@ -111,7 +111,11 @@ class RayEngines:
 
     def __init__(self, s: RayEngineSettings, model, engine_kwargs: dict, stop_token_ids=(), version: int = 0,
                  log=print):
-        import ray
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("rollout_backend.kind=ray needs Ray: pip install 'exactrl[ray]' (in this repo: "
+                             "make dev)") from None
 
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         if len(dtypes) != 1:  # an actor builds the model in one dtype; loading another would cast the weights
@@ -119,8 +123,12 @@ class RayEngines:
         self._ray, self.s, self.actors, self.places = ray, s, [], []
         self._started = not ray.is_initialized()
         if self._started:  # "local": a new instance, never a `ray start` cluster of this machine (maybe stale)
-            ray.init(address=s.address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
-                     log_to_driver=False, logging_level="ERROR")
+            address = s.address or os.environ.get("RAY_ADDRESS") or "local"
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            except ConnectionError as e:
+                raise ValueError(f"no Ray cluster at rollout_backend.ray.address={address!r} ({e}): start one "
+                                 f"(ray start --head) or leave the address unset for a private instance") from None
         try:
             threads = self._threads()
             log(f"starting {s.num_engines} Ray engine(s) of {threads} thread(s) each ...")

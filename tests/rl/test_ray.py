@@ -89,6 +89,19 @@ def test_config_section_and_errors():
 
 
 # ---------------------------------------------------------------- engines
+def test_ray_missing_or_no_cluster_at_the_address_is_a_value_error(qwen3_dir, monkeypatch):
+    import sys
+
+    model = exactrl.load_model(qwen3_dir)
+    if ray.is_initialized():
+        pytest.skip("a Ray instance already runs in this process: the address is not used")
+    with pytest.raises(ValueError, match=r"no Ray cluster at rollout_backend.ray.address='auto'"):
+        RayEngines(RayEngineSettings(num_engines=1, address="auto"), model, {}, log=lambda *a: None)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"needs Ray: pip install 'exactrl\[ray\]'"):
+        RayEngines(RayEngineSettings(num_engines=1), model, {}, log=lambda *a: None)
+
+
 def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwen3_dir):
     if ray.is_initialized():  # runs before the module's `cluster` in file order; in another order it cannot
         pytest.skip("a Ray instance already runs in this process (the module's cluster): no private one to see")
