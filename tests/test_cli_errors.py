@@ -197,7 +197,8 @@ def test_report_names_file_and_line_of_a_bad_metrics_row(tmp_path, capsys):
 
 
 def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
-    cfg = load_config(None, ["run_dir=123", "rollout_backend.model=007", "model.path=1.10",
+    cfg = load_config(None, ["run_dir=123", "rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1",
+                             "rollout_backend.model=007", "model.path=1.10",
                              "algorithm.advantage=2024-01-01", "algorithm.loss_kwargs={eps_low: 0.1}"])
     assert (cfg.run_dir, cfg.rollout_backend.model, cfg.model.path) == ("123", "007", "1.10")
     assert cfg.algorithm.advantage == "2024-01-01"
