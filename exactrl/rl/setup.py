@@ -140,6 +140,27 @@ def _default_run_dir() -> str:
     return str(d)
 
 
+def _claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None, start: int):
+    """(run dir, whether this run created it, its lock, the logger): rank 0 creates the dir (a default name
+    taken meanwhile moves to the next free one), locks it and checks it again under the lock."""
+    new_run_dir = _make_dir(run_dir)
+    while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
+        cfg.run_dir = _default_run_dir()
+        run_dir = Path(cfg.run_dir)
+        new_run_dir = _make_dir(run_dir)
+    run_lock = _lock_run_dir(run_dir)
+    try:  # the checks again, under the lock: a run that ended meanwhile may have written the dir
+        _run_dir(cfg)
+        if latest_checkpoint(run_dir) != ckpt:
+            raise ValueError(f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
+                             f"wrote it): start again to resume from it, or choose another run_dir")
+        logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
+    except BaseException:
+        run_lock.close()
+        raise
+    return run_dir, new_run_dir, run_lock, logger
+
+
 def _lock_run_dir(d: Path):
     """An exclusive lock on d/.lock, held while the returned file is open (the OS drops it if the process
     dies): two runs never write one run dir. A ValueError if another run holds it."""
@@ -252,16 +273,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
         compute_advantages(a.advantage, torch.zeros(1, 2), **a.advantage_kwargs)
     except ValueError as e:
         raise ValueError(f"algorithm.advantage_kwargs: {e}") if a.advantage_kwargs else e from None
-    train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
-             else make_dataset(task, cfg.task.train_size, cfg.seed, split="train"))
-    prompts = PromptSource(train, seed=cfg.seed)
-    # the held-out split, and none of a training file's prompts: evaluation scores problems never trained on
-    seen = {p.prompt for p in train} if cfg.task.train_jsonl else set()
-    eval_problems = [p for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval")
-                     if p.prompt not in seen]
-    if cfg.task.eval_size and not eval_problems:
-        raise ValueError(f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
-                         f"drew: nothing is left to evaluate on (set task.eval_size=0, or train on fewer problems)")
+    prompts, eval_problems = _datasets(cfg, task)
     model_dir = _model_dir(cfg, log, ranks)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
@@ -298,26 +310,26 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
         if not ranks.main:  # rank 0 alone writes the run dir
             return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
                               optimizer, loss_fn, settings, NullLogger(), start, False, ranks)
-        new_run_dir = _make_dir(run_dir)
-        while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
-            cfg.run_dir = _default_run_dir()
-            run_dir = Path(cfg.run_dir)
-            new_run_dir = _make_dir(run_dir)
-        run_lock = _lock_run_dir(run_dir)
-        try:  # the checks again, under the lock: a run that ended meanwhile may have written the dir
-            _run_dir(cfg)
-            if latest_checkpoint(run_dir) != ckpt:
-                raise ValueError(f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
-                                 f"wrote it): start again to resume from it, or choose another run_dir")
-            logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
-        except BaseException:
-            run_lock.close()
-            raise
+        run_dir, new_run_dir, run_lock, logger = _claim_run_dir(cfg, run_dir, named, ckpt, start)
         return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
                           loss_fn, settings, logger, start, new_run_dir, ranks, run_lock)
     except BaseException:
         engine.close()
         raise
+
+
+def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
+    """The training stream and the evaluation problems: the task's held-out split, and none of a training
+    file's prompts, so evaluation scores problems never trained on (`envs.dataset.held_out`)."""
+    train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
+             else make_dataset(task, cfg.task.train_size, cfg.seed, split="train"))
+    seen = {p.prompt for p in train} if cfg.task.train_jsonl else set()
+    eval_problems = [p for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval")
+                     if p.prompt not in seen]
+    if cfg.task.eval_size and not eval_problems:
+        raise ValueError(f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
+                         f"drew: nothing is left to evaluate on (set task.eval_size=0, or train on fewer problems)")
+    return PromptSource(train, seed=cfg.seed), eval_problems
 
 
 def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
