@@ -80,11 +80,13 @@ def read_jsonl(path: str | Path) -> list[Problem]:
 
 HELD_OUT = 5  # one problem in HELD_OUT, chosen by a hash of its prompt, is for evaluation only
 SPLITS = ("train", "eval")
+MAX_SPLIT_DRAWS = 10_000  # rejection-sampling budget for one problem of a split
 
 
 def held_out(problem: Problem) -> bool:
     """Whether the problem belongs to the evaluation split: a fixed fifth of every task's problems (by a hash
-    of the prompt), never drawn for training or the warm start, so evaluation scores unseen problems."""
+    of the prompt), never drawn for RL training, so evaluation scores problems RL never trained on (the
+    default job's warm start, which stands for pretraining, draws from every problem)."""
     return int(hashlib.sha256(problem.prompt.encode()).hexdigest()[:8], 16) % HELD_OUT == 0
 
 
@@ -101,8 +103,6 @@ def generate(task: Task, rng: random.Random, split: str | None = None) -> Proble
     raise ValueError(f"task {task.name!r} drew no {split} problem in {MAX_SPLIT_DRAWS} draws: its settings leave "
                      f"too few distinct problems to hold some out for evaluation (widen them)")
 
-
-MAX_SPLIT_DRAWS = 10_000
 
 
 def make_dataset(task: Task, n: int, seed: int, split: str | None = None) -> list[Problem]:
