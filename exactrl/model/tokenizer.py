@@ -215,6 +215,7 @@ class Tokenizer:
         decoder = json.loads(self.hf.backend_tokenizer.to_str()).get("decoder") or {}
         return decoder.get("type") == "ByteLevel"
 
+    @functools.cached_property
     def fingerprint(self) -> str:
         """A hash of what decides the token ids a run sees: the tokenizer's model and rules, its chat template
         and special ids (a resumed run must tokenize as the run it continues; its path may move)."""

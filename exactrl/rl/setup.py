@@ -73,7 +73,7 @@ class Components:
         asynchronous loop's rollouts may already be further: it passes both as they were after that batch."""
         rng = rng_state() if rng is None else rng
         state = {"prompts": prompts_state, **rng, "config": self.cfg.model_dump(by_alias=True),
-                 "tokenizer": self.tokenizer.fingerprint()}
+                 "tokenizer": self.tokenizer.fingerprint}
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
         return state
@@ -289,7 +289,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     if ckpt is not None:
         model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
         _check_same_run(state.get("config"), cfg, ckpt)
-        if state.get("tokenizer", tokenizer.fingerprint()) != tokenizer.fingerprint():
+        if state.get("tokenizer", tokenizer.fingerprint) != tokenizer.fingerprint:
             raise ValueError(f"resume from {ckpt} with another tokenizer ({tokenizer.path}: model.tokenizer, or "
                              f"model.path without it): its token ids, chat template or special tokens differ from "
                              f"the run's; point model.tokenizer at the tokenizer the run started with")
