@@ -196,6 +196,16 @@ def test_report_names_file_and_line_of_a_bad_metrics_row(tmp_path, capsys):
     assert f"{tmp_path / 'metrics.jsonl'}:3: not valid JSON" in error_of(capsys, "report")
 
 
+def test_report_refuses_empty_metrics_and_rows_without_a_step(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has no metrics yet" in error_of(capsys, "report")
+    assert not (tmp_path / "report").exists()  # no blank plots
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"loss": 2}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "row 2 has no integer 'step'" in error_of(capsys, "report")
+
+
 def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
     cfg = load_config(None, ["run_dir=123", "rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1",
                              "rollout_backend.model=007", "model.path=1.10",

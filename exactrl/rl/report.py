@@ -19,6 +19,11 @@ def write_report(run_dir: str | Path) -> list[Path]:
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no metrics yet: the run has not finished a step")
+    for i, r in enumerate(rows, start=1):
+        if not isinstance(r.get("step"), int):
+            raise ValueError(f"{run_dir / 'metrics.jsonl'}: row {i} has no integer 'step' (not exactrl's metrics?)")
     out_dir = run_dir / "report"
     out_dir.mkdir(exist_ok=True)
     written = []
