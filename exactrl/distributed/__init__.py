@@ -196,22 +196,36 @@ def init_from_env() -> Ranks:
     return Ranks(rank, world)
 
 
+def _dies_with(parent: int):
+    """A preexec_fn: the child gets SIGTERM when `parent` dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG),
+    so a killed launcher leaves no rank behind holding the run dir's lock."""
+    def arm():
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the line above
+                os._exit(1)
+    return arm
+
+
 def launch(argv: list[str], nproc: int) -> int:
     """Runs `python -m exactrl <argv>` as `nproc` ranks on this machine (torchrun's environment; the cores
-    split evenly between them unless OMP_NUM_THREADS is set); waits for all. If one fails, the others
+    this process may use split evenly between them unless OMP_NUM_THREADS is set); waits for all. If one fails, the others
     are stopped. Returns the first non-zero code."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // nproc))
     procs = []
     for r in range(nproc):
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": threads}
-        procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env,
+                                      preexec_fn=_dies_with(os.getpid())))
 
     def stop(signum, frame):  # the launcher is told to stop (a job manager, `timeout`): so are the ranks
         for p in procs:

@@ -236,8 +236,39 @@ def test_a_sigint_to_the_launcher_alone_reaches_the_ranks(tmp_path, monkeypatch)
                     "except KeyboardInterrupt:\n    pathlib.Path(sys.argv[1]).write_text('interrupted')\n"
                     "    sys.exit(130)\n")
     real = subprocess.Popen
-    monkeypatch.setattr(dist_mod.subprocess, "Popen", lambda cmd, env: real(
-        [sys.executable, str(rank), str(tmp_path / f"rank{env['RANK']}")], env=env))
+    monkeypatch.setattr(dist_mod.subprocess, "Popen", lambda cmd, env, **kw: real(
+        [sys.executable, str(rank), str(tmp_path / f"rank{env['RANK']}")], env=env, **kw))
     threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     assert dist_mod.launch(["train"], 2) == 130
     assert all((tmp_path / f"rank{r}").read_text() == "interrupted" for r in (0, 1))
+
+
+def test_a_rank_dies_with_its_launcher_even_a_sigkilled_one(tmp_path):
+    """A launcher killed with SIGKILL (OOM killer, `kill -9`) can forward nothing: its ranks are armed to get
+    SIGTERM from the kernel when it dies, so none is left running (holding the run dir's lock)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    launcher = ("import os, subprocess, sys, time\nfrom exactrl.distributed import _dies_with\n"
+                "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+                "preexec_fn=_dies_with(os.getpid()))\nprint(p.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:  # the child is re-parented (to init or a subreaper), which reaps it once it is gone
+            os.kill(child, 0)
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split(") ")[1][0] == "Z":
+                    break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the rank outlived its SIGKILLed launcher")
