@@ -70,6 +70,20 @@ class KLSettings(BaseModel):
     """`loss`: added to the loss per token; `reward`: subtracted from the sequence reward."""
 
 
+class OverlongSettings(BaseModel):
+    model_config = _STRICT
+
+    mask_truncated: bool = False
+    """Leave completions cut at `rollout.max_tokens` out of the loss (DAPO's overlong filtering; TRL's
+    `mask_truncated_completions`): an unfinished answer teaches nothing either way. They still count in
+    their group's advantage baseline and in the rollout metrics."""
+    buffer_len: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment over the last `buffer_len` tokens before `rollout.max_tokens`
+    (rl/rollout.py `overlong_penalty`); 0 = off."""
+    penalty_factor: float = Field(1.0, ge=0.0)
+    """Penalty at `rollout.max_tokens` tokens; it grows linearly from 0 across the buffer."""
+
+
 class AlgorithmSettings(BaseModel):
     model_config = _STRICT
 
@@ -88,6 +102,8 @@ class AlgorithmSettings(BaseModel):
     """Entropy bonus weight (subtracted from the loss)."""
     corrections: list[dict[str, Any]] = Field(default_factory=list)
     """Off-policy corrections, each {name: ..., **kwargs}; empty for synchronous exact training."""
+    overlong: OverlongSettings = Field(default_factory=OverlongSettings)
+    """What a completion that hits the length limit gets: by default its task reward, like any other."""
     bypass: bool = False
     """Take the loss ratio against μ (the engine's logprobs) instead of π_old: π_θ/μ, no proximal policy."""
 
@@ -179,6 +195,9 @@ class RunConfig(BaseModel):
         if exactrl_engines and self.rollout.samples_per_prompt > self.engine.max_num_seqs:
             raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} exceeds "
                              f"engine.max_num_seqs={self.engine.max_num_seqs}: raise engine.max_num_seqs")
+        if self.algorithm.overlong.buffer_len > self.rollout.max_tokens:
+            raise ValueError(f"algorithm.overlong.buffer_len={self.algorithm.overlong.buffer_len} exceeds "
+                             f"rollout.max_tokens={self.rollout.max_tokens}: the buffer is the last tokens before it")
         return self
 
 

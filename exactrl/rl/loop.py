@@ -28,7 +28,8 @@ from exactrl.distributed import whole_optimizer_state
 from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.checkpoint import save_checkpoint
 from exactrl.rl.kl import kl_reward_penalty
-from exactrl.rl.rollout import Rollout, evaluate, rollout_metrics, sample_groups, to_train_batch
+from exactrl.rl.rollout import (Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups,
+                               to_train_batch)
 from exactrl.rl.setup import Components
 from exactrl.rl.trainer import train_step
 
@@ -78,7 +79,11 @@ def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str,
     a, shaped = c.cfg.algorithm, {}
     if c.ref_model is not None and a.kl.coef and a.kl.where == "reward":
         groups, shaped = kl_shaped_rewards(c, groups)
-    batch = to_train_batch(groups, a.advantage, a.advantage_kwargs)
+    if a.overlong.buffer_len:
+        groups, more = overlong_shaped(groups, c.cfg.rollout.max_tokens, a.overlong.buffer_len,
+                                       a.overlong.penalty_factor)
+        shaped |= more
+    batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
     lr = c.set_lr(step)
     return (train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model, c.ranks)
             | {"train/lr": lr} | shaped)

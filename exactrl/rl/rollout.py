@@ -8,7 +8,7 @@ Legend: P prompts, G samples per prompt.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,12 +73,42 @@ def sample_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: in
     return ranks.gather_sharded(len(problems), local)
 
 
-def to_train_batch(groups: list[list[Rollout]], advantage: str, advantage_kwargs: dict) -> TrainBatch:
+def overlong_penalty(length: int, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), L = max_tokens, L_b = buffer_len:
+
+        0                              |y| <= L - L_b
+        factor · (L - L_b - |y|) / L_b   L - L_b < |y| <= L      (reaches -factor at |y| = L)
+
+    A completion never exceeds L here (the engine stops it), so DAPO's third case (-1 past L) cannot occur.
+    """
+    if buffer_len == 0 or length <= max_tokens - buffer_len:
+        return 0.0
+    return factor * (max_tokens - buffer_len - length) / buffer_len
+
+
+def overlong_shaped(groups: list[list[Rollout]], max_tokens: int, buffer_len: int, factor: float
+                    ) -> tuple[list[list[Rollout]], dict[str, float]]:
+    """The groups with the soft overlong penalty added to each reward; like the KL shaping, the task
+    reward stays in the rollout metrics and the shaped one only drives the advantages."""
+    pen = [[overlong_penalty(len(r.completion_ids), max_tokens, buffer_len, factor) for r in g] for g in groups]
+    flat = [x for g in pen for x in g]
+    shaped = [[replace(r, reward=r.reward + x) for r, x in zip(g, p)] for g, p in zip(groups, pen)]
+    return shaped, {"rollout/overlong_penalty_mean": sum(flat) / len(flat),
+                    "rollout/overlong_penalised_frac": sum(x < 0 for x in flat) / len(flat)}
+
+
+def to_train_batch(groups: list[list[Rollout]], advantage: str, advantage_kwargs: dict,
+                   mask_truncated: bool = False) -> TrainBatch:
+    """Advantages over each group's rewards. `mask_truncated`: a completion cut at the length limit gets a
+    loss mask of zeros (it still counts in its group's baseline)."""
     rewards_PG = torch.tensor([[r.reward for r in g] for g in groups], dtype=torch.float32)
     adv_PG = compute_advantages(advantage, rewards_PG, **advantage_kwargs)
     flat = [r for g in groups for r in g]
+    mask = ([[int(r.finish_reason != "length")] * len(r.completion_ids) for r in flat] if mask_truncated
+            else None)
     return TrainBatch(prompt_ids=[r.prompt_ids for r in flat], completion_ids=[r.completion_ids for r in flat],
-                      behav_logprobs=[r.behav_logprobs for r in flat], advantages=adv_PG.reshape(-1).tolist())
+                      behav_logprobs=[r.behav_logprobs for r in flat], advantages=adv_PG.reshape(-1).tolist(),
+                      loss_mask=mask)
 
 
 def rollout_metrics(groups: list[list[Rollout]]) -> dict[str, float]:

@@ -417,3 +417,21 @@ def test_runs_started_in_the_same_second_get_their_own_default_dirs(tmp_path, mo
     second = setup._default_run_dir()  # the first exists now
     assert second == str(Path("runs") / "20260101-000000_2") and setup._make_dir(Path(second))
     assert not setup._make_dir(Path(first))  # creating is atomic: only its creator may remove it
+
+
+def test_overlong_settings_reach_the_step(model_dir, tmp_path):
+    """Completions limited to 4 tokens, a penalty over the last 2: the penalty shows in the metrics and,
+    masking the cut completions out of the loss changes it again; task reward and exactness do not move."""
+    short = ["max_steps=1", "rollout.max_tokens=4"]
+    plain = run(model_dir, tmp_path / "plain", *short)[0]
+    pen = run(model_dir, tmp_path / "pen", *short, "algorithm.overlong.buffer_len=2")[0]
+    masked = run(model_dir, tmp_path / "mask", *short, "algorithm.overlong.buffer_len=2",
+                 "algorithm.overlong.mask_truncated=true")[0]
+    assert 0 < plain["rollout/truncated_frac"] < 1
+    # every cut completion is 4 tokens long and pays the whole penalty; some shorter ones pay half
+    assert pen["rollout/overlong_penalised_frac"] >= plain["rollout/truncated_frac"]
+    assert pen["rollout/overlong_penalty_mean"] <= -plain["rollout/truncated_frac"]
+    assert pen["rollout/reward_mean"] == plain["rollout/reward_mean"] == masked["rollout/reward_mean"]
+    assert pen["train/grad_norm"] != plain["train/grad_norm"]
+    assert masked["train/grad_norm"] not in (0.0, pen["train/grad_norm"])  # the shorter penalised ones remain
+    assert masked["train/train_rollout_logprob_abs_diff"] == pen["train/train_rollout_logprob_abs_diff"] == 0.0
