@@ -60,6 +60,9 @@ class RayEngineSettings(BaseModel):
     """torch threads (and Ray CPUs) of each engine; None: the cluster's CPUs divided by num_engines."""
     start_timeout_s: float = Field(300.0, gt=0)
     """How long the engines may take to start (CPUs held by other Ray jobs keep them waiting)."""
+    call_timeout_s: float = Field(3600.0, gt=0)
+    """How long one batch's sampling or one weight load may take on the engines before the run stops with
+    an error naming the engine (a stalled actor would otherwise hang the run)."""
 
 
 class RayEngineError(RuntimeError):
@@ -217,10 +220,15 @@ class RayEngines:
         """ray.get of one call per engine (`engines`: whose, default all in order), with the engines' errors
         as this module's: a ValueError (bad input) stays a ValueError; a failure names the engine and its place."""
         exc, out = self._ray.exceptions, []
+        deadline = time.monotonic() + self.s.call_timeout_s
         for e, ref in zip(range(len(refs)) if engines is None else engines, refs):
             where = f"Ray engine {e}" + (f" ({self.places[e]})" if self.places else "")
             try:
-                out.append(self._ray.get(ref))
+                out.append(self._ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except exc.GetTimeoutError:
+                raise RayEngineError(f"{where} did not finish {doing} within rollout_backend.ray.call_timeout_s="
+                                     f"{self.s.call_timeout_s:g} s (a training run keeps its checkpoints: resume "
+                                     f"it with --set resume=true)") from None
             except exc.RayTaskError as err:
                 if isinstance(err.cause, ValueError):
                     raise ValueError(str(err.cause)) from None

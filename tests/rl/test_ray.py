@@ -187,6 +187,19 @@ def test_engines_that_cannot_be_placed_are_refused_and_held_cpus_time_out(cluste
         holder.close()
 
 
+def test_a_call_that_outlasts_its_timeout_is_an_error_naming_the_engine(cluster, qwen3_dir):
+    """A stalled engine does not hang the run: the call stops with an error after call_timeout_s."""
+    model = exactrl.load_model(qwen3_dir)
+    engines = RayEngines(RayEngineSettings(num_engines=1, call_timeout_s=0.001), model, {}, log=lambda *a: None)
+    try:
+        prompts, _ = workload(model.config.vocab_size)
+        with pytest.raises(RayEngineError, match=r"Ray engine 0 \(.*\) did not finish (checking the batch|sampling) within "
+                                                 r"rollout_backend.ray.call_timeout_s=0.001 s"):
+            engines.generate(prompts, SamplingParams(max_tokens=64, n=4, seed=0))
+    finally:
+        engines.close()
+
+
 # ---------------------------------------------------------------- training runs
 def test_a_run_over_ray_engines_logs_the_in_process_runs_metrics_bitwise(cluster, model_dir, tmp_path):
     local = run(model_dir, tmp_path / "local", "max_steps=3")
