@@ -66,11 +66,11 @@ refused.
 from __future__ import annotations
 
 import copy
+import queue
 import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -234,18 +234,35 @@ class ExternalEngine:
         return body
 
     def _map(self, fn, items: list) -> list:
-        """fn over items on up to `max_concurrency` threads per server; the first error cancels the rest."""
+        """fn over items on up to `max_concurrency` threads per server, results in order. The first error,
+        or a Ctrl-C, is raised at once: requests not yet sent are dropped, and those in flight are left to
+        daemon threads that neither this call nor the interpreter's exit waits for (up to `timeout_s`)."""
         if not items:
             return []
-        workers = min(self.s.max_concurrency * len(self.servers), len(items))
-        with ThreadPoolExecutor(workers, thread_name_prefix="exactrl-http") as pool:
-            futures = [pool.submit(fn, x) for x in items]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        todo, finished = queue.SimpleQueue(), threading.Semaphore(0)
+        for k in range(len(items)):
+            todo.put(k)
+        results, errors = [None] * len(items), []
+
+        def work():
+            while not errors:
+                try:
+                    k = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[k] = fn(items[k])
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    errors.append(e)
+                finally:
+                    finished.release()
+        for _ in range(min(self.s.max_concurrency * len(self.servers), len(items))):
+            threading.Thread(target=work, name="exactrl-http", daemon=True).start()
+        for _ in items:
+            finished.acquire()  # a Ctrl-C interrupts the wait
+            if errors:
+                raise errors[0]
+        return results
 
     def _post(self, server: str, path: str, body: dict) -> dict:
         url = f"{server}{path}"

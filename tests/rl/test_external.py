@@ -304,6 +304,9 @@ def fake_app() -> FastAPI:
         body = await request.json()
         if body["model"] == "slow":
             await asyncio.sleep(2.0)
+        if body["model"] == "stalled":  # prompt 0's request stalls, the others' fail at once
+            await asyncio.sleep(8.0 if body["prompt"][0] == 0 else 0.0)
+            return JSONResponse({"error": {"message": "stalled"}}, status_code=500)
         if body["model"] == "broken":
             return JSONResponse({"error": {"message": "boom: out of KV cache"}}, status_code=500)
         if body["model"] == "mute":  # stops at once, whatever ignore_eos says
@@ -337,6 +340,25 @@ def test_http_errors_carry_the_servers_message(fake_url, exact_server):
     url, _ = exact_server
     with pytest.raises(ExternalEngineError, match="HTTP 404: .*'nope' does not exist"):
         fake(url, "nope").generate([[1, 2]], SamplingParams(max_tokens=1))
+
+
+def test_a_failed_request_or_a_ctrl_c_does_not_wait_for_the_requests_in_flight(fake_url):
+    """Prompt 0's request stalls for 8 s: an error in another request, or a Ctrl-C, ends the batch at once
+    (it used to wait for every request in flight, up to timeout_s each)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(ExternalEngineError, match="HTTP 500"):
+        fake(fake_url, "stalled").generate([[0], [1], [2]], SamplingParams(max_tokens=1))
+    assert time.monotonic() - t0 < 6
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        fake(fake_url, "stalled").generate([[0]], SamplingParams(max_tokens=1))
+    assert time.monotonic() - t0 < 6
 
 
 def test_timeouts_and_unreachable_servers_are_errors(fake_url):
