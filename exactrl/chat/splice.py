@@ -80,6 +80,7 @@ class PromptPlan:
     kind: str  # "fresh" (no token history) | "spliced" | "split" | "truncate"
     reused: int  # leading tokens taken verbatim from the token history
     divergence: int | None = None  # first differing position of the history (split / truncate)
+    history: list[int] | None = None  # the token history a truncate cut (its records leave training)
 
 
 @dataclass
@@ -142,7 +143,7 @@ class Splicer:
             return PromptPlan(list(full), "split", 0, bad.position)
         keep = 0 if bad.segment == 0 else _ends(hist, self.eot)[bad.segment - 1] + 1
         cut = 0 if bad.segment == 0 else _ends(full, self.eot)[bad.segment - 1] + 1
-        return PromptPlan(hist[:keep] + full[cut:], "truncate", keep, bad.position)
+        return PromptPlan(hist[:keep] + full[cut:], "truncate", keep, bad.position, hist)
 
     def _closing_eot_as_template(self, tmsg: dict, f: TokenFields) -> dict:
         """A generation not stopped by its last token, which is an end-of-turn (ignore_eos), shows that token in

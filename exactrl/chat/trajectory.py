@@ -12,10 +12,17 @@ mask 1 however many turns later it is seen. The trajectories to train on are
 the records no other record extends — one per conversation branch (several
 with n > 1 or parallel sub-agents).
 
+A prompt that shares only part of a branch that stays a trajectory (a turn
+re-tokenized or edited by a client that sent no token fields) inherits only
+the records it extends whole: the branch's generated tokens are trained
+there, never twice.
+
 Monotonicity events (splice.py): `split` records a fresh segment that
 inherits nothing (the old branch stays a trajectory of its own, nothing is
-trained twice); `truncate` inherits the common prefix and retires the branch
-it cut, whose tokens past the cut are no longer part of any context.
+trained twice); `truncate` retires every record of the branch it cut (the
+records of its token history that the new prompt does not extend, whose
+tokens past the cut are no longer part of any context) and inherits the
+common prefix.
 
 Legend: T tokens of a record.
 """
@@ -66,15 +73,17 @@ class Session:
     last_used: float = field(default_factory=time.monotonic, compare=False)
 
     def record(self, prompt: list[int], generated: list[int], logprobs: list[float], versions: list[int],
-               kind: str = "spliced", sampling: tuple = (1.0, -1, 1.0)) -> None:
-        """Adds one completion. `kind` is the PromptPlan kind of its prompt; `sampling` (T, top_k, top_p)."""
+               kind: str = "spliced", sampling: tuple = (1.0, -1, 1.0), cut_history: list[int] | None = None) -> None:
+        """Adds one completion. `kind` is the PromptPlan kind of its prompt; `sampling` (T, top_k, top_p);
+        `cut_history`: with `truncate`, the token history it cut (PromptPlan.history)."""
         assert len(generated) == len(logprobs) == len(versions)
-        parent, lcp = None, 0
-        if kind != "split":
-            for r in self.records:
-                n = _common_prefix(r.tokens_T, prompt)
-                if n > lcp:
-                    parent, lcp = r, n
+        if kind == "truncate":
+            if cut_history is None:
+                raise ValueError("a truncate record needs the token history it cut (cut_history)")
+            for r in self.records:  # the cut branch: its records the new prompt no longer extends
+                if cut_history[:len(r.tokens_T)] == r.tokens_T and prompt[:len(r.tokens_T)] != r.tokens_T:
+                    r.retired = True
+        parent, lcp = self._parent(prompt) if kind != "split" else (None, 0)
         mask = [0] * len(prompt)
         lps = [0.0] * len(prompt)
         vers = [-1] * len(prompt)
@@ -86,10 +95,24 @@ class Session:
                 prompt_len = parent.prompt_len
             if any(mask[:lcp]):
                 used |= set(parent.sampling)
-            if kind == "truncate" and lcp < len(parent.tokens_T):
-                parent.retired = True
         self.records.append(Record(prompt + generated, mask + [1] * len(generated), lps + list(logprobs),
                                    vers + list(versions), prompt_len, tuple(sorted(used))))
+
+    def _parent(self, prompt: list[int]) -> tuple[Record | None, int]:
+        """The record whose tokens the prompt inherits, and over how many: the one sharing the longest prefix
+        if the prompt extends it whole or it was retired (a truncate); else only part of a branch that stays
+        a trajectory is shared (a re-tokenized or edited turn): its generated tokens would be trained twice,
+        so the longest record the prompt extends whole is the parent."""
+        best, lcp = None, 0
+        for r in self.records:
+            n = _common_prefix(r.tokens_T, prompt)
+            if n > lcp:
+                best, lcp = r, n
+        if best is None or lcp == len(best.tokens_T) or best.retired:
+            return best, lcp
+        whole = [r for r in self.records if prompt[:len(r.tokens_T)] == r.tokens_T]
+        best = max(whole, key=lambda r: len(r.tokens_T), default=None)
+        return best, (0 if best is None else len(best.tokens_T))
 
     def trajectories(self) -> list[Trajectory]:
         """The maximal records (no other record extends them), in order of recording."""

@@ -126,7 +126,7 @@ class _ChatJob:
         if self.session is not None:
             for c in self.gen.choices:
                 self.session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind,
-                               sampling_key(self.params))
+                                    sampling_key(self.params), self.plan.history)
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
@@ -150,15 +150,16 @@ async def chat_completions(st, body: ChatCompletionRequest, request: Request, se
 async def _chat_answer(st, job: "_ChatJob", body: ChatCompletionRequest, request: Request):
     if await until_done(st, drain(job.gen), request) is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    job.record()
-    st.count_generation(job.plan.prompt_ids, job.gen.choices)
     choices = []
     for c in job.gen.choices:
         msg = job.message(c)
         choices.append({"index": c.index, "message": msg, "logprobs": await job.logprobs(c),
                         "finish_reason": job.finish_reason(c, "tool_calls" in msg)})
-    return JSONResponse({"id": job.id, "object": "chat.completion", "created": job.created, "model": body.model,
-                         "choices": choices, "usage": usage(len(job.plan.prompt_ids), job.gen.choices)})
+    answer = JSONResponse({"id": job.id, "object": "chat.completion", "created": job.created, "model": body.model,
+                           "choices": choices, "usage": usage(len(job.plan.prompt_ids), job.gen.choices)})
+    job.record()  # only a turn the client is sent: a failure above records nothing
+    st.count_generation(job.plan.prompt_ids, job.gen.choices)
+    return answer
 
 
 async def _chat_stream(job: _ChatJob, request: Request):
