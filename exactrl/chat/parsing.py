@@ -56,18 +56,17 @@ class ParsedAssistant:
 
 def parse_tool_call_body(body: str) -> ToolCall | None:
     """A `<tool_call>` body as a call, or None if it is not a valid one."""
-    try:
+    try:  # ValueError: also a number past Python's digit limit; RecursionError: nesting too deep
         obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _TOOL_NAME.match(obj["name"]):
-        return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):  # some models emit the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _TOOL_NAME.match(obj["name"]):
             return None
+        args = obj.get("arguments", {})
+        if isinstance(args, str):  # some models emit the arguments as a JSON string
+            args = json.loads(args)
+        # what a client is sent must be UTF-8: a lone surrogate escape ("\ud800") is not a valid call
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], args)

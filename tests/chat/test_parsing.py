@@ -29,10 +29,17 @@ def test_reasoning_content_and_calls():
     ('<tool_call>{"name": "bad name!", "arguments": {}}</tool_call>', None, 0),
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", 1),  # arguments as a JSON string
     ("  plain  ", "plain", 0),
+    # what a client could not be sent: a lone surrogate (not UTF-8), a number past Python's digit limit,
+    # nesting deeper than the recursion limit (each used to fail the response with a 500)
+    ('<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>', None, 0),
+    ('<tool_call>{"name": "f", "arguments": {"x": ' + "1" * 4301 + '}}</tool_call>', None, 0),
+    ('<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 100_000 + "]" * 100_000 + '}}</tool_call>', None, 0),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": \\"\\\\ud800\\"}"}</tool_call>', None, 0),
 ])
 def test_invalid_calls_stay_text(text, content, n_calls):
     p = parse_assistant_text(text)
     assert len(p.tool_calls) == n_calls
+    json.dumps(p.to_message(), ensure_ascii=False).encode("utf-8")  # what the server sends
     if content is not None:
         assert p.content == content
 
