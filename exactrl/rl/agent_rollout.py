@@ -13,8 +13,14 @@ logprobs) interleaved with template, tool and user tokens (mask 0, logprob
 trajectories, all with the episode's advantage.
 
 Seeds: episode j of problem k at step s samples with seed
-`sampling_seed(run_seed, step, k) * G + j` (turns add their index), so a step's
+`(sampling_seed(run_seed, step, k) * G + j) * TURN_SEEDS` (turns add their
+index, below TURN_SEEDS, so no two turns of a step share a seed), so a step's
 episodes do not depend on how many run concurrently.
+
+An episode whose environment raises (a server error, a conversation that
+outgrew the context) takes its group out of the step, as a group needs all
+G rewards for its baseline; the others train. `rollout/failed_episodes`
+counts them; if every group failed the step fails with the first error.
 
 Legend: P problems, G episodes per problem.
 """
@@ -34,6 +40,7 @@ from exactrl.rl.advantages import compute_advantages
 from exactrl.rl.rollout import sampling_seed
 from exactrl.rl.trainer import TrainBatch
 
+TURN_SEEDS = 1000  # seeds per episode: one per turn
 EnvFn = Callable[..., Awaitable[Any]]  # async (base_url, problem, *, seed, **kwargs) -> reward or object with .reward
 
 
@@ -56,27 +63,43 @@ async def run_episode(server_url: str, env: EnvFn, problem: Problem, seed: int, 
         r = await client.get(f"{server_url}/sessions/{sid}/trajectories")
         trajectories = [Trajectory(**t) for t in r.json()["trajectories"]] if r.status_code == 200 else []
     finally:
-        await client.delete(f"{server_url}/sessions/{sid}")
+        try:
+            await client.delete(f"{server_url}/sessions/{sid}")
+        except httpx.TransportError:  # the server is gone: its sessions with it; keep the episode's own error
+            pass
     reward = float(result.reward if hasattr(result, "reward") else result)
     return AgentRollout(problem, reward, trajectories, result)
 
 
 async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,
                                step: int, env_kwargs: dict | None = None, max_concurrency: int = 32
-                               ) -> list[list[AgentRollout]]:
-    """G episodes per problem, at most `max_concurrency` at a time; groups_P_G[k][j].
-
-    `env_kwargs` go to every `env` call (model name, sampling settings, ...).
-    """
+                               ) -> list[list[AgentRollout | BaseException]]:
+    """G episodes per problem, at most `max_concurrency` at a time; groups_P_G[k][j] (the exception an
+    episode raised, in its place). `env_kwargs` go to every `env` call (model name, sampling settings, ...)."""
     sem = asyncio.Semaphore(max_concurrency)
     async with httpx.AsyncClient(timeout=None) as client:
         async def one(k: int, j: int) -> AgentRollout:
             async with sem:
-                return await run_episode(server_url, env, problems[k], sampling_seed(seed, step, k) * group_size + j,
-                                         client, **(env_kwargs or {}))
+                episode_seed = (sampling_seed(seed, step, k) * group_size + j) * TURN_SEEDS
+                return await run_episode(server_url, env, problems[k], episode_seed, client, **(env_kwargs or {}))
 
-        flat = await asyncio.gather(*(one(k, j) for k in range(len(problems)) for j in range(group_size)))
+        flat = await asyncio.gather(*(one(k, j) for k in range(len(problems)) for j in range(group_size)),
+                                    return_exceptions=True)
+    for x in flat:
+        if isinstance(x, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
+            raise x
     return [list(flat[k * group_size:(k + 1) * group_size]) for k in range(len(problems))]
+
+
+def complete_groups(groups_P_G: list[list]) -> tuple[list[list[AgentRollout]], int]:
+    """The groups none of whose episodes failed, and how many episodes failed; every group failed: the first
+    error, raised."""
+    failed = [x for g in groups_P_G for x in g if isinstance(x, BaseException)]
+    kept = [g for g in groups_P_G if not any(isinstance(x, BaseException) for x in g)]
+    if not kept:
+        raise RuntimeError(f"every group had an episode that failed ({len(failed)} episodes); the first error: "
+                           f"{type(failed[0]).__name__}: {failed[0]}") from failed[0]
+    return kept, len(failed)
 
 
 def agent_train_batch(groups_P_G: list[list[AgentRollout]], advantage: str = "grpo",
@@ -130,7 +153,8 @@ def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_u
     """
     from exactrl.rl.trainer import train_step
 
-    groups = asyncio.run(collect_agent_groups(server_url, env, problems, group_size, seed, step, env_kwargs))
+    groups, failed = complete_groups(asyncio.run(collect_agent_groups(server_url, env, problems, group_size, seed,
+                                                                      step, env_kwargs)))
     want = [float(settings.temperature) or 1.0, settings.top_k, float(settings.top_p)]
     used = {tuple(x) for g in groups for r in g for t in r.trajectories for x in t.sampling}
     if used - {tuple(want)}:
@@ -138,7 +162,7 @@ def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_u
                          f"{tuple(want)}: its logprobs would not be the behaviour distribution")
     batch = agent_train_batch(groups, advantage)
     metrics = train_step(model, optimizer, loss_fn, batch, settings)
-    metrics |= agent_rollout_metrics(groups)
+    metrics |= agent_rollout_metrics(groups) | {"rollout/failed_episodes": failed}
     metrics["engine/version"] = sync_weights(server_state, model)
     metrics["step"] = step
     return metrics

@@ -96,3 +96,31 @@ def test_calculator_agent_trains_end_to_end(calc):
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     for k, v in model.state_dict().items():  # the engine serves exactly the trained weights
         assert torch.equal(v, engine.model.state_dict()[k])
+
+
+def test_a_failing_episode_takes_only_its_group_out_of_the_step(calc):
+    """An environment that raises (here: for problem 1's second episode) costs its group, not the step; the
+    session it opened is deleted. Every group failing is an error carrying the first failure."""
+    import asyncio
+
+    from exactrl.rl.agent_rollout import collect_agent_groups, complete_groups
+
+    seeds = []
+
+    async def env(base_url, problem, *, seed, **kw):
+        seeds.append(seed)
+        reward = await calculator_episode(base_url, problem, seed=seed, **kw)  # the session now holds turns
+        if problem is calc["problems"][1] and seed % 2000 == 1000:  # episode j = 1 of its group
+            raise RuntimeError("the tool server is down")
+        return reward
+
+    sessions = len(calc["state"].sessions)
+    groups = asyncio.run(collect_agent_groups(calc["url"], env, calc["problems"], 2, seed=0, step=1,
+                                              env_kwargs=dict(model="calc-agent", max_tokens=8)))
+    kept, failed = complete_groups(groups)
+    assert failed == 1 and len(kept) == 1 and kept[0] is groups[0]
+    assert isinstance(groups[1][1], RuntimeError)
+    assert len(set(seeds)) == 4 and all(s % 1000 == 0 for s in seeds)  # turns (seed + t) never collide
+    assert len(calc["state"].sessions) == sessions  # no session left behind
+    with pytest.raises(RuntimeError, match="every group had an episode that failed .*the tool server is down"):
+        complete_groups([[RuntimeError("the tool server is down"), groups[0][0]]])
