@@ -123,6 +123,12 @@ class Splicer:
         for i, f in fields.items():
             tmsgs[i] = self._closing_eot_as_template(tmsgs[i], f)
         full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True)
+        # a generation may spell the end-of-turn marker in ordinary tokens: rendered, that text would become a
+        # real end-of-turn token and shift every later turn. The turns are counted without it (those
+        # messages' rendered tokens are never part of a spliced prompt: the history holds their tokens)
+        rmsgs = [self._without_spelled_eots(m, fields[i]) if i in fields else m for i, m in enumerate(tmsgs)]
+        counted = full if rmsgs == tmsgs else self.tok.apply_chat_template(rmsgs, tools=tools,
+                                                                           add_generation_prompt=True)
         hist = self.history(fields[max(fields)]) if fields else []
         if max_len is not None:  # every policy's prompt ends with R after its k-th end-of-turn token (or all of R)
             r_ends = _ends(full, self.eot)
@@ -132,18 +138,18 @@ class Splicer:
                 raise PromptTooLongError(shortest, max_len)
         if not fields:
             return PromptPlan(list(full), "fresh", 0)
-        bad = self._check(tmsgs, tools, fields, hist, full)
+        bad = self._check(tmsgs, rmsgs, tools, fields, hist, counted)
         if bad is None:
             k = len(_ends(hist, self.eot))
-            cut = _ends(full, self.eot)[k - 1] + 1
-            return PromptPlan(hist + full[cut:], "spliced", len(hist))
+            cut = _ends(counted, self.eot)[k - 1] + 1
+            return PromptPlan(hist + counted[cut:], "spliced", len(hist))
         if policy == "raise":
             raise MonotonicityError(bad.position, bad.detail)
         if policy == "split":
             return PromptPlan(list(full), "split", 0, bad.position)
         keep = 0 if bad.segment == 0 else _ends(hist, self.eot)[bad.segment - 1] + 1
-        cut = 0 if bad.segment == 0 else _ends(full, self.eot)[bad.segment - 1] + 1
-        return PromptPlan(hist[:keep] + full[cut:], "truncate", keep, bad.position, hist)
+        cut = 0 if bad.segment == 0 else _ends(counted, self.eot)[bad.segment - 1] + 1
+        return PromptPlan(hist[:keep] + counted[cut:], "truncate", keep, bad.position, hist)
 
     def _closing_eot_as_template(self, tmsg: dict, f: TokenFields) -> dict:
         """A generation not stopped by its last token, which is an end-of-turn (ignore_eos), shows that token in
@@ -157,13 +163,23 @@ class Splicer:
             return tmsg
         return tmsg | {"content": content[:-len(self.eot_text)]}
 
+    def _without_spelled_eots(self, tmsg: dict, f: TokenFields) -> dict:
+        """The message with the end-of-turn marker's text removed where its generation holds no end-of-turn
+        token before its last one: every such text was spelled by the model in ordinary tokens."""
+        if self.eot in f.generation_token_ids[:-1]:  # ignore_eos: real ones are shown in the text too
+            return tmsg
+        return tmsg | {k: tmsg[k].replace(self.eot_text, "") for k in ("content", "reasoning_content")
+                       if isinstance(tmsg.get(k), str) and self.eot_text in tmsg[k]}
+
     def history(self, f: TokenFields) -> list[int]:
         """The exact tokens of the conversation up to the end of that assistant turn."""
         h = f.history
         return h if h[-1] == self.eot else h + [self.eot]
 
     # ------------------------------------------------------------ monotonicity
-    def _check(self, tmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int]) -> _Mismatch | None:
+    def _check(self, tmsgs, rmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int]
+               ) -> _Mismatch | None:
+        """The first mismatch of H against R (`full`, rendered from `rmsgs`); `tmsgs`: the messages as sent."""
         h_ends, r_ends = _ends(hist, self.eot), _ends(full, self.eot)
         h_start = [0] + [e + 1 for e in h_ends]
         r_start = [0] + [e + 1 for e in r_ends]
@@ -191,7 +207,7 @@ class Splicer:
         # which segment of R each token-carrying message ends in (one render per such message)
         gen_seg = {}
         for i, (first, last) in spans.items():
-            now = self.tok.render_chat(tmsgs[:i + 1], tools=tools, add_generation_prompt=False).count(self.eot_text) - 1
+            now = self.tok.render_chat(rmsgs[:i + 1], tools=tools, add_generation_prompt=False).count(self.eot_text) - 1
             gen_seg |= {j: i for j in range(first, last + 1)}
             if last != now:
                 seg = max(0, min(first, now))

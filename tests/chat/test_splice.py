@@ -63,6 +63,26 @@ def test_reuses_exact_tokens_even_when_retokenization_differs(tok, sp):
                                     msgs[-1]]) != plan.prompt_ids
 
 
+def test_a_generation_that_spells_the_end_of_turn_marker_still_splices(tok, sp):
+    """The model wrote "<|im_end|>" in ordinary tokens: rendered, the text would be a real end-of-turn token
+    (one turn more than the history holds). The history sent back unchanged is still spliced exactly."""
+    p1 = sp.build([SYSTEM, USER]).prompt_ids
+    gen = byte_tokens(tok, "say <|im_end|> ok")
+    assert tok.end_of_turn_id not in gen
+    a1 = turn(tok, p1, gen)
+    assert "<|im_end|>" in a1["content"]
+    nxt = {"role": "user", "content": "next"}
+    plan = sp.build([SYSTEM, USER, a1, nxt])
+    assert plan.kind == "spliced"
+    assert plan.prompt_ids == p1 + gen + [tok.end_of_turn_id] + tok.encode(
+        "\n<|im_start|>user\nnext<|im_end|>\n<|im_start|>assistant\n")
+    a2 = turn(tok, plan.prompt_ids, tok.encode("fine"))  # and the turn after it
+    assert sp.build([SYSTEM, USER, a1, nxt, a2, nxt]).kind == "spliced"
+    edited = a1 | {"content": "say ok"}  # an edit is still caught
+    with pytest.raises(MonotonicityError, match="no longer says what its generation_token_ids say"):
+        sp.build([SYSTEM, USER, edited, nxt])
+
+
 def test_tool_call_turn_is_not_rerendered(tok, sp):
     tools = [CALCULATOR_TOOL]
     p1 = sp.build([SYSTEM, USER], tools).prompt_ids
