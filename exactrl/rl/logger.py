@@ -61,7 +61,11 @@ class MetricsLogger:
                   flush=True)
 
     def flush(self) -> None:
-        """TensorBoard's buffered events to disk (before a checkpoint: a step it covers is never lost)."""
+        """metrics.jsonl and TensorBoard's buffered events to disk, fsynced (before a checkpoint: a step it
+        covers is never lost, even to a power cut)."""
+        if self.path.exists():
+            with open(self.path, "a") as f:
+                os.fsync(f.fileno())
         if self.tb is not None:
             self.tb.flush()
 

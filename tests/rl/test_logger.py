@@ -51,3 +51,19 @@ def test_tensorboard_keeps_checkpointed_steps_and_purges_redone_ones(tmp_path):
         resumed.log({"step": s, "x": float(s)})
     resumed.close()
     assert _tb_steps(tmp_path) == [1, 2, 3]
+
+
+def test_flush_fsyncs_the_metrics_file(tmp_path, monkeypatch):
+    """Before a checkpoint the rows it covers reach the disk itself, not only the page cache."""
+    import os
+
+    from exactrl.rl.logger import MetricsLogger
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    log = MetricsLogger(tmp_path, False, False, 2, 0)
+    log.log({"step": 1, "x": 1.0})
+    log.flush()
+    log.close()
+    assert str(tmp_path / "metrics.jsonl") in synced
