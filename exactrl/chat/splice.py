@@ -30,7 +30,10 @@ holds as many end-of-turn tokens (the returned text keeps them), so the
 message must end in R's segment where its tokens end in H. (When such a
 generation's last token is an end-of-turn, its text shows it too; that one is
 the turn's end, which the template renders itself.)
-Earlier token-carrying messages must be prefixes of H. The first mismatch
+Earlier token-carrying messages must be prefixes of H, and the tokens
+between a generation and the end of the turn before it must say what the
+template's generation prompt says (nothing else may sit in the context
+unseen). The first mismatch
 is handled by the policy: `raise` (MonotonicityError naming the first
 differing token position of H), `split` (a fresh render: a new training
 segment, the old one stays whole) or `truncate` (H up to the last matching
@@ -184,6 +187,8 @@ class Splicer:
         h_start = [0] + [e + 1 for e in h_ends]
         r_start = [0] + [e + 1 for e in r_ends]
         found: list[_Mismatch] = []
+        # what the template puts between a turn's end and a generation (as this request renders it)
+        gen_prompt = self._text(full[r_start[-1]:])
 
         def seg_of(pos: int) -> int:  # segment of H holding position pos
             return bisect.bisect_left(h_ends, pos)
@@ -199,6 +204,10 @@ class Splicer:
                                                      f"assistant message's tokens"))
                 continue
             first, last = seg_of(len(f.prompt_token_ids)), seg_of(len(h) - 1)
+            if self._text(hist[h_start[first]:len(f.prompt_token_ids)]) != gen_prompt:
+                found.append(_Mismatch(first, h_start[first], f"the tokens before messages[{i}]'s generation are "
+                                                              f"not the chat template's generation prompt"))
+                break
             if first <= covered:  # cheap: no render for a duplicated or reordered turn
                 found.append(_Mismatch(first, h_start[first], f"messages[{i}] was generated at turn {first}, "
                                                               f"which an earlier message's tokens already cover"))
