@@ -149,6 +149,17 @@ def test_warm_start_key_ignores_task_fields_it_does_not_use():
         assert warmstart._hash(load_config(None, [used])) != default, used
 
 
+def test_warm_start_key_follows_the_code_of_a_task_file(tmp_path):
+    """Editing a user's task file is a new warm start, not the cached model of the old task."""
+    f = tmp_path / "my_task.py"
+    f.write_text("# version 1\n")
+    first = warmstart._hash(load_config(None, [f"task.module={f}"]))
+    assert first == warmstart._hash(load_config(None, [f"task.module={f}"]))
+    f.write_text("# version 2\n")
+    assert warmstart._hash(load_config(None, [f"task.module={f}"])) != first
+    assert warmstart._hash(load_config(None, ["task.module=json"])) != warmstart._hash(load_config(None, []))
+
+
 # ---------------------------------------------------------------- 10, 11. bench
 
 

@@ -1,8 +1,8 @@
 """The default job's model: a project-built tokenizer, a tiny Qwen3, a supervised warm start.
 
 Built on first use and cached under `artifacts/default-<hash>/` (the hash
-covers everything that shapes the result: task name and kwargs, SFT settings,
-seed, dtype, model sizes), so a second `make run` skips straight to RL. The
+covers everything that shapes the result: task name and kwargs, a task
+file's content, SFT settings, seed, dtype, model sizes), so a second `make run` skips straight to RL. The
 warm start is deliberately short: it teaches the answer format and part of
 the task, leaving RL something to improve (the README reports the accuracies
 before and after).
@@ -50,14 +50,29 @@ def answer_ids(tokenizer, problem, echo: bool = False) -> list[int]:
     return tokenizer.encode(text) + [tokenizer.end_of_turn_id]
 
 
+def _module_source(module: str) -> bytes:
+    """The source of a task module (a .py path or a dotted name; the name itself if it has no file)."""
+    if module.endswith(".py"):
+        return Path(module).read_bytes()
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    origin = Path(spec.origin) if spec is not None and spec.origin else None
+    return origin.read_bytes() if origin is not None and origin.is_file() else module.encode()
+
+
 def _hash(cfg) -> str:
     # The warm start reads only task.name and task.kwargs of the task section. The other task fields
     # (train_jsonl, train_size, eval_size) enter the key at their defaults and `module` not at all, so
     # changing them reuses the cache and every key computed before stays valid (the default job's is
     # still default-db305121dee7).
+    # A task from a user's file (`task.module`) adds the file's content: an edited task is a new warm start.
     task = type(cfg.task)(name=cfg.task.name, kwargs=cfg.task.kwargs)
-    key = json.dumps({"task": task.model_dump(exclude={"module"}), "sft": cfg.sft.model_dump(), "seed": cfg.seed,
-                      "dtype": cfg.model.dtype, "tiny": TINY_QWEN3, "v": 1}, sort_keys=True)
+    parts = {"task": task.model_dump(exclude={"module"}), "sft": cfg.sft.model_dump(), "seed": cfg.seed,
+             "dtype": cfg.model.dtype, "tiny": TINY_QWEN3, "v": 1}
+    if cfg.task.module:
+        parts["module_sha256"] = hashlib.sha256(_module_source(cfg.task.module)).hexdigest()
+    key = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
