@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from exactrl.distributed import Ranks
+from exactrl.engine import Engine
 from exactrl.model.logprobs import token_logprobs
 from exactrl.rl.config import AsyncSettings
 from exactrl.rl.loop import end_step, engine_metrics, initial_eval, train_on
@@ -77,6 +78,10 @@ class RolloutBatch:
     engine_stats: dict[str, float]  # an external server's version and gauges when the batch was done (in process: {})
 
 
+class _Stopped(Exception):
+    """The trainer has stopped: the rollout thread drops its batch in flight."""
+
+
 class RolloutWorker:
     """Owns the rollout engine on its own thread, at most `max_staleness` steps ahead of the trainer."""
 
@@ -88,16 +93,27 @@ class RolloutWorker:
         self._stopping = False
         self._out: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="exactrl-rollout", daemon=True)
+        self._in_process = isinstance(c.engine, Engine)  # it takes a hook between its steps
+
+    def _between_steps(self) -> None:
+        """Before each engine step of a batch: stop if told to; apply new weights with in-flight updates."""
+        if self._stopping:
+            raise _Stopped
+        if self.s.inflight_updates:
+            self._apply_pending()
 
     def __enter__(self) -> "RolloutWorker":
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        """Stops the rollout thread: the in-process engine drops the batch in flight at its next step. An
+        external or Ray backend cannot be stopped mid-batch: after an error or a Ctrl-C the run does not wait
+        for it (the thread is a daemon; it only ever hands batches to the trainer)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(None if exc_type is None or self._in_process else 5.0)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Trainer thread: hands over the weights of `version` (copied: the trainer keeps updating its own)."""
@@ -131,13 +147,15 @@ class RolloutWorker:
                 problems = c.prompts.take(cfg.rollout.prompts_per_step)
                 mine = c.ranks.shard(len(problems))  # a data-parallel rank's share; the trainer gathers them
                 groups = generate_groups(c.engine, c.tokenizer, c.task, [problems[k] for k in mine], cfg.rollout,
-                                         cfg.seed, step, on_step=self._apply_pending if self.s.inflight_updates
+                                         cfg.seed, step, on_step=self._between_steps if self._in_process
                                          else None, indices=mine)
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
                 stats = engine_metrics(c.engine)
                 stats = stats if any(k.startswith(("external/", "ray/")) for k in stats) else {}
                 self._out.put(RolloutBatch(step, groups, len(problems), c.prompts.state_dict(), rng_state(),
                                            time.perf_counter() - t0, stats))
+        except _Stopped:
+            return
         except BaseException as e:  # handed to the trainer, which raises it
             self._out.put(e)
 
@@ -197,8 +215,6 @@ class BehaviourCheck:
 
 
 def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
-    from exactrl.engine import Engine
-
     cfg, last = c.cfg, {}
     # evaluation runs on the trainer thread over the trainer's own weights; the rollout engine is busy
     eval_engine = Engine(c.model, stop_token_ids=sorted(c.tokenizer.stop_token_ids),

@@ -379,6 +379,45 @@ def test_ctrl_c_keeps_the_run_and_says_how_to_resume(model_dir, tmp_path, capsys
     assert [r["step"] for r in rows] == [1, 2, 3]
 
 
+def test_async_ctrl_c_drops_the_batch_in_flight(model_dir, tmp_path, capsys, monkeypatch):
+    """A Ctrl-C while the rollout thread samples the next batch: the run stops at the engine's next step
+    instead of finishing the batch first, and says how to resume."""
+    import threading
+
+    import exactrl.rl.async_loop as async_mod
+
+    started, outcome = threading.Event(), {}
+    real_generate = async_mod.generate_groups
+
+    def generate(engine, *args, on_step=None, **kw):
+        step = args[5]
+        if step == 2:  # sample step 2 in the background, one engine step after another
+            def hook():
+                started.set()
+                if on_step is not None:
+                    on_step()
+            try:
+                out = real_generate(engine, *args, on_step=hook, **kw)
+                outcome[step] = "finished"
+                return out
+            except BaseException as e:
+                outcome[step] = type(e).__name__
+                raise
+        return real_generate(engine, *args, on_step=on_step, **kw)
+
+    def interrupted(c, step, groups):
+        assert started.wait(60)  # the rollout thread is in the middle of step 2's batch
+        raise KeyboardInterrupt
+    monkeypatch.setattr(async_mod, "generate_groups", generate)
+    monkeypatch.setattr(async_mod, "train_on", interrupted)
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=3",
+                                            "async.enabled=true", "rollout.max_tokens=64", "rollout.prompts_per_step=8"]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 130
+    assert outcome == {2: "_Stopped"}
+    assert "interrupted" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("interrupt", [False, True])
 def test_failure_before_the_first_step_leaves_no_run_dir(model_dir, tmp_path, capsys, monkeypatch, interrupt):
     import contextlib
