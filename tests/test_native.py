@@ -497,3 +497,22 @@ def test_a_query_heads_bits_do_not_depend_on_how_many_heads_share_its_kv_head(G,
     together = native.attention(q, k, v, seq, pos, table, 0.2)
     alone = native.attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), seq, pos, table, 0.2)
     assert torch.equal(together, alone)
+
+
+def test_an_installed_package_ships_every_file_the_kernels_compile_from():
+    """pip installs (not editable) copy only package data matching pyproject's globs: every source, and
+    every header a source includes, must match them (the headers once did not, and nothing compiled)."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from exactrl.kernels import native
+
+    root = Path(native.__file__).parents[3]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "exactrl.kernels.native"]
+    included = {m for f in native.SOURCES for m in re.findall(r'#include "([^"]+)"', f.read_text())}
+    assert included == {h.name for h in native.HEADERS}
+    for f in (*native.SOURCES, *native.HEADERS):
+        assert any(fnmatch.fnmatch(f.name, g) for g in globs), f.name
