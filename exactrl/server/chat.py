@@ -50,9 +50,6 @@ class _ChatJob:
             self.parse_tools = check_tool_choice(body.tool_choice, self.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
-        if body.response_format and body.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "response_format other than 'text' needs constrained decoding, not implemented",
-                           param="response_format")
         self.top = self._check_logprobs(body)
 
     @classmethod

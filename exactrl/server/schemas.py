@@ -63,6 +63,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: the rest needs constrained decoding
 
     @model_validator(mode="before")
     @classmethod
@@ -81,7 +82,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     monotonicity: Literal["raise", "split", "truncate"] | None = None
 
 
@@ -151,6 +151,8 @@ def check_common(req: _Sampling, limits: EngineLimits) -> list[str]:
         if name in DISTRIBUTION_EXTRAS and not _is_neutral(value, DISTRIBUTION_EXTRAS[name]):
             raise _bad(name, f"{name}={value!r} is not supported: it changes the sampling distribution, which the "
                              f"trainer could not reproduce (omit it or send its neutral value)")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise _bad("response_format", "response_format other than 'text' needs constrained decoding, not implemented")
     if req.presence_penalty or req.frequency_penalty:
         raise _bad("presence_penalty" if req.presence_penalty else "frequency_penalty",
                    "presence/frequency penalties are not supported: the trainer could not reproduce the "

@@ -81,6 +81,20 @@ def test_invalid_sampling_values(kw):
         s.client().chat.completions.create(model=s.model, messages=MSGS, **kw)
 
 
+def test_structured_output_is_refused_on_both_endpoints():
+    """response_format json_object / json_schema would need constrained decoding: a 400 naming it, on
+    /v1/completions too (it used to be accepted there and ignored), while type text is fine."""
+    s = served()
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            s.client().completions.create(model=s.model, prompt=[1, 2, 3], max_tokens=2,
+                                          extra_body={"response_format": fmt})
+        assert e.value.body["param"] == "response_format"
+    s.client().completions.create(model=s.model, prompt=[1, 2, 3], max_tokens=2,
+                                  extra_body={"response_format": {"type": "text"}})
+    s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=2, response_format={"type": "text"})
+
+
 @pytest.mark.parametrize("tools, tool_choice", [
     ([{"type": "function", "function": {"name": "no spaces allowed"}}], None),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None),
