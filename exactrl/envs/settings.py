@@ -21,6 +21,7 @@ class TaskSettings(BaseModel):
     train_size: int = Field(4096, ge=1)
     """Number of procedurally generated training problems (cycled by epoch)."""
     eval_size: int = Field(200, ge=0)
-    """Held-out problems scored greedily every `eval_every` steps (0 disables evaluation): drawn from the fifth
-    of the task's problems that training never draws (`envs.dataset.held_out`), minus any prompt of
-    `train_jsonl`. The default job's warm start, which stands for pretraining, saw every problem."""
+    """Draws of held-out problems scored greedily every `eval_every` steps (0 disables evaluation), from the
+    fifth of the task's problems that training never draws (`envs.dataset.held_out`), minus any prompt of
+    `train_jsonl`; each distinct problem drawn is scored once (the default task has 200 problems, so about
+    40 held out). The default job's warm start, which stands for pretraining, saw every problem."""

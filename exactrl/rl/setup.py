@@ -324,8 +324,11 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
              else make_dataset(task, cfg.task.train_size, cfg.seed, split="train"))
     seen = {p.prompt for p in train} if cfg.task.train_jsonl else set()
-    eval_problems = [p for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval")
-                     if p.prompt not in seen]
+    eval_problems = []
+    for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval"):
+        if p.prompt not in seen:  # each distinct problem once
+            seen.add(p.prompt)
+            eval_problems.append(p)
     if cfg.task.eval_size and not eval_problems:
         raise ValueError(f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
                          f"drew: nothing is left to evaluate on (set task.eval_size=0, or train on fewer problems)")

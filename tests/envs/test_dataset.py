@@ -132,3 +132,21 @@ def test_a_file_that_is_not_utf8_is_named_by_line_and_a_bom_is_accepted(tmp_path
         read_jsonl(p)
     p.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n')
     assert read_jsonl(p) == [Problem("1+1=", "2")]
+
+
+def test_evaluation_scores_each_held_out_problem_once(tmp_path):
+    """200 draws from the default task's ~40 held-out problems: each distinct one is scored once (they used
+    to be scored as often as drawn), and a prompt of a training file is not evaluated."""
+    from exactrl.envs import get_task
+    from exactrl.rl.config import load_config
+    from exactrl.rl.setup import _datasets
+
+    cfg = load_config(None, [])
+    task = get_task(cfg.task.name, **cfg.task.kwargs)
+    _, evals = _datasets(cfg, task)
+    drawn = make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval")
+    assert [p.prompt for p in evals] == list(dict.fromkeys(p.prompt for p in drawn))  # first-drawn order
+    assert 30 < len(evals) < 60
+    write_jsonl(tmp_path / "t.jsonl", evals[:5])
+    _, fewer = _datasets(load_config(None, [f"task.train_jsonl={tmp_path / 't.jsonl'}"]), task)
+    assert [p.prompt for p in fewer] == [p.prompt for p in evals[5:]]
