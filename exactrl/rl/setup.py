@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 from dataclasses import dataclass
@@ -103,13 +104,16 @@ def _restore_rng(state: dict[str, Any], ranks: Ranks, ckpt: Path) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-def _run_dir(cfg: RunConfig) -> Path:
-    """The run directory, checked but not created (build creates it once nothing else can fail)."""
+def _run_dir(cfg: RunConfig, locked: bool = False) -> Path:
+    """The run directory, checked but not created (build creates it once nothing else can fail); `locked`:
+    this process holds its lock."""
     if cfg.run_dir is None:
         cfg.run_dir = _default_run_dir()
     d = Path(cfg.run_dir)
     if d.exists() and not d.is_dir():
         raise ValueError(f"run_dir {d} is a file: choose another run_dir")
+    if not locked and (d / ".lock").is_file():  # a live run first: no advice that taking its dir over would then refuse
+        _lock_run_dir(d).close()
     ckpt = latest_checkpoint(d) if d.exists() else None
     if ckpt is not None and not cfg.resume:
         raise ValueError(f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, "
@@ -150,7 +154,7 @@ def _claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None
         new_run_dir = _make_dir(run_dir)
     run_lock = _lock_run_dir(run_dir)
     try:  # the checks again, under the lock: a run that ended meanwhile may have written the dir
-        _run_dir(cfg)
+        _run_dir(cfg, locked=True)
         if latest_checkpoint(run_dir) != ckpt:
             raise ValueError(f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
                              f"wrote it): start again to resume from it, or choose another run_dir")
@@ -184,6 +188,14 @@ def _make_dir(d: Path) -> bool:
         return True
     except FileExistsError:
         return False
+
+
+def _saved_config(ckpt: Path) -> dict | None:
+    """The run config a checkpoint holds (None if unreadable: loading the checkpoint then names the problem)."""
+    try:
+        return json.loads((ckpt / "state.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
@@ -260,6 +272,9 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     if ranks.world > 1:  # one run dir for every rank: rank 0's choice
         cfg.run_dir = ranks.broadcast(cfg.run_dir if cfg.run_dir is not None else _default_run_dir())
     run_dir = _run_dir(cfg)
+    early = latest_checkpoint(run_dir) if run_dir.exists() else None
+    if early is not None:  # settings a resume refuses, before a warm start or a model load is spent on them
+        _check_same_run(_saved_config(early), cfg, early)
     _check_paths(cfg)
     if cfg.task.module:
         import_task_module(cfg.task.module)

@@ -295,7 +295,11 @@ def test_a_run_dir_in_use_by_another_run_is_refused(model_dir, tmp_path, capsys)
         args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=2",
                                                 "resume=true"] for x in ("--set", o)]
         assert cli_main(args) == 2
-        assert f"run_dir {d} is in use by another run" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"run_dir {d} is in use by another run" in err and "resuming" not in err
+        assert cli_main(args[:-2]) == 2  # without resume=true: not the advice to pass it, which would fail
+        err = capsys.readouterr().err
+        assert f"run_dir {d} is in use by another run" in err and "resume=true" not in err
     finally:
         held.close()
     assert (d / "metrics.jsonl").read_text() == before
@@ -323,6 +327,13 @@ def test_resume_refuses_changed_settings_and_names_them(model_dir, tmp_path, cap
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert "model.kernels: 'exact' -> 'fast'" in err and "optim.lr: 0.001 -> 0.5" in err
+    import exactrl.rl.setup as setup_mod  # refused before any model is loaded (or warm-started)
+    real = setup_mod._model_dir
+    setup_mod._model_dir = lambda *a: (_ for _ in ()).throw(AssertionError("the model was loaded"))
+    try:
+        assert cli_main(args) == 2 and "optim.lr: 0.001 -> 0.5" in capsys.readouterr().err
+    finally:
+        setup_mod._model_dir = real
     rows = run(model_dir, d, "max_steps=3", "resume=true", "eval_every=3", "engine.kv_budget_tokens=8192")
     assert [r["step"] for r in rows] == [1, 2, 3]  # where, how long and how fast may change
 
