@@ -115,7 +115,8 @@ class _ChatJob:
         tops = [[] for _ in c.token_ids]
         if self.top:
             _, tops = await asyncio.wrap_future(self.st.loop.call(lambda eng: score_top_logprobs(
-                eng, self.plan.prompt_ids + c.token_ids, len(self.plan.prompt_ids), self.params, self.top)))
+                eng, self.plan.prompt_ids + c.token_ids, len(self.plan.prompt_ids), self.params, self.top,
+                c.versions)))
         return {"content": [self.st.logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, tops)],
                 "refusal": None}
 

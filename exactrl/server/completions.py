@@ -111,7 +111,7 @@ async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, pr
         first = 1 if body.echo else start
         full = g.prompt_ids + c.token_ids
         chosen, tops = await asyncio.wrap_future(st.loop.call(
-            lambda eng: score_top_logprobs(eng, full, first, g.params, body.logprobs)))
+            lambda eng: score_top_logprobs(eng, full, first, g.params, body.logprobs, c.versions)))
         if body.echo:  # the prompt's tokens are scored too (the first one has no logprob)
             ids = full
             lps = [None] + chosen[:start - 1] + lps

@@ -161,11 +161,18 @@ def sampling_key(params) -> tuple[float, int, float]:
     return (float(params.temperature) or 1.0, int(params.top_k), float(params.top_p))
 
 
-def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int
+def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int, versions: list[int] = ()
                        ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Logprob of token_ids[i] and its top-k alternatives, for i in [start, L), under the sampling distribution.
     Only those rows go through the LM head, HEAD_CHUNK_ROWS at a time: memory stays at a chunk's [rows, V]
-    whatever the prompt's length (the exact head is row-invariant, so the bits are those of one call)."""
+    whatever the prompt's length (the exact head is row-invariant, so the bits are those of one call).
+    `versions`: the weight versions that sampled the generated tokens; a 409 if the engine holds others now
+    (the alternatives would come from another distribution than the token)."""
+    changed = sorted({v for v in versions if v != engine.version})
+    if changed:
+        raise APIError(409, f"the model's weights changed between sampling (version {changed[0]}) and scoring "
+                            f"the top logprobs (version {engine.version}): send the request again, or without "
+                            f"top logprobs", code="weights_changed")
     chosen, tops = [], []
     with torch.inference_mode():
         hidden_LD, _ = forward_hidden(engine.model, [token_ids])

@@ -229,3 +229,16 @@ def test_client_disconnect_aborts_generation(stream):
     # the server is still up and serving
     r = s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=3)
     assert r.choices[0].message.generation_token_ids
+
+
+def test_top_logprobs_are_not_scored_under_weights_that_sampled_nothing():
+    """Weights updated between sampling and scoring (an agent trainer's sync): the alternatives would come from
+    another distribution than the sampled token, so the request gets a 409 naming both versions."""
+    from types import SimpleNamespace
+
+    from exactrl.server.generation import score_top_logprobs
+    from exactrl.server.schemas import APIError
+
+    with pytest.raises(APIError, match=r"changed between sampling \(version 0\) and scoring .* \(version 1\)") as e:
+        score_top_logprobs(SimpleNamespace(version=1), [1, 2, 3], 2, None, 3, versions=[0, 0])
+    assert e.value.status == 409 and e.value.code == "weights_changed"
