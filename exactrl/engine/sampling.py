@@ -86,7 +86,8 @@ class SamplingParams:
 
     def branch_flags(self, vocab_size: int) -> tuple[bool, bool]:
         """(top-k active, top-p active), exactly as `sampling_logprobs` decides them."""
-        return 0 < self.top_k < vocab_size, self.top_p < 1.0
+        # top_p in fp32, as the kernel reads it: 1 - 1e-9 is 1.0 there, no cut
+        return 0 < self.top_k < vocab_size, float(torch.tensor(self.top_p, dtype=torch.float32)) < 1.0
 
 
 def params_per_prompt(params: "SamplingParams | list[SamplingParams] | None", n_prompts: int

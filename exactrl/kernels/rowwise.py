@@ -126,7 +126,8 @@ def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_
         if need_p:
             probs = native.log_softmax(sorted_z).exp()  # per row in C: torch.softmax could split a lone row
             mass_before = torch.cumsum(probs, dim=-1) - probs
-            n_keep = (mass_before < top_p[:, None]).sum(-1).clamp(min=1)
+            # a row without top-p keeps every token, also where its fp32 mass reaches 1.0 before the tail
+            n_keep = torch.where(top_p < 1.0, (mass_before < top_p[:, None]).sum(-1).clamp(min=1), V)
             cut = sorted_z.gather(1, (n_keep - 1)[:, None])
             keep &= z >= cut
         z = z.masked_fill(~keep, float("-inf"))

@@ -189,6 +189,27 @@ def test_seed_same_tokens_whatever_the_batch(models):
     assert alone[0].token_ids != alone[1].token_ids  # samples j differ
 
 
+def test_a_top_p_that_is_one_in_fp32_is_no_cut_whatever_the_batch(models):
+    """top_p = 1 - 1e-9 is 1.0 in fp32: no top-p for the trainer, so none for the engine either, also when
+    the row shares a step with a real top-p request (it used to join that group and lose its tail)."""
+    model = models["float32"]
+    prompt = [5, 17, 42, 99, 3, 8]
+    near_one = SamplingParams(temperature=0.02, top_p=1 - 1e-9, max_tokens=8, seed=0)
+    assert near_one.branch_flags(V) == (False, False)
+    alone = Engine(model).generate([prompt], near_one)[0][0]
+    mixed = Engine(model).generate([prompt, [8, 9, 10]], [near_one, SamplingParams(temperature=0.02, top_p=0.5,
+                                                                                  max_tokens=8)])[0][0]
+    ref = exactrl.sequence_logprobs(model, [prompt + alone.token_ids], 0.02, -1, 1 - 1e-9)[0][len(prompt) - 1:]
+    assert mixed.token_ids == alone.token_ids and mixed.logprobs == alone.logprobs == ref.tolist()
+    # the kernel itself: a row without top-p keeps its tail beside rows with one
+    from exactrl.kernels.rowwise import sampling_logprobs
+
+    z = torch.tensor([[30.0, 0.0, 0.0, -1.0], [1.0, 0.5, 0.0, -1.0]])  # row 0's tail underflows fp32 mass
+    one = sampling_logprobs(z[:1], torch.ones(1), torch.tensor([-1]), torch.ones(1))
+    both = sampling_logprobs(z, torch.ones(2), torch.tensor([-1, -1]), torch.tensor([1.0, 0.5]))
+    assert torch.equal(both[0], one[0]) and bool(torch.isfinite(one[0]).all())
+
+
 def test_stop_on_model_eos_and_engine_stop_ids(qwen3_dir, tmp_path):
     make_hf_model(tmp_path, "qwen3", eos_token_id=[5, 6])
     model = exactrl.load_model(tmp_path)
