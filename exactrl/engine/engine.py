@@ -19,8 +19,10 @@ R sampled rows, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -89,8 +91,10 @@ class Engine:
         self.model = model
         cfg = model.config
         self.vocab_size = cfg.vocab_size
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        for name, v in (("kv_budget_tokens", kv_budget_tokens), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+            if not (v is None and name == "max_model_len") and (type(v) is not int or v < 1):
+                raise ValueError(f"Engine {name} must be an int >= 1, got {v!r}")
         if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, max_position_embeddings="
                              f"{cfg.max_position_embeddings}]")
@@ -104,6 +108,7 @@ class Engine:
         self._check_ids("stop_token_ids", sorted(frozenset(stop_token_ids or ())))
         self.stop_token_ids = frozenset(eos) | frozenset(stop_token_ids or ())
         self.version = 0  # incremented by every update_weights
+        self._drive_lock, self._driver = threading.Lock(), None  # who runs generate / step now (_driving)
         # packed copies of the weights (fp32 for the native linear, bf16 for oneDNN: kernels/linear.py),
         # packed again by update_weights
         self._packed = PackedWeights()
@@ -198,9 +203,24 @@ class Engine:
                 "engine/kv_usage": 1.0 - self.pool.num_free / self.pool.num_pages}
 
     # ------------------------------------------------------------ stepping
+    @contextlib.contextmanager
+    def _driving(self, what: str):
+        """One caller drives the engine at a time: another thread waits its turn; the driving thread itself
+        (a `generate` or `step` from inside `on_step`) is refused, as its steps would take the outer call's."""
+        if self._driver == threading.get_ident():
+            raise RuntimeError(f"Engine.{what} called while this thread is already driving the engine (from "
+                               f"generate's on_step?): add requests with add_request instead")
+        with self._drive_lock:
+            self._driver = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._driver = None
+
     def step(self) -> list[RequestOutput]:
         """Runs one forward; returns the requests that got tokens or finished in it."""
-        touched = self._step()
+        with self._driving("step"):
+            touched = self._step()
         outs, self._unclaimed = self._unclaimed, []
         return outs + [self._output(r) for r in touched]
 
@@ -212,7 +232,8 @@ class Engine:
         in-flight weight updates (`update_weights` between two steps). If a step
         raises (e.g. NonFiniteLogitsError, or on_step itself), every request of
         this call is aborted before the error propagates; requests added by others
-        (`add_request`) keep running.
+        (`add_request`) keep running. One caller drives the engine at a time: a
+        `generate` or `step` from another thread waits for this one to return.
         """
         plist = params_per_prompt(params, len(prompts))
         for k, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any is queued
@@ -220,6 +241,10 @@ class Engine:
                 self._validate(p, sp, None)
             except ValueError as e:
                 raise ValueError(f"prompts[{k}]: {e}") from None
+        with self._driving("generate"):
+            return self._generate(prompts, plist, on_step)
+
+    def _generate(self, prompts: list[list[int]], plist: list[SamplingParams], on_step) -> list[list[Completion]]:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         mine = set(ids)
         done: dict[str, list[Completion]] = {}

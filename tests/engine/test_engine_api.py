@@ -134,8 +134,40 @@ def test_kv_budget_and_duplicate_id_rejected(model):
         Engine(model, stop_token_ids=[V])
     with pytest.raises(ValueError, match="max_model_len"):
         Engine(model, max_model_len=10_000)
-    with pytest.raises(ValueError, match="KV budget"):
-        Engine(model, kv_budget_tokens=0)
+    for kw in (dict(kv_budget_tokens=0), dict(kv_budget_tokens=100.5), dict(max_num_batched_tokens=2.5),
+               dict(max_num_batched_tokens=None), dict(max_num_seqs=True), dict(max_model_len=100.0)):
+        with pytest.raises(ValueError, match=f"Engine {next(iter(kw))} must be an int >= 1"):
+            Engine(model, **kw)
+
+
+def test_one_caller_drives_the_engine_at_a_time(model):
+    """generate from inside generate's on_step is refused by name (its steps would take the outer call's
+    requests, which then failed as 'aborted'); two threads' generate calls take turns and get what each
+    would get alone."""
+    import threading
+
+    e = Engine(model)
+    with pytest.raises(RuntimeError, match="already driving the engine"):
+        e.generate([[1, 2, 3]], SamplingParams(max_tokens=5),
+                   on_step=lambda: e.generate([[4, 5, 6]], SamplingParams(max_tokens=3)))
+    assert all_pages_free(e)
+    work = {k: ([[k + 1] * (10 + 7 * k), [3, 4, 5]], SamplingParams(max_tokens=30, n=2, seed=k)) for k in range(2)}
+    got, errors = {}, []
+
+    def run(k):
+        try:
+            got[k] = e.generate(*work[k])
+        except Exception as ex:  # noqa: BLE001 - reported below
+            errors.append(repr(ex))
+    threads = [threading.Thread(target=run, args=(k,)) for k in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for k, (prompts, params) in work.items():
+        alone = Engine(model).generate(prompts, params)
+        assert [[c.token_ids for c in o] for o in got[k]] == [[c.token_ids for c in o] for o in alone]
 
 
 def test_step_streams_cumulative_outputs(model):
