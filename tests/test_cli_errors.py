@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +264,25 @@ def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):
     env.pop("EXACTRL_ARTIFACTS")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "artifacts"
+
+
+def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tmp_path):
+    """A model directory given as run_dir (its config.json was overwritten by the run's), a path under a file,
+    a dangling link: each is named before anything is loaded."""
+    from exactrl.rl.setup import _make_dir, _run_dir
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds other files and no exactrl run \(a model directory\?\)"):
+        _run_dir(load_config(None, [f"run_dir={model}"]))
+    (tmp_path / "empty").mkdir()
+    assert _run_dir(load_config(None, [f"run_dir={tmp_path / 'empty'}"])) == tmp_path / "empty"
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=f"cannot be created: {tmp_path / 'f'} is not a directory"):
+        _run_dir(load_config(None, [f"run_dir={tmp_path / 'f' / 'sub'}"]))
+    (tmp_path / "dl").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="is a symbolic link to nothing"):
+        _run_dir(load_config(None, [f"run_dir={tmp_path / 'dl' / 'run'}"]))
+    with pytest.raises(ValueError, match="run_dir /proc/exactrl-run cannot be created"):
+        _make_dir(Path("/proc/exactrl-run"))

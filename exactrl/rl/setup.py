@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -112,6 +113,11 @@ def _run_dir(cfg: RunConfig, locked: bool = False) -> Path:
     d = Path(cfg.run_dir)
     if d.exists() and not d.is_dir():
         raise ValueError(f"run_dir {d} is a file: choose another run_dir")
+    if d.is_dir() and any(d.iterdir()) and not any((d / f).exists() for f in RUN_MARKERS):
+        raise ValueError(f"run_dir {d} holds other files and no exactrl run (a model directory?): a run writes "
+                         f"config.json and more there; choose a new or empty directory")
+    if not d.exists():
+        _check_creatable(d)
     if not locked and (d / ".lock").is_file():  # a live run first: no advice that taking its dir over would then refuse
         _lock_run_dir(d).close()
     ckpt = latest_checkpoint(d) if d.exists() else None
@@ -132,6 +138,23 @@ RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_
              "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls",
              "rollout_backend.ray.",  # Ray engines sample what the in-process engine does, bitwise
              "optim.shard_state")  # the same weights and checkpoints, sharded or not
+
+
+RUN_MARKERS = (".lock", "metrics.jsonl", "checkpoints")  # a directory with one of them holds a run
+
+
+def _check_creatable(d: Path) -> None:
+    """A run dir that does not exist yet can be made: no dangling link on the way, and its nearest existing
+    ancestor is a writable directory (what still fails, e.g. under /proc, is named when it is made)."""
+    p = d
+    while not p.exists():
+        if p.is_symlink():
+            raise ValueError(f"run_dir {d} cannot be created: {p} is a symbolic link to nothing")
+        p = p.parent
+    if not p.is_dir():
+        raise ValueError(f"run_dir {d} cannot be created: {p} is not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"run_dir {d} cannot be created: {p} is not writable")
 
 
 def _default_run_dir() -> str:
@@ -170,7 +193,10 @@ def _lock_run_dir(d: Path):
     dies): two runs never write one run dir. A ValueError if another run holds it."""
     import fcntl
 
-    f = open(d / ".lock", "a")
+    try:
+        f = open(d / ".lock", "a")
+    except OSError as e:
+        raise ValueError(f"run_dir {d}: cannot write its lock file ({e.strerror or e})") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -182,12 +208,16 @@ def _lock_run_dir(d: Path):
 
 def _make_dir(d: Path) -> bool:
     """Creates d (and its parents); True if this call created it (atomic: of two runs, one gets True)."""
-    d.parent.mkdir(parents=True, exist_ok=True)
     try:
+        d.parent.mkdir(parents=True, exist_ok=True)
         d.mkdir()
         return True
     except FileExistsError:
-        return False
+        if d.is_dir():
+            return False
+        raise ValueError(f"run_dir {d} cannot be created: a file or link is in the way") from None
+    except OSError as e:
+        raise ValueError(f"run_dir {d} cannot be created: {e.strerror or e}") from None
 
 
 def _saved_config(ckpt: Path) -> dict | None:
