@@ -274,7 +274,7 @@ def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tm
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"holds other files and no exactrl run \(a model directory\?\)"):
+    with pytest.raises(ValueError, match=r"holds config.json but no exactrl run \(a model directory\?\)"):
         _run_dir(load_config(None, [f"run_dir={model}"]))
     (tmp_path / "empty").mkdir()
     assert _run_dir(load_config(None, [f"run_dir={tmp_path / 'empty'}"])) == tmp_path / "empty"

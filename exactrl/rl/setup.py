@@ -113,9 +113,10 @@ def _run_dir(cfg: RunConfig, locked: bool = False) -> Path:
     d = Path(cfg.run_dir)
     if d.exists() and not d.is_dir():
         raise ValueError(f"run_dir {d} is a file: choose another run_dir")
-    if d.is_dir() and any(d.iterdir()) and not any((d / f).exists() for f in RUN_MARKERS):
-        raise ValueError(f"run_dir {d} holds other files and no exactrl run (a model directory?): a run writes "
-                         f"config.json and more there; choose a new or empty directory")
+    clash = [f for f in RUN_WRITES if (d / f).exists()] if d.is_dir() else []
+    if clash and not any((d / f).exists() for f in RUN_MARKERS):
+        raise ValueError(f"run_dir {d} holds {clash[0]} but no exactrl run (a model directory?): a run would "
+                         f"overwrite it; choose a new or empty directory")
     if not d.exists():
         _check_creatable(d)
     if not locked and (d / ".lock").is_file():  # a live run first: no advice that taking its dir over would then refuse
@@ -141,6 +142,7 @@ RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_
 
 
 RUN_MARKERS = (".lock", "metrics.jsonl", "checkpoints")  # a directory with one of them holds a run
+RUN_WRITES = ("config.json", "report", "tensorboard")  # what else a run writes in its dir
 
 
 def _check_creatable(d: Path) -> None:
