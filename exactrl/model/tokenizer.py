@@ -224,7 +224,13 @@ class Tokenizer:
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, no bos/eos added (special-token strings in `text` map to their ids)."""
+        """Token ids of `text`, no bos/eos added (special-token strings in `text` map to their ids). A
+        ValueError for text that is not valid Unicode (a lone surrogate, e.g. JSON's "\\ud800")."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                             f"{e.start}") from None
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

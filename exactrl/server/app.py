@@ -303,11 +303,37 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         state.count(f"server/errors_{e.status_code}")
         return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        log.exception("internal error on %s", request.url.path)
+    def internal(path: str, e: Exception):
+        log.exception("internal error on %s", path)
         state.count("server/errors_500")
         return _error(500, f"internal error: {type(e).__name__}: {e}")
+    # not an exception handler for Exception: Starlette sends its response and then raises the error again,
+    # and the server closes the connection, failing the client's next request on it
+    app.add_middleware(_InternalErrors, on_error=internal)
+
+
+class _InternalErrors:
+    """ASGI middleware: an unexpected error in a route becomes a 500 JSON answer and the connection stays
+    usable. An error after the response started (a stream) cannot be answered: it is raised."""
+
+    def __init__(self, app, on_error):
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:  # noqa: BLE001 - answered as a 500
+            if started:
+                raise
+            await self.on_error(scope["path"], e)(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:

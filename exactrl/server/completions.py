@@ -27,10 +27,11 @@ from exactrl.server.schemas import (MAX_SEQUENCES, MAX_TOP_LOGPROBS, APIError, C
 
 def _prompts(st, prompt) -> list[list[int]]:
     """Token ids of each prompt; ids are checked against the model's vocabulary (it may exceed the tokenizer's)."""
-    if isinstance(prompt, str):
-        prompts = [st.tokenizer.encode(prompt)]
-    elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [st.tokenizer.encode(p) for p in prompt]
+    if isinstance(prompt, str) or prompt and all(isinstance(p, str) for p in prompt):
+        try:
+            prompts = [st.tokenizer.encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+        except ValueError as e:  # not valid Unicode
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     else:

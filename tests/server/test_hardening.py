@@ -186,6 +186,32 @@ def test_engine_failure_in_a_stream_is_an_error_event_then_done(path, failing_st
     assert post(path, json=body | {"stream": False}).status_code == 200  # still serving
 
 
+def test_an_internal_error_is_a_500_and_the_connection_stays_usable(monkeypatch):
+    """Starlette's handler for Exception raised the error again after its 500, and the server then closed the
+    connection: the client's next request on it failed with a reset."""
+    s = served()
+    real = s.state.metrics
+
+    def broken():
+        monkeypatch.setattr(s.state, "metrics", real)
+        raise RuntimeError("injected metrics failure")
+    monkeypatch.setattr(s.state, "metrics", broken)
+    with httpx.Client(base_url=s.url, timeout=60) as client:
+        r = client.get("/metrics")
+        assert r.status_code == 500 and "injected metrics failure" in r.json()["error"]["message"]
+        assert client.post("/v1/chat/completions", json=chat(max_tokens=1)).status_code == 200  # same connection
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_text_that_is_not_unicode_is_a_400(path):
+    """A lone surrogate ("\\ud800" in the JSON) cannot be tokenized: a 400 naming it, not a 500."""
+    body = ('{"model": "%s", "max_tokens": 1, ' % served().model
+            + ('"messages": [{"role": "user", "content": "\\ud800 x"}]}' if "chat" in path
+               else '"prompt": "\\ud800 x"}'))
+    err = error_of(post(path, content=body, headers={"content-type": "application/json"}))
+    assert "lone surrogate" in err["message"] and err["param"] in ("messages", "prompt")
+
+
 # ---------------------------------------------------------------- 6. ignore_eos generations in multi-turn chat
 @pytest.mark.parametrize("policy", ["raise", "split", "truncate"])
 def test_generation_holding_end_of_turn_tokens_splices_exactly(policy):
