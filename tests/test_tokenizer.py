@@ -202,3 +202,15 @@ def test_prompt_then_answer_tokens_equal_the_rendered_conversation(tok, task):
         whole = tok.apply_chat_template([*msgs, {"role": "assistant", "content": p.answer}],
                                         add_generation_prompt=False)
         assert split == whole[:-1] and tok.decode(whole[-1:]) == "\n"
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_the_flag(tok, tmp_path):
+    """A model's own tokenizer fits (its vocabulary may be padded larger); another one with more tokens is
+    refused when it is loaded, not at the first request that holds an id past the embedding."""
+    tok.check_fits(tok.vocab_size, "--tokenizer")
+    tok.check_fits(tok.vocab_size + 64, "--tokenizer")
+    with pytest.raises(ValueError, match=rf"\(model.tokenizer\) has {tok.vocab_size} tokens but the model's "
+                                         rf"vocabulary has {tok.vocab_size - 1}"):
+        tok.check_fits(tok.vocab_size - 1, "model.tokenizer")
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tok.encode("a \ud800 b")

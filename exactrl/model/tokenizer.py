@@ -223,6 +223,14 @@ class Tokenizer:
                 self.pad_token_id]
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
+    def check_fits(self, vocab_size: int, flag: str) -> None:
+        """A ValueError unless every id of this tokenizer has a row in a model vocabulary of `vocab_size`
+        (the model's may be larger: padded rows). `flag`: where the user named this tokenizer."""
+        if self.vocab_size > vocab_size:
+            raise ValueError(f"the tokenizer at {self.path} ({flag}) has {self.vocab_size} tokens but the model's "
+                             f"vocabulary has {vocab_size}: its ids up to {self.vocab_size - 1} have no embedding "
+                             f"(they are not the model's tokenizer); use the tokenizer the model was trained with")
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no bos/eos added (special-token strings in `text` map to their ids). A
         ValueError for text that is not valid Unicode (a lone surrogate, e.g. JSON's "\\ud800")."""

@@ -324,6 +324,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     model_dir = _model_dir(cfg, log, ranks)
     model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
+    tokenizer.check_fits(model.config.vocab_size, "model.tokenizer" if cfg.model.tokenizer else "model.path")
     if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
         raise ValueError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt in the model's "
                          f"context of {model.config.max_position_embeddings} tokens (max_position_embeddings)")

@@ -455,6 +455,7 @@ def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "
 
     model = exactrl.load_model(model_dir, dtype=dtype, kernels=kernels)  # first: a bad --model is named as such
     tok = exactrl.load_tokenizer(tokenizer_dir or model_dir)
+    tok.check_fits(model.config.vocab_size, "--tokenizer" if tokenizer_dir else "--model")
     engine = Engine(model, stop_token_ids=sorted(tok.stop_token_ids), **engine_kwargs)
     name = model_name or str(model_dir)
     return ServerState(engine, tok, ServerConfig(name, aliases=(Path(model_dir).name,), monotonicity=monotonicity,
