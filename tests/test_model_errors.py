@@ -5,6 +5,7 @@ calls of `Tokenizer`: tok(text), batch_decode, apply_chat_template(..., tokenize
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -33,6 +34,22 @@ def _edit_config(d, **changes):
 def test_config_missing_a_key(damaged, value):
     _edit_config(damaged, hidden_size=value)
     with pytest.raises(ValueError, match=f"model directory {damaged}: config.json is missing 'hidden_size'"):
+        exactrl.load_model(damaged)
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(num_attention_heads=0, num_key_value_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
+    (dict(vocab_size=-5), "vocab_size must be an integer >= 1, got -5"),
+    (dict(num_hidden_layers=1.5), "num_hidden_layers must be an integer >= 1, got 1.5"),
+    (dict(hidden_size="abc"), "hidden_size must be an integer >= 1, got 'abc'"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1, got 0"),
+    (dict(rms_norm_eps="x"), "rms_norm_eps must be a positive number, got 'x'"),
+    (dict(rope_parameters=[1]), "rope_parameters must be an object, got [1]"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}), "rope_theta must be a positive number"),
+])
+def test_config_values_of_the_wrong_type_or_range_are_named(damaged, changes, words):
+    _edit_config(damaged, **changes)
+    with pytest.raises(ValueError, match=re.escape(f"model directory {damaged}: config.json: {words}")):
         exactrl.load_model(damaged)
 
 

@@ -57,16 +57,28 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json is missing {', '.join(map(repr, missing))}; a {mt} config needs "
                              f"{', '.join(REQUIRED)} (restore the file from the original checkpoint)")
+        for k in (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = cfg.get(k)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ValueError(f"config.json: {k} must be an integer >= 1, got {v!r}")
+        for k in ("rms_norm_eps", "rope_theta"):
+            v = cfg.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise ValueError(f"config.json: {k} must be a positive number, got {v!r}")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
         if cfg.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported (full attention only)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: rope_parameters must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"unsupported rope_type={rope_type!r}; only 'default' RoPE is implemented")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+            raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         if heads % kv_heads:

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -147,7 +148,11 @@ class ServerState:
 
         def read() -> dict:
             model = load_model(model_path, dtype=self.engine.model.dtype, kernels="fast")  # kernels unused
-            return {k: v.detach() for k, v in model.named_parameters()}
+            weights = {k: v.detach() for k, v in model.named_parameters()}
+            bad = next((k for k, v in weights.items() if not bool(torch.isfinite(v).all())), None)
+            if bad is not None:  # served, every request would fail on non-finite logits
+                raise ValueError(f"weight {bad} holds NaN or infinite values")
+            return weights
 
         try:
             weights = await asyncio.to_thread(read)

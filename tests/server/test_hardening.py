@@ -202,6 +202,25 @@ def test_an_internal_error_is_a_500_and_the_connection_stays_usable(monkeypatch)
         assert client.post("/v1/chat/completions", json=chat(max_tokens=1)).status_code == 200  # same connection
 
 
+def test_weights_from_disk_must_be_finite(tmp_path):
+    """NaN weights loaded by /update_weights_from_disk would fail every later request: a 400 names the weight,
+    and the served weights stay."""
+    from safetensors.torch import load_file, save_file
+
+    from serving import model_dir
+
+    d = shutil.copytree(model_dir(), tmp_path / "m")
+    w = load_file(d / "model.safetensors")
+    name = sorted(w)[0]
+    w[name][0] = float("nan")
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    version = served().state.engine.version
+    err = error_of(post("/update_weights_from_disk", json={"model_path": str(d)}))
+    assert f"weight {name} holds NaN or infinite values" in err["message"] and err["param"] == "model_path"
+    assert served().state.engine.version == version
+    assert post("/v1/chat/completions", json=chat(max_tokens=2)).status_code == 200
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_text_that_is_not_unicode_is_a_400(path):
     """A lone surrogate ("\\ud800" in the JSON) cannot be tokenized: a 400 naming it, not a 500."""
