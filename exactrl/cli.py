@@ -203,10 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the `exactrl` program (not a call from Python): start again with huge pages on
         exec_with_huge_pages()
     tune_allocator()  # freed memory stays in the heap: no page faults per step (exactrl/runtime.py)
+    from exactrl.engine.engine import NonFiniteLogitsError
+
     try:
         code = args.fn(args)
     except ValueError as e:  # bad input: a clear message, no traceback
         code = _fail(args.command, e)
+    except (FloatingPointError, NonFiniteLogitsError) as e:  # a run that diverged: what it saved stays
+        code = _fail(args.command, f"{e}. The training diverged; its checkpoints are kept. Try a new run with "
+                                   f"a lower optim.lr or optim.grad_clip" if args.command == "train"
+                     else e)
+    except KeyboardInterrupt:  # outside a training loop (loading, a report): nothing to save, no traceback
+        print(f"\nexactrl {args.command}: interrupted", file=sys.stderr)
+        code = 130
     if argv is None and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         _exit_rank(code)
     return code

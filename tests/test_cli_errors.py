@@ -286,3 +286,38 @@ def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tm
         _run_dir(load_config(None, [f"run_dir={tmp_path / 'dl' / 'run'}"]))
     with pytest.raises(ValueError, match="run_dir /proc/exactrl-run cannot be created"):
         _make_dir(Path("/proc/exactrl-run"))
+
+
+def test_non_finite_settings_are_refused_naming_the_key():
+    for key in ("algorithm.entropy_coef", "algorithm.kl.coef", "optim.lr", "optim.weight_decay",
+                "rollout_backend.timeout_s", "algorithm.overlong.penalty_factor"):
+        with pytest.raises(ValueError, match=f"bad value for '{key}': Input should be a finite number"):
+            load_config(None, [f"{key}=.nan"])
+
+
+def test_a_diverged_run_and_a_ctrl_c_before_training_are_named_without_a_traceback(monkeypatch, capsys):
+    def diverged(args):
+        raise FloatingPointError("gradient norm is nan: refusing to step (check lr / data)")
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_fn(parser, "train", diverged))
+    assert main(["train"]) == 2
+    assert "gradient norm is nan" in (err := error_of(capsys, "train")) and "checkpoints are kept" in err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_fn(parser, "report", interrupted))
+    assert main(["report", "x"]) == 130
+    assert "exactrl report: interrupted" in capsys.readouterr().err
+
+
+def _with_fn(parser, command, fn):
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    sub.set_defaults(fn=fn)
+    return parser
+
+
+def test_a_kv_budget_beyond_memory_is_named(qwen3_dir):
+    import exactrl
+
+    with pytest.raises(ValueError, match="KV budget of .* tokens does not fit in memory .*lower kv_budget_tokens"):
+        exactrl.Engine(exactrl.load_model(qwen3_dir), kv_budget_tokens=10**12)

@@ -49,7 +49,7 @@ from exactrl.model.config import ModelConfig
 
 
 class RayEngineSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     num_engines: int = Field(2, ge=1)
     """Engine actors; each samples every E-th prompt of a batch."""

@@ -28,7 +28,11 @@ class PagePool:
         self.block_size = model.block_size
         # per layer [k_pages, v_pages], each [P + 1, Hk, B, Dh]: the last page is scratch, never handed out
         # (the padding rows of a decode graph write there: engine/graph.py)
-        self.kv = model.new_kv(num_pages + 1)
+        try:
+            self.kv = model.new_kv(num_pages + 1)
+        except (RuntimeError, MemoryError) as e:  # torch's allocator: "can't allocate memory"
+            raise ValueError(f"a KV budget of {num_pages * self.block_size} tokens does not fit in memory "
+                             f"({type(e).__name__}: {str(e).splitlines()[0]}): lower kv_budget_tokens") from None
         self.scratch_page = num_pages
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids are reused first

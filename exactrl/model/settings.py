@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class ModelSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     path: str | None = None
     """Hugging Face model directory; None builds (and caches) the default tiny model with a warm start."""

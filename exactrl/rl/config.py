@@ -19,7 +19,7 @@ from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
 from exactrl.rl.external import RolloutBackendSettings
 
-_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class RolloutSettings(BaseModel):

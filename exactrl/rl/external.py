@@ -85,7 +85,7 @@ from exactrl.model.transformer import CausalLM
 
 
 class RolloutBackendSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     kind: Literal["engine", "openai", "ray"] = "engine"
     """`engine`: the in-process exactrl.Engine (bitwise exact); `openai`: an external OpenAI-compatible
