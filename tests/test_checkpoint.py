@@ -67,3 +67,38 @@ def test_checkpoints_are_pruned_by_step_number_and_an_unreadable_one_is_named(qw
     (root / "step_1000010" / "optimizer.pt").write_bytes(b"truncated")
     with pytest.raises(ValueError, match=r"step_1000010 cannot be read .*older checkpoints there: step_1000000"):
         ck.load_checkpoint(ck.latest_checkpoint(tmp_path), "float32", "exact")
+
+
+def test_a_pruned_checkpoint_cut_short_never_looks_complete(qwen3_dir, tmp_path, monkeypatch):
+    """An old checkpoint is renamed before it is deleted: a crash mid-delete leaves a hidden .old_ directory
+    (removed by the next save), never a step_ directory with state.json but half its files."""
+    import shutil
+
+    model = exactrl.load_model(qwen3_dir)
+    opt = _opt(model)
+    ck.save_checkpoint(tmp_path, 1, model, opt, {"prompts": {}}, keep=1)
+    real = shutil.rmtree
+
+    def interrupted(path, *a, **kw):
+        if ".old_" in str(path):
+            (path / "model.safetensors").unlink()
+            raise KeyboardInterrupt
+        return real(path, *a, **kw)
+    monkeypatch.setattr(ck.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 2, model, opt, {"prompts": {}}, keep=1)
+    monkeypatch.setattr(ck.shutil, "rmtree", real)
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in ck._step_dirs(root)] == ["step_000002"] and (root / ".old_step_000001").is_dir()
+    ck.save_checkpoint(tmp_path, 3, model, opt, {"prompts": {}}, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003"]
+
+
+@pytest.mark.parametrize("state", ["[]", "{}", '{"step": "3", "prompts": {}}', '{"step": -5, "prompts": {}}',
+                                   '{"step": 3, "prompts": {}, "config": [1]}'])
+def test_a_damaged_state_json_is_named(qwen3_dir, tmp_path, state):
+    model = exactrl.load_model(qwen3_dir)
+    path = ck.save_checkpoint(tmp_path, 3, model, _opt(model), {"prompts": {}}, keep=1)
+    (path / "state.json").write_text(state)
+    with pytest.raises(ValueError, match="state.json is damaged"):
+        ck.load_checkpoint(path, "float32", "exact")

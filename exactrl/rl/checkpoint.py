@@ -54,7 +54,7 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         _fsync(root.parent)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    for stale in root.glob(".tmp_step_*"):  # left by a save that crashed or failed (a full disk)
+    for stale in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:  # left by a crash or a full disk
         shutil.rmtree(stale, ignore_errors=True)
     try:
         save_model(model, tmp)
@@ -73,7 +73,9 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
     os.replace(pointer, root / "latest")
     _fsync(root)  # the pointer is on disk before an older checkpoint goes
     for old in [p for p in _step_dirs(root) if p != final][:-(keep - 1) or None]:
-        shutil.rmtree(old, ignore_errors=True)
+        gone = root / f".old_{old.name}"  # renamed first: one cut short never looks like a checkpoint
+        os.replace(old, gone)
+        shutil.rmtree(gone, ignore_errors=True)
     return final
 
 
@@ -102,4 +104,8 @@ def load_checkpoint(path: Path, dtype: str, kernels: str) -> tuple[CausalLM, dic
         opt_state = torch.load(path / "optimizer.pt", weights_only=False)
     except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}){hint}") from None
+    if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] >= 0
+            and isinstance(state.get("prompts"), dict) and isinstance(state.get("config", {}), dict)):
+        raise ValueError(f"checkpoint {path}: state.json is damaged (it needs an object with an integer step >= 0, "
+                         f"the prompts' position and the run config){hint}")
     return model, opt_state, state

@@ -85,7 +85,12 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
     A last line that is not valid JSON is a row cut short by a crash mid-write: it is dropped (its step,
     past the checkpoint, is redone). A bad line anywhere else is an error naming it.
     """
-    lines = path.read_text().splitlines()
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file: move it away to resume")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): fix or move it away to resume") from None
     while lines and not lines[-1].strip():
         lines.pop()
     keep = []
@@ -99,6 +104,9 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
                 continue  # the unfinished last row of a crash
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
                              f"fix or delete that line to resume") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+            raise ValueError(f"{path}:{lineno}: not a row of metrics with an integer step; fix or delete that "
+                             f"line to resume")
         if row.get("step", 0) <= step:
             keep.append(line)
     if len(keep) == len(lines):
@@ -112,8 +120,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start})") from None
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -119,6 +119,8 @@ def _run_dir(cfg: RunConfig, locked: bool = False) -> Path:
                          f"overwrite it; choose a new or empty directory")
     if not d.exists():
         _check_creatable(d)
+    if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
+        raise ValueError(f"run_dir {d}: checkpoints is a file, where the run keeps its checkpoint directories")
     if not locked and (d / ".lock").is_file():  # a live run first: no advice that taking its dir over would then refuse
         _lock_run_dir(d).close()
     ckpt = latest_checkpoint(d) if d.exists() else None
@@ -225,9 +227,10 @@ def _make_dir(d: Path) -> bool:
 def _saved_config(ckpt: Path) -> dict | None:
     """The run config a checkpoint holds (None if unreadable: loading the checkpoint then names the problem)."""
     try:
-        return json.loads((ckpt / "state.json").read_text()).get("config")
+        config = json.loads((ckpt / "state.json").read_text()).get("config")
     except (OSError, ValueError, AttributeError):
         return None
+    return config if isinstance(config, dict) else None
 
 
 def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
@@ -342,9 +345,13 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
                              f"model.path without it): its token ids, chat template or special tokens differ from "
                              f"the run's; point model.tokenizer at the tokenizer the run started with")
         optimizer = _optimizer(cfg, model, ranks)
-        optimizer.load_state_dict(opt_state)
-        prompts.load_state_dict(state["prompts"])
-        _restore_rng(state, ranks, ckpt)
+        try:
+            optimizer.load_state_dict(opt_state)
+            prompts.load_state_dict(state["prompts"])
+            _restore_rng(state, ranks, ckpt)
+        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+            raise ValueError(f"checkpoint {ckpt} cannot be resumed: its state does not fit this run "
+                             f"({type(e).__name__}: {e}); remove it to resume from an older one") from None
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
     elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start

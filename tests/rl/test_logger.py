@@ -67,3 +67,25 @@ def test_flush_fsyncs_the_metrics_file(tmp_path, monkeypatch):
     log.flush()
     log.close()
     assert str(tmp_path / "metrics.jsonl") in synced
+
+
+@pytest.mark.parametrize("bad", ['[1, 2]', '{"step": "x"}'])
+def test_a_row_of_the_wrong_shape_is_named(tmp_path, bad):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 0}\n' + bad + '\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a row of metrics with an integer step"):
+        _keep_steps_up_to(p, 1)
+
+
+def test_a_metrics_file_that_is_a_directory_or_not_utf8_is_named(tmp_path):
+    from exactrl.rl.logger import read_metrics
+
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(ValueError, match="is not a file"):
+        _keep_steps_up_to(tmp_path / "metrics.jsonl", 1)
+    (tmp_path / "metrics.jsonl").rmdir()
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\n')
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        _keep_steps_up_to(tmp_path / "metrics.jsonl", 1)
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        read_metrics(tmp_path)
