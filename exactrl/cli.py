@@ -78,7 +78,7 @@ def _bench(args) -> int:
         print(f"available benchmarks: {', '.join(known)}  (exactrl bench NAME [options]; NAME --help lists them)")
         return 0
     path = BENCH_DIR / f"{args.name}.py"
-    if not path.is_file():
+    if args.name not in known:
         raise ValueError(f"unknown benchmark {args.name!r}; available: {known} (looked in {BENCH_DIR})")
     spec = importlib.util.spec_from_file_location(f"exactrl_bench_{args.name}", path)
     mod = importlib.util.module_from_spec(spec)

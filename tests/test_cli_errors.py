@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -321,3 +322,21 @@ def test_a_kv_budget_beyond_memory_is_named(qwen3_dir):
 
     with pytest.raises(ValueError, match="KV budget of .* tokens does not fit in memory .*lower kv_budget_tokens"):
         exactrl.Engine(exactrl.load_model(qwen3_dir), kv_budget_tokens=10**12)
+
+
+def test_config_files_that_are_not_a_mapping_of_unique_utf8_keys_are_named(tmp_path):
+    cases = {"list.yaml": (b"[]\n", "must hold a mapping of settings at the top level, got list"),
+             "zero.yaml": (b"0\n", "got int 0"),
+             "twice.yaml": (b"optim:\n  lr: 1\n  lr: 2\n", "line 3: not valid YAML (the key 'lr' appears twice)"),
+             "latin1.yaml": (b"run_dir: caf\xe9\n", "is not UTF-8 text (byte 12)")}
+    for name, (content, words) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=re.escape(words)):
+            load_config(tmp_path / name)
+    (tmp_path / "comments.yaml").write_text("# nothing set\n")
+    assert load_config(tmp_path / "comments.yaml") == load_config(None)
+
+
+def test_resume_without_a_run_dir_is_refused():
+    with pytest.raises(ValueError, match="resume=true needs run_dir"):
+        load_config(None, ["resume=true"])

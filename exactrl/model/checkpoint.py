@@ -110,7 +110,8 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
     """Loads a Hugging Face model directory into the exactrl decoder."""
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"model directory {path!s} does not exist")
+        raise ValueError(f"model directory {path!s} " + ("is a file: give the directory that holds config.json"
+                                                        if path.exists() else "does not exist"))
     cfg = read_config(path)
     model = build_model(cfg, dtype, kernels, seed=None, block_size=block_size)
     params = dict(model.named_parameters())

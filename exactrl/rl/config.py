@@ -195,6 +195,9 @@ class RunConfig(BaseModel):
         if exactrl_engines and self.rollout.samples_per_prompt > self.engine.max_num_seqs:
             raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} exceeds "
                              f"engine.max_num_seqs={self.engine.max_num_seqs}: raise engine.max_num_seqs")
+        if self.resume and self.run_dir is None:
+            raise ValueError("resume=true needs run_dir: the directory of the run to continue "
+                             "(--set run_dir=runs/<its name>)")
         if self.algorithm.overlong.buffer_len > self.rollout.max_tokens:
             raise ValueError(f"algorithm.overlong.buffer_len={self.algorithm.overlong.buffer_len} exceeds "
                              f"rollout.max_tokens={self.rollout.max_tokens}: the buffer is the last tokens before it")
@@ -249,18 +252,40 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 def _load_file(p: Path) -> dict:
     if p.is_dir():
         raise ValueError(f"config file {p} is a directory: pass a YAML file")
-    if not p.is_file():
+    if not p.exists():
         raise ValueError(f"config file {p} does not exist")
-    text = p.read_text()
+    if not p.is_file():
+        raise ValueError(f"config file {p} is not a regular file: pass a YAML file")
     try:
-        tree = yaml.safe_load(text) or {}
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {p} is not UTF-8 text (byte {e.start})") from None
+    try:
+        tree = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)  # an error at the end of the stream points at the last line
         where = f"line {min(mark.line + 1, len(text.splitlines()))}: " if mark is not None else ""
         raise ValueError(f"config file {p}: {where}not valid YAML ({_yaml_problem(e)})") from None
+    if tree is None:  # an empty file (or only comments): the defaults
+        return {}
     if not isinstance(tree, dict):
-        raise ValueError(f"config file {p} must hold a mapping at the top level")
+        raise ValueError(f"config file {p} must hold a mapping of settings at the top level, got "
+                         f"{type(tree).__name__} {tree!r:.40}")
     return tree
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
