@@ -171,6 +171,8 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     from exactrl.engine import SamplingParams
     from exactrl.model.logprobs import sequence_logprobs
     from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
+    from pydantic import ValidationError
+
     from exactrl.rl.external import ExternalEngine, RolloutBackendSettings
 
     if prompts < 1 or length < 1 or max_tokens < 1:
@@ -183,7 +185,13 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     batch = [[rng.randrange(V) for _ in range(length)] for _ in range(prompts)]
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed * 1_000_003 + k,
                              ignore_eos=True) for k in range(prompts)]
-    engine = ExternalEngine(RolloutBackendSettings(kind="openai", base_url=base_url, model=served_model))
+    try:
+        settings = RolloutBackendSettings(kind="openai", base_url=base_url, model=served_model)
+    except ValidationError as e:  # its message names rollout_backend's keys: here they are --server's
+        raise ValueError(f"--server {base_url!r}: " + "; ".join(
+            err["msg"].removeprefix("Value error, ").replace("rollout_backend.base_url", "it")
+            for err in e.errors())) from None
+    engine = ExternalEngine(settings)
     try:
         outs = [o[0] for o in engine.generate(batch, params)]
     finally:

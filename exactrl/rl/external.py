@@ -122,6 +122,10 @@ class RolloutBackendSettings(BaseModel):
                                      f"got {url!r}")
                 if url.rstrip("/").endswith("/v1"):
                     raise ValueError(f"rollout_backend.{key} must be the server root, without /v1: got {url!r}")
+                try:
+                    httpx.URL(url)
+                except httpx.InvalidURL as e:
+                    raise ValueError(f"rollout_backend.{key} is not a valid URL ({e}): got {url!r}") from None
             roots = self.server_roots
             if len(set(roots)) != len(roots):
                 raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")

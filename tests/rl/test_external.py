@@ -479,6 +479,15 @@ def test_parity_against_an_unreachable_server_names_it(model_dir, capsys):
     assert "cannot reach the rollout server at http://127.0.0.1:9" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url, words", [("notaurl", "--server 'notaurl': it must be a server root"),
+                                         ("http://[::1", "--server 'http://[::1': it is not a valid URL")])
+def test_parity_against_a_malformed_server_url_names_the_flag(model_dir, capsys, url, words):
+    assert cli_main(["parity", "--model", str(model_dir), "--server", url]) == 2
+    assert words in capsys.readouterr().err
+    with pytest.raises(ValueError, match="rollout_backend.base_url is not a valid URL"):
+        RolloutBackendSettings(kind="openai", base_url="http://[::1", model="m")
+
+
 def test_parity_against_a_server_that_returns_no_tokens_is_not_exact(model_dir, fake_url, capsys):
     assert cli_main(["parity", "--model", str(model_dir), "--server", fake_url, "--served-model", "mute"]) == 1
     out = capsys.readouterr().out
