@@ -317,7 +317,7 @@ def build_corrections(specs: Sequence[dict]) -> Composed:
             raise ValueError(f"corrections[{i}] must be a dict with a 'name' key, got {spec!r}")
         kwargs = {k: v for k, v in spec.items() if k != "name"}
         name = spec["name"]
-        if name not in CORRECTIONS:
+        if not isinstance(name, str) or name not in CORRECTIONS:
             raise ValueError(f"unknown correction {name!r}; valid: {sorted(CORRECTIONS)} "
                              "(bypass mode is `apply_bypass`, not a correction)")
         check_kwargs(CORRECTIONS[name], kwargs, f"correction {name!r}")

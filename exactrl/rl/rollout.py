@@ -8,6 +8,8 @@ Legend: P prompts, G samples per prompt.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,9 +60,18 @@ def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: 
         for o in samples:
             text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
             group.append(Rollout(prob, ids, list(o.token_ids), list(o.logprobs), list(o.versions),
-                                 o.finish_reason, text, float(task.reward(prob, text))))
+                                 o.finish_reason, text, _reward(task, prob, text)))
         groups.append(group)
     return groups
+
+
+def _reward(task, problem: Problem, text: str) -> float:
+    """The task's reward of a completion: a finite number, or an error naming the task."""
+    r = task.reward(problem, text)
+    if not isinstance(r, numbers.Real) or not math.isfinite(r):  # a bool or a numpy number is fine
+        raise ValueError(f"task {getattr(task, 'name', type(task).__name__)!r}: reward() returned {r!r} for the "
+                         f"prompt {problem.prompt!r}; it must return a finite number")
+    return float(r)
 
 
 def sample_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int, ranks: Ranks,

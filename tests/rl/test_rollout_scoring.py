@@ -1,5 +1,6 @@
-"""What a completion that hits the length limit gets: DAPO's soft overlong punishment and overlong
-filtering (`algorithm.overlong`), against hand-computed values."""
+"""How rollouts are scored (rl/rollout.py): what a completion that hits the length limit gets (DAPO's soft
+overlong punishment and overlong filtering, `algorithm.overlong`, against hand-computed values), and what a
+task's reward may be."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +67,33 @@ def test_a_step_whose_completions_are_all_masked_learns_nothing(qwen3_dir):
     m = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), build_loss("ppo"), batch, s)
     assert m["train/grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class _FixedReward:
+    name = "mine"
+
+    def __init__(self, r):
+        self.r = r
+
+    def reward(self, problem, text):
+        return self.r
+
+
+def test_a_reward_that_is_not_a_finite_number_names_the_task():
+    """A user task's reward() returning None, text or NaN is named with the prompt, not a float() traceback or a
+    silently accepted "1.0"; bools and numpy numbers are numbers."""
+    import numpy as np
+
+    from exactrl.rl.rollout import _reward
+
+    for bad in (None, "1.0", float("nan"), [1]):
+        with pytest.raises(ValueError, match=r"task 'mine': reward\(\) returned .* for the prompt '1\+1='"):
+            _reward(_FixedReward(bad), Problem("1+1=", "2"), "2")
+    assert [_reward(_FixedReward(x), Problem("1+1=", "2"), "2") for x in (True, 0, np.float32(0.5))] == [1.0, 0, 0.5]
+
+
+def test_a_correction_name_that_is_not_text_is_named():
+    from exactrl.rl.corrections import build_corrections
+
+    with pytest.raises(ValueError, match=r"unknown correction \['a'\]"):
+        build_corrections([{"name": ["a"]}])
