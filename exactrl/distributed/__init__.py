@@ -184,16 +184,30 @@ def _sharded(optimizer: torch.optim.Optimizer) -> bool:
 def init_from_env() -> Ranks:
     """The job's ranks from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); one rank
     if WORLD_SIZE is unset or 1. Joins the gloo process group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _env_int("WORLD_SIZE", "1")
     if world <= 1:
         return Ranks()
-    rank = int(os.environ["RANK"])
+    rank = _env_int("RANK", None)
+    if not 0 <= rank < world:
+        raise ValueError(f"environment variable RANK={rank} is not in [0, WORLD_SIZE={world})")
     # a rank killed by a signal (an abort in torch's C++ code, a segfault) prints every thread's Python
     # stack to stderr first: otherwise the launcher can only say which signal it was
     faulthandler.enable(all_threads=True)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return Ranks(rank, world)
+
+
+def _env_int(name: str, default: str | None) -> int:
+    """An integer environment variable of torchrun's, or a ValueError naming it."""
+    raw = os.environ.get(name, default)
+    if raw is None:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the environment variable {name} is not set "
+                         f"(launch the ranks with torchrun or exactrl train --nproc N)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
 def _dies_with(parent: int):

@@ -272,3 +272,19 @@ def test_a_rank_dies_with_its_launcher_even_a_sigkilled_one(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the rank outlived its SIGKILLed launcher")
+
+
+@pytest.mark.parametrize("env, words", [({"WORLD_SIZE": "2"}, "the environment variable RANK is not set"),
+                                        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
+                                        ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 is not in [0, WORLD_SIZE=2)")])
+def test_a_bad_torchrun_environment_is_named(monkeypatch, env, words):
+    import re
+
+    from exactrl.distributed import init_from_env
+
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        init_from_env()
