@@ -362,10 +362,18 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
         ranks.check_same("starting weights", model.parameters(),
                          "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
                          "path for every rank (the same filesystem)?")
-        if not ranks.main:  # rank 0 alone writes the run dir
+        if not ranks.main:  # rank 0 alone writes the run dir; the others learn whether it could
+            refused = ranks.broadcast(None)
+            if refused is not None:
+                raise ValueError(f"rank 0 could not start the run: {refused}")
             return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
                               optimizer, loss_fn, settings, NullLogger(), start, False, ranks)
-        run_dir, new_run_dir, run_lock, logger = _claim_run_dir(cfg, run_dir, named, ckpt, start)
+        try:
+            run_dir, new_run_dir, run_lock, logger = _claim_run_dir(cfg, run_dir, named, ckpt, start)
+        except ValueError as e:
+            ranks.broadcast(str(e))
+            raise
+        ranks.broadcast(None)
         return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
                           loss_fn, settings, logger, start, new_run_dir, ranks, run_lock)
     except BaseException:

@@ -288,3 +288,24 @@ def test_a_bad_torchrun_environment_is_named(monkeypatch, env, words):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=re.escape(words)):
         init_from_env()
+
+
+def test_a_run_dir_rank_0_cannot_claim_stops_every_rank_without_a_traceback(model_dir, tmp_path):
+    """Rank 0 alone claims the run dir: when it cannot, the other ranks are told and stop with a named error
+    (they used to wait in a collective and die with gloo tracebacks). The claim is made to fail by a
+    sitecustomize module in the ranks' path."""
+    import os
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '0':\n    import exactrl.rl.setup as s\n"
+        "    def refused(*a):\n        raise ValueError('injected: another run took the dir')\n"
+        "    s._claim_run_dir = refused\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2",
+           *sets(model_dir, tmp_path / "run", "max_steps=1")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "rank 0): error: injected: another run took the dir" in done.stderr
+    assert "rank 1): error: rank 0 could not start the run: injected" in done.stderr
