@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: model sizes, timing, machine peak."""
 from __future__ import annotations
 
+import argparse
 import resource
 import time
 
@@ -15,6 +16,31 @@ SIZES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
 }
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated ints >= 1 ("1,32")."""
+    return [positive_int(x) for x in text.split(",")]
+
+
+def size_names(text: str) -> list[str]:
+    """argparse type: comma-separated model sizes of SIZES ("20M,100M")."""
+    names = text.split(",")
+    bad = [n for n in names if n not in SIZES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown size {bad[0]!r}; choose from {sorted(SIZES)}")
+    return names
 
 
 def qwen3_config(size: str, max_positions: int = 2048):

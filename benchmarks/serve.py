@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SIZES  # noqa: E402
+from _common import SIZES, positive_int, positive_ints  # noqa: E402
 
 PROMPTS = ["Compute 12*7", "hello world", "the quick brown fox jumps over the lazy dog", "and 3+4?"]
 
@@ -114,16 +114,16 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="exactrl bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model dir (with tokenizer); default: a random --size model")
     p.add_argument("--size", default="20M", choices=sorted(SIZES))
-    p.add_argument("--clients", default="1,8,32", help="comma-separated concurrency levels")
-    p.add_argument("--requests", type=int, default=4, help="requests per client per level")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--clients", type=positive_ints, default="1,8,32", help="comma-separated concurrency levels")
+    p.add_argument("--requests", type=positive_int, default=4, help="requests per client per level")
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--kernels", default="exact", choices=["exact", "fast"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 request per client, 16 tokens")
     a = p.parse_args(argv)
     if a.quick:
         a.size, a.requests, a.max_tokens = "tiny", 1, 16
-    levels = [int(x) for x in a.clients.split(",")]
+    levels = a.clients
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-serve-") as tmp:
         info = {"model_dir": a.model}
         if a.model is None:

@@ -85,7 +85,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SIZES, linear_weights, matmul_peak_gflops  # noqa: E402
+from _common import SIZES, linear_weights, matmul_peak_gflops, positive_int  # noqa: E402
 
 TRL_MISSING = "not installed (pip install 'exactrl[bench]')"
 DIFF, DIFF_MAX = "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"
@@ -431,11 +431,11 @@ def flop_floor(model: dict, a, trl: dict | None) -> dict:
 def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(prog="exactrl bench train", description=__doc__.splitlines()[0])
     p.add_argument("--size", default="20M", choices=sorted(SIZES), help="model shape (benchmarks/_common.py)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (P)")
-    p.add_argument("--group", type=int, default=8, help="completions per prompt (G, >= 2)")
-    p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    p.add_argument("--new", type=int, default=128, help="completion tokens per sequence (N, eos ignored)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
+    p.add_argument("--prompts", type=positive_int, default=8, help="prompts per step (P)")
+    p.add_argument("--group", type=positive_int, default=8, help="completions per prompt (G, >= 2)")
+    p.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens")
+    p.add_argument("--new", type=positive_int, default=128, help="completion tokens per sequence (N, eos ignored)")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps, after one warm-up step")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer")
