@@ -224,6 +224,13 @@ def _make_dir(d: Path) -> bool:
         raise ValueError(f"run_dir {d} cannot be created: {e.strerror or e}") from None
 
 
+def _check_resume_early(cfg: RunConfig, run_dir: Path) -> None:
+    """Settings a resume refuses, before a warm start or a model load is spent on them."""
+    early = latest_checkpoint(run_dir) if run_dir.exists() else None
+    if early is not None:
+        _check_same_run(_saved_config(early), cfg, early)
+
+
 def _saved_config(ckpt: Path) -> dict | None:
     """The run config a checkpoint holds (None if unreadable: loading the checkpoint then names the problem)."""
     try:
@@ -307,9 +314,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     if ranks.world > 1:  # one run dir for every rank: rank 0's choice
         cfg.run_dir = ranks.broadcast(cfg.run_dir if cfg.run_dir is not None else _default_run_dir())
     run_dir = _run_dir(cfg)
-    early = latest_checkpoint(run_dir) if run_dir.exists() else None
-    if early is not None:  # settings a resume refuses, before a warm start or a model load is spent on them
-        _check_same_run(_saved_config(early), cfg, early)
+    _check_resume_early(cfg, run_dir)
     _check_paths(cfg)
     if cfg.task.module:
         import_task_module(cfg.task.module)
