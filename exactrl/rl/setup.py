@@ -339,28 +339,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     ref_model = None
     if cfg.algorithm.kl.coef > 0:
         ref_model = copy.deepcopy(model).requires_grad_(False)
-    optimizer = _optimizer(cfg, model, ranks)
-    start = 0
-    ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
-    if ckpt is not None:
-        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
-        _check_same_run(state.get("config"), cfg, ckpt)
-        if state.get("tokenizer", tokenizer.fingerprint) != tokenizer.fingerprint:
-            raise ValueError(f"resume from {ckpt} with another tokenizer ({tokenizer.path}: model.tokenizer, or "
-                             f"model.path without it): its token ids, chat template or special tokens differ from "
-                             f"the run's; point model.tokenizer at the tokenizer the run started with")
-        optimizer = _optimizer(cfg, model, ranks)
-        try:
-            optimizer.load_state_dict(opt_state)
-            prompts.load_state_dict(state["prompts"])
-            _restore_rng(state, ranks, ckpt)
-        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
-            raise ValueError(f"checkpoint {ckpt} cannot be resumed: its state does not fit this run "
-                             f"({type(e).__name__}: {e}); remove it to resume from an older one") from None
-        start = state["step"]
-        log(f"resuming {run_dir} from {ckpt.name}")
-    elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
-        log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
+    model, optimizer, start, ckpt = _resume(cfg, run_dir, model, tokenizer, prompts, ranks, log)
     engine = _rollout_engine(cfg, model, tokenizer, start, log)
     try:  # from here on a failure stops the engines too (Ray actors, a server's client)
         settings = _step_settings(cfg, corrections)
@@ -384,6 +363,35 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     except BaseException:
         engine.close()
         raise
+
+
+def _resume(cfg: RunConfig, run_dir: Path, model: CausalLM, tokenizer, prompts: PromptSource, ranks: Ranks, log
+            ) -> tuple[CausalLM, torch.optim.Optimizer, int, Path | None]:
+    """(model, optimizer, start step, checkpoint): from run_dir's latest checkpoint, else fresh at step 0.
+    The checkpoint's prompt position and random streams are restored into `prompts` and this process."""
+    optimizer = _optimizer(cfg, model, ranks)
+    start = 0
+    ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
+    if ckpt is not None:
+        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
+        _check_same_run(state.get("config"), cfg, ckpt)
+        if state.get("tokenizer", tokenizer.fingerprint) != tokenizer.fingerprint:
+            raise ValueError(f"resume from {ckpt} with another tokenizer ({tokenizer.path}: model.tokenizer, or "
+                             f"model.path without it): its token ids, chat template or special tokens differ from "
+                             f"the run's; point model.tokenizer at the tokenizer the run started with")
+        optimizer = _optimizer(cfg, model, ranks)
+        try:
+            optimizer.load_state_dict(opt_state)
+            prompts.load_state_dict(state["prompts"])
+            _restore_rng(state, ranks, ckpt)
+        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+            raise ValueError(f"checkpoint {ckpt} cannot be resumed: its state does not fit this run "
+                             f"({type(e).__name__}: {e}); remove it to resume from an older one") from None
+        start = state["step"]
+        log(f"resuming {run_dir} from {ckpt.name}")
+    elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
+        log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
+    return model, optimizer, start, ckpt
 
 
 def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
