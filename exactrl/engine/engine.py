@@ -134,7 +134,7 @@ class Engine:
             request_id = f"req-{next(self._request_ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
-        req = Request(request_id, prompt, params, seed, stops)
+        req = Request(request_id, prompt, params, seed, stops, params.branch_flags(self.vocab_size))
         req.seqs = [Sequence(next(self._seq_ids), req, j, list(prompt)) for j in range(params.n)]
         for f in req.seqs[1:]:
             f.status = Status.FORK_WAIT
@@ -334,7 +334,7 @@ class Engine:
             temperature=[float(p.temperature) for p in ps], top_k=[p.top_k for p in ps],
             top_p=[float(p.top_p) for p in ps],
             uniform=[sample_uniform(s.request.seed, s.index, len(s.tokens)) for s in targets],
-            flags=[p.branch_flags(self.vocab_size) for p in ps])
+            flags=[s.request.flags for s in targets])
 
     def _commit(self, targets: list[Sequence], toks: list[int], lps: list[float]) -> list[Request]:
         touched: dict[str, Request] = {}

@@ -84,6 +84,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks  # block-table columns: the most pages a sequence can have
         self._params = list(model.parameters())
         self._modules = list(model.named_modules())
+        self._hook_dicts = [d for _, mod in self._modules for d in (mod._forward_hooks, mod._forward_pre_hooks)]
         self._graphs: OrderedDict[tuple[int, int], _Captured] = OrderedDict()
         self._fingerprint: list | None = None
         self.num_captures = 0  # since the start: graphs recorded
@@ -105,9 +106,10 @@ class DecodeGraphs:
 
     def _check_hooks(self) -> None:
         """A replay runs no Python: a forward hook on the model would silently not run. Checked every step
-        (a hook can come after the graphs), ~60 dict lookups."""
-        hooked = [n or "the model" for n, mod in self._modules if mod._forward_hooks or mod._forward_pre_hooks]
-        if hooked or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        (a hook can come after the graphs): one look at each module's hook dicts (registering a hook adds it
+        to these very dicts)."""
+        if any(self._hook_dicts) or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            hooked = [n or "the model" for n, mod in self._modules if mod._forward_hooks or mod._forward_pre_hooks]
             raise GraphCaptureError(f"forward hooks (on {hooked[:3] or 'every module'}) would not run in a replayed "
                                     f"decode step: remove them or use Engine(decode_graphs=False)")
 

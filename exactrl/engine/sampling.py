@@ -25,6 +25,7 @@ Legend: R sampled rows, V vocabulary.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +87,9 @@ class SamplingParams:
 
     def branch_flags(self, vocab_size: int) -> tuple[bool, bool]:
         """(top-k active, top-p active), exactly as `sampling_logprobs` decides them."""
-        # top_p in fp32, as the kernel reads it: 1 - 1e-9 is 1.0 there, no cut
-        return 0 < self.top_k < vocab_size, float(torch.tensor(self.top_p, dtype=torch.float32)) < 1.0
+        # top_p in fp32, as the kernel reads it: 1 - 1e-9 is 1.0 there, no cut (struct's 'f' rounds to
+        # nearest as the tensor's cast does, without a tensor: the engine asks once a request)
+        return 0 < self.top_k < vocab_size, struct.unpack("f", struct.pack("f", self.top_p))[0] < 1.0
 
 
 def params_per_prompt(params: "SamplingParams | list[SamplingParams] | None", n_prompts: int

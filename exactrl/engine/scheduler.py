@@ -49,6 +49,7 @@ class Request:
     params: SamplingParams
     seed: int  # resolved (a fresh one when params.seed is None)
     stop_ids: frozenset[int]  # params.stop_token_ids + the engine's (unless ignore_eos)
+    flags: tuple[bool, bool] = (False, False)  # params.branch_flags(vocab size), asked once per request
     seqs: list["Sequence"] = field(default_factory=list)  # sample j at index j
 
     @property
