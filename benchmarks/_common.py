@@ -43,6 +43,15 @@ def size_names(text: str) -> list[str]:
     return names
 
 
+def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **values) -> None:
+    """`--quick`'s smoke-run settings, each where the command line left the default: an explicit
+    argument wins (`--quick --new 32` runs the tiny model with 32 new tokens)."""
+    defaults = vars(parser.parse_args([]))
+    for dest, value in values.items():
+        if getattr(args, dest) == defaults[dest]:
+            setattr(args, dest, value)
+
+
 def qwen3_config(size: str, max_positions: int = 2048):
     from exactrl.model import ModelConfig
 

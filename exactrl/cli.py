@@ -19,6 +19,13 @@ def _parity(args) -> int:
     import exactrl
     from exactrl.debug.parity import run_parity
 
+    if not args.server:  # they would be ignored: a check of the server the user meant would never run
+        given = [flag for flag, value, default in [("--served-model", args.served_model, None),
+                                                   ("--prompts", args.prompts, 8), ("--max-tokens", args.max_tokens, 32),
+                                                   ("--temperature", args.temperature, 1.0)] if value != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --server URL (the server's logprobs against "
+                             f"this trainer's); without it parity checks the model's own kernels")
     model = exactrl.load_model(args.model, dtype=args.dtype, kernels=args.kernels)
     if args.server:
         return _server_parity(args, model)

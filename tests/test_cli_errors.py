@@ -195,6 +195,17 @@ def test_integer_flags_are_range_checked(argv, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_server_only_flags_are_refused_without_their_server(capsys):
+    """Checked before anything loads (the model path does not exist): named, not ignored."""
+    assert main(["parity", "--model", "nosuch", "--prompts", "3", "--temperature", "0.5"]) == 2
+    assert "--prompts, --temperature only apply with --server URL" in error_of(capsys, "parity")
+
+
+def test_serve_names_a_host_it_cannot_listen_on_before_loading_the_model(capsys):
+    assert main(["serve", "--model", "nosuch", "--host", "nosuch.invalid", "--port", "0"]) == 2
+    assert "cannot listen on --host 'nosuch.invalid' --port 0" in error_of(capsys, "serve")
+
+
 def test_run_parity_refuses_a_length_below_one(model_dir):
     import exactrl
     from exactrl.debug.parity import run_parity

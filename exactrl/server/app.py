@@ -472,6 +472,7 @@ def serve_main(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
+    _check_listen(args.host, args.port)  # before the model loads: a typo is named in a second, not a minute
     state = build_state(args.model, args.tokenizer, args.dtype, args.kernels, args.monotonicity,
                         session_ttl_s=args.session_ttl)
     log.info("serving %s (%s, %s kernels, monotonicity=%s, session ttl %d s) on http://%s:%d",
@@ -479,3 +480,15 @@ def serve_main(args) -> int:
              args.port)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """ValueError naming --host / --port unless a socket can listen there now (the probe is closed again;
+    SO_REUSEADDR, as uvicorn binds)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+    except (OSError, UnicodeError) as e:  # socket.gaierror is an OSError
+        raise ValueError(f"cannot listen on --host {host!r} --port {port}: {e}") from None

