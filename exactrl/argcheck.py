@@ -8,16 +8,17 @@ deep inside the first step.
 from __future__ import annotations
 
 import collections.abc
+import math
 import types
 import typing
 from typing import Any, Callable
 
-_TYPE_NAMES = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "null"}
+_TYPE_NAMES = {float: "a finite number", int: "an integer", bool: "true or false", str: "a string", type(None): "null"}
 
 
 def check_arg_types(factory: Callable, kwargs: dict[str, Any], what: str) -> None:
     """Raises a ValueError naming `what` and the argument when a config value does not fit the
-    factory's annotation, e.g. `loss 'ppo' argument eps_low: expected a number, got 'abc'`.
+    factory's annotation, e.g. `loss 'ppo' argument eps_low: expected a finite number, got 'abc'`.
 
     Checks the annotations config values can have (int, float, bool, str, None, unions and
     sequences of these); others are left to the constructor. Argument names must already be valid.
@@ -39,8 +40,10 @@ def _fits(value: Any, hint: Any) -> bool:
     if origin in (list, tuple, collections.abc.Sequence):  # YAML gives lists; a str is a Sequence[str]
         is_seq = isinstance(value, (list, tuple)) or (origin is collections.abc.Sequence and isinstance(value, str))
         return is_seq and all(_fits(v, _item(args)) for v in value)
-    if hint in (int, float):  # YAML's 1 is a fine float; true is not a number
-        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint is int:  # true is not a number
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:  # YAML's 1 is a fine float; .nan and .inf would pass every comparison silently wrong
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint in _TYPE_NAMES:
         return isinstance(value, hint)
     return True

@@ -230,6 +230,17 @@ def test_report_refuses_empty_metrics_and_rows_without_a_step(tmp_path, capsys):
     assert "row 2 has no integer 'step'" in error_of(capsys, "report")
 
 
+def test_report_names_a_metric_that_is_not_a_number_and_a_report_path_it_cannot_use(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n'
+                                            '{"step": 2, "rollout/reward_mean": {"mean": 1}}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "row 2: 'rollout/reward_mean' is {'mean': 1}, not a number" in error_of(capsys, "report")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n')
+    (tmp_path / "report").write_text("a file where the plots go")
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"cannot write the plots to {tmp_path / 'report'}" in error_of(capsys, "report")
+
+
 def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
     cfg = load_config(None, ["run_dir=123", "rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1",
                              "rollout_backend.model=007", "model.path=1.10",

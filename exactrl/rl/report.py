@@ -21,11 +21,18 @@ def write_report(run_dir: str | Path) -> list[Path]:
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no metrics yet: the run has not finished a step")
+    plotted = [INITIAL] + [k for _, keys in PANELS for k in keys]
     for i, r in enumerate(rows, start=1):
-        if not isinstance(r.get("step"), int):
+        if not isinstance(r.get("step"), int) or isinstance(r["step"], bool):
             raise ValueError(f"{run_dir / 'metrics.jsonl'}: row {i} has no integer 'step' (not exactrl's metrics?)")
+        bad = [k for k in plotted if k in r and (not isinstance(r[k], (int, float)) or isinstance(r[k], bool))]
+        if bad:
+            raise ValueError(f"{run_dir / 'metrics.jsonl'}: row {i}: {bad[0]!r} is {r[bad[0]]!r}, not a number")
     out_dir = run_dir / "report"
-    out_dir.mkdir(exist_ok=True)
+    try:
+        out_dir.mkdir(exist_ok=True)
+    except OSError as e:  # a file of that name, or a read-only run directory
+        raise ValueError(f"cannot write the plots to {out_dir}: {e.strerror or e}") from None
     written = []
     fig_all, axes = plt.subplots(2, 2, figsize=(11, 7))
     for (name, keys), ax_all in zip(PANELS, axes.flat):

@@ -11,9 +11,11 @@ from exactrl.rl.losses import PPOClipLoss, build_loss
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"eps_low": "abc"}, "loss 'ppo' argument eps_low: expected a number, got 'abc'"),
-    ({"eps_high": True}, "loss 'ppo' argument eps_high: expected a number, got True"),
-    ({"dual_clip": "3"}, "loss 'ppo' argument dual_clip: expected a number or null, got '3'"),
+    ({"eps_low": "abc"}, "loss 'ppo' argument eps_low: expected a finite number, got 'abc'"),
+    ({"eps_high": True}, "loss 'ppo' argument eps_high: expected a finite number, got True"),
+    ({"dual_clip": "3"}, "loss 'ppo' argument dual_clip: expected a finite number or null, got '3'"),
+    ({"eps_high": float("nan")}, "loss 'ppo' argument eps_high: expected a finite number, got nan"),
+    ({"dual_clip": float("inf")}, "loss 'ppo' argument dual_clip: expected a finite number or null, got inf"),
 ])
 def test_loss_kwargs_of_the_wrong_type(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -22,7 +24,7 @@ def test_loss_kwargs_of_the_wrong_type(kwargs, match):
 
 def test_loss_kwargs_from_the_command_line():
     cfg = load_config(None, ["algorithm.loss_kwargs={eps_low: abc}"])
-    with pytest.raises(ValueError, match="loss 'ppo' argument eps_low: expected a number, got 'abc'"):
+    with pytest.raises(ValueError, match="loss 'ppo' argument eps_low: expected a finite number, got 'abc'"):
         build_loss(cfg.algorithm.loss, **cfg.algorithm.loss_kwargs)
 
 
@@ -35,8 +37,8 @@ def test_right_loss_kwargs_still_build():
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({"name": "token_tis", "upper": "abc"}, "correction 'token_tis' argument upper: expected a number or null"),
-    ({"name": "kl_rejection", "threshold": [1.0]}, "correction 'kl_rejection' argument threshold: expected a number"),
+    ({"name": "token_tis", "upper": "abc"}, "correction 'token_tis' argument upper: expected a finite number or null"),
+    ({"name": "kl_rejection", "threshold": [1.0]}, "correction 'kl_rejection' argument threshold: expected a finite number"),
 ])
 def test_correction_kwargs_of_the_wrong_type(spec, match):
     with pytest.raises(ValueError, match=match):
