@@ -195,6 +195,12 @@ def test_integer_flags_are_range_checked(argv, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_bypass_with_a_weighing_correction_is_refused(no_warm_start, capsys):
+    """The bypass ratio π_θ/μ already is ρ: token_tis on top would weigh each token by ρ²."""
+    assert train(*TINY, "algorithm.bypass=true", "algorithm.corrections=[{name: token_tis}]") == 2
+    assert "would apply that ratio twice" in error_of(capsys, "train")
+
+
 def test_server_only_flags_are_refused_without_their_server(capsys):
     """Checked before anything loads (the model path does not exist): named, not ignored."""
     assert main(["parity", "--model", "nosuch", "--prompts", "3", "--temperature", "0.5"]) == 2

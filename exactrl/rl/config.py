@@ -37,6 +37,13 @@ class RolloutSettings(BaseModel):
     top_k: int = -1
     """top-k cut-off (-1 = off); logprobs are those of the truncated, renormalised distribution."""
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:  # the engine's rule (SamplingParams), checked before the run starts
+            raise ValueError(f"must be -1 (off) or >= 1, got {v}")
+        return v
+
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v: float) -> float:

@@ -119,7 +119,8 @@ def to_train_batch(groups: list[list[Rollout]], advantage: str, advantage_kwargs
             else None)
     return TrainBatch(prompt_ids=[r.prompt_ids for r in flat], completion_ids=[r.completion_ids for r in flat],
                       behav_logprobs=[r.behav_logprobs for r in flat], advantages=adv_PG.reshape(-1).tolist(),
-                      loss_mask=mask)
+                      loss_mask=mask,  # the cut completions were still sampled: measured, not trained on
+                      generated_mask=[[1] * len(r.completion_ids) for r in flat] if mask_truncated else None)
 
 
 def rollout_metrics(groups: list[list[Rollout]]) -> dict[str, float]:

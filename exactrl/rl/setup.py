@@ -322,6 +322,11 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     a = cfg.algorithm
     loss_fn = build_loss(a.loss, **a.loss_kwargs)
     corrections = build_corrections(a.corrections) if a.corrections else None
+    weighing = [c.key for c in corrections.corrections if c.weighs] if corrections else []
+    if a.bypass and weighing:  # the bypass ratio π_θ/μ already is ρ: a weight ρ on top would square it
+        raise ValueError(f"algorithm.bypass takes the loss ratio against μ, which already weighs each token by "
+                         f"π_old/μ: the corrections {weighing} would apply that ratio twice; use them without "
+                         f"bypass, or keep only masking corrections (token_mask_is, geometric_rejection, ...)")
     # a dry run on one group of two zero rewards: a bad estimator name or argument fails now, with the
     # checks and message of the first training step (rl/rollout.py to_train_batch)
     try:

@@ -29,7 +29,7 @@ import torch
 from exactrl.distributed import Ranks
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.transformer import CausalLM
-from exactrl.rl.aggregation import aggregate
+from exactrl.rl.aggregation import aggregate, masked_mean
 from exactrl.rl.corrections import apply_bypass
 from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
 from exactrl.rl.kl import kl_estimate
@@ -45,6 +45,8 @@ class TrainBatch:
     behav_logprobs: list[list[float]]  # μ for each completion token
     advantages: list[float]  # sequence advantage, broadcast over its tokens
     loss_mask: list[list[int]] | None = None  # per completion token (None = all ones)
+    generated_mask: list[list[int]] | None = None  # 1 where the engine sampled the token (None = loss_mask):
+    # the tokens the mismatch metrics and the entropy are measured on, whether trained on or not
     ref_logprobs: list[torch.Tensor] | None = None  # filled by the trainer when KL is on
 
     def __post_init__(self):
@@ -87,20 +89,27 @@ def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     return out
 
 
+def _mask(rows: list[list[int]] | None, batch: TrainBatch, idx: list[int], T: int) -> torch.Tensor:
+    """[B, T] float 0/1 of the sequences idx (rows None: every completion token)."""
+    mask_BT = torch.zeros(len(idx), T)
+    for r, k in enumerate(idx):
+        m = rows[k] if rows is not None else [1] * len(batch.completion_ids[k])
+        mask_BT[r, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    return mask_BT
+
+
 def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings, T: int):
     seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
     plens = [len(batch.prompt_ids[k]) for k in idx]
     lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True, first=plens,
                                entropy_grad=bool(s.entropy_coef), share_prompts=s.share_prompts)
     logp_BT, ent_BT = _pad(lps, T), _pad(ents, T)
-    mask_BT = torch.zeros(len(idx), T)
-    for r, k in enumerate(idx):
-        m = batch.loss_mask[k] if batch.loss_mask is not None else [1] * len(batch.completion_ids[k])
-        mask_BT[r, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    mask_BT = _mask(batch.loss_mask, batch, idx, T)
+    gen_BT = mask_BT if batch.generated_mask is None else _mask(batch.generated_mask, batch, idx, T)
     behav_BT = _pad([torch.tensor(batch.behav_logprobs[k], dtype=torch.float32) for k in idx], T)
     adv_BT = torch.tensor([batch.advantages[k] for k in idx], dtype=torch.float32)[:, None].expand(-1, T)
     adv_BT = adv_BT * (mask_BT > 0)
-    return logp_BT, ent_BT, mask_BT, behav_BT, adv_BT
+    return logp_BT, ent_BT, mask_BT, gen_BT, behav_BT, adv_BT
 
 
 def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch: TrainBatch,
@@ -112,39 +121,34 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     T = max(1, max(len(c) for c in batch.completion_ids))
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
-    olds, behavs, masks, finals, weights, sums = [], [], [], [], [], {}
+    kept = {k: [] for k in ("old", "behav", "loss_mask", "gen", "adv", "final", "ent", "kl")}
+    loss_sum = 0.0
     optimizer.zero_grad(set_to_none=True)
     order = ranks.shard(len(batch))
     for start in range(0, len(order), s.micro_batch_size):
         idx = order[start:start + s.micro_batch_size]
-        logp_BT, ent_BT, mask_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
+        logp_BT, ent_BT, sampled_BT, gen_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
         old_BT = logp_BT.detach()
-        weights_BT, sampled_BT = torch.ones_like(old_BT), mask_BT  # the mismatch is measured on every sampled token
+        weights_BT, mask_BT = torch.ones_like(old_BT), sampled_BT
         if s.corrections is not None:
-            weights_BT, mask_BT, cm = s.corrections(old_BT, behav_BT, mask_BT, adv_BT)
-            _accumulate(sums, cm, len(idx))
+            weights_BT, mask_BT, _ = s.corrections(old_BT, behav_BT, sampled_BT, adv_BT)
         inp = LossInputs(logprobs_BT=logp_BT, old_logprobs_BT=old_BT, behav_logprobs_BT=behav_BT,
                          advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT, sampled_mask_BT=sampled_BT)
         lengths_B = sampled_BT.sum(dim=1)  # seq-mean-token-mean's n_b: a masked token stays in it
         if s.bypass:
             inp = apply_bypass(inp)
-        loss, lm = loss_fn(inp, s.agg_mode, norm)
+        loss, _ = loss_fn(inp, s.agg_mode, norm)
         if s.entropy_coef:
             loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm, lengths_B)
         if ref_model is not None and s.kl_coef and s.kl_in_loss:
-            ref_BT = _ref_logprobs(ref_model, batch, idx, s, T)
-            kl_BT = kl_estimate(logp_BT, ref_BT, s.kl_kind)
-            kl = aggregate(kl_BT, mask_BT, s.agg_mode, norm, lengths_B)
-            loss = loss + s.kl_coef * kl
-            _accumulate(sums, {"train/kl_ref": kl.item()}, len(batch))
+            kl_BT = kl_estimate(logp_BT, _ref_logprobs(ref_model, batch, idx, s, T), s.kl_kind)
+            loss = loss + s.kl_coef * aggregate(kl_BT, mask_BT, s.agg_mode, norm, lengths_B)
+            kept["kl"].append(kl_BT.detach())
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
-        # loss terms are already normalised by the whole batch: their micro-batch values add up
-        _accumulate(sums, {"train/loss": loss.item(),
-                           "train/entropy": (ent_BT.detach() * mask_BT).sum().item() / norm.total_tokens}, len(batch))
-        _accumulate(sums, lm, len(idx))
-        olds.append(old_BT), behavs.append(behav_BT), masks.append(sampled_BT)
-        finals.append(mask_BT.detach()), weights.append(weights_BT.detach())
+        loss_sum += loss.item()  # loss terms are already normalised by the whole batch: they add up
+        for k, t in zip(kept, (old_BT, behav_BT, sampled_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())):
+            kept[k].append(t)
     ranks.sum_grads(model.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
     if not torch.isfinite(grad_norm):
@@ -152,18 +156,33 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     optimizer.step()
     ranks.check_same("weights after the optimizer step", model.parameters(),
                      "the data-parallel step did not give every rank the same result")
-    if ranks.world > 1:  # every rank's sums and per-token tensors, for metrics of the whole batch
-        parts = ranks.gather((sums, olds, behavs, masks, finals, weights))
-        sums = {k: sum(p[0].get(k, 0.0) for p in parts) for k in parts[0][0]}
-        olds, behavs, masks, finals, weights = ([t for p in parts for t in p[i]] for i in range(1, 6))
-    metrics = {k: v / len(batch) for k, v in sums.items()}
-    old, behav, mask = torch.cat(olds), torch.cat(behavs), torch.cat(masks)
-    # over the tokens as sampled, before any correction drops some: a mask never hides the mismatch it acts on
-    metrics |= logprob_diff_metrics(old, behav, mask)
-    metrics |= mismatch_metrics(old, behav, mask, weights_BT=torch.cat(weights) if s.corrections else None,
-                                final_mask_BT=torch.cat(finals),
+    if ranks.world > 1:  # every rank's loss and per-token tensors, for metrics of the whole batch
+        parts = ranks.gather((loss_sum, kept))
+        loss_sum = sum(p[0] for p in parts)
+        kept = {k: [t for p in parts for t in p[1][k]] for k in kept}
+    whole = {k: torch.cat(v) if v else None for k, v in kept.items()}
+    return {"train/loss": loss_sum, **_batch_metrics(whole, loss_fn, s, norm), "train/grad_norm": float(grad_norm)}
+
+
+def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[str, float]:
+    """The step's metrics over the whole batch at once, so that no figure depends on micro_batch_size or
+    on the number of ranks: the corrections and the loss are evaluated again on the detached tensors
+    (π_θ = π_old, as in the step), for their metrics only."""
+    old, behav, gen, final = t["old"], t["behav"], t["gen"], t["final"]
+    # over the tokens as sampled, before any mask drops some: a mask never hides the mismatch it acts on
+    metrics = logprob_diff_metrics(old, behav, gen)
+    weights, cm = torch.ones_like(old), {}
+    if s.corrections is not None:
+        weights, _, cm = s.corrections(old, behav, t["loss_mask"], t["adv"])
+    metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=final,
                                 weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False))
-    metrics["train/grad_norm"] = float(grad_norm)
+    inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
+                     mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])
+    _, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)
+    metrics |= cm | lm
+    metrics["train/entropy"] = float(masked_mean(t["ent"].double(), gen))  # the policy's, on what it sampled
+    if t["kl"] is not None:  # the estimator's token mean over the trained tokens, whatever agg_mode
+        metrics["train/kl_ref"] = float(masked_mean(t["kl"].double(), final))
     return metrics
 
 
@@ -175,9 +194,3 @@ def _ref_logprobs(ref_model, batch, idx, s: StepSettings, T: int) -> torch.Tenso
         lps, _ = token_logprobs(ref_model, seqs, s.temperature, -1, 1.0,
                                 first=[len(batch.prompt_ids[k]) for k in idx], share_prompts=s.share_prompts)
     return _pad(lps, T)
-
-
-def _accumulate(sums: dict, metrics: dict, weight: int) -> None:
-    """Sums metric·weight so that dividing by the batch size gives the sequence-weighted mean."""
-    for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + float(v) * weight

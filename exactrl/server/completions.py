@@ -85,13 +85,14 @@ async def _completion_answer(st, body: CompletionRequest, gens: list[Generation]
         return Response(status_code=499)
     choices = []
     for k, g in enumerate(gens):
-        _record(session, g)
-        st.count_generation(g.prompt_ids, g.choices)
         prompt_text = st.tokenizer.decode(g.prompt_ids, skip_special_tokens=False) if body.echo else ""
         for c in g.choices:
             choices.append({"index": k * body.n + c.index, "text": prompt_text + c.text,
                             "logprobs": await _completion_logprobs(st, body, g, c, prompt_text),
                             "finish_reason": c.finish_reason} | token_fields(g.prompt_ids, c))
+    for g in gens:  # only now that the answer is whole: a request that failed (409) leaves no trajectory
+        _record(session, g)
+        st.count_generation(g.prompt_ids, g.choices)
     return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
                          "choices": choices, "usage": _usage(gens)})
 
@@ -152,7 +153,7 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
         await queue.put((k, None))
 
     tasks = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(gens)]
-    completed = False
+    completed, closed = False, set()
     try:
         if body.echo:  # the prompt's text first, as in the JSON answer
             yield chunk([{"index": k * body.n + c.index, "text": st.tokenizer.decode(g.prompt_ids),
@@ -170,11 +171,15 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
             g, out = gens[k], []
             for j in changed:
                 c = g.choices[j]
+                if (k, j) in closed:  # an update queued before the consumer saw the choice finish
+                    continue
                 text = c.text_delta(g.hold)
                 if text or c.done:
                     out.append({"index": k * body.n + j, "text": text, "logprobs": None,
                                 "finish_reason": c.finish_reason}
                                | (token_fields(g.prompt_ids, c) if c.done else {}))
+                if c.done:  # a choice's last chunk, with its token fields, goes out once
+                    closed.add((k, j))
             if out:
                 yield chunk(out)
         for g in gens:

@@ -130,3 +130,57 @@ def test_kl_to_the_reference_stays_finite_when_sampling_truncates(qwen3_dir, tmp
         m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), batch,
                        _settings(top_k=1, kl_coef=0.1, kl_kind=kind), ref_model=ref)
         assert math.isfinite(m["train/kl_ref"]) and m["train/kl_ref"] > 0, (kind, m["train/kl_ref"])
+
+
+def test_cut_completions_left_out_of_the_loss_still_count_in_the_mismatch(qwen3_dir):
+    """`overlong.mask_truncated` zeroes a cut completion's loss mask, not its having been sampled: the
+    train/rollout difference is measured on it all the same (it used to read 0.0 on a fully cut batch)."""
+    model = exactrl.load_model(qwen3_dir)
+    batch = _off_policy_batch(model)
+    gen = [[1] * len(c) for c in COMPLETIONS]
+    cut = TrainBatch(batch.prompt_ids, batch.completion_ids, batch.behav_logprobs, batch.advantages,
+                     loss_mask=[[0] * len(c) for c in COMPLETIONS], generated_mask=gen)
+    m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), cut, _settings())
+    plain = _step(qwen3_dir)
+    for key in ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max", "mismatch/k3",
+                "train/entropy"):
+        assert m[key] == plain[key] and m[key] > 0, key
+
+
+def test_entropy_is_the_mean_over_the_sampled_tokens_whatever_a_correction_masks(qwen3_dir):
+    plain, masked = _step(qwen3_dir), _step(qwen3_dir, [{"name": "token_mask_is", "upper": 2.0}])
+    assert masked["mismatch/token_mask_frac"] == pytest.approx(1 / 8)
+    assert masked["train/entropy"] == plain["train/entropy"]
+
+
+@pytest.mark.parametrize("correction", [{"name": "token_tis", "upper": 2.0}, {"name": "token_mask_is", "upper": 2.0},
+                                        {"name": "sequence_mask_is", "upper": 2.0}])
+def test_loss_and_correction_metrics_do_not_depend_on_micro_batch_size(qwen3_dir, correction):
+    """One token of 8 is 1 nat off: its share is 1/8 however the batch is cut into micro-batches
+    (each micro-batch's mean used to be weighted by its sequences: 1/4 with one sequence each)."""
+    whole, split = _step(qwen3_dir, [correction]), _step(qwen3_dir, [correction], micro_batch_size=1)
+    keys = [k for k in whole if k.startswith(("loss/", "correction/", "mismatch/"))]
+    assert any(k.startswith("correction/") for k in keys) and "loss/ratio_mean" in keys
+    for k in keys:
+        assert split[k] == pytest.approx(whole[k], rel=1e-12, abs=1e-15), k
+    if correction["name"] == "token_tis":
+        assert whole["correction/token_tis/clip_frac"] == pytest.approx(1 / 8)
+        # ρ = e^1 truncated to 2, one token at e^0.01, the other six at 1
+        assert whole["loss/weight_mean"] == pytest.approx((6 + math.exp(0.01) + 2.0) / 8, rel=1e-5)
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_kl_ref_is_the_token_mean_of_the_estimator_in_every_aggregation(qwen3_dir, tmp_path, agg_mode):
+    make_hf_model(tmp_path, "qwen3", seed=1)
+    model, ref = exactrl.load_model(qwen3_dir), exactrl.load_model(tmp_path).requires_grad_(False)
+    batch = _off_policy_batch(model)
+    seqs = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
+    with torch.no_grad():
+        pi, _ = token_logprobs(model, seqs, first=[3, 3])
+        pr, _ = token_logprobs(ref, seqs, first=[3, 3])
+    d = torch.cat(pr) - torch.cat(pi)
+    k3 = (d.double().exp() - 1 - d.double()).mean().item()
+    s = _settings(kl_coef=0.1, kl_kind="k3")
+    s.agg_mode = agg_mode
+    m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), batch, s, ref_model=ref)
+    assert m["train/kl_ref"] == pytest.approx(k3, rel=1e-5)
