@@ -181,11 +181,29 @@ class Engine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"{field} holds {t!r}, not a token id in [0, {self.vocab_size})")
 
-    def abort(self, request_id: str) -> bool:
-        """Drops a request and frees its pages; False if it is unknown or already finished."""
-        req = self._requests.pop(request_id, None)
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Drops a request and frees its pages; False if it is unknown or already finished.
+
+        With `index`, only its sample `index` (a server's stop string ended that one): its pages are
+        freed, its finish_reason is "abort", the other samples go on. False if that sample is finished,
+        or is sample 0 before its prompt is computed (the other samples will start from it)."""
+        req = self._requests.get(request_id)
         if req is None:
             return False
+        if index is not None:
+            if not (isinstance(index, int) and 0 <= index < len(req.seqs)):
+                raise ValueError(f"index must be a sample of request {request_id!r}, 0..{len(req.seqs) - 1}, "
+                                 f"got {index!r}")
+            seq = req.seqs[index]
+            if seq.status is Status.FINISHED or seq.followers:
+                return False
+            if seq.status is Status.FORK_WAIT:
+                req.seqs[0].followers.remove(seq)
+            self.scheduler.remove(seq)
+            seq.finish_reason = "abort"
+            if not req.finished:
+                return True
+        del self._requests[request_id]
         for seq in req.seqs:
             if seq.status is not Status.FINISHED:
                 self.scheduler.remove(seq)

@@ -94,6 +94,10 @@ class Generation:
                     raise APIError(400, str(e)) from None
                 finished = out.finished
                 changed = [j for j, comp in enumerate(out.completions) if self._advance(self.choices[j], comp)]
+                if not all(c.done for c in self.choices):  # (else the whole request is aborted below)
+                    for j in changed:  # a stop string ended it, the engine's sample runs on: free its pages
+                        if self.choices[j].stop_string and out.completions[j].finish_reason is None:
+                            loop.abort(rid, j)
                 if changed:
                     yield changed
         finally:

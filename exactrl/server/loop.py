@@ -53,7 +53,7 @@ class LoopStats:
     unfinished_requests: int = 0  # engine requests a client is waiting on
     kv_pages_free: int = 0
     kv_pages_total: int = 0
-    aborted: int = 0  # engine requests aborted (client gone, stop string reached)
+    aborted: int = 0  # engine requests (or samples of one) aborted: client gone, stop string reached
     busy_s: float = 0.0  # wall time spent in engine.step
     step_errors: int = 0
     engine: dict = field(default_factory=dict)  # Engine.stats(): version, running, waiting, preemptions, kv usage
@@ -89,8 +89,9 @@ class EngineLoop:
         self._commands.put(("add", request_id, prompt_ids, params, stream))
         return request_id, stream
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Drops the request (or only its sample `index`: `Engine.abort`) at the next command."""
+        self._commands.put(("abort", request_id, index))
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Runs fn(engine) on the engine thread between steps (scoring, weight updates)."""
@@ -137,7 +138,11 @@ class EngineLoop:
                 return
             self._streams[rid] = stream
         elif kind == "abort":
-            if self._streams.pop(cmd[1], None) is not None and self.engine.abort(cmd[1]):
+            _, rid, index = cmd
+            if index is not None:  # one sample: the request and its stream go on
+                if rid in self._streams and self.engine.abort(rid, index):
+                    self.stats.aborted += 1
+            elif self._streams.pop(rid, None) is not None and self.engine.abort(rid):
                 self.stats.aborted += 1
         elif kind == "call":
             _, fn, fut = cmd

@@ -202,6 +202,35 @@ def test_abort_frees_pages_and_others_finish(model):
     assert all_pages_free(engine)
 
 
+def test_abort_one_sample_frees_it_and_the_others_are_unchanged(model):
+    """`abort(request_id, index)` (a server's stop string): that sample stops and gives its pages back at
+    once; the others draw exactly what they would have; the request ends when they do."""
+    sp = SamplingParams(max_tokens=40, n=3, ignore_eos=True, seed=5)
+    ref = Engine(model).generate([list(range(30))], sp)[0]
+    engine = Engine(model, kv_budget_tokens=512)
+    rid = engine.add_request(list(range(30)), sp)
+    with pytest.raises(ValueError, match="index must be a sample of request"):
+        engine.abort(rid, 3)
+    engine.step()  # the prefill: sample 0's prompt is computed, the others are forked from it
+    for _ in range(20):
+        engine.step()
+    free = engine.pool.num_free
+    assert engine.abort(rid, 1) and not engine.abort(rid, 1)
+    assert engine.pool.num_free > free  # its own pages (beyond the shared prompt's) are back
+    outs = [o for _ in range(100) if engine.has_unfinished() for o in engine.step() if o.finished]
+    (out,) = outs
+    assert [c.finish_reason for c in out.completions] == ["length", "abort", "length"]
+    assert [c.token_ids for c in out.completions[::2]] == [c.token_ids for c in ref[::2]]
+    assert ref[1].token_ids[:len(out.completions[1].token_ids)] == out.completions[1].token_ids
+    assert all_pages_free(engine)
+    # the last running sample aborted ends the request; sample 0 before its prefill is kept (the others need it)
+    rid = engine.add_request(list(range(30)), sp)
+    assert not engine.abort(rid, 0) and engine.abort(rid, 2)
+    engine.step()
+    assert engine.abort(rid, 0) and engine.abort(rid, 1) and not engine.has_unfinished()
+    assert all_pages_free(engine)
+
+
 def test_generate_keeps_other_requests_outputs_for_step(model):
     engine = Engine(model)
     other = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))

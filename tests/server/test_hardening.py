@@ -559,3 +559,63 @@ def test_streamed_text_is_decoded_incrementally_and_exactly():
         g._advance(c, NS(token_ids=ids[:k], logprobs=[0.0] * k, versions=[0] * k, finish_reason=None))
         assert c.text == tok.decode(ids[:k]), k
     assert sum(decoded) < 5 * len(ids)  # the whole generation each time would be ~len(ids)² / 2
+
+
+# ---------------------------------------------------------------- 9. review fixes (2026-11-25, night)
+def test_a_streamed_completion_closes_each_choice_once(monkeypatch):
+    """Updates queued while the consumer lagged used to send a finished choice's last chunk (finish_reason,
+    token fields) again for each of them. The consumer is made to lag here: it checks for a disconnect
+    before each update."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    check = Request.is_disconnected
+
+    async def slow(self):
+        await asyncio.sleep(0.02)
+        return await check(self)
+    monkeypatch.setattr(Request, "is_disconnected", slow)
+    s = served()
+    body = {"model": s.model, "prompt": ["hello world", "the quick"], "max_tokens": 8, "stream": True, "n": 2,
+            "seed": 0}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        evs = events(r)
+    closing = [c["index"] for e in evs if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
+    assert sorted(closing) == [0, 1, 2, 3]
+    answer = post("/v1/completions", json=body | {"stream": False}).json()["choices"]
+    streamed = {c["index"]: c for e in evs if e != "[DONE]" for c in e["choices"] if c["finish_reason"]}
+    assert [streamed[c["index"]]["generation_token_ids"] for c in answer] == [c["generation_token_ids"]
+                                                                              for c in answer]
+
+
+def test_a_failed_completion_under_a_session_records_no_trajectory(monkeypatch):
+    """A 409 (weights changed before the top logprobs were scored) answered no choice: nothing of the
+    request may be trained on."""
+    from exactrl.server import completions
+    from exactrl.server.schemas import APIError
+
+    async def weights_changed(*_a, **_k):
+        raise APIError(409, "the weights changed", code="weights_changed")
+    monkeypatch.setattr(completions, "_completion_logprobs", weights_changed)
+    s = served()
+    body = {"model": s.model, "prompt": "hello", "max_tokens": 4, "logprobs": 1, "n": 2}
+    assert error_of(post("/sessions/failed-409/v1/completions", json=body), 409)["code"] == "weights_changed"
+    assert httpx.get(s.url + "/sessions/failed-409/trajectories").json()["trajectories"] == []
+    monkeypatch.undo()
+    assert post("/sessions/failed-409/v1/completions", json=body).status_code == 200
+    assert len(httpx.get(s.url + "/sessions/failed-409/trajectories").json()["trajectories"]) == 2
+
+
+def test_a_choice_a_stop_string_ends_frees_its_engine_sample_while_the_others_go_on():
+    s = served()
+    body = {"model": s.model, "prompt": [7] * 20, "max_tokens": 120, "ignore_eos": True, "n": 2, "seed": 11}
+    full = post("/v1/completions", json=body).json()["choices"]
+    t0, t1 = full[0]["text"], full[1]["text"]
+    stop = next(t0[i:i + 4] for i in range(len(t0) - 4) if "\ufffd" not in t0[i:i + 4] and t0[i:i + 4] not in t1
+                and len(t0[:i + 4].encode()) < len(t0.encode()) // 2)  # well before choice 0's end
+    before = s.state.loop.stats.aborted
+    cut = post("/v1/completions", json=body | {"stop": [stop]}).json()["choices"]
+    assert cut[0]["finish_reason"] == "stop" and stop not in cut[0]["text"] and t0.startswith(cut[0]["text"])
+    assert cut[1]["generation_token_ids"] == full[1]["generation_token_ids"]  # the other sample, unchanged
+    assert s.state.loop.stats.aborted == before + 1  # sample 0 alone, as soon as its stop string showed
