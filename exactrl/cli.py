@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         code = _fail(args.command, f"{e}. The training diverged; its checkpoints are kept. Try a new run with "
                                    f"a lower optim.lr or optim.grad_clip" if args.command == "train"
                      else e)
+    except OSError as e:  # a full disk, a file gone: one line (a run's checkpoints say what is kept)
+        code = _fail(args.command, e)
     except KeyboardInterrupt:  # outside a training loop (loading, a report): nothing to save, no traceback
         print(f"\nexactrl {args.command}: interrupted", file=sys.stderr)
         code = 130

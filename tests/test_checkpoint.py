@@ -41,6 +41,20 @@ def test_save_load_keep_and_crash(qwen3_dir, tmp_path, monkeypatch):
     assert not list((tmp_path / "checkpoints").glob(".tmp_step_*"))  # the failed save's partial dir is gone
 
 
+def test_a_full_disk_is_named_with_the_checkpoint_that_is_kept(qwen3_dir, tmp_path, monkeypatch):
+    model = exactrl.load_model(qwen3_dir)
+    opt = _opt(model)
+    ck.save_checkpoint(tmp_path, 2, model, opt, {"prompts": {}}, keep=2)
+
+    def full(*a, **k):  # what torch's zip writer raises when the disk fills under it
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2576768 vs 2576656")
+    monkeypatch.setattr(ck.torch, "save", full)
+    with pytest.raises(OSError, match=r"the checkpoint of step 4 could not be written .*unexpected pos.*"
+                                      r"step_000002 is intact: free disk space and resume"):
+        ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
+    assert ck.latest_checkpoint(tmp_path).name == "step_000002"
+
+
 def test_a_lost_or_bad_pointer_falls_back_to_the_newest_complete_checkpoint(qwen3_dir, tmp_path):
     model = exactrl.load_model(qwen3_dir)
     opt = _opt(model)

@@ -247,6 +247,14 @@ def test_report_names_a_metric_that_is_not_a_number_and_a_report_path_it_cannot_
     assert f"cannot write the plots to {tmp_path / 'report'}" in error_of(capsys, "report")
 
 
+def test_report_skips_a_last_row_cut_while_written(tmp_path, capsys):
+    """A run killed while it wrote a row leaves half a line without its newline: resume drops it, so does the
+    report (a broken line anywhere else is still named)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n{"step": 2, "rollout/rew')
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report" / "summary.png").stat().st_size > 0
+
+
 def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
     cfg = load_config(None, ["run_dir=123", "rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1",
                              "rollout_backend.model=007", "model.path=1.10",

@@ -30,10 +30,13 @@ holds as many end-of-turn tokens (the returned text keeps them), so the
 message must end in R's segment where its tokens end in H. (When such a
 generation's last token is an end-of-turn, its text shows it too; that one is
 the turn's end, which the template renders itself.)
-Earlier token-carrying messages must be prefixes of H, and the tokens
-between a generation and the end of the turn before it must say what the
-template's generation prompt says (nothing else may sit in the context
-unseen). The first mismatch
+An earlier token-carrying message whose tokens are a prefix of H is matched
+as a generation; one whose tokens are not (a turn from before a `split` or
+`truncate`, which H holds re-rendered from its text) is matched by its text,
+like any other turn, so one split does not make every later turn split again.
+The tokens between a generation and the end of the turn before it must say
+what the template's generation prompt says (nothing else may sit in the
+context unseen). The first mismatch
 is handled by the policy: `raise` (MonotonicityError naming the first
 differing token position of H), `split` (a fresh render: a new training
 segment, the old one stays whole) or `truncate` (H up to the last matching
@@ -193,15 +196,12 @@ class Splicer:
         def seg_of(pos: int) -> int:  # segment of H holding position pos
             return bisect.bisect_left(h_ends, pos)
 
-        # earlier token-carrying turns must be prefixes of H; a message spans H's segments [first, last]
+        # the token-carrying turns whose tokens H holds; a message spans H's segments [first, last]
         spans: dict[int, tuple[int, int]] = {}
         covered = -1  # last segment of H covered by the token-carrying messages so far
         for i, f in fields.items():
             h = self.history(f)
-            d = _first_diff(h, hist)
-            if d < len(h):
-                found.append(_Mismatch(seg_of(d), d, f"messages[{i}]'s tokens are not a prefix of the last "
-                                                     f"assistant message's tokens"))
+            if _first_diff(h, hist) < len(h):  # from before a split: H holds its text, compared below
                 continue
             first, last = seg_of(len(f.prompt_token_ids)), seg_of(len(h) - 1)
             if self._text(hist[h_start[first]:len(f.prompt_token_ids)]) != gen_prompt:

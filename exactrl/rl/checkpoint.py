@@ -61,8 +61,13 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
         _fsync_dir(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and pointer are untouched
+        if isinstance(e, (OSError, RuntimeError)):  # a full disk shows as either (torch's writer: RuntimeError)
+            kept = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+            raise OSError(f"the checkpoint of step {step} could not be written to {root} ({e}); "
+                          f"{f'{kept} is intact' if kept else 'no earlier checkpoint'}: free disk space "
+                          f"and resume") from e
         raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -125,12 +125,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text (byte {e.start})") from None
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
+            if lineno == len(lines) and not text.endswith("\n"):  # cut while written (a killed run): not a row
+                break
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
                              f"fix or delete that line") from None
         if not isinstance(row, dict):

@@ -19,9 +19,12 @@ rank 0 logs and saves.
 """
 from __future__ import annotations
 
+import contextlib
+import random
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from exactrl.distributed import whole_optimizer_state
@@ -59,9 +62,29 @@ def initial_eval(c: Components, eval_engine) -> dict[str, float]:
     """
     if c.start_step != 0 or not c.cfg.task.eval_size:
         return {}
-    acc = evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout, c.cfg.seed,
-                   c.ranks)["eval/accuracy"]
+    with own_random_streams(c.cfg.seed, 0):  # (the asynchronous loop's rollout thread starts after it)
+        acc = evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout, c.cfg.seed,
+                       c.ranks)["eval/accuracy"]
     return {"eval/initial_accuracy": acc}
+
+
+@contextlib.contextmanager
+def own_random_streams(seed: int, step: int):
+    """Python's, numpy's and torch's global random streams seeded from (seed, step) inside, and given back
+    as they were after: a task whose reward draws from them (a sampled judge) scores the held-out problems
+    without moving the training's streams, so when and how often a run evaluates (eval_every, a resume
+    with another max_steps) changes none of its training. Only where no other thread draws meanwhile."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    mixed = (seed * 1_000_003 + step) % 2**63
+    random.seed(mixed)
+    np.random.seed(mixed % 2**32)
+    torch.manual_seed(mixed)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
 
 
 def engine_metrics(engine) -> dict[str, float]:
@@ -115,7 +138,10 @@ def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dic
         "step": step, "time/step_s": step_s, "perf/tokens_per_s": n_tokens / step_s,
         "perf/completion_tokens": n_tokens}
     if cfg.task.eval_size and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-        metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed, c.ranks)
+        # its own streams where the loop is synchronous (`rng` None); the asynchronous loop's rollout thread
+        # draws from the global ones meanwhile
+        with own_random_streams(cfg.seed, step) if rng is None else contextlib.nullcontext():
+            metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed, c.ranks)
     c.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
         state = c.trainer_state(prompts_state, rng)  # every rank's random streams (a collective)

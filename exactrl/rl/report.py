@@ -30,9 +30,15 @@ def write_report(run_dir: str | Path) -> list[Path]:
             raise ValueError(f"{run_dir / 'metrics.jsonl'}: row {i}: {bad[0]!r} is {r[bad[0]]!r}, not a number")
     out_dir = run_dir / "report"
     try:
-        out_dir.mkdir(exist_ok=True)
-    except OSError as e:  # a file of that name, or a read-only run directory
+        return _plot(rows, out_dir, plt)
+    except OSError as e:  # a file of that name, a read-only run directory, a full disk
         raise ValueError(f"cannot write the plots to {out_dir}: {e.strerror or e}") from None
+    finally:
+        plt.close("all")
+
+
+def _plot(rows: list[dict], out_dir: Path, plt) -> list[Path]:
+    out_dir.mkdir(exist_ok=True)
     written = []
     fig_all, axes = plt.subplots(2, 2, figsize=(11, 7))
     for (name, keys), ax_all in zip(PANELS, axes.flat):

@@ -27,6 +27,7 @@ from exactrl.rl.external import ExternalEngine
 from exactrl.rl.logger import MetricsLogger, NullLogger
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings
+from exactrl.rl.warmstart import module_sha256
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Components:
     new_run_dir: bool = False  # build created run_dir (a run that fails before its first step removes it)
     ranks: Ranks = Ranks()  # this process's rank in a data-parallel run (exactrl/distributed); one by default
     run_lock: Any = None  # the open run_dir/.lock that rank 0 holds for the run (`_lock_run_dir`)
+    module_sha256: str | None = None  # the source of task.module as the run imported it (resume checks it)
 
     def close(self) -> None:
         """Closes the log and the rollout backend (an external server's client, Ray engines), then releases
@@ -74,7 +76,8 @@ class Components:
         after the last trained batch and `rng` the random streams then (`rng_state()`; None: now). The
         asynchronous loop's rollouts may already be further: it passes both as they were after that batch."""
         rng = rng_state() if rng is None else rng
-        state = {"prompts": prompts_state, **rng, "config": self.cfg.model_dump(by_alias=True),
+        state = {"prompts": prompts_state, **rng, "config": _identity(self.cfg.model_dump(by_alias=True),
+                                                                     self.module_sha256),
                  "tokenizer": self.tokenizer.fingerprint}
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
@@ -250,7 +253,13 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         for k, v in tree.items():
             out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
         return out
-    old, new = flat(saved), flat(cfg.model_dump(mode="json", by_alias=True))  # as state.json holds it
+    # as state.json holds it; a task module's source only where the checkpoint has it (older ones do not)
+    try:
+        sha = module_sha256(cfg.task.module) if "module_sha256" in saved.get("task", {}) else None
+    except OSError:  # gone: importing it names the problem
+        sha = None
+    new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)
+    old, new = flat(saved), flat(new)
     # the weights come from the checkpoint, so model.path may move; but with KL on, the reference model
     # is read from model.path (the starting weights): another path would be another reference
     resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")
@@ -264,6 +273,12 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     if changed:
         raise ValueError(f"resume from {ckpt} with changed settings ({'; '.join(changed)}): a resumed run keeps "
                          f"the settings it was started with; drop these --set overrides, or start a new run_dir")
+
+
+def _identity(config: dict, module_sha: str | None) -> dict:
+    """A run's config as its checkpoints keep it: with the sha256 of its task module's source, if any (an
+    edited task file is another task)."""
+    return config if module_sha is None else {**config, "task": {**config["task"], "module_sha256": module_sha}}
 
 
 def _check_paths(cfg: RunConfig) -> None:
@@ -318,6 +333,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     _check_paths(cfg)
     if cfg.task.module:
         import_task_module(cfg.task.module)
+    task_sha = module_sha256(cfg.task.module)  # as imported: an edit during the run is not this run's task
     task = get_task(cfg.task.name, **cfg.task.kwargs)
     a = cfg.algorithm
     loss_fn = build_loss(a.loss, **a.loss_kwargs)
@@ -356,7 +372,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
             if refused is not None:
                 raise ValueError(f"rank 0 could not start the run: {refused}")
             return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
-                              optimizer, loss_fn, settings, NullLogger(), start, False, ranks)
+                              optimizer, loss_fn, settings, NullLogger(), start, False, ranks, module_sha256=task_sha)
         try:
             run_dir, new_run_dir, run_lock, logger = _claim_run_dir(cfg, run_dir, named, ckpt, start)
         except ValueError as e:
@@ -364,7 +380,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
             raise
         ranks.broadcast(None)
         return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
-                          loss_fn, settings, logger, start, new_run_dir, ranks, run_lock)
+                          loss_fn, settings, logger, start, new_run_dir, ranks, run_lock, task_sha)
     except BaseException:
         engine.close()
         raise

@@ -61,6 +61,12 @@ def _module_source(module: str) -> bytes:
     return origin.read_bytes() if origin is not None and origin.is_file() else module.encode()
 
 
+def module_sha256(module: str | None) -> str | None:
+    """The sha256 of a task module's source (None without one): the warm start's cache key and the
+    resume check (rl/setup.py) both see an edited task as another task."""
+    return hashlib.sha256(_module_source(module)).hexdigest() if module else None
+
+
 def _hash(cfg) -> str:
     # The warm start reads only task.name and task.kwargs of the task section. The other task fields
     # (train_jsonl, train_size, eval_size) enter the key at their defaults and `module` not at all, so
@@ -71,7 +77,7 @@ def _hash(cfg) -> str:
     parts = {"task": task.model_dump(exclude={"module"}), "sft": cfg.sft.model_dump(), "seed": cfg.seed,
              "dtype": cfg.model.dtype, "tiny": TINY_QWEN3, "v": 1}
     if cfg.task.module:
-        parts["module_sha256"] = hashlib.sha256(_module_source(cfg.task.module)).hexdigest()
+        parts["module_sha256"] = module_sha256(cfg.task.module)
     key = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 

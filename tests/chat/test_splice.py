@@ -171,6 +171,32 @@ def test_unchained_assistant_messages_are_non_monotonic(tok, sp):
     assert e.value.position == len(p1)
 
 
+def test_after_a_split_the_next_turns_splice_on_the_new_segment(tok, sp):
+    """The turns from before a split keep their old token fields; the history is now the split turn's, which
+    holds their text re-rendered: they are matched by text, and the conversation goes on by token id (every
+    later turn used to split again)."""
+    follow = [{"role": "user", "content": t} for t in ("next", "and then", "last")]
+    p1 = sp.build([USER]).prompt_ids
+    a1 = turn(tok, p1, byte_tokens(tok, "84"))
+    a2 = turn(tok, sp.build([USER, a1, follow[0]]).prompt_ids, byte_tokens(tok, "ok"))
+    edited = a1 | {"content": "85"}
+    split = sp.build([USER, edited, follow[0], a2, follow[1]], policy="split")
+    assert split.kind == "split"
+    a3 = turn(tok, split.prompt_ids, byte_tokens(tok, "fine"))
+    msgs = [USER, edited, follow[0], a2, follow[1], a3, follow[2]]
+    plan = sp.build(msgs)  # policy raise: nothing is out of line any more
+    assert plan.kind == "spliced" and plan.reused == len(sp.history(turn_fields(a3)))
+    assert plan.prompt_ids[:plan.reused] == split.prompt_ids + a3["generation_token_ids"]
+    with pytest.raises(MonotonicityError, match="the text of turn 1 changed"):  # text still guards them
+        sp.build([USER, a1 | {"content": "86"}, *msgs[2:]])
+
+
+def turn_fields(msg: dict):
+    from exactrl.chat.messages import token_fields
+
+    return token_fields(msg, 0, tokenizer().vocab_size)
+
+
 def test_length_cut_generation_gets_an_end_of_turn(tok, sp):
     p1 = sp.build([USER]).prompt_ids
     gen = byte_tokens(tok, "eighty")

@@ -120,6 +120,26 @@ def test_resume_restores_pythons_and_numpys_random_streams_for_tasks_that_use_th
     same_metrics(full[:2], again)
 
 
+def test_evaluation_moves_none_of_the_training_streams(model_dir, tmp_path, capsys):
+    """A reward that draws from the global streams (a sampled judge) scores the held-out problems from
+    streams of their own: a run extended past its last (evaluated) step, or resumed with another
+    eval_every, trains exactly as the uninterrupted run. And an edited task file is another task: refused."""
+    task = tmp_path / "noisy_task.py"
+    task.write_text(NOISY_TASK)
+    args = (f"task.module={task}", "task.name=noisy_arithmetic_for_resume", "save_every=2", "eval_every=4")
+    full = training_rows(run(model_dir, tmp_path / "full", "max_steps=4", *args))
+    run(model_dir, tmp_path / "part", "max_steps=2", *args)  # evaluates at its last step, 2
+    resumed = training_rows(run(model_dir, tmp_path / "part", "max_steps=4", "resume=true", *args[:-1],
+                                "eval_every=1"))
+    same_metrics(*([{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rows]
+                   for rows in (full, resumed)))
+    task.write_text(NOISY_TASK.replace("+ random.random()", "* 10.0 + random.random()"))
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'part'}",
+                                            "max_steps=6", "resume=true", *args] for x in ("--set", o)]
+    assert cli_main(args) == 2
+    assert "task.module_sha256" in capsys.readouterr().err
+
+
 def test_resume_refuses_to_overwrite_or_invent(model_dir, tmp_path, capsys):
     run(model_dir, tmp_path / "r", "max_steps=1")
     args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=2"]
