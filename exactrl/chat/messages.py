@@ -36,18 +36,18 @@ class TokenFields:
 
 
 def _text(content: Any, where: str) -> str | None:
-    """A message content (string, list of text parts or None) as one string."""
+    """A message field (string, list of text parts or None) as one string; `where` names the field."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for k, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"{where}.content[{k}]: only text parts ({{'type': 'text', 'text': ...}}) "
+                raise ValueError(f"{where}[{k}]: only text parts ({{'type': 'text', 'text': ...}}) "
                                  f"are supported")
             parts.append(part["text"])
         return "".join(parts)
-    raise ValueError(f"{where}.content must be a string, a list of text parts or null")
+    raise ValueError(f"{where} must be a string, a list of text parts or null")
 
 
 def token_fields(msg: dict, index: int, vocab_size: int) -> TokenFields | None:
@@ -112,7 +112,8 @@ def template_message(msg: dict, index: int) -> dict:
     role = msg.get("role")
     if role not in ROLES:
         raise ValueError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
-    out: dict = {"role": "system" if role == "developer" else role, "content": _text(msg.get("content"), where)}
+    out: dict = {"role": "system" if role == "developer" else role,
+                 "content": _text(msg.get("content"), where + ".content")}
     if role == "assistant":
         if msg.get("reasoning_content") is not None:
             out["reasoning_content"] = _text(msg["reasoning_content"], where + ".reasoning_content")

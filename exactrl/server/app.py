@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: app factory, state, metrics, sessions, `serve_main`.
 
 Routes (OpenAI's schema, so the official `openai` client works unchanged):
-  GET  /v1/models
+  GET  /v1/models, /v1/models/{id}
   POST /v1/chat/completions          JSON or SSE (stream=true)
   POST /v1/completions               JSON or SSE
   GET  /metrics                      flat JSON counters (server/…, chat/…, engine/…)
@@ -358,11 +358,18 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": state.config.model_name, "object": "model", "created": int(state.started),
+                "owned_by": "exactrl", "max_model_len": state.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.config.model_name, "object": "model",
-                                            "created": int(state.started), "owned_by": "exactrl",
-                                            "max_model_len": state.engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # (a path: the default id is the model directory's)
+    async def model(model_id: str):
+        state.check_model(model_id)  # 404 model_not_found otherwise; an alias names the same model
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():

@@ -619,3 +619,22 @@ def test_a_choice_a_stop_string_ends_frees_its_engine_sample_while_the_others_go
     assert cut[0]["finish_reason"] == "stop" and stop not in cut[0]["text"] and t0.startswith(cut[0]["text"])
     assert cut[1]["generation_token_ids"] == full[1]["generation_token_ids"]  # the other sample, unchanged
     assert s.state.loop.stats.aborted == before + 1  # sample 0 alone, as soon as its stop string showed
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("reasoning_content", 5, "messages[1].reasoning_content must be a string, a list of text parts or null"),
+    ("reasoning_content", [{"type": "image"}], "messages[1].reasoning_content[0]: only text parts"),
+    ("content", 5, "messages[1].content must be a string, a list of text parts or null"),
+])
+def test_a_bad_message_field_is_named_by_its_path(field, value, needle):
+    msgs = MSGS + [{"role": "assistant", "content": "x", field: value}, {"role": "user", "content": "y"}]
+    assert needle in error_of(post("/v1/chat/completions", json=chat(messages=msgs, max_tokens=2)))["message"]
+
+
+def test_a_model_is_retrieved_by_its_id_or_alias():
+    """`client.models.retrieve` (GET /v1/models/{id}); the default id is a path, slashes and all."""
+    s = served()
+    assert s.client().models.retrieve(s.model).id == s.model
+    r = httpx.get(f"{s.url}/v1/models/{s.state.config.aliases[0]}")
+    assert r.status_code == 200 and r.json()["id"] == s.model
+    assert error_of(httpx.get(f"{s.url}/v1/models/nosuch"), 404)["code"] == "model_not_found"
