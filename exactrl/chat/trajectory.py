@@ -10,7 +10,9 @@ the earlier tokens exactly): the new record inherits mask and logprobs over
 the longest common prefix with any earlier record, so a generated token keeps
 mask 1 however many turns later it is seen. The trajectories to train on are
 the records no other record extends — one per conversation branch (several
-with n > 1 or parallel sub-agents).
+with n > 1 or parallel sub-agents). Branches share the turns before they
+part, generated tokens included (mask 1 in each): each branch is a whole
+episode, as each path of a tree rollout is.
 
 A prompt that shares only part of a branch that stays a trajectory (a turn
 re-tokenized or edited by a client that sent no token fields) inherits only
