@@ -305,22 +305,22 @@ class Engine:
             if batch.targets:
                 rows = self._sample_rows(batch.targets)
                 tok_R, lp_R = sample(logits_RV, rows)
-                self._check_drawn(tok_R, batch.targets)
+                toks = tok_R.tolist()
+                self._check_drawn(toks, batch.targets)
         # only now is the step's work kept: if anything above raised, every chunk is simply
         # computed again by the next step (its KV slots are rewritten with the same values)
         for c in sched.chunks:
             c.seq.num_computed += c.length
         if not batch.targets:
             return []
-        return self._commit(batch.targets, tok_R.tolist(), lp_R.tolist())
+        return self._commit(batch.targets, toks, lp_R.tolist())
 
-    def _check_drawn(self, tok_R: torch.Tensor, targets: list[Sequence]) -> None:
+    def _check_drawn(self, toks: list[int], targets: list[Sequence]) -> None:
         """A row with a NaN or no finite logprob cannot be sampled (`draw` gives it token -1): its requests
         are aborted, the step raises."""
-        bad_R = tok_R < 0
-        if not bool(bad_R.any()):
+        if min(toks) >= 0:
             return
-        ids = sorted({targets[i].request.request_id for i in bad_R.nonzero().flatten().tolist()})
+        ids = sorted({targets[i].request.request_id for i, t in enumerate(toks) if t < 0})
         for rid in ids:
             self.abort(rid)
         raise NonFiniteLogitsError(ids)
