@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when a chat history no longer matches the tokens the server returned: raise (HTTP 400), "
                         "split (render it afresh as a new segment) or truncate (keep the tokens up to the last "
                         "matching turn, render the rest); a request's `monotonicity` field overrides it")
+    s.add_argument("--kv-budget-tokens", type=_int_in(1), default=16384, metavar="N",
+                   help="the engine's KV cache, in tokens (allocated once); requests beyond it wait or are "
+                        "preempted and resumed")
+    s.add_argument("--max-num-seqs", type=_int_in(1), default=64, metavar="N",
+                   help="sequences in one engine step (a request's n counts each); a request's n above it is "
+                        "refused")
     s.add_argument("--session-ttl", type=_int_in(0), default=3600, metavar="SECONDS",
                    help="drop a /sessions/{id} record no request has used for this long (a crashed trainer never "
                         "deletes its own), >= 0; 0 keeps sessions until they are deleted")

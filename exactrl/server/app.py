@@ -481,7 +481,8 @@ def serve_main(args) -> int:
     logging.basicConfig(level=logging.INFO)
     _check_listen(args.host, args.port)  # before the model loads: a typo is named in a second, not a minute
     state = build_state(args.model, args.tokenizer, args.dtype, args.kernels, args.monotonicity,
-                        session_ttl_s=args.session_ttl)
+                        session_ttl_s=args.session_ttl, kv_budget_tokens=args.kv_budget_tokens,
+                        max_num_seqs=args.max_num_seqs)
     log.info("serving %s (%s, %s kernels, monotonicity=%s, session ttl %d s) on http://%s:%d",
              state.config.model_name, args.dtype, args.kernels, args.monotonicity, args.session_ttl, args.host,
              args.port)

@@ -638,3 +638,20 @@ def test_a_model_is_retrieved_by_its_id_or_alias():
     r = httpx.get(f"{s.url}/v1/models/{s.state.config.aliases[0]}")
     assert r.status_code == 200 and r.json()["id"] == s.model
     assert error_of(httpx.get(f"{s.url}/v1/models/nosuch"), 404)["code"] == "model_not_found"
+
+
+def test_serve_passes_its_engine_sizes(monkeypatch):
+    """`exactrl serve --max-num-seqs N --kv-budget-tokens T`: the engine it builds has them."""
+    import uvicorn
+
+    from exactrl.cli import main
+    from exactrl.server import app as server_app
+
+    built = []
+    monkeypatch.setattr(server_app, "create_app", lambda state: built.append(state))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    assert main(["serve", "--model", str(model_dir()), "--port", "0", "--max-num-seqs", "3",
+                 "--kv-budget-tokens", "512"]) == 0
+    engine = built[0].engine
+    assert engine.scheduler.max_num_seqs == 3
+    assert engine.pool.num_pages * engine.model.block_size >= 512 > (engine.pool.num_pages - 2) * engine.model.block_size
