@@ -58,7 +58,7 @@ class Completion:
     token_ids: list[int]  # generated tokens; a stop token is included
     logprobs: list[float]  # logprob of each token under the distribution it was sampled from
     versions: list[int]  # engine.version that sampled each token
-    finish_reason: str | None  # "stop" | "length"; None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" (abort(request_id, index)); None while running
 
 
 @dataclass

@@ -156,11 +156,15 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     optimizer.step()
     ranks.check_same("weights after the optimizer step", model.parameters(),
                      "the data-parallel step did not give every rank the same result")
-    if ranks.world > 1:  # every rank's loss and per-token tensors, for metrics of the whole batch
-        parts = ranks.gather((loss_sum, kept))
-        loss_sum = sum(p[0] for p in parts)
-        kept = {k: [t for p in parts for t in p[1][k]] for k in kept}
     whole = {k: torch.cat(v) if v else None for k, v in kept.items()}
+    if ranks.world > 1:  # every rank's loss and per-token tensors, in batch order: the metrics of one process
+        parts = ranks.gather((loss_sum, whole))
+        loss_sum = sum(p[0] for p in parts)
+        rows = torch.tensor([k for r in range(ranks.world) for k in range(r, len(batch), ranks.world)])
+        for k, v in whole.items():
+            if v is not None:
+                whole[k] = torch.empty(len(batch), *v.shape[1:], dtype=v.dtype)
+                whole[k][rows] = torch.cat([p[1][k] for p in parts])
     return {"train/loss": loss_sum, **_batch_metrics(whole, loss_fn, s, norm), "train/grad_norm": float(grad_norm)}
 
 
@@ -174,7 +178,9 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
     weights, cm = torch.ones_like(old), {}
     if s.corrections is not None:
         weights, _, cm = s.corrections(old, behav, t["loss_mask"], t["adv"])
-    metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=final,
+    # what the corrections removed, not what the rollout kept out of the loss (overlong.mask_truncated)
+    kept = final + (gen - t["loss_mask"])
+    metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=kept,
                                 weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False))
     inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
                      mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])

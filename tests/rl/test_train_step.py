@@ -145,6 +145,7 @@ def test_cut_completions_left_out_of_the_loss_still_count_in_the_mismatch(qwen3_
     for key in ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max", "mismatch/k3",
                 "train/entropy"):
         assert m[key] == plain[key] and m[key] > 0, key
+    assert m["mismatch/token_mask_frac"] == m["mismatch/seq_mask_frac"] == 0.0  # no correction removed them
 
 
 def test_entropy_is_the_mean_over_the_sampled_tokens_whatever_a_correction_masks(qwen3_dir):
