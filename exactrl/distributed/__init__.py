@@ -233,13 +233,7 @@ def launch(argv: list[str], nproc: int) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // nproc))
-    procs = []
-    for r in range(nproc):
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": threads}
-        procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env,
-                                      preexec_fn=_dies_with(os.getpid())))
+    procs: list[subprocess.Popen] = []
 
     def stop(signum, frame):  # the launcher is told to stop (a job manager, `timeout`): so are the ranks
         for p in procs:
@@ -248,7 +242,13 @@ def launch(argv: list[str], nproc: int) -> int:
         raise SystemExit(128 + signum)
     previous = signal.signal(signal.SIGTERM, stop)
     code = 0
-    try:
+    try:  # a SIGINT while the ranks start reaches the ones started (below)
+        for r in range(nproc):
+            env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": threads}
+            procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env,
+                                          preexec_fn=_dies_with(os.getpid())))
         live = list(procs)
         while live:
             for p in list(live):
