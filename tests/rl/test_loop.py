@@ -124,9 +124,9 @@ def test_evaluation_moves_none_of_the_training_streams(model_dir, tmp_path, caps
     """A reward that draws from the global streams (a sampled judge) scores the held-out problems from
     streams of their own: a run extended past its last (evaluated) step, or resumed with another
     eval_every, trains exactly as the uninterrupted run. And an edited task file is another task: refused."""
-    task = tmp_path / "noisy_task.py"
-    task.write_text(NOISY_TASK)
-    args = (f"task.module={task}", "task.name=noisy_arithmetic_for_resume", "save_every=2", "eval_every=4")
+    task = tmp_path / "noisy_eval_task.py"  # a name of its own: another test registers NOISY_TASK's
+    task.write_text(NOISY_TASK.replace("noisy_arithmetic_for_resume", "noisy_arithmetic_for_eval"))
+    args = (f"task.module={task}", "task.name=noisy_arithmetic_for_eval", "save_every=2", "eval_every=4")
     full = training_rows(run(model_dir, tmp_path / "full", "max_steps=4", *args))
     run(model_dir, tmp_path / "part", "max_steps=2", *args)  # evaluates at its last step, 2
     resumed = training_rows(run(model_dir, tmp_path / "part", "max_steps=4", "resume=true", *args[:-1],
