@@ -359,17 +359,16 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": "ok"}
 
     def model_card() -> dict:
-        return {"id": state.config.model_name, "object": "model", "created": int(state.started),
-                "owned_by": "exactrl", "max_model_len": state.engine.max_model_len}
+        return {"id": state.config.model_name, "object": "model", "created": int(state.started), "owned_by": "exactrl",
+                "max_model_len": state.engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")  # (a path: the default id is the model directory's)
+    @app.get("/v1/models/{model_id:path}")  # a path: the default id is the model directory's
     async def model(model_id: str):
-        state.check_model(model_id)  # 404 model_not_found otherwise; an alias names the same model
-        return model_card()
+        return state.check_model(model_id) or model_card()  # 404 model_not_found unless it or an alias
 
     @app.get("/metrics")
     async def metrics():
@@ -491,8 +490,7 @@ def serve_main(args) -> int:
 
 
 def _check_listen(host: str, port: int) -> None:
-    """ValueError naming --host / --port unless a socket can listen there now (the probe is closed again;
-    SO_REUSEADDR, as uvicorn binds)."""
+    """ValueError naming --host / --port unless a socket can listen there now (SO_REUSEADDR, as uvicorn)."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
