@@ -185,7 +185,9 @@ def init_from_env() -> Ranks:
     """The job's ranks from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); one rank
     if WORLD_SIZE is unset or 1. Joins the gloo process group."""
     world = _env_int("WORLD_SIZE", "1")
-    if world <= 1:
+    if world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1 (the number of ranks)")
+    if world == 1:
         return Ranks()
     rank = _env_int("RANK", None)
     if not 0 <= rank < world:

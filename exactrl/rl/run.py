@@ -17,6 +17,7 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     cfg = load_config(config_path, overrides)
     ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
     try:
+        _check_same_settings(cfg, ranks)
         code = _train(cfg, ranks, print if ranks.main else _quiet)
         if code != 130:  # an interrupted rank may have left the others in another collective: no barrier
             ranks.barrier()  # every rank is done before any tears the group down
@@ -26,6 +27,31 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
             import torch.distributed
 
             torch.distributed.destroy_process_group()
+
+
+def _check_same_settings(cfg, ranks) -> None:
+    """Every rank runs rank 0's settings. torchrun starts each rank with its own command line, and ranks
+    with, say, another `model.kernels` or `algorithm.loss` would train a model none of them describes:
+    every rank raises, naming the keys that differ (a collective: every rank takes part)."""
+    if ranks.world == 1:
+        return
+    mine = _flat(cfg.model_dump(by_alias=True))
+    first = ranks.broadcast(mine)
+    diffs = ranks.gather([f"{k} ({mine.get(k)!r} vs rank 0's {first.get(k)!r})"
+                          for k in sorted(first.keys() | mine.keys()) if first.get(k) != mine.get(k)])
+    bad = {r: d for r, d in enumerate(diffs) if d}
+    if bad:
+        where = "; ".join(f"rank {r}: " + ", ".join(d) for r, d in bad.items())
+        raise ValueError(f"the ranks were started with different settings ({where}); start every rank with the "
+                         f"same config file and --set options")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: config keys as `--set` names them."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _quiet(*args, **kwargs) -> None:

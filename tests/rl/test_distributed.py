@@ -276,7 +276,9 @@ def test_a_rank_dies_with_its_launcher_even_a_sigkilled_one(tmp_path):
 
 @pytest.mark.parametrize("env, words", [({"WORLD_SIZE": "2"}, "the environment variable RANK is not set"),
                                         ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
-                                        ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 is not in [0, WORLD_SIZE=2)")])
+                                        ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 is not in [0, WORLD_SIZE=2)"),
+                                        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+                                        ({"WORLD_SIZE": "-2", "RANK": "0"}, "WORLD_SIZE=-2 must be >= 1")])
 def test_a_bad_torchrun_environment_is_named(monkeypatch, env, words):
     import re
 
@@ -309,3 +311,38 @@ def test_a_run_dir_rank_0_cannot_claim_stops_every_rank_without_a_traceback(mode
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "rank 0): error: injected: another run took the dir" in done.stderr
     assert "rank 1): error: rank 0 could not start the run: injected" in done.stderr
+
+
+def test_ranks_started_with_different_settings_are_refused_naming_the_keys(model_dir, tmp_path):
+    """torchrun gives every rank its own command line: a rank with another `model.kernels` would train
+    what no rank's settings describe. Both ranks stop before the model loads, naming the key and values."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, kernels in ((0, "exact"), (1, "fast")):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "exactrl", "train",
+               *sets(model_dir, tmp_path / "run", "max_steps=1", f"model.kernels={kernels}")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    for rank, (p, err) in enumerate(zip(procs, errs)):
+        assert p.returncode == 2 and "Traceback" not in err, err[-3000:]
+        assert f"(rank {rank}): error: the ranks were started with different settings (rank 1: model.kernels " \
+               f"('fast' vs rank 0's 'exact'))" in err, err[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_ranks_with_the_same_settings_pass_the_check():
+    """The check's inverse in one process: equal settings, nothing raised (a world of one skips it)."""
+    from exactrl.rl.config import load_config
+    from exactrl.rl.run import _check_same_settings, _flat
+
+    cfg = load_config(None, ["model.kernels=fast"])
+    _check_same_settings(cfg, Ranks())
+    flat = _flat(cfg.model_dump(by_alias=True))
+    assert flat["model.kernels"] == "fast" and not any(isinstance(v, dict) for v in flat.values())
