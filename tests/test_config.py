@@ -39,3 +39,20 @@ def test_missing_and_malformed_file(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ValueError, match="mapping"):
         load_config(bad)
+
+
+def test_settings_switched_off_by_others_are_named():
+    from exactrl.rl.config import ignored_settings
+
+    cfg = load_config(None, ["async.max_staleness=2", "algorithm.kl.kind=k1", "model.path=/m", "sft.steps=3",
+                             "algorithm.overlong.penalty_factor=0.5"])
+    assert ignored_settings(cfg) == [
+        "async.max_staleness has no effect: async.enabled is false",
+        "algorithm.kl.kind has no effect: algorithm.kl.coef is 0",
+        "algorithm.overlong.penalty_factor has no effect: algorithm.overlong.buffer_len is 0",
+        "sft.steps has no effect: model.path is set, and the SFT warm start is the default model's"]
+    # the same keys with their features on, and the defaults: nothing to say
+    on = load_config(None, ["async.enabled=true", "async.max_staleness=2", "algorithm.kl.coef=0.1",
+                            "algorithm.kl.kind=k1", "sft.steps=3", "algorithm.overlong.buffer_len=4",
+                            "algorithm.overlong.penalty_factor=0.5"])
+    assert ignored_settings(on) == [] and ignored_settings(load_config()) == []

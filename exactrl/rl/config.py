@@ -317,3 +317,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
                                                          else f" (got {err.get('input')!r})")
                         + ("; quote it in YAML to pass it as text" if err["type"] == "string_type" else ""))
         raise ValueError("; ".join(msgs)) from None
+
+
+def ignored_settings(cfg: RunConfig) -> list[str]:
+    """Keys given (in the file or with `--set`) that another setting switches off, each with the reason:
+    the run goes on without them and says so, instead of leaving a typo'd plan silently unapplied."""
+    def given(section: BaseModel, prefix: str, names: tuple[str, ...], why: str) -> list[str]:
+        return [f"{prefix}.{n} has no effect: {why}" for n in names if n in section.model_fields_set]
+
+    out = []
+    if not cfg.async_.enabled:
+        out += given(cfg.async_, "async", ("max_staleness", "inflight_updates", "recompute_behaviour"),
+                     "async.enabled is false")
+    if cfg.algorithm.kl.coef == 0:
+        out += given(cfg.algorithm.kl, "algorithm.kl", ("kind", "where"), "algorithm.kl.coef is 0")
+    if cfg.algorithm.overlong.buffer_len == 0:
+        out += given(cfg.algorithm.overlong, "algorithm.overlong", ("penalty_factor",),
+                     "algorithm.overlong.buffer_len is 0")
+    if cfg.model.path is not None:
+        out += given(cfg.sft, "sft", ("steps", "batch_size", "lr", "echo_frac"),
+                     "model.path is set, and the SFT warm start is the default model's")
+    return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from exactrl.rl.config import load_config
+from exactrl.rl.config import ignored_settings, load_config
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
@@ -74,6 +74,8 @@ def _train(cfg, ranks, say) -> int:
         return 0
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
     mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
+    for key in ignored_settings(cfg):
+        say(f"note: {key}")
     say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     if cfg.optim.shard_state and ranks.world > 1:
         mine, total = optimizer_share(c.optimizer)
