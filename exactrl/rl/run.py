@@ -66,6 +66,8 @@ def _train(cfg, ranks, say) -> int:
     from exactrl.rl.report import write_report
     from exactrl.rl.setup import build
 
+    for key in ignored_settings(cfg):
+        say(f"note: {key}")
     c = build(cfg, say, ranks)
     if c.start_step >= cfg.max_steps:
         c.close()
@@ -74,8 +76,6 @@ def _train(cfg, ranks, say) -> int:
         return 0
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
     mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
-    for key in ignored_settings(cfg):
-        say(f"note: {key}")
     say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     if cfg.optim.shard_state and ranks.world > 1:
         mine, total = optimizer_share(c.optimizer)
