@@ -75,12 +75,12 @@ def _weight_stats(w_BT: torch.Tensor, keep_BT: torch.Tensor) -> dict[str, float]
             "mismatch/is_weight_min": float(w.min().item()), "mismatch/is_weight_max": float(w.max().item())}
 
 
-def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, token_ratios: bool) -> dict[str, float]:
+def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT, token_ratios: bool) -> dict[str, float]:
     n = max(float(mask_BT.sum().item()), 1.0)
     clipped = 0.0
     if weights_BT is not None and token_ratios:  # |w − ρ| beyond fp32 rounding of the applied weight
         differs_BT = (weights_BT - ratio_BT).abs() > 1e-6 * ratio_BT.clamp(min=1.0)
-        clipped = float(masked_mean(differs_BT.to(torch.float64), final_BT).item())
+        clipped = float(masked_mean(differs_BT.to(torch.float64), weighted_BT).item())
     has_B = mask_BT.sum(dim=1) > 0
     removed_B = has_B & (final_BT.sum(dim=1) == 0)
     return {"mismatch/token_clip_frac": clipped,
@@ -90,10 +90,13 @@ def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, token_ratios: boo
 
 def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
                      weights_BT: torch.Tensor | None = None,
-                     final_mask_BT: torch.Tensor | None = None, weights_are_token_ratios: bool = True
-                     ) -> dict[str, float]:
+                     final_mask_BT: torch.Tensor | None = None, weights_are_token_ratios: bool = True,
+                     weighted_mask_BT: torch.Tensor | None = None) -> dict[str, float]:
     """Flat `mismatch/...` metrics (see the module docstring for each key). `weights_are_token_ratios`:
-    whether `weights_BT` are the tokens' own (truncated) ratios, which token_clip_frac compares with ρ_t."""
+    whether `weights_BT` are the tokens' own (truncated) ratios, which token_clip_frac compares with ρ_t.
+    `weighted_mask_BT`: the tokens the weights were computed for, over which ess, is_weight_* and
+    token_clip_frac are taken (default `final_mask_BT`; a trainer that keeps tokens out of the loss
+    before the corrections run, as overlong.mask_truncated does, passes those the corrections saw)."""
     old_BT, behav_BT = _clean({"old_logprobs_BT": old_logprobs_BT, "behav_logprobs_BT": behav_logprobs_BT},
                               mask_BT)
     final_BT = mask_BT if final_mask_BT is None else final_mask_BT
@@ -113,6 +116,9 @@ def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Ten
         if mask_BT.sum() > 0 else 0.0,
         "mismatch/chi2_seq": _mean_over_nonempty(seq_ratio_B.square() - 1.0, mask_BT),
     }
-    metrics |= _weight_stats(ratio_BT if weights_BT is None else weights_BT, final_BT)
-    metrics |= _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weights_are_token_ratios)
+    weighted_BT = final_BT if weighted_mask_BT is None else weighted_mask_BT
+    if bool(((weighted_BT > 0) & (final_BT == 0)).any()):
+        raise ValueError("weighted_mask_BT keeps tokens that final_mask_BT excludes")
+    metrics |= _weight_stats(ratio_BT if weights_BT is None else weights_BT, weighted_BT)
+    metrics |= _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT, weights_are_token_ratios)
     return metrics

@@ -181,7 +181,8 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
     # what the corrections removed, not what the rollout kept out of the loss (overlong.mask_truncated)
     kept = final + (gen - t["loss_mask"])
     metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=kept,
-                                weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False))
+                                weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False),
+                                weighted_mask_BT=final)
     inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
                      mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])
     _, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)

@@ -148,6 +148,24 @@ def test_cut_completions_left_out_of_the_loss_still_count_in_the_mismatch(qwen3_
     assert m["mismatch/token_mask_frac"] == m["mismatch/seq_mask_frac"] == 0.0  # no correction removed them
 
 
+def test_weight_figures_cover_the_tokens_the_correction_weighed_when_cut_completions_are_left_out(qwen3_dir):
+    """With overlong.mask_truncated the corrections weigh the loss mask's tokens only; the cut completion's
+    tokens (here the second, every token 0.01 nat off) must not read as clipped or pull is_weight_* to 1."""
+    model = exactrl.load_model(qwen3_dir)
+    batch = _off_policy_batch(model)
+    behav = [batch.behav_logprobs[0], [lp - 0.01 for lp in batch.behav_logprobs[1]]]
+    cut = TrainBatch(batch.prompt_ids, batch.completion_ids, behav, batch.advantages,
+                     loss_mask=[[1] * len(COMPLETIONS[0]), [0] * len(COMPLETIONS[1])],
+                     generated_mask=[[1] * len(c) for c in COMPLETIONS])
+    s = _settings(corrections=build_corrections([{"name": "token_tis", "upper": 2.0}]))
+    m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), cut, s)
+    assert m["mismatch/token_clip_frac"] == m["correction/token_tis/clip_frac"] == pytest.approx(1 / len(COMPLETIONS[0]))
+    n = len(COMPLETIONS[0])  # the first: one token truncated from e to 2, the others at 1
+    assert m["mismatch/is_weight_mean"] == pytest.approx((n - 1 + 2.0) / n, rel=1e-6)
+    assert m["mismatch/is_weight_max"] == pytest.approx(2.0) and m["mismatch/is_weight_min"] == 1.0
+    assert m["mismatch/token_mask_frac"] == 0.0  # the correction removed nothing
+
+
 def test_entropy_is_the_mean_over_the_sampled_tokens_whatever_a_correction_masks(qwen3_dir):
     plain, masked = _step(qwen3_dir), _step(qwen3_dir, [{"name": "token_mask_is", "upper": 2.0}])
     assert masked["mismatch/token_mask_frac"] == pytest.approx(1 / 8)
