@@ -1,6 +1,8 @@
 """Run config: YAML + --set overrides, errors that name the key."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from exactrl.rl.config import load_config
@@ -26,9 +28,15 @@ def test_defaults_and_overrides(tmp_path):
     ("rollout.top_p=1.5", "bad value for 'rollout.top_p'"),
     ("seed", "--set expects key=value"),
     ("max_steps.x=1", "max_steps"),
+    ("optim.lr=true", "bad value for 'optim.lr': Input should be a number, not a boolean"),  # not lr = 1.0
+    ("max_steps=true", "bad value for 'max_steps'"),
+    ("optim.betas=[true, 0.9]", "bad value for 'optim.betas'"),
+    ("rollout_backend.ray.num_engines=false", "bad value for 'rollout_backend.ray.num_engines'"),
+    ("run_dir=''", "bad value for 'run_dir': String should have at least 1 character"),  # not the cwd
+    ("model.path=''", "bad value for 'model.path'"),  # not the default model
 ])
 def test_bad_overrides_name_the_key(override, needle):
-    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("'", "'")):
+    with pytest.raises(ValueError, match=re.escape(needle)):
         load_config(None, [override])
 
 

@@ -11,12 +11,12 @@ class TaskSettings(BaseModel):
 
     name: str = "arithmetic"
     """Registered task name (see `exactrl.envs.TASKS`)."""
-    module: str | None = None
+    module: str | None = Field(None, min_length=1)
     """Python module imported before `name` is looked up: a dotted name (`mypkg.tasks`) or a .py file path.
     A task it registers with `@register_task` can then be named in `name` (a task of your own, from the CLI)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Constructor arguments of the task (difficulty knobs)."""
-    train_jsonl: str | None = None
+    train_jsonl: str | None = Field(None, min_length=1)
     """Optional JSONL file of {prompt, answer} training problems; None generates them procedurally."""
     train_size: int = Field(4096, ge=1)
     """Number of procedurally generated training problems (cycled by epoch)."""

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
-    path: str | None = None
+    path: str | None = Field(None, min_length=1)
     """Hugging Face model directory; None builds (and caches) the default tiny model with a warm start."""
-    tokenizer: str | None = None
+    tokenizer: str | None = Field(None, min_length=1)
     """Tokenizer directory; None uses `path` (or the default job's own tokenizer)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and activation dtype for both trainer and engine."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import date
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -173,7 +173,7 @@ class RunConfig(BaseModel):
     """RL steps to run."""
     seed: int = Field(0, ge=-(2**63), lt=2**63)
     """Seeds data order, sampling and the default model's initialisation."""
-    run_dir: str | None = None
+    run_dir: str | None = Field(None, min_length=1)
     """Output directory; None creates runs/<timestamp>."""
     resume: bool = False
     """Continue from the latest checkpoint in run_dir (required if run_dir has checkpoints)."""
@@ -303,6 +303,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             raise ValueError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), _parse_override(key.strip(), raw))
+    _no_bools_for_numbers(tree, RunConfig)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
@@ -317,6 +318,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
                                                          else f" (got {err.get('input')!r})")
                         + ("; quote it in YAML to pass it as text" if err["type"] == "string_type" else ""))
         raise ValueError("; ".join(msgs)) from None
+
+
+def _no_bools_for_numbers(tree: dict, model: type[BaseModel], prefix: str = "") -> None:
+    """pydantic reads YAML's `true` as 1 for a number field: `lr: true` is a mistake, not lr = 1.0."""
+    for key, value in tree.items():
+        field = model.model_fields.get(key) or next((f for f in model.model_fields.values() if f.alias == key), None)
+        if field is None:
+            continue  # an unknown key: validation names it
+        ann = field.annotation
+        if isinstance(value, dict) and isinstance(ann, type) and issubclass(ann, BaseModel):
+            _no_bools_for_numbers(value, ann, f"{prefix}{key}.")
+            continue
+        items = value if isinstance(value, (list, tuple)) and get_origin(ann) in (tuple, list) else [value]
+        if any(isinstance(v, bool) for v in items) and _numeric(ann):
+            raise ValueError(f"bad value for {prefix + key!r}: Input should be a number, not a boolean (got {value!r})")
+
+
+def _numeric(ann: Any) -> bool:
+    """A number field (int, float, their optional forms, tuples or lists of them) that takes no bool."""
+    if ann in (int, float):
+        return True
+    args = [a for a in get_args(ann) if a is not type(None) and a is not Ellipsis]
+    if get_origin(ann) is Annotated:
+        return _numeric(args[0])
+    if get_origin(ann) in (Union, tuple, list) or type(ann).__name__ == "UnionType":
+        return bool(args) and bool not in args and all(_numeric(a) for a in args)
+    return False
 
 
 def ignored_settings(cfg: RunConfig) -> list[str]:

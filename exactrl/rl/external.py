@@ -103,7 +103,7 @@ class RolloutBackendSettings(BaseModel):
     weight_sync: Literal["none", "disk"] = "none"
     """`none`: the server keeps its weights (data grows stale); `disk`: after each step the weights are
     saved to `sync_dir` and loaded by the server's /update_weights_from_disk."""
-    sync_dir: str | None = None
+    sync_dir: str | None = Field(None, min_length=1)
     """Where `disk` writes checkpoints; the server must read the same path. None: a temp dir (same machine)."""
     timeout_s: float = Field(600.0, gt=0)
     """Per HTTP request (a whole completion of n samples, or one weight load)."""
