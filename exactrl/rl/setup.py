@@ -438,7 +438,15 @@ def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
 
     if cfg.model.path:
         return Path(cfg.model.path)
-    model_dir = ranks.broadcast(str(default_model_dir(cfg, log)) if ranks.main else None)
+    # a warm start draws from the global random streams only when it is not cached: without the restore, a
+    # run's streams (a task's sampled judge) would differ between a machine's first run and the next
+    streams = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        model_dir = ranks.broadcast(str(default_model_dir(cfg, log)) if ranks.main else None)
+    finally:
+        random.setstate(streams[0])
+        np.random.set_state(streams[1])
+        torch.set_rng_state(streams[2])
     if not (Path(model_dir) / "config.json").is_file():
         raise ValueError(f"rank {ranks.rank} cannot read the default model rank 0 built at {model_dir}: give every "
                          f"rank one filesystem for it (EXACTRL_ARTIFACTS, a shared path) or set model.path to a "

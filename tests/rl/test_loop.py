@@ -505,3 +505,27 @@ def test_overlong_settings_reach_the_step(model_dir, tmp_path):
     assert pen["train/grad_norm"] != plain["train/grad_norm"]
     assert masked["train/grad_norm"] not in (0.0, pen["train/grad_norm"])  # the shorter penalised ones remain
     assert masked["train/train_rollout_logprob_abs_diff"] == pen["train/train_rollout_logprob_abs_diff"] == 0.0
+
+
+def test_a_warm_start_leaves_the_runs_random_streams_as_they_were(model_dir, monkeypatch):
+    """The default model is built (drawing from the global streams) only when it is not cached: a run's
+    streams after setup must not depend on whether it was."""
+    import random
+
+    import numpy as np
+    import torch
+
+    import exactrl.rl.warmstart as warmstart
+    from exactrl.distributed import Ranks
+    from exactrl.rl.setup import _model_dir
+
+    def building(cfg, log):  # an uncached warm start: initialisation and SFT batches draw
+        random.random(), np.random.rand(3), torch.rand(100)
+        return model_dir
+
+    monkeypatch.setattr(warmstart, "default_model_dir", building)
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    assert _model_dir(load_config(), print, Ranks()) == model_dir
+    after = random.random(), np.random.rand(), torch.rand(1).item()
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    assert after == (random.random(), np.random.rand(), torch.rand(1).item())
