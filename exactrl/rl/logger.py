@@ -20,7 +20,8 @@ DISPLAY = [("rollout/reward_mean", "reward", "{:.3f}"), ("eval/accuracy", "eval 
 class MetricsLogger:
     """Appends one row per step. On resume from step k (`start_step`), rows of steps after k, written
     before a crash but not covered by a checkpoint, are dropped first (they are recomputed, with the
-    same values), and TensorBoard purges them too: a resumed run's log reads like an uninterrupted one."""
+    same values), and TensorBoard purges them too: a resumed run's log reads like an uninterrupted one,
+    but for `eval/*` at the last step of a run that was extended (each run evaluates at its max_steps)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, progress: bool, total_steps: int, start_step: int):
         self.path = Path(run_dir) / "metrics.jsonl"
