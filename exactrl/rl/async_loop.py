@@ -216,9 +216,12 @@ class BehaviourCheck:
 
 def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
     cfg, last = c.cfg, {}
-    # evaluation runs on the trainer thread over the trainer's own weights; the rollout engine is busy
+    # evaluation runs on the trainer thread over the trainer's own weights; the rollout engine is busy. A
+    # quarter of its KV budget, but room for any one sequence the rollout engine takes (a whole context)
+    kv = cfg.engine.kv_budget_tokens
+    eval_kv = min(kv, max(kv // 4, c.model.config.max_position_embeddings))
     eval_engine = Engine(c.model, stop_token_ids=sorted(c.tokenizer.stop_token_ids),
-                         kv_budget_tokens=cfg.engine.kv_budget_tokens // 4) if cfg.task.eval_size else None
+                         kv_budget_tokens=eval_kv) if cfg.task.eval_size else None
     initial = initial_eval(c, eval_engine)
     check = BehaviourCheck(c.model, c.start_step) if s.recompute_behaviour else None
     with RolloutWorker(c, s) as worker:

@@ -164,6 +164,16 @@ def test_async_staleness_zero_is_bitwise_the_synchronous_loop(model_dir, tmp_pat
     assert all(r["async/staleness_max"] == 0 for r in training_rows(asyn))
 
 
+def test_async_evaluation_fits_any_sequence_the_rollout_engine_takes(model_dir, tmp_path):
+    """The evaluation engine of an asynchronous run keeps a quarter of the KV budget, but never less than
+    a whole context: a budget that serves the rollouts serves the evaluation (96 // 4 tokens, one page of
+    32, did not hold a prompt and its 32 answer tokens; 3 // 4 was no budget at all)."""
+    small = ("max_steps=1", "engine.kv_budget_tokens=96", "rollout.max_tokens=32")
+    sync = run(model_dir, tmp_path / "sync", *small)
+    asyn = run(model_dir, tmp_path / "async", *small, "async.enabled=true")
+    assert asyn[-1]["eval/accuracy"] == sync[-1]["eval/accuracy"]
+
+
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
 def test_async_run_is_stale_and_its_behaviour_policy_is_recomputed(model_dir, tmp_path, kernels):
     rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=4", "async.enabled=true",
