@@ -43,7 +43,12 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is int:  # true is not a number
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:  # YAML's 1 is a fine float; .nan and .inf would pass every comparison silently wrong
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        try:
+            return math.isfinite(value)
+        except OverflowError:  # an int beyond every float
+            return False
     if hint in _TYPE_NAMES:
         return isinstance(value, hint)
     return True

@@ -16,6 +16,7 @@ from exactrl.rl.losses import PPOClipLoss, build_loss
     ({"dual_clip": "3"}, "loss 'ppo' argument dual_clip: expected a finite number or null, got '3'"),
     ({"eps_high": float("nan")}, "loss 'ppo' argument eps_high: expected a finite number, got nan"),
     ({"dual_clip": float("inf")}, "loss 'ppo' argument dual_clip: expected a finite number or null, got inf"),
+    ({"eps_high": 10**400}, "loss 'ppo' argument eps_high: expected a finite number, got 1000"),  # beyond floats
 ])
 def test_loss_kwargs_of_the_wrong_type(kwargs, match):
     with pytest.raises(ValueError, match=match):
