@@ -186,7 +186,9 @@ class Engine:
 
         With `index`, only its sample `index` (a server's stop string ended that one): its pages are
         freed, its finish_reason is "abort", the other samples go on. False if that sample is finished,
-        or is sample 0 before its prompt is computed (the other samples will start from it)."""
+        or is sample 0 before its prompt is computed (the other samples will start from it). If it was
+        the last one running, the request is finished: the next `step` (or the `generate` waiting for
+        it) returns it with every sample's completion."""
         req = self._requests.get(request_id)
         if req is None:
             return False
@@ -201,8 +203,10 @@ class Engine:
                 req.seqs[0].followers.remove(seq)
             self.scheduler.remove(seq)
             seq.finish_reason = "abort"
-            if not req.finished:
-                return True
+            if req.finished:
+                del self._requests[request_id]
+                self._unclaimed.append(self._output(req))
+            return True
         del self._requests[request_id]
         for seq in req.seqs:
             if seq.status is not Status.FINISHED:
@@ -270,6 +274,9 @@ class Engine:
             while len(done) < len(ids):
                 if on_step is not None:
                     on_step()
+                if any(o.request_id in mine for o in self._unclaimed):  # finished by an abort of one sample
+                    done |= {o.request_id: o.completions for o in self._unclaimed if o.request_id in mine}
+                    self._unclaimed = [o for o in self._unclaimed if o.request_id not in mine]
                 gone = [i for i in ids if i not in done and i not in self._requests]
                 if gone:  # aborted while we waited (from on_step, another thread): it will never finish
                     raise RuntimeError(f"request {gone[0]!r} of this generate() call was aborted")
