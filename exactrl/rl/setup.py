@@ -256,7 +256,7 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     # as state.json holds it; a task module's source only where the checkpoint has it (older ones do not)
     try:
         sha = module_sha256(cfg.task.module) if "module_sha256" in saved.get("task", {}) else None
-    except OSError:  # gone: importing it names the problem
+    except (OSError, ImportError):  # gone (a file, or a dotted name's package): importing it names the problem
         sha = None
     new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)
     old, new = flat(saved), flat(new)

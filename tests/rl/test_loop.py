@@ -138,6 +138,10 @@ def test_evaluation_moves_none_of_the_training_streams(model_dir, tmp_path, caps
                                             "max_steps=6", "resume=true", *args] for x in ("--set", o)]
     assert cli_main(args) == 2
     assert "task.module_sha256" in capsys.readouterr().err
+    # a dotted module name whose package is gone: a named error, not find_spec's ModuleNotFoundError
+    gone = [a if not a.startswith("task.module=") else "task.module=nosuchpkg.tasks" for a in args]
+    assert cli_main(gone) == 2
+    assert "nosuchpkg" in capsys.readouterr().err
 
 
 def test_resume_refuses_to_overwrite_or_invent(model_dir, tmp_path, capsys):
