@@ -347,6 +347,14 @@ def _numeric(ann: Any) -> bool:
     return False
 
 
+def dotted(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}, "c": {}} -> {"a.b": 1, "c": {}}: config keys as `--set` names them."""
+    out = {}
+    for k, v in tree.items():
+        out |= dotted(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
+    return out
+
+
 def ignored_settings(cfg: RunConfig) -> list[str]:
     """Keys given (in the file or with `--set`) that another setting switches off, each with the reason:
     the run goes on without them and says so, instead of leaving a typo'd plan silently unapplied."""

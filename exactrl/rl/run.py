@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from exactrl.rl.config import ignored_settings, load_config
+from exactrl.rl.config import dotted, ignored_settings, load_config
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
@@ -35,7 +35,7 @@ def _check_same_settings(cfg, ranks) -> None:
     every rank raises, naming the keys that differ (a collective: every rank takes part)."""
     if ranks.world == 1:
         return
-    mine = _flat(cfg.model_dump(by_alias=True))
+    mine = dotted(cfg.model_dump(by_alias=True))
     first = ranks.broadcast(mine)
     diffs = ranks.gather([f"{k} ({mine.get(k)!r} vs rank 0's {first.get(k)!r})"
                           for k in sorted(first.keys() | mine.keys()) if first.get(k) != mine.get(k)])
@@ -44,14 +44,6 @@ def _check_same_settings(cfg, ranks) -> None:
         where = "; ".join(f"rank {r}: " + ", ".join(d) for r, d in bad.items())
         raise ValueError(f"the ranks were started with different settings ({where}); start every rank with the "
                          f"same config file and --set options")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}: config keys as `--set` names them."""
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def _quiet(*args, **kwargs) -> None:

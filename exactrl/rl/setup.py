@@ -21,7 +21,7 @@ from exactrl.model.tokenizer import load_tokenizer
 from exactrl.model.transformer import CausalLM
 from exactrl.rl.advantages import compute_advantages
 from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
-from exactrl.rl.config import RunConfig
+from exactrl.rl.config import RunConfig, dotted
 from exactrl.rl.corrections import build_corrections
 from exactrl.rl.external import ExternalEngine
 from exactrl.rl.logger import MetricsLogger, NullLogger
@@ -247,19 +247,13 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     """Refuses to resume a checkpoint with settings that would make it a different run, naming them."""
     if saved is None:  # a checkpoint from before configs were saved in it
         return
-
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in tree.items():
-            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
-        return out
     # as state.json holds it; a task module's source only where the checkpoint has it (older ones do not)
     try:
         sha = module_sha256(cfg.task.module) if "module_sha256" in saved.get("task", {}) else None
     except (OSError, ImportError):  # gone (a file, or a dotted name's package): importing it names the problem
         sha = None
     new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)
-    old, new = flat(saved), flat(new)
+    old, new = dotted(saved), dotted(new)
     # the weights come from the checkpoint, so model.path may move; but with KL on, the reference model
     # is read from model.path (the starting weights): another path would be another reference
     resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")

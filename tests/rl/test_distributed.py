@@ -337,12 +337,25 @@ def test_ranks_started_with_different_settings_are_refused_naming_the_keys(model
     assert not (tmp_path / "run").exists()
 
 
-def test_ranks_with_the_same_settings_pass_the_check():
-    """The check's inverse in one process: equal settings, nothing raised (a world of one skips it)."""
-    from exactrl.rl.config import load_config
-    from exactrl.rl.run import _check_same_settings, _flat
+def test_the_settings_check_passes_equal_settings_and_names_each_difference():
+    """The check's two sides in one process, as rank 1 of 2 whose collectives hand it rank 0's settings."""
+    from dataclasses import dataclass
 
-    cfg = load_config(None, ["model.kernels=fast"])
-    _check_same_settings(cfg, Ranks())
-    flat = _flat(cfg.model_dump(by_alias=True))
-    assert flat["model.kernels"] == "fast" and not any(isinstance(v, dict) for v in flat.values())
+    from exactrl.rl.config import dotted, load_config
+    from exactrl.rl.run import _check_same_settings
+
+    @dataclass(frozen=True)
+    class Rank1(Ranks):
+        first: dict = None
+
+        def broadcast(self, obj):
+            return self.first
+
+        def gather(self, obj):
+            return [[], obj]
+
+    rank0 = dotted(load_config(None, ["algorithm.loss_kwargs={eps_high: 0.3}"]).model_dump(by_alias=True))
+    _check_same_settings(load_config(None, ["algorithm.loss_kwargs={eps_high: 0.3}"]), Rank1(1, 2, rank0))
+    with pytest.raises(ValueError, match=re.escape("rank 1: algorithm.loss_kwargs ({} vs rank 0's None), "
+                                                   "algorithm.loss_kwargs.eps_high (None vs rank 0's 0.3)")):
+        _check_same_settings(load_config(), Rank1(1, 2, rank0))
