@@ -62,6 +62,7 @@ from exactrl.rl.config import AsyncSettings
 from exactrl.rl.loop import end_step, engine_metrics, initial_eval, train_on
 from exactrl.rl.rollout import Rollout, generate_groups
 from exactrl.rl.setup import Components, rng_state
+from exactrl.rl.warmstart import prompt_ids
 
 
 @dataclass
@@ -217,11 +218,14 @@ class BehaviourCheck:
 def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
     cfg, last = c.cfg, {}
     # evaluation runs on the trainer thread over the trainer's own weights; the rollout engine is busy. A
-    # quarter of its KV budget, but room for any one sequence the rollout engine takes (a whole context)
-    kv = cfg.engine.kv_budget_tokens
-    eval_kv = min(kv, max(kv // 4, c.model.config.max_position_embeddings))
-    eval_engine = Engine(c.model, stop_token_ids=sorted(c.tokenizer.stop_token_ids),
-                         kv_budget_tokens=eval_kv) if cfg.task.eval_size else None
+    # quarter of its KV budget, but room for the longest held-out problem and its answer
+    eval_engine = None
+    if cfg.task.eval_size:
+        kv = cfg.engine.kv_budget_tokens
+        prompts = [prompt_ids(c.tokenizer, c.task, p) for p in c.eval_problems]
+        longest = max(map(len, prompts), default=0) + cfg.rollout.max_tokens
+        eval_engine = Engine(c.model, stop_token_ids=sorted(c.tokenizer.stop_token_ids),
+                             kv_budget_tokens=min(kv, max(kv // 4, longest)))
     initial = initial_eval(c, eval_engine)
     check = BehaviourCheck(c.model, c.start_step) if s.recompute_behaviour else None
     with RolloutWorker(c, s) as worker:

@@ -170,7 +170,7 @@ def test_async_staleness_zero_is_bitwise_the_synchronous_loop(model_dir, tmp_pat
 
 def test_async_evaluation_fits_any_sequence_the_rollout_engine_takes(model_dir, tmp_path):
     """The evaluation engine of an asynchronous run keeps a quarter of the KV budget, but never less than
-    a whole context: a budget that serves the rollouts serves the evaluation (96 // 4 tokens, one page of
+    its longest problem and answer: a budget that serves the rollouts serves the evaluation (96 // 4 tokens, one page of
     32, did not hold a prompt and its 32 answer tokens; 3 // 4 was no budget at all)."""
     small = ("max_steps=1", "engine.kv_budget_tokens=96", "rollout.max_tokens=32")
     sync = run(model_dir, tmp_path / "sync", *small)
