@@ -53,6 +53,22 @@ def test_a_full_disk_is_named_with_the_checkpoint_that_is_kept(qwen3_dir, tmp_pa
                                       r"step_000002 is intact: free disk space and resume"):
         ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
     assert ck.latest_checkpoint(tmp_path).name == "step_000002"
+    (tmp_path / "checkpoints" / "latest").unlink()  # the kept one is found as a resume finds it
+    with pytest.raises(OSError, match=r"step_000002 is intact: free disk space and resume"):
+        ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(ck.torch, "save", denied)
+    with pytest.raises(OSError, match=r"Permission denied\); step_000002 is intact: fix that and resume"):
+        ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
+
+    def bug(*a, **k):  # not the disk: no advice about it
+        raise RuntimeError("some other failure")
+    monkeypatch.setattr(ck.torch, "save", bug)
+    with pytest.raises(RuntimeError, match="^some other failure$"):
+        ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
+    assert ck.latest_checkpoint(tmp_path).name == "step_000002"
 
 
 def test_a_lost_or_bad_pointer_falls_back_to_the_newest_complete_checkpoint(qwen3_dir, tmp_path):

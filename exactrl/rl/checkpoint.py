@@ -12,6 +12,7 @@ a normal Hugging Face directory that `load_model` and transformers read.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -63,10 +64,12 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         _fsync_dir(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and pointer are untouched
-        if isinstance(e, (OSError, RuntimeError)):  # a full disk shows as either (torch's writer: RuntimeError)
-            kept = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+        # a full disk shows as either (torch's zip writer raises RuntimeError from inline_container.cc)
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "inline_container" in str(e)):
+            kept = latest_checkpoint(run_dir)
+            fix = "free disk space" if getattr(e, "errno", None) in (None, errno.ENOSPC) else "fix that"
             raise OSError(f"the checkpoint of step {step} could not be written to {root} ({e}); "
-                          f"{f'{kept} is intact' if kept else 'no earlier checkpoint'}: free disk space "
+                          f"{f'{kept.name} is intact' if kept else 'no earlier checkpoint is kept'}: {fix} "
                           f"and resume") from e
         raise
     shutil.rmtree(final, ignore_errors=True)
