@@ -56,6 +56,23 @@ class TrainBatch:
         for k, (c, lp) in enumerate(zip(self.completion_ids, self.behav_logprobs)):
             if len(c) != len(lp):
                 raise ValueError(f"sequence {k}: {len(c)} completion tokens but {len(lp)} behaviour logprobs")
+        for name in ("loss_mask", "generated_mask"):  # checked before a step changes any weight
+            mask = getattr(self, name)
+            if mask is None:
+                continue
+            if len(mask) != n:
+                raise ValueError(f"TrainBatch.{name} must have one entry per sequence, got {len(mask)} for {n}")
+            for k, (c, m) in enumerate(zip(self.completion_ids, mask)):
+                if len(m) != len(c) or any(x not in (0, 1) for x in m):
+                    raise ValueError(f"TrainBatch.{name}[{k}] must be 0/1 for each of its {len(c)} completion "
+                                     f"tokens, got {list(m)[:8]}{'...' if len(m) > 8 else ''}")
+        if self.generated_mask is not None:
+            loss = self.loss_mask or [[1] * len(c) for c in self.completion_ids]
+            bad = next((k for k, (g, m) in enumerate(zip(self.generated_mask, loss))
+                        if any(gx < mx for gx, mx in zip(g, m))), None)
+            if bad is not None:
+                raise ValueError(f"TrainBatch.generated_mask[{bad}] is 0 where loss_mask is 1: every token "
+                                 f"trained on was sampled")
 
     def __len__(self):
         return len(self.prompt_ids)

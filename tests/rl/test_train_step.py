@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -203,3 +204,19 @@ def test_kl_ref_is_the_token_mean_of_the_estimator_in_every_aggregation(qwen3_di
     s.agg_mode = agg_mode
     m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), batch, s, ref_model=ref)
     assert m["train/kl_ref"] == pytest.approx(k3, rel=1e-5)
+
+
+@pytest.mark.parametrize("masks, words", [
+    ({"loss_mask": [[1, 1]]}, "TrainBatch.loss_mask must have one entry per sequence, got 1 for 2"),
+    ({"loss_mask": [[1, 1], [1]]}, "TrainBatch.loss_mask[1] must be 0/1 for each of its 2 completion tokens"),
+    ({"generated_mask": [[1, 2], [1, 1]]}, "TrainBatch.generated_mask[0] must be 0/1"),
+    ({"loss_mask": [[1, 1], [1, 1]], "generated_mask": [[1, 1], [0, 1]]},
+     "TrainBatch.generated_mask[1] is 0 where loss_mask is 1"),
+    ({"generated_mask": [[1, 0], [1, 1]]}, "TrainBatch.generated_mask[0] is 0 where loss_mask is 1"),  # None: all 1
+])
+def test_a_bad_mask_is_refused_before_any_step(masks, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        TrainBatch([[1], [2]], [[3, 4], [5, 6]], [[0.0, 0.0], [0.0, 0.0]], [1.0, -1.0], **masks)
+    ok = TrainBatch([[1], [2]], [[3, 4], [5, 6]], [[0.0, 0.0], [0.0, 0.0]], [1.0, -1.0],
+                    loss_mask=[[0, 1], [0, 0]], generated_mask=[[1, 1], [0, 1]])
+    assert len(ok) == 2
