@@ -33,7 +33,7 @@ from exactrl.engine.graph import DecodeGraphs
 from exactrl.engine.sampling import (SampleRows, SamplingParams, params_per_prompt, sample,
                                      sample_uniform)
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
-from exactrl.kernels import TokenLayout
+from exactrl.kernels import TokenLayout, native
 from exactrl.kernels.linear import PackedWeights, using_packed
 
 
@@ -88,6 +88,7 @@ class Engine:
     def __init__(self, model, *, stop_token_ids=None, kv_budget_tokens: int = 16384,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  decode_graphs: bool = True):
+        native.library()  # the KV cache is written by C code in either kernel mode: a missing compiler is named now
         self.model = model
         cfg = model.config
         self.vocab_size = cfg.vocab_size

@@ -30,6 +30,8 @@ class Kernels:
     def __post_init__(self):
         if self.mode not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.mode!r}")
+        if self.exact:  # compiled (or found in the cache) now: a missing compiler is named as the model loads
+            native.library()
 
     @property
     def exact(self) -> bool:

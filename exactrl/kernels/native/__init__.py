@@ -50,6 +50,11 @@ _DTYPES = (torch.float32, torch.bfloat16)  # what the C kernels read
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
+class KernelBuildError(OSError):
+    """The exact kernels cannot be built here (no C compiler, an unwritable cache, a failed compile): a
+    problem of the machine's set-up, which the CLI reports in one line as it does other OSErrors."""
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -67,8 +72,9 @@ def _cache_dir() -> Path:
 def _compiler() -> str:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
-        raise RuntimeError(f"exactrl's exact kernels are compiled on first use and need a C compiler with OpenMP "
-                           f"(gcc or clang), but {cc!r} was not found: install one (apt-get install gcc) or set CC")
+        raise KernelBuildError(f"exactrl's exact kernels are compiled on first use and need a C compiler with "
+                               f"OpenMP (gcc or clang), but {cc!r} was not found: install one (apt-get install gcc) "
+                               f"or set CC")
     return cc
 
 
@@ -113,15 +119,15 @@ def _library(build: str) -> ctypes.CDLL:
             cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         except OSError as e:
-            raise RuntimeError(f"cannot write exactrl's compiled kernels to {cache} ({e.strerror}): set "
-                               f"EXACTRL_CACHE to a writable directory") from None
+            raise KernelBuildError(f"cannot write exactrl's compiled kernels to {cache} ({e.strerror}): set "
+                                   f"EXACTRL_CACHE to a writable directory") from None
         os.close(fd)
         try:
             done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
                                   text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"compiling exactrl's exact kernels failed ({cc} {' '.join(flags)}):\n"
-                                   f"{done.stderr[-2000:]}")
+                raise KernelBuildError(f"compiling exactrl's exact kernels failed ({cc} {' '.join(flags)}):\n"
+                                       f"{done.stderr[-2000:]}")
             os.replace(tmp, so)  # atomic: a concurrent or interrupted build never leaves a partial file
         finally:
             if os.path.exists(tmp):
