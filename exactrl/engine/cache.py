@@ -38,6 +38,11 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids are reused first
 
     @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds in all: the KV budget rounded up to whole pages."""
+        return self.num_pages * self.block_size
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

@@ -169,7 +169,7 @@ class Engine:
         if total > self.max_model_len:
             raise ValueError(f"prompt_token_ids ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{total} exceeds the model's context max_model_len={self.max_model_len}")
-        capacity = self.pool.num_pages * self.pool.block_size
+        capacity = self.pool.capacity_tokens
         if total > capacity:
             raise ValueError(f"prompt_token_ids + max_tokens = {total} exceeds the engine's KV budget of "
                              f"{capacity} tokens (raise kv_budget_tokens)")

@@ -53,7 +53,7 @@ from exactrl.server import chat as chat_api
 from exactrl.server import completions as completions_api
 from exactrl.server.loop import EngineLoop
 from exactrl.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, EngineLimits,
-                                    UpdateWeightsFromDiskRequest)
+                                    UpdateWeightsFromDiskRequest, context_error)
 
 log = logging.getLogger("exactrl.server")
 
@@ -117,25 +117,23 @@ class ServerState:
     @property
     def context_limit(self) -> int:
         """Prompt + generation tokens one request may hold (the model's context, the KV cache's size)."""
-        return min(self.engine.max_model_len, self.engine.pool.num_pages * self.engine.pool.block_size)
+        return min(self.engine.max_model_len, self.engine.pool.capacity_tokens)
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_field: str = "messages",
                            field: str = "max_tokens", default: int | None = None) -> int:
         """The generation's max_tokens: `requested` (the client's `field`), else `default` (None: all the
         room the prompt leaves), capped at that room when the client did not ask."""
-        limit = self.context_limit
+        limit, kv = self.context_limit, self.engine.pool.capacity_tokens
         if prompt_len >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{prompt_len} tokens", param=prompt_field, code="context_length_exceeded")
+            raise context_error(limit, kv, f", but the prompt has {prompt_len} tokens", prompt_field)
         room = limit - prompt_len
         if requested is None:
             return room if default is None else min(default, room)
         if requested < 1:
             raise APIError(400, f"{field} must be >= 1, got {requested}", param=field)
         if requested > room:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens: the prompt has "
-                                f"{prompt_len} tokens and {field} is {requested}; lower {field} to at most "
-                                f"{room}", param=field, code="context_length_exceeded")
+            raise context_error(limit, kv, f": the prompt has {prompt_len} tokens and {field} is {requested}; "
+                                           f"lower {field} to at most {room}", field)
         return requested
 
     async def load_weights(self, model_path: str) -> int:
@@ -360,7 +358,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def model_card() -> dict:
         return {"id": state.config.model_name, "object": "model", "created": int(state.started), "owned_by": "exactrl",
-                "max_model_len": state.engine.max_model_len}
+                "max_model_len": state.context_limit}  # a request's prompt + max_tokens, at most
 
     @app.get("/v1/models")
     async def models():

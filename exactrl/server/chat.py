@@ -31,7 +31,8 @@ from exactrl.chat.parsing import StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError
 from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
                                        stream_error, token_fields, until_done, usage)
-from exactrl.server.schemas import MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, sampling_params
+from exactrl.server.schemas import (MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, context_error,
+                                    sampling_params)
 
 
 class _ChatJob:
@@ -65,8 +66,8 @@ class _ChatJob:
         try:
             return st.splicer.build(body.messages, self.tools, policy, max_len=st.context_limit)
         except PromptTooLongError as e:
-            raise APIError(400, f"This model's maximum context length is {e.limit} tokens, but the prompt has at "
-                                f"least {e.length} tokens", param="messages", code="context_length_exceeded") from None
+            raise context_error(e.limit, st.engine.pool.capacity_tokens,
+                                f", but the prompt has at least {e.length} tokens", "messages") from None
         except MonotonicityError as e:
             st.count("chat/monotonicity_raise")
             raise APIError(400, str(e), param="messages", code="non_monotonic_history") from None

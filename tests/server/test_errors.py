@@ -62,6 +62,7 @@ def test_prompt_too_long():
     with pytest.raises(openai.BadRequestError) as e:
         s.client().chat.completions.create(model=s.model, messages=[{"role": "user", "content": long}])
     assert e.value.body["code"] == "context_length_exceeded" and "maximum context length is 512" in e.value.message
+    assert "KV cache" not in e.value.message  # the model's context is the limit (8192 KV tokens)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=600)
     with pytest.raises(openai.BadRequestError, match="context"):

@@ -655,3 +655,23 @@ def test_serve_passes_its_engine_sizes(monkeypatch):
     engine = built[0].engine
     assert engine.scheduler.max_num_seqs == 3
     assert engine.pool.num_pages * engine.model.block_size >= 512 > (engine.pool.num_pages - 2) * engine.model.block_size
+
+
+def test_a_small_kv_budget_is_the_context_limit_clients_are_told_and_it_is_named():
+    """`--kv-budget-tokens` below the model's context: /v1/models reports the smaller limit, and a prompt
+    over it is refused naming the flag, not the model (whose context is 512 here)."""
+    state = build_state(str(model_dir()), kv_budget_tokens=64)  # two pages of 32
+    thread = ServerThread(create_app(state)).start()
+    try:
+        card = httpx.get(f"{thread.url}/v1/models", timeout=60).json()["data"][0]
+        assert card["max_model_len"] == 64 < state.engine.max_model_len == 512
+        err = error_of(post("/v1/completions", thread.url, json={"model": card["id"], "prompt": [5] * 100}))
+        assert err["code"] == "context_length_exceeded"
+        assert err["message"].startswith("This model's maximum context length is 64 tokens (this server's KV "
+                                         "cache: exactrl serve --kv-budget-tokens), but the prompt has 100 tokens")
+        long = " ".join(["hello world"] * 60)
+        err = error_of(post("/v1/chat/completions", thread.url,
+                            json={"model": card["id"], "messages": [{"role": "user", "content": long}]}))
+        assert "64 tokens (this server's KV cache: exactrl serve --kv-budget-tokens)" in err["message"]
+    finally:
+        thread.stop()
