@@ -319,7 +319,7 @@ def build_corrections(specs: Sequence[dict]) -> Composed:
         name = spec["name"]
         if not isinstance(name, str) or name not in CORRECTIONS:
             raise ValueError(f"unknown correction {name!r}; valid: {sorted(CORRECTIONS)} "
-                             "(bypass mode is `apply_bypass`, not a correction)")
+                             "(bypass mode is algorithm.bypass=true, not a correction)")
         check_kwargs(CORRECTIONS[name], kwargs, f"correction {name!r}")
         check_arg_types(CORRECTIONS[name], kwargs, f"correction {name!r}")
         built.append(CORRECTIONS[name](**kwargs))
