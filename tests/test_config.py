@@ -64,3 +64,17 @@ def test_settings_switched_off_by_others_are_named():
                             "algorithm.kl.kind=k1", "sft.steps=3", "algorithm.overlong.buffer_len=4",
                             "algorithm.overlong.penalty_factor=0.5"])
     assert ignored_settings(on) == [] and ignored_settings(load_config()) == []
+
+
+def test_docs_config_md_lists_every_key_as_the_code_defines_it():
+    """docs/config.md is `config_reference()`: regenerate it with
+    `python -c "from exactrl.rl.config import config_reference; print(config_reference(), end='')" > docs/config.md`."""
+    from pathlib import Path
+
+    from exactrl.rl.config import config_reference, dotted
+
+    text = config_reference()
+    assert (Path(__file__).parents[1] / "docs" / "config.md").read_text() == text
+    for key in dotted(load_config().model_dump(by_alias=True)):  # every leaf key has its row
+        assert f"| `{key}` |" in text, key
+    assert "| `async.max_staleness` | int | `1` |" in text and "|  |\n" not in text  # each with its meaning

@@ -7,6 +7,7 @@ unknown key or a bad value is an error naming the dotted key.
 """
 from __future__ import annotations
 
+import json
 from datetime import date
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -34,6 +35,7 @@ class RolloutSettings(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature (0 = greedy, else >= 1e-5); the trainer's logprobs use the same one."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus cut-off in (0, 1] (1 = off); logprobs are those of the truncated, renormalised distribution."""
     top_k: int = -1
     """top-k cut-off (-1 = off); logprobs are those of the truncated, renormalised distribution."""
 
@@ -119,9 +121,11 @@ class OptimSettings(BaseModel):
     model_config = _STRICT
 
     lr: float = Field(5e-5, gt=0)
+    """AdamW learning rate (after `warmup_steps`)."""
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.99)
     """AdamW's (β1, β2), each in [0, 1)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     micro_batch_size: int = Field(64, ge=1)
@@ -130,6 +134,7 @@ class OptimSettings(BaseModel):
     """Lay the prompt of a micro-batch's samples of one prompt out once in the trainer's forward (its
     whole KV pages; `model/logprobs.py` `pack_shared`): the same logprob bits, fewer rows to compute."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear learning-rate warm-up from 0 (0 = none)."""
     shard_state: bool = False
     """Data-parallel runs (`--nproc N`): each rank keeps the AdamW moments of its share of the
     parameters only (ZeRO stage 1; 2x the parameters' memory split over the ranks). The weights are
@@ -158,7 +163,9 @@ class SFTSettings(BaseModel):
     steps: int = Field(300, ge=0)
     """Supervised warm-start steps for the default job's model (cached by config hash)."""
     batch_size: int = Field(64, ge=1)
+    """Demonstrations per SFT step."""
     lr: float = Field(1e-3, gt=0)
+    """SFT learning rate (AdamW)."""
     echo_frac: float = Field(0.55, ge=0.0, le=1.0)
     """Fraction of demonstrations that restate the question before the answer ("3+9=12"). The reward
     takes the first integer, so an echo scores 0: the warm-started model knows the sums but often
@@ -178,11 +185,15 @@ class RunConfig(BaseModel):
     resume: bool = False
     """Continue from the latest checkpoint in run_dir (required if run_dir has checkpoints)."""
     save_every: int = Field(20, ge=1)
+    """Checkpoint every this many steps, and at the last."""
     keep_checkpoints: int = Field(2, ge=1)
+    """Newest checkpoints kept in run_dir/checkpoints (older ones are pruned)."""
     eval_every: int = Field(10, ge=1)
+    """Score the held-out problems every this many steps, at the last, and once before the first."""
     progress: bool = True
     """Live progress display on the terminal."""
     tensorboard: bool = True
+    """Also write the metrics as TensorBoard events in run_dir."""
     model: ModelSettings = Field(default_factory=ModelSettings)
     task: TaskSettings = Field(default_factory=TaskSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
@@ -374,3 +385,44 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
         out += given(cfg.sft, "sft", ("steps", "batch_size", "lr", "echo_frac"),
                      "model.path is set, and the SFT warm start is the default model's")
     return out
+
+
+def config_reference() -> str:
+    """Every config key with its type, default and docstring, as Markdown (`docs/config.md` is this text;
+    a test keeps the two the same)."""
+    lines = ["# Run config keys", "",
+             "Generated from `exactrl/rl/config.py` (`config_reference()`); set any key in a YAML file or with",
+             "`exactrl train --set key=value`. `exactrl train` with no file runs these defaults: the default job.", ""]
+
+    def section(model: type[BaseModel], prefix: str) -> None:
+        rows, subs = [], []
+        for name, f in model.model_fields.items():
+            key = prefix + (f.alias or name)
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                subs.append((f.annotation, key, f.description))
+                continue
+            default = f.default_factory() if f.default_factory is not None else f.default
+            text = " ".join((f.description or "").split()).replace("|", "\\|")
+            rows.append(f"| `{key}` | {_type_text(f.annotation)} | `{json.dumps(default)}` | {text} |")
+        if rows:
+            lines.extend(["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
+        for sub, key, doc in subs:
+            lines.extend([f"## `{key}`", ""] + ([" ".join(doc.split()), ""] if doc else []))
+            section(sub, key + ".")
+
+    section(RunConfig, "")
+    return "\n".join(lines)
+
+
+def _type_text(ann: Any) -> str:
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin is Annotated:
+        return _type_text(args[0])
+    if origin in (Union, tuple, list, dict) or type(ann).__name__ == "UnionType":
+        parts = [_type_text(a) for a in args if a is not Ellipsis]
+        if origin in (Union, None) or type(ann).__name__ == "UnionType":
+            return " or ".join("null" if p == "NoneType" else p for p in parts)
+        return f"{origin.__name__}[{', '.join(parts)}]"
+    return getattr(ann, "__name__", str(ann))
