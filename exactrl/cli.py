@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run an RL training job (default job without a config)")
     t.add_argument("config", nargs="?", default=None, help="YAML run config")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (every key, type and default: docs/config.md)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (every key, type and default: docs/config.md)")
     t.add_argument("--nproc", type=_int_in(1), default=1,
                    help="data-parallel ranks on this machine, >= 1 (torch.distributed, gloo; the cores are split "
                         "between them); across machines start ranks with torchrun -m exactrl train")
