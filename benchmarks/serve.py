@@ -123,6 +123,8 @@ def main(argv: list[str]) -> None:
     a = p.parse_args(argv)
     if a.quick:
         apply_quick(p, a, size="tiny", requests=1, max_tokens=16)
+    if a.model is not None and not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model {a.model}: no config.json there (a Hugging Face model directory, with its tokenizer)")
     levels = a.clients
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-serve-") as tmp:
         info = {"model_dir": a.model}

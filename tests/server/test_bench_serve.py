@@ -18,3 +18,10 @@ def test_bench_serve_quick_runs_the_cli_server():
     for r in res["results"]:
         assert r["requests"] == r["clients"] and r["generated_tokens"] == 16 * r["clients"]
         assert r["requests_per_s"] > 0 and r["gen_tokens_per_s"] > 0
+
+
+def test_bench_serve_names_a_model_dir_that_is_not_one(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "exactrl.cli", "bench", "serve", "--model", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"--model {tmp_path / 'nope'}: no config.json there" in out.stderr
