@@ -145,7 +145,7 @@ def sync_weights(server_state, model) -> int:
 
 def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_url: str, env: EnvFn,
                      problems: list[Problem], group_size: int, seed: int, step: int, env_kwargs: dict | None = None,
-                     advantage: str = "grpo") -> dict[str, float]:
+                     advantage: str = "grpo", advantage_kwargs: dict | None = None) -> dict[str, float]:
     """Collect episodes -> train on their trajectories -> sync the server's engine. Returns flat metrics.
 
     `settings.temperature/top_k/top_p` must be the ones the environment samples with, so that the
@@ -160,7 +160,7 @@ def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_u
     if used - {tuple(want)}:
         raise ValueError(f"episodes sampled with (temperature, top_k, top_p) {sorted(used)} but the trainer uses "
                          f"{tuple(want)}: its logprobs would not be the behaviour distribution")
-    batch = agent_train_batch(groups, advantage)
+    batch = agent_train_batch(groups, advantage, advantage_kwargs)
     metrics = train_step(model, optimizer, loss_fn, batch, settings)
     metrics |= agent_rollout_metrics(groups) | {"rollout/failed_episodes": failed}
     metrics["engine/version"] = sync_weights(server_state, model)

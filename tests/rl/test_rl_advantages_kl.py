@@ -124,3 +124,20 @@ def test_kl_reward_penalty_hand_computed():
     pen3, _ = kl_reward_penalty(behav, ref, "k3", 1.0)  # k3 = e^{q−p} − (q−p) − 1 ≥ 0
     want = sum(math.exp(d) - d - 1 for d in (-0.5, 1.0))
     assert pen3 == pytest.approx([want, 0.0, 0.0])
+
+
+def test_agent_batches_take_the_advantage_estimators_arguments():
+    """`agent_train_batch(..., advantage_kwargs)` (and agent_train_step's): GRPO without the std division
+    gives each trajectory its episode's reward minus the group mean."""
+    from exactrl.chat.trajectory import Trajectory
+    from exactrl.envs.base import Problem
+    from exactrl.rl.agent_rollout import AgentRollout, agent_train_batch
+
+    def episode(reward: float) -> AgentRollout:
+        t = Trajectory([1, 2], [3, 4], [1, 1], [-0.5, -0.5], [0, 0], 1, [[1.0, -1, 1.0]])
+        return AgentRollout(Problem("1+1=", "2"), reward, [t], None)
+
+    groups = [[episode(0.0), episode(2.0)]]
+    plain = agent_train_batch(groups, "grpo", {"normalize_std": False}).advantages
+    assert plain == [-1.0, 1.0]
+    assert agent_train_batch(groups, "grpo").advantages != plain  # divided by the std (√2)
