@@ -139,7 +139,7 @@ def test_build_corrections_from_config():
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({"name": "bypass"}, "apply_bypass"),
+    ({"name": "bypass"}, "algorithm.bypass=true"),
     ({"upper": 2.0}, "'name'"),
     ({"name": "token_tis", "cap": 2.0}, "cap"),
     ({"name": "token_tis", "lower": 3.0, "upper": 2.0}, "lower < upper"),
