@@ -12,6 +12,7 @@ error after the status line is an in-stream `{"error": ...}` event, then
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -90,11 +91,12 @@ async def _completion_answer(st, body: CompletionRequest, gens: list[Generation]
             choices.append({"index": k * body.n + c.index, "text": prompt_text + c.text,
                             "logprobs": await _completion_logprobs(st, body, g, c, prompt_text),
                             "finish_reason": c.finish_reason} | token_fields(g.prompt_ids, c))
+    answer = JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                           "choices": choices, "usage": _usage(gens)})
     for g in gens:  # only now that the answer is whole: a request that failed (409) leaves no trajectory
         _record(session, g)
         st.count_generation(g.prompt_ids, g.choices)
-    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                         "choices": choices, "usage": _usage(gens)})
+    return answer
 
 
 def _record(session: Session | None, g: Generation) -> None:
@@ -114,9 +116,9 @@ async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, pr
         full = g.prompt_ids + c.token_ids
         chosen, tops = await asyncio.wrap_future(st.loop.call(
             lambda eng: score_top_logprobs(eng, full, first, g.params, body.logprobs, c.versions)))
-        if body.echo:  # the prompt's tokens are scored too (the first one has no logprob)
-            ids = full
-            lps = [None] + chosen[:start - 1] + lps
+        if body.echo:  # the prompt's tokens are scored too (the first one has no logprob; nor has one that
+            ids = full  # the request's top_k / top_p leave out: -inf, which JSON cannot carry)
+            lps = [None] + [lp if math.isfinite(lp) else None for lp in chosen[:start - 1]] + lps
             tops = [None] + tops
     else:
         tops = None

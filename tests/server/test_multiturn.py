@@ -3,6 +3,7 @@ the tokens generated, and the logprobs the server reports equal the trainer's `s
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 import pytest
@@ -168,3 +169,20 @@ def test_session_records_training_trajectories():
     masked = [x for x, m in zip(t["completion_ids"], t["loss_mask"]) if m == 0]
     assert tok.decode(masked).count("<|im_start|>user") == 2
     assert httpx.delete(f"{s.url}/sessions/{sid}").json()["deleted"]
+
+
+def test_echoed_prompt_tokens_outside_top_k_have_no_logprob_and_the_turn_is_recorded_once():
+    """echo + logprobs under top_k: a prompt token the truncated distribution leaves out scores -inf, which
+    JSON cannot carry (the answer was a 500, after the session had recorded the turn); it reads null."""
+    s = served()
+    ids = s.tokenizer.encode("hello world, the quick brown fox")
+    r = httpx.post(f"{s.url}/sessions/echo-top-k/v1/completions", timeout=60, json={
+        "model": s.model, "prompt": ids, "max_tokens": 3, "seed": 1, "logprobs": 1, "echo": True, "top_k": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    prompt_lps = choice["logprobs"]["token_logprobs"][:len(ids)]
+    want = trainer_logprobs(ids + choice["generation_token_ids"], top_k=2)[:len(ids) - 1]
+    assert prompt_lps[0] is None and None in prompt_lps[1:]  # some prompt token is outside the top 2
+    assert prompt_lps[1:] == [lp if math.isfinite(lp) else None for lp in want]
+    trajectories = httpx.get(f"{s.url}/sessions/echo-top-k/trajectories", timeout=60).json()
+    assert len(trajectories["trajectories"]) == 1
