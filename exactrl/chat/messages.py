@@ -16,6 +16,16 @@ from typing import Any
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# JSON nesting allowed in tool arguments and tool schemas: the chat template renders them recursively, and a
+# few hundred levels exhaust Python's recursion (a 500 for what is the request's fault)
+MAX_NESTING = 64
+
+
+def _check_nesting(obj: Any, where: str, depth: int = 0) -> None:
+    if depth > MAX_NESTING:
+        raise ValueError(f"{where} is nested deeper than {MAX_NESTING} levels")
+    for v in obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ():
+        _check_nesting(v, where, depth + 1)
 
 
 class InconsistentTokenFieldsError(ValueError):
@@ -98,8 +108,12 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
             args = json.loads(args) if isinstance(args, str) else args
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}.tool_calls[{k}].function.arguments is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{where}.tool_calls[{k}].function.arguments is nested deeper than "
+                             f"{MAX_NESTING} levels") from None
         if not isinstance(args, dict):
             raise ValueError(f"{where}.tool_calls[{k}].function.arguments must encode a JSON object")
+        _check_nesting(args, f"{where}.tool_calls[{k}].function.arguments")
         out.append({"type": "function", "id": c.get("id"), "function": {"name": fn["name"], "arguments": args}})
     return out
 
@@ -142,6 +156,7 @@ def validate_tools(tools: Any) -> list[dict] | None:
         where = f"tools[{k}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}")
+        _check_nesting(t, where)
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):

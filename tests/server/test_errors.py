@@ -115,6 +115,34 @@ def test_invalid_tools(tools, tool_choice):
     assert e.value.body["param"] in ("tools", "tool_choice")
 
 
+def _nested(levels: int) -> dict:
+    d = {}
+    for _ in range(levels):
+        d = {"a": d}
+    return d
+
+
+@pytest.mark.parametrize("where, kw", [
+    ("tools", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": _nested(600)}}}]}),
+    ("messages", {"messages": MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "id": "c1", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]}),
+    ("messages", {"messages": MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "id": "c1", "function": {"name": "f", "arguments": _nested(600)}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]}),
+])
+def test_deeply_nested_tool_json_is_a_400_naming_the_field(where, kw):
+    """The template renders tool schemas and arguments recursively: a few hundred levels were a 500
+    (RecursionError) with thousands of lines of traceback in the log."""
+    s = served()
+    r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
+                   json={"model": s.model, "messages": MSGS, "max_tokens": 2} | kw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == where and "nested deeper than 64 levels" in r.json()["error"]["message"]
+    assert s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=2).choices
+
+
 def test_token_fields_and_monotonicity_policies():
     s = served()
     client = s.client()
