@@ -194,7 +194,7 @@ class Engine:
         if req is None:
             return False
         if index is not None:
-            if not (isinstance(index, int) and 0 <= index < len(req.seqs)):
+            if not (type(index) is int and 0 <= index < len(req.seqs)):  # not a bool
                 raise ValueError(f"index must be a sample of request {request_id!r}, 0..{len(req.seqs) - 1}, "
                                  f"got {index!r}")
             seq = req.seqs[index]

@@ -214,6 +214,8 @@ def test_abort_one_sample_frees_it_and_the_others_are_unchanged(qwen3_dir, kerne
     rid = engine.add_request(list(range(30)), sp)
     with pytest.raises(ValueError, match="index must be a sample of request"):
         engine.abort(rid, 3)
+    with pytest.raises(ValueError, match="index must be a sample of request"):
+        engine.abort(rid, True)
     engine.step()  # the prefill: sample 0's prompt is computed, the others are forked from it
     for _ in range(20):
         engine.step()
