@@ -139,7 +139,6 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
     kept = {k: [] for k in ("old", "behav", "loss_mask", "gen", "adv", "final", "ent", "kl")}
-    loss_sum = 0.0
     optimizer.zero_grad(set_to_none=True)
     order = ranks.shard(len(batch))
     for start in range(0, len(order), s.micro_batch_size):
@@ -163,7 +162,6 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
             kept["kl"].append(kl_BT.detach())
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
-        loss_sum += loss.item()  # loss terms are already normalised by the whole batch: they add up
         for k, t in zip(kept, (old_BT, behav_BT, sampled_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())):
             kept[k].append(t)
     ranks.sum_grads(model.parameters())
@@ -174,21 +172,20 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     ranks.check_same("weights after the optimizer step", model.parameters(),
                      "the data-parallel step did not give every rank the same result")
     whole = {k: torch.cat(v) if v else None for k, v in kept.items()}
-    if ranks.world > 1:  # every rank's loss and per-token tensors, in batch order: the metrics of one process
-        parts = ranks.gather((loss_sum, whole))
-        loss_sum = sum(p[0] for p in parts)
+    if ranks.world > 1:  # every rank's per-token tensors, in batch order: the metrics of one process
+        parts = ranks.gather(whole)
         rows = torch.tensor([k for r in range(ranks.world) for k in range(r, len(batch), ranks.world)])
         for k, v in whole.items():
             if v is not None:
                 whole[k] = torch.empty(len(batch), *v.shape[1:], dtype=v.dtype)
-                whole[k][rows] = torch.cat([p[1][k] for p in parts])
-    return {"train/loss": loss_sum, **_batch_metrics(whole, loss_fn, s, norm), "train/grad_norm": float(grad_norm)}
+                whole[k][rows] = torch.cat([p[k] for p in parts])
+    return _batch_metrics(whole, loss_fn, s, norm) | {"train/grad_norm": float(grad_norm)}
 
 
 def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[str, float]:
     """The step's metrics over the whole batch at once, so that no figure depends on micro_batch_size or
-    on the number of ranks: the corrections and the loss are evaluated again on the detached tensors
-    (π_θ = π_old, as in the step), for their metrics only."""
+    on the number of ranks: the corrections and the loss (`train/loss` with its entropy and KL terms)
+    are evaluated again on the detached tensors (π_θ = π_old, as in the step)."""
     old, behav, gen, final = t["old"], t["behav"], t["gen"], t["final"]
     # over the tokens as sampled, before any mask drops some: a mask never hides the mismatch it acts on
     metrics = logprob_diff_metrics(old, behav, gen)
@@ -199,11 +196,16 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
     kept = final + (gen - t["loss_mask"])
     metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=kept,
                                 weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False),
-                                weighted_mask_BT=final)
+                                weighted_mask_BT=final if s.corrections else None)  # ρ itself: every token
     inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
                      mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])
-    _, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)
-    metrics |= cm | lm
+    loss, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)
+    lengths_B = t["loss_mask"].sum(dim=1)
+    if s.entropy_coef:
+        loss = loss - s.entropy_coef * aggregate(t["ent"], final, s.agg_mode, norm, lengths_B)
+    if t["kl"] is not None:  # kept only where the KL is in the loss
+        loss = loss + s.kl_coef * aggregate(t["kl"], final, s.agg_mode, norm, lengths_B)
+    metrics |= cm | lm | {"train/loss": float(loss)}
     metrics["train/entropy"] = float(masked_mean(t["ent"].double(), gen))  # the policy's, on what it sampled
     if t["kl"] is not None:  # the estimator's token mean over the trained tokens, whatever agg_mode
         metrics["train/kl_ref"] = float(masked_mean(t["kl"].double(), final))

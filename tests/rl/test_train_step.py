@@ -144,8 +144,9 @@ def test_cut_completions_left_out_of_the_loss_still_count_in_the_mismatch(qwen3_
     m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), cut, _settings())
     plain = _step(qwen3_dir)
     for key in ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max", "mismatch/k3",
-                "train/entropy"):
+                "train/entropy", "mismatch/is_weight_max", "mismatch/chi2_token"):  # no weights: ρ on every token
         assert m[key] == plain[key] and m[key] > 0, key
+    assert m["mismatch/ess"] == plain["mismatch/ess"] < 1
     assert m["mismatch/token_mask_frac"] == m["mismatch/seq_mask_frac"] == 0.0  # no correction removed them
 
 
@@ -178,7 +179,9 @@ def test_entropy_is_the_mean_over_the_sampled_tokens_whatever_a_correction_masks
 def test_loss_and_correction_metrics_do_not_depend_on_micro_batch_size(qwen3_dir, correction):
     """One token of 8 is 1 nat off: its share is 1/8 however the batch is cut into micro-batches
     (each micro-batch's mean used to be weighted by its sequences: 1/4 with one sequence each)."""
-    whole, split = _step(qwen3_dir, [correction]), _step(qwen3_dir, [correction], micro_batch_size=1)
+    whole = _step(qwen3_dir, [correction], entropy_coef=0.01)
+    split = _step(qwen3_dir, [correction], micro_batch_size=1, entropy_coef=0.01)
+    assert split["train/loss"] == whole["train/loss"]  # it used to be the micro-batches' losses summed
     keys = [k for k in whole if k.startswith(("loss/", "correction/", "mismatch/"))]
     assert any(k.startswith("correction/") for k in keys) and "loss/ratio_mean" in keys
     for k in keys:
