@@ -123,16 +123,16 @@ class ServerState:
                            field: str = "max_tokens", default: int | None = None) -> int:
         """The generation's max_tokens: `requested` (the client's `field`), else `default` (None: all the
         room the prompt leaves), capped at that room when the client did not ask."""
-        limit, kv = self.context_limit, self.engine.pool.capacity_tokens
+        limit, ctx = self.context_limit, self.engine.max_model_len
         if prompt_len >= limit:
-            raise context_error(limit, kv, f", but the prompt has {prompt_len} tokens", prompt_field)
+            raise context_error(limit, ctx, f", but the prompt has {prompt_len} tokens", prompt_field)
         room = limit - prompt_len
         if requested is None:
             return room if default is None else min(default, room)
         if requested < 1:
             raise APIError(400, f"{field} must be >= 1, got {requested}", param=field)
         if requested > room:
-            raise context_error(limit, kv, f": the prompt has {prompt_len} tokens and {field} is {requested}; "
+            raise context_error(limit, ctx, f": the prompt has {prompt_len} tokens and {field} is {requested}; "
                                            f"lower {field} to at most {room}", field)
         return requested
 

@@ -66,7 +66,7 @@ class _ChatJob:
         try:
             return st.splicer.build(body.messages, self.tools, policy, max_len=st.context_limit)
         except PromptTooLongError as e:
-            raise context_error(e.limit, st.engine.pool.capacity_tokens,
+            raise context_error(e.limit, st.engine.max_model_len,
                                 f", but the prompt has at least {e.length} tokens", "messages") from None
         except MonotonicityError as e:
             st.count("chat/monotonicity_raise")

@@ -44,10 +44,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def context_error(limit: int, kv_tokens: int, detail: str, param: str) -> APIError:
+def context_error(limit: int, max_model_len: int, detail: str, param: str) -> APIError:
     """400 context_length_exceeded in OpenAI's words ("This model's maximum context length is N tokens"),
-    naming --kv-budget-tokens when the server's KV cache (`kv_tokens`), not the model, sets N."""
-    why = " (this server's KV cache: exactrl serve --kv-budget-tokens)" if kv_tokens <= limit else ""
+    naming --kv-budget-tokens when the server's KV cache, not the model's context, sets N."""
+    why = " (this server's KV cache: exactrl serve --kv-budget-tokens)" if limit < max_model_len else ""
     return APIError(400, f"This model's maximum context length is {limit} tokens{why}{detail}", param=param,
                     code="context_length_exceeded")
 
