@@ -678,5 +678,4 @@ def test_a_small_kv_budget_is_the_context_limit_clients_are_told_and_it_is_named
     tie = build_state(str(model_dir()), kv_budget_tokens=512)  # the KV cache holds the whole context: no hint
     with pytest.raises(Exception) as e:
         tie.resolve_max_tokens(None, 600, "prompt")
-    tie.loop.stop()
     assert "maximum context length is 512 tokens, but" in e.value.message and "KV cache" not in e.value.message
