@@ -215,7 +215,9 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests running, or finished and not yet returned by `step` (finished inside another caller's
+        `generate`, or by an abort of their last sample): `while has_unfinished(): step()` sees them all."""
+        return bool(self._requests or self._unclaimed)
 
     def stats(self) -> dict[str, float]:
         """Flat gauges and counters for metrics logging."""

@@ -234,8 +234,10 @@ def test_abort_one_sample_frees_it_and_the_others_are_unchanged(qwen3_dir, kerne
     rid = engine.add_request(list(range(30)), sp)
     assert not engine.abort(rid, 0) and engine.abort(rid, 2)
     engine.step()
-    assert engine.abort(rid, 0) and engine.abort(rid, 1) and all_pages_free(engine)
+    assert engine.abort(rid, 0) and engine.abort(rid, 1)
+    assert engine.pool.num_free == engine.pool.num_pages and engine.has_unfinished()  # its output is due
     (out,) = engine.step()
+    assert all_pages_free(engine)
     assert out.request_id == rid and out.finished and [c.finish_reason for c in out.completions] == ["abort"] * 3
     # and a generate() whose request ends so returns it (it used to raise: "request ... was aborted")
     steps = []
@@ -256,8 +258,9 @@ def test_generate_keeps_other_requests_outputs_for_step(model):
     other = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     outs = engine.generate([[1, 2]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert len(outs[0][0].token_ids) == 6
+    assert engine.has_unfinished()  # `other` finished inside generate: step returns it
     later = engine.step()
-    assert [o.request_id for o in later if o.finished] == [other]
+    assert [o.request_id for o in later if o.finished] == [other] and not engine.has_unfinished()
 
 
 def test_generate_per_prompt_params(model):
