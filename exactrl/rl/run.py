@@ -35,15 +35,23 @@ def _check_same_settings(cfg, ranks) -> None:
     every rank raises, naming the keys that differ (a collective: every rank takes part)."""
     if ranks.world == 1:
         return
-    mine = dotted(cfg.model_dump(by_alias=True))
+    mine = settings_leaves(cfg)
     first = ranks.broadcast(mine)
-    diffs = ranks.gather([f"{k} ({mine.get(k)!r} vs rank 0's {first.get(k)!r})"
-                          for k in sorted(first.keys() | mine.keys()) if first.get(k) != mine.get(k)])
+
+    def shown(d: dict, k: str) -> str:
+        return repr(d[k]) if k in d else "unset"
+    diffs = ranks.gather([f"{k} ({shown(mine, k)} vs rank 0's {shown(first, k)})"
+                          for k in sorted(first.keys() | mine.keys()) if first.get(k, ...) != mine.get(k, ...)])
     bad = {r: d for r, d in enumerate(diffs) if d}
     if bad:
         where = "; ".join(f"rank {r}: " + ", ".join(d) for r, d in bad.items())
         raise ValueError(f"the ranks were started with different settings ({where}); start every rank with the "
                          f"same config file and --set options")
+
+
+def settings_leaves(cfg) -> dict:
+    """The config as `--set` keys and their values (an empty mapping has no key below it: none)."""
+    return {k: v for k, v in dotted(cfg.model_dump(by_alias=True)).items() if v != {}}
 
 
 def _quiet(*args, **kwargs) -> None:

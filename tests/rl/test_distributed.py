@@ -341,8 +341,8 @@ def test_the_settings_check_passes_equal_settings_and_names_each_difference():
     """The check's two sides in one process, as rank 1 of 2 whose collectives hand it rank 0's settings."""
     from dataclasses import dataclass
 
-    from exactrl.rl.config import dotted, load_config
-    from exactrl.rl.run import _check_same_settings
+    from exactrl.rl.config import load_config
+    from exactrl.rl.run import _check_same_settings, settings_leaves
 
     @dataclass(frozen=True)
     class Rank1(Ranks):
@@ -354,8 +354,8 @@ def test_the_settings_check_passes_equal_settings_and_names_each_difference():
         def gather(self, obj):
             return [[], obj]
 
-    rank0 = dotted(load_config(None, ["algorithm.loss_kwargs={eps_high: 0.3}"]).model_dump(by_alias=True))
+    rank0 = settings_leaves(load_config(None, ["algorithm.loss_kwargs={eps_high: 0.3}"]))
     _check_same_settings(load_config(None, ["algorithm.loss_kwargs={eps_high: 0.3}"]), Rank1(1, 2, rank0))
-    with pytest.raises(ValueError, match=re.escape("rank 1: algorithm.loss_kwargs ({} vs rank 0's None), "
-                                                   "algorithm.loss_kwargs.eps_high (None vs rank 0's 0.3)")):
+    with pytest.raises(ValueError, match=re.escape("(rank 1: algorithm.loss_kwargs.eps_high (unset vs rank 0's 0.3)); "
+                                                   "start every rank")):
         _check_same_settings(load_config(), Rank1(1, 2, rank0))
