@@ -76,6 +76,7 @@ def test_unreachable_rollout_server_is_a_one_line_error(model_dir, no_warm_start
     ("model.path=/nonexistent", "model.path /nonexistent does not exist"),
     ("model.tokenizer=/nonexistent", "model.tokenizer /nonexistent does not exist"),
     ("task.module=no_such_pkg.tasks", "cannot import task module 'no_such_pkg.tasks'"),
+    ("task.module=.tasks", "task module '.tasks' is a relative name"),
     ("rollout.temperature=1.0e-9", "rollout.temperature"),
     ("algorithm.advantage_kwargs={eps: 0}", "algorithm.advantage_kwargs: eps must be a number > 0"),
     ("optim.betas=[1.5, 0.9]", "bad value for 'optim.betas.0'"),

@@ -96,6 +96,8 @@ def import_task_module(module: str) -> None:
             del sys.modules[name]  # a failed import leaves no half-made module behind
             raise
         return
+    if module.startswith("."):
+        raise ValueError(f"task module {module!r} is a relative name: give its full dotted name or a .py file path")
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as e:
