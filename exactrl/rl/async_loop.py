@@ -196,13 +196,15 @@ class BehaviourCheck:
         for v in [v for v in self.weights if v < oldest_needed]:
             del self.weights[v]
 
-    def max_abs_diff(self, groups: list[list[Rollout]], rs, ranks: Ranks = Ranks()) -> float:
+    def max_abs_diff(self, groups: list[list[Rollout]], rs, ranks: Ranks = Ranks()) -> float | None:
         """max over tokens of |μ − log π_v(token)| with v the token's version (0.0 when exact); a
-        data-parallel rank recomputes its share of the sequences, the max is taken over ranks."""
+        data-parallel rank recomputes its share of the sequences, the max is taken over ranks. Only tokens
+        of versions it holds: a resumed run holds none from before it (an external server without weight
+        sync keeps sampling as version 0); None if no token was checked."""
         flat = [r for g in groups for r in g if r.completion_ids]
         flat = [flat[k] for k in ranks.shard(len(flat))]
-        worst = 0.0
-        for v in sorted({v for r in flat for v in r.versions}):
+        worst = None
+        for v in sorted({v for r in flat for v in r.versions} & self.weights.keys()):
             self.scratch.load_state_dict(self.weights[v])
             rows = [r for r in flat if v in r.versions]
             with torch.no_grad():
@@ -211,8 +213,9 @@ class BehaviourCheck:
             for r, ours in zip(rows, lps):
                 for i, tv in enumerate(r.versions):
                     if tv == v:
-                        worst = max(worst, abs(float(ours[i]) - r.behav_logprobs[i]))
-        return max(ranks.gather(worst))
+                        worst = max(worst or 0.0, abs(float(ours[i]) - r.behav_logprobs[i]))
+        checked = [w for w in ranks.gather(worst) if w is not None]
+        return max(checked) if checked else None
 
 
 def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
@@ -237,8 +240,8 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
             groups = c.ranks.gather_sharded(item.n_problems, item.groups)
             t1 = time.perf_counter()
             groups, metrics = drop_stale(groups, step - 1, s.max_staleness)
-            if check is not None:
-                metrics["async/behaviour_recompute_abs_diff_max"] = check.max_abs_diff(groups, cfg.rollout, c.ranks)
+            if check is not None and (diff := check.max_abs_diff(groups, cfg.rollout, c.ranks)) is not None:
+                metrics["async/behaviour_recompute_abs_diff_max"] = diff
             metrics |= train_on(c, step, groups)
             if eval_engine is not None:  # it shares the trainer's weights, which the step just wrote
                 eval_engine.weights_changed()

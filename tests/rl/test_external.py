@@ -266,6 +266,12 @@ def test_without_weight_sync_the_server_stays_at_version_0_across_a_resume_and_i
     rows = run(model_dir, tmp_path / "a", "max_steps=2", "async.enabled=true", "async.max_staleness=2", *args)
     assert [r["engine/version"] for r in rows] == [0, 0]  # the trainer published 1, 2; the server took neither
     assert [r["async/staleness_max"] for r in rows] == [0, 1]
+    assert [r["async/behaviour_recompute_abs_diff_max"] for r in rows] == [0.0, 0.0]  # version 0: held
+    # resumed, the trainer holds no version-0 weights to recompute with: those tokens go unchecked (it
+    # raised KeyError: 0)
+    rows = run(model_dir, tmp_path / "a", "max_steps=3", "resume=true", "async.enabled=true",
+               "async.max_staleness=2", *args)
+    assert rows[-1]["step"] == 3 and "async/behaviour_recompute_abs_diff_max" not in rows[-1]
 
 
 def test_fast_server_mismatch_is_measured_and_corrected(model_dir, tmp_path):
