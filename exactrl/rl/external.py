@@ -316,7 +316,7 @@ class ExternalEngine:
                          else "rollout_backend.sync_dir must be a path every server reads")
                 raise ExternalEngineError(f"{e} (the server must read the checkpoint at {ckpt}: {where})") from None
             for server, answer in zip(self.servers, answers):
-                if answer.get("success") is not True:
+                if not isinstance(answer, dict) or answer.get("success") is not True:
                     raise ExternalEngineError(f"{server}/update_weights_from_disk did not load {ckpt}: {answer}")
             if self._last_ckpt is not None and self._last_ckpt != ckpt:
                 shutil.rmtree(self._last_ckpt, ignore_errors=True)
@@ -360,15 +360,21 @@ def to_completions(answer: dict, prompt: list[int], sp: SamplingParams, version:
 
 def parse_choice(c: dict, where: str) -> tuple[list[int], list[float]]:
     """Generated token ids and their logprobs from one choice, in the dialect of whichever server sent it."""
-    meta = c.get("meta_info") or {}
-    if "generation_token_ids" in c:  # exactrl serve
-        ids, lps, lp_field = c["generation_token_ids"], c.get("generation_log_probs"), "generation_log_probs"
-    elif "token_ids" in c:  # vLLM with return_token_ids
-        ids, lps, lp_field = c["token_ids"], (c.get("logprobs") or {}).get("token_logprobs"), "logprobs.token_logprobs"
-    elif "output_token_logprobs" in meta:  # SGLang
-        triples = meta["output_token_logprobs"]
-        ids, lps, lp_field = [t[1] for t in triples], [t[0] for t in triples], "meta_info.output_token_logprobs"
-    else:
+    try:  # each dialect's fields, as its server sends them; anything else is a malformed answer
+        meta = c.get("meta_info") or {}
+        if "generation_token_ids" in c:  # exactrl serve
+            ids, lps, lp_field = c["generation_token_ids"], c.get("generation_log_probs"), "generation_log_probs"
+        elif "token_ids" in c:  # vLLM with return_token_ids
+            ids, lp_field = c["token_ids"], "logprobs.token_logprobs"
+            lps = (c.get("logprobs") or {}).get("token_logprobs")
+        elif "output_token_logprobs" in meta:  # SGLang
+            triples = meta["output_token_logprobs"]
+            ids, lps, lp_field = [t[1] for t in triples], [t[0] for t in triples], "meta_info.output_token_logprobs"
+        else:
+            ids = None
+    except (TypeError, AttributeError, IndexError, KeyError) as e:
+        raise ExternalEngineError(f"{where}: a malformed choice ({type(e).__name__}: {e}): {str(c)[:300]}") from None
+    if ids is None:
         raise ExternalEngineError(
             f"{where}: the answer holds no generated token ids (no `generation_token_ids` (exactrl), `token_ids` "
             f"(vLLM >= 0.10.2 with return_token_ids) or `meta_info.output_token_logprobs` (SGLang); the choice "
@@ -377,6 +383,9 @@ def parse_choice(c: dict, where: str) -> tuple[list[int], list[float]]:
     if lps is None:
         raise ExternalEngineError(f"{where}: the answer has token ids but no logprobs (`{lp_field}` missing): "
                                   f"the server must return the sampled tokens' logprobs (request logprobs=0)")
+    if not isinstance(ids, list) or not isinstance(lps, list):
+        raise ExternalEngineError(f"{where}: token ids and `{lp_field}` must be lists, got {str(ids)[:80]} and "
+                                  f"{str(lps)[:80]}")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ExternalEngineError(f"{where}: token ids must be integers, got {ids[:8]}")
     if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
