@@ -98,6 +98,7 @@ def _train(args) -> int:
     import os
 
     from exactrl.distributed.ray_engines import RayEngineError
+    from exactrl.engine.engine import NonFiniteLogitsError
     from exactrl.rl.external import ExternalEngineError
     from exactrl.rl.run import train_main
 
@@ -118,8 +119,11 @@ def _train(args) -> int:
     except (ExternalEngineError, RayEngineError) as e:  # a rollout server or engine failed: the message says which
         return _fail(args.command, e)
     except RuntimeError as e:  # the asynchronous loop re-raises its rollout thread's error as the cause
-        if isinstance(e.__cause__, (ExternalEngineError, RayEngineError)):
-            return _fail(args.command, e.__cause__)
+        cause = e.__cause__
+        if isinstance(cause, (ExternalEngineError, RayEngineError)):
+            return _fail(args.command, cause)
+        if isinstance(cause, (ValueError, OSError, FloatingPointError, NonFiniteLogitsError)):
+            raise cause from None  # named in one line by `main`, as the synchronous loop's would be
         raise
 
 

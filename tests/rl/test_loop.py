@@ -543,3 +543,36 @@ def test_a_warm_start_leaves_the_runs_random_streams_as_they_were(model_dir, mon
     after = random.random(), np.random.rand(), torch.rand(1).item()
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
     assert after == (random.random(), np.random.rand(), torch.rand(1).item())
+
+
+FAILING_TASK = """
+from exactrl.envs import register_task
+from exactrl.envs.arithmetic import ArithmeticTask
+
+calls = [0]
+
+
+@register_task
+class FailingJudge(ArithmeticTask):
+    name = "failing_judge_for_async"
+
+    def reward(self, problem, completion):
+        calls[0] += 1
+        if calls[0] > 20:  # within the second step's rollouts (16 a step)
+            raise ValueError("the judge says: malformed problem")
+        return super().reward(problem, completion)
+"""
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_tasks_error_on_the_rollout_thread_is_named_in_one_line_as_in_the_sync_loop(model_dir, tmp_path, capsys,
+                                                                                       asynchronous):
+    task = tmp_path / f"failing_task_{asynchronous}.py"
+    task.write_text(FAILING_TASK.replace("failing_judge_for_async", f"failing_judge_{asynchronous}"))
+    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "max_steps=3",
+                                            f"task.module={task}", f"task.name=failing_judge_{asynchronous}",
+                                            "task.eval_size=0", "save_every=1", f"async.enabled={asynchronous}"]
+                        for x in ("--set", o)]
+    assert cli_main(args) == 2
+    assert "exactrl train: error: the judge says: malformed problem" in capsys.readouterr().err
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()  # what was done is kept
