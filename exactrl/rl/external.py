@@ -314,7 +314,8 @@ class ExternalEngine:
                 where = ("rollout_backend.sync_dir is unset, so it is a temporary directory of this machine: set "
                          "it to a path every server reads" if self.s.sync_dir is None
                          else "rollout_backend.sync_dir must be a path every server reads")
-                raise ExternalEngineError(f"{e} (the server must read the checkpoint at {ckpt}: {where})") from None
+                raise ExternalEngineError(f"{e} (loading the checkpoint at {ckpt}; if the server could not read "
+                                          f"it: {where})") from None
             for server, answer in zip(self.servers, answers):
                 if not isinstance(answer, dict) or answer.get("success") is not True:
                     raise ExternalEngineError(f"{server}/update_weights_from_disk did not load {ckpt}: {answer}")
