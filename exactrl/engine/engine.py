@@ -298,10 +298,10 @@ class Engine:
 
     def _step(self) -> list[Request]:
         """One scheduled forward; returns touched requests (finished ones are dropped from the engine)."""
+        if not self.scheduler.has_work():  # nothing to compute: finished outputs still go out, weights or not
+            return []
         if self._weights_broken:
             raise RuntimeError(self._weights_broken)
-        if not self.scheduler.has_work():
-            return []
         sched = self.scheduler.schedule()
         assert sched.chunks, "work is queued but nothing could be scheduled"
         with torch.inference_mode(), using_packed(self._packed):

@@ -347,9 +347,9 @@ def to_completions(answer: dict, prompt: list[int], sp: SamplingParams, version:
     for c in sorted(choices, key=lambda c: c["index"]):
         ids, lps = parse_choice(c, where)
         echoed = c.get("prompt_token_ids")
-        if echoed is not None and list(echoed) != prompt:
+        if echoed is not None and echoed != prompt:
             raise ExternalEngineError(f"{where}: the server changed the prompt's tokens (prompt_token_ids "
-                                      f"{list(echoed)[:8]}... vs sent {prompt[:8]}...), e.g. by adding a BOS")
+                                      f"{str(echoed)[:40]}... vs sent {prompt[:8]}...), e.g. by adding a BOS")
         if c.get("finish_reason") not in ("stop", "length"):
             raise ExternalEngineError(f"{where}: choice {c['index']} has finish_reason "
                                       f"{c.get('finish_reason')!r}, expected 'stop' or 'length'")

@@ -324,6 +324,28 @@ def test_a_failed_weight_copy_stops_sampling_until_a_whole_update(model, monkeyp
     assert all_pages_free(engine)
 
 
+def test_a_finished_output_goes_out_while_the_weights_are_broken(model, monkeypatch):
+    """Nothing left to compute but an output due (its last sample aborted): `step` returns it even after a
+    failed update_weights, so a server's loop (`while has_unfinished(): step()`) does not spin on errors."""
+    engine = Engine(model, kv_budget_tokens=512)
+    rid = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=8, n=2, seed=4, ignore_eos=True))
+    engine.step()
+    assert engine.abort(rid, 0) and engine.abort(rid, 1)
+    real = torch.Tensor.copy_
+
+    def failing_copy(self, src, *a, **kw):
+        raise RuntimeError("disk gone")
+    monkeypatch.setattr(torch.Tensor, "copy_", failing_copy)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        engine.update_weights({k: v.clone() for k, v in model.state_dict().items()})
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    (out,) = engine.step()
+    assert out.request_id == rid and out.finished and not engine.has_unfinished()
+    engine.add_request([1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="partly updated"):  # work to compute: refused until fixed
+        engine.step()
+
+
 def test_generate_raises_when_one_of_its_requests_is_aborted(model):
     engine = Engine(model)
     steps = []

@@ -130,6 +130,7 @@ def test_sglang_and_exactrl_shaped_answers_are_parsed():
     ({"token_ids": [3], "logprobs": [-0.1]}, r"a malformed choice \(AttributeError"),
     ({"meta_info": {"output_token_logprobs": [[-0.1]]}}, r"a malformed choice \(IndexError"),
     ({"generation_token_ids": [3], "generation_log_probs": {"a": 1}}, "must be lists"),
+    ({"generation_token_ids": [3], "generation_log_probs": [-1.0], "prompt_token_ids": 5}, "changed the prompt"),
 ])
 def test_answers_without_what_exactness_needs_are_errors(choice, match):
     c = {"index": 0, "finish_reason": "length"} | choice
