@@ -53,6 +53,23 @@ def test_config_values_of_the_wrong_type_or_range_are_named(damaged, changes, wo
         exactrl.load_model(damaged)
 
 
+@pytest.mark.parametrize("changes, words", [
+    # transformers >= 5 writes rope_parameters; a long-context recipe adds rope_scaling beside it (it was
+    # ignored: the model ran plain RoPE where transformers runs yarn)
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+     "unsupported rope_scaling.rope_type='yarn'"),
+    (dict(rope_scaling={"type": "linear", "factor": 4}), "unsupported rope_scaling.rope_type='linear'"),
+    (dict(rope_parameters={"rope_type": "llama3"}), "unsupported rope_parameters.rope_type='llama3'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+          rope_scaling={"rope_type": "default", "rope_theta": 1e4}), "give different rope_theta [1000000.0, 10000.0]"),
+])
+def test_rope_variants_not_implemented_are_refused_whichever_key_holds_them(damaged, changes, words):
+    _edit_config(damaged, **changes)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        exactrl.load_model(damaged)
+
+
 def test_config_not_json(damaged):
     (damaged / "config.json").write_text('{"model_type": \n')
     with pytest.raises(ValueError, match=f"{damaged / 'config.json'} is not valid JSON: Expecting value"):

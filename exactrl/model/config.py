@@ -70,13 +70,20 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
         if cfg.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported (full attention only)")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"config.json: rope_parameters must be an object, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope_type={rope_type!r}; only 'default' RoPE is implemented")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        # both keys may be there (transformers >= 5 writes rope_parameters; a long-context recipe adds
+        # rope_scaling beside it, and transformers applies it): each is checked
+        thetas = []
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = cfg.get(key) or {}
+            if not isinstance(rope, dict):
+                raise ValueError(f"config.json: {key} must be an object, got {rope!r}")
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"unsupported {key}.rope_type={rope_type!r}; only 'default' RoPE is implemented")
+            thetas += [rope["rope_theta"]] if "rope_theta" in rope else []
+        if len(set(thetas)) > 1:
+            raise ValueError(f"config.json: rope_parameters and rope_scaling give different rope_theta {thetas}")
+        theta = thetas[0] if thetas else cfg.get("rope_theta", 10000.0)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
             raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
         heads = cfg["num_attention_heads"]
