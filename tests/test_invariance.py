@@ -429,6 +429,21 @@ def test_parity_exact_passes_and_fast_names_first_op(models):
     assert bad and all(r.first_divergent_op and r.first_divergent_op.startswith("model.") for r in bad)
 
 
+def test_parity_runs_the_head_beside_other_rows_and_names_it(models, monkeypatch):
+    """A head whose bits depend on how many rows it gets (here: +1e-6 beyond 3 rows) is caught by the batch
+    checks, which used to give it the target's rows alone, and named `logits` (no module call to hook)."""
+    model = models[("exact", "float32")]
+    real = model.kernels.linear
+    head = model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+
+    def row_dependent(x, weight, bias=None):
+        out = real(x, weight, bias)
+        return out + 1e-6 if weight is head and x.shape[0] > 3 else out
+    monkeypatch.setattr(type(model.kernels), "linear", lambda self, x, w, b=None: row_dependent(x, w, b))
+    bad = {r.name: r for r in run_parity(model, length=3) if not r.exact}
+    assert "batch" in bad and bad["batch"].first_divergent_op == "logits"
+
+
 def test_parity_fits_every_sequence_in_the_context(tmp_path):
     """The companion sequences of the batch checks once ran past max_position_embeddings (a crash)."""
     from conftest import make_hf_model

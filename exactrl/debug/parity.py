@@ -44,14 +44,15 @@ class _Recorder:
     order: list[str] = field(default_factory=list)
 
     def hook(self, name):
-        def fn(_module, _inp, out):
-            if self.rows is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
-                return
-            if name not in self.outputs:
-                self.outputs[name] = []
-                self.order.append(name)
-            self.outputs[name].append(out.detach()[self.rows].clone())
-        return fn
+        return lambda _module, _inp, out: self.note(name, out)
+
+    def note(self, name: str, out) -> None:
+        if self.rows is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
+            return
+        if name not in self.outputs:
+            self.outputs[name] = []
+            self.order.append(name)
+        self.outputs[name].append(out.detach()[self.rows].clone())
 
 
 def _forward(model: CausalLM, tokens: list[int], layout: TokenLayout, kv, rec: _Recorder | None,
@@ -59,7 +60,12 @@ def _forward(model: CausalLM, tokens: list[int], layout: TokenLayout, kv, rec: _
     if rec is not None:
         rec.rows = rows
     hidden = model(torch.tensor(tokens, dtype=torch.int64), layout, kv)
-    return model.logits(hidden[rows])
+    # the head over every row, the other sequences' beside the target's, as in the trainer's batches; it
+    # is no module call (a tied head is the embedding), so it is noted by name
+    logits = model.logits(hidden)
+    if rec is not None:
+        rec.note("logits", logits)
+    return logits[rows]
 
 
 def full_path(model, target, others=(), offset=0, pad_to=None, rec=None):
