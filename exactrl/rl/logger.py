@@ -89,9 +89,10 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
     if not path.is_file():
         raise ValueError(f"{path} is not a file: move it away to resume")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): fix or move it away to resume") from None
+    lines = text.splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
     keep = []
@@ -110,7 +111,7 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
                              f"line to resume")
         if row.get("step", 0) <= step:
             keep.append(line)
-    if len(keep) == len(lines):
+    if len(keep) == len(lines) and (not text or text.endswith("\n")):  # else the next row would join the last
         return
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))

@@ -19,6 +19,19 @@ def test_rows_after_the_checkpoint_and_a_torn_last_row_are_dropped(tmp_path):
     assert _rows(p) == [0, 1, 2]
 
 
+def test_a_whole_last_row_without_its_newline_gets_one_so_the_next_row_does_not_join_it(tmp_path):
+    """A full disk can leave the last row complete but without "\n": the resumed run's next row was
+    appended to it, and the resume after that dropped both as one torn line."""
+    from exactrl.rl.logger import MetricsLogger
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}')
+    MetricsLogger(tmp_path, False, False, 5, 2).log({"step": 3})
+    assert _rows(p) == [1, 2, 3]
+    MetricsLogger(tmp_path, False, False, 5, 3)
+    assert _rows(p) == [1, 2, 3]
+
+
 def test_a_bad_row_before_the_last_is_named(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0}\n{"step": 1\n{"step": 2}\n')
