@@ -27,8 +27,9 @@ from exactrl.envs.base import Problem, Task, register_task, strip_reasoning
 SUPPORTED_OPS = ("+", "-", "*")
 _INT = re.compile(r"-?[0-9]+")  # ASCII digits only (\d would also take e.g. Arabic-Indic digits)
 # an integer standing alone: no letter, digit, point, comma or hyphen just before it (a word's "-1", the
-# "5" of "19.5", the "000" of "19,000"), and no digit or decimal/thousands part just after it
-_WHOLE_INT = re.compile(r"(?<![\w.,-])-?[0-9]+(?![0-9]|[.,][0-9])")
+# "5" of "19.5", the "000" of "19,000"), and no digit, decimal/thousands part, fraction or exponent just
+# after it ("3/4" and "3e5" are not the integer 3)
+_WHOLE_INT = re.compile(r"(?<![\w.,-])-?[0-9]+(?![0-9]|[.,/][0-9]|[eE][-+]?[0-9])")
 _MAX_DIGITS = 64  # longer digit runs are not answers, unless the answer itself is (int() refuses > 4300 digits)
 _MAX_ATTEMPTS = 1000  # rejection-sampling budget for `nonnegative`
 

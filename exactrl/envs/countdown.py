@@ -204,7 +204,7 @@ class CountdownTask(Task):
                              f"integers and 'target' an integer, got {numbers!r} and {target!r}")
         try:
             parsed = parse_expression(extract_expression(completion))
-        except (ExpressionError, ZeroDivisionError):
+        except (ExpressionError, ZeroDivisionError, RecursionError):  # deep parentheses too: bad text scores 0
             return 0.0
         used, given = Counter(parsed.numbers), Counter(numbers)
         legal = used == given if self.use_all_numbers else not (used - given)

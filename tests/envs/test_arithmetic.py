@@ -28,6 +28,9 @@ P = Problem(prompt="3+5=", answer="8")
     ("9" * 5000, 0.0),  # absurd digit runs score 0 instead of raising
     ("8.5", 0.0),  # not an integer: its "8" is not the answer
     ("8,000", 0.0),
+    ("8/3", 0.0),  # a fraction, not the integer 8
+    ("8e2", 0.0),  # nor is 800 written as 8e2
+    ("8e", 1.0),  # a letter after the number is not an exponent
     ("Step-8: 9", 0.0),  # a word's number is no answer: the first integer is 9
     ("Step-1: 8", 1.0),
 ])

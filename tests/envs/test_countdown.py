@@ -117,3 +117,11 @@ def test_unreachable_configuration_is_reported():
 @given(st.text(alphabet="0123456789+-*/() x=\n", max_size=40))
 def test_reward_never_raises(text):
     assert CountdownTask(format_reward=0.1).reward(P, text) in (0.0, 0.1, 1.0)
+
+
+def test_reward_of_deeply_nested_parentheses_is_zero_even_deep_in_the_stack():
+    """The parser recurses per parenthesis: within the 256-character cap, a caller already deep in its
+    own stack saw a RecursionError (the reward must never raise on bad text)."""
+    def deep(n):
+        return CountdownTask().reward(P, "(" * 255 + "3") if n == 0 else deep(n - 1)
+    assert deep(400) == 0.0
