@@ -194,6 +194,14 @@ class CountdownTask(Task):
         raise ValueError(f"no target in [1, {self.max_target}] found in {_MAX_ATTEMPTS} draws with ops={self.ops}; "
                          f"raise max_target or allow more operators")
 
+    def split_key(self, problem: Problem) -> str:
+        """The numbers in any order and the target are one puzzle ("Use 7 3 2 to make 13." and "Use 3 2 7
+        ..."): the held-out split keeps it whole, on one side."""
+        numbers, target = problem.meta.get("numbers"), problem.meta.get("target")
+        if isinstance(numbers, list) and all(_is_int(x) for x in numbers) and _is_int(target):
+            return f"countdown {sorted(numbers)} -> {target}"
+        return problem.prompt  # a row without them: the reward names it
+
     def reward(self, problem: Problem, completion: str) -> float:
         if "numbers" not in problem.meta or "target" not in problem.meta:
             raise ValueError(f"countdown problem {problem.prompt!r} lacks meta 'numbers' and 'target' "

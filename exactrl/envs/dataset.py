@@ -83,11 +83,12 @@ SPLITS = ("train", "eval")
 MAX_SPLIT_DRAWS = 10_000  # rejection-sampling budget for one problem of a split
 
 
-def held_out(problem: Problem) -> bool:
+def held_out(problem: Problem, task: Task | None = None) -> bool:
     """Whether the problem belongs to the evaluation split: a fixed fifth of every task's problems (by a hash
-    of the prompt), never drawn for RL training, so evaluation scores problems RL never trained on (the
-    default job's warm start, which stands for pretraining, draws from every problem)."""
-    return int(hashlib.sha256(problem.prompt.encode()).hexdigest()[:8], 16) % HELD_OUT == 0
+    of the prompt, or of `task.split_key`), never drawn for RL training, so evaluation scores problems RL
+    never trained on (the default job's warm start, which stands for pretraining, draws from every problem)."""
+    key = problem.prompt if task is None else task.split_key(problem)
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % HELD_OUT == 0
 
 
 def generate(task: Task, rng: random.Random, split: str | None = None) -> Problem:
@@ -98,7 +99,7 @@ def generate(task: Task, rng: random.Random, split: str | None = None) -> Proble
         raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
     for _ in range(MAX_SPLIT_DRAWS):
         p = task.generate(rng)
-        if held_out(p) == (split == "eval"):
+        if held_out(p, task) == (split == "eval"):
             return p
     raise ValueError(f"task {task.name!r} drew no {split} problem in {MAX_SPLIT_DRAWS} draws: its settings leave "
                      f"too few distinct problems to hold some out for evaluation (widen them)")

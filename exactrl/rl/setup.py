@@ -414,11 +414,11 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     file's prompts, so evaluation scores problems never trained on (`envs.dataset.held_out`)."""
     train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
              else make_dataset(task, cfg.task.train_size, cfg.seed, split="train"))
-    seen = {p.prompt for p in train} if cfg.task.train_jsonl else set()
+    seen = {task.split_key(p) for p in train} if cfg.task.train_jsonl else set()
     eval_problems = []
     for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval"):
-        if p.prompt not in seen:  # each distinct problem once
-            seen.add(p.prompt)
+        if task.split_key(p) not in seen:  # each distinct problem once
+            seen.add(task.split_key(p))
             eval_problems.append(p)
     if cfg.task.eval_size and not eval_problems:
         raise ValueError(f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "

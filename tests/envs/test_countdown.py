@@ -125,3 +125,18 @@ def test_reward_of_deeply_nested_parentheses_is_zero_even_deep_in_the_stack():
     def deep(n):
         return CountdownTask().reward(P, "(" * 255 + "3") if n == 0 else deep(n - 1)
     assert deep(400) == 0.0
+
+
+def test_the_held_out_split_keeps_a_puzzle_whole_whatever_the_order_of_its_numbers():
+    """Prompts list the numbers as drawn: two thirds of the held-out puzzles were trained on with their
+    numbers in another order while the split hashed the prompt."""
+    from exactrl.envs.dataset import held_out, make_dataset
+
+    task = CountdownTask()
+    train = make_dataset(task, 2000, seed=0, split="train")
+    evals = make_dataset(task, 300, seed=7919, split="eval")
+    assert not {task.split_key(p) for p in train} & {task.split_key(p) for p in evals}
+    assert len({task.split_key(p) for p in evals}) < len({p.prompt for p in evals})  # orders of one puzzle
+    p = evals[0]
+    shuffled = Problem(p.prompt, p.answer, {**p.meta, "numbers": p.meta["numbers"][::-1]})
+    assert held_out(shuffled, task) and task.split_key(shuffled) == task.split_key(p)

@@ -60,9 +60,9 @@ def test_train_and_eval_splits_never_share_a_problem(task):
     train = make_dataset(task, 2000, seed=0, split="train")
     evals = make_dataset(task, 200, seed=7919, split="eval")
     assert not {p.prompt for p in train} & {p.prompt for p in evals}
-    assert all(held_out(p) for p in evals) and not any(held_out(p) for p in train)
+    assert all(held_out(p, task) for p in evals) and not any(held_out(p, task) for p in train)
     anyp = make_dataset(task, 2000, seed=0)
-    assert 0.1 < sum(map(held_out, anyp)) / len(anyp) < 0.3  # about a fifth
+    assert 0.1 < sum(held_out(p, task) for p in anyp) / len(anyp) < 0.3  # about a fifth
     with pytest.raises(ValueError, match="split must be one of"):
         make_dataset(task, 1, seed=0, split="test")
 
@@ -71,7 +71,7 @@ def test_a_task_too_small_to_hold_problems_out_is_a_clear_error():
     from exactrl.envs.dataset import held_out
 
     task = ArithmeticTask(min_value=1, max_value=1, ops=("+",))  # one problem, "1+1=": on one side only
-    missing = "train" if held_out(make_dataset(task, 1, seed=0)[0]) else "eval"
+    missing = "train" if held_out(make_dataset(task, 1, seed=0)[0], task) else "eval"
     with pytest.raises(ValueError, match="too few distinct problems"):
         make_dataset(task, 1, seed=0, split=missing)
 
