@@ -58,6 +58,9 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT_S = 1800  # a collective waits this long for a slow or dead rank before the run fails
+# after a rank fails, the launcher lets the others end on their own (a collective with a dead peer fails at
+# once) before it stops them: rank 0 may be writing the checkpoint of a step every rank finished
+FAILED_RANK_GRACE_S = 20
 
 
 @dataclass(frozen=True)
@@ -227,8 +230,9 @@ def _dies_with(parent: int):
 
 def launch(argv: list[str], nproc: int) -> int:
     """Runs `python -m exactrl <argv>` as `nproc` ranks on this machine (torchrun's environment; the cores
-    this process may use split evenly between them unless OMP_NUM_THREADS is set); waits for all. If one fails, the others
-    are stopped. Returns the first non-zero code."""
+    this process may use split evenly between them unless OMP_NUM_THREADS is set); waits for all. If one
+    fails, the others end at their next collective, or are stopped after FAILED_RANK_GRACE_S. Returns the
+    first non-zero code."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with socket.socket() as s:
@@ -251,7 +255,7 @@ def launch(argv: list[str], nproc: int) -> int:
                    "OMP_NUM_THREADS": threads}
             procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env,
                                           preexec_fn=_dies_with(os.getpid())))
-        live = list(procs)
+        live, stop_at = list(procs), None
         while live:
             for p in list(live):
                 rc = p.poll()
@@ -261,9 +265,13 @@ def launch(argv: list[str], nproc: int) -> int:
                 if rc != 0 and code == 0:
                     code = rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
                     how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
-                    print(f"exactrl train: rank {procs.index(p)} {how}; stopping the other ranks", file=sys.stderr)
-                    for q in live:  # the others would wait in a collective until the timeout
-                        q.send_signal(signal.SIGTERM)
+                    print(f"exactrl train: rank {procs.index(p)} {how}; the other ranks stop at their next "
+                          f"collective (or in {FAILED_RANK_GRACE_S} s)", file=sys.stderr)
+                    stop_at = time.monotonic() + FAILED_RANK_GRACE_S
+            if stop_at is not None and time.monotonic() > stop_at:  # one stuck: it would wait out TIMEOUT_S
+                for q in live:
+                    q.send_signal(signal.SIGTERM)
+                stop_at = None
             time.sleep(0.1)
     except KeyboardInterrupt:  # a Ctrl-C reaches the ranks too (one process group): they save nothing new and
         # say how to resume. A SIGINT sent to this launcher alone (a job manager, kill -INT) is passed on to

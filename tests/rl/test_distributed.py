@@ -243,6 +243,41 @@ def test_a_sigint_to_the_launcher_alone_reaches_the_ranks(tmp_path, monkeypatch)
     assert all((tmp_path / f"rank{r}").read_text() == "interrupted" for r in (0, 1))
 
 
+def test_after_a_rank_fails_the_others_may_finish_a_save_and_a_stuck_one_is_stopped(tmp_path, monkeypatch):
+    """Rank 1 fails while rank 0 writes a checkpoint (here: 1 s of work, then its next collective fails):
+    rank 0 finishes instead of being killed mid-write (it lost the checkpoint of a step every rank had
+    finished). A rank that never ends on its own is stopped after the grace period."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    import exactrl.distributed as dist_mod
+
+    rank = tmp_path / "rank.py"
+    rank.write_text(textwrap.dedent("""
+        import os, pathlib, sys, time
+        out = pathlib.Path(sys.argv[1])
+        if os.environ["RANK"] == "1":
+            sys.exit(2)
+        if sys.argv[2] == "stuck":
+            while True:
+                time.sleep(0.05)
+        time.sleep(1.0)
+        out.write_text("saved")
+        sys.exit(1)
+        """))
+    real = subprocess.Popen
+    for mode in ("saving", "stuck"):
+        monkeypatch.setattr(dist_mod.subprocess, "Popen", lambda cmd, env, **kw: real(
+            [sys.executable, str(rank), str(tmp_path / f"{mode}{env['RANK']}"), mode], env=env, **kw))
+        monkeypatch.setattr(dist_mod, "FAILED_RANK_GRACE_S", 3)
+        t = time.monotonic()
+        assert dist_mod.launch(["train"], 2) == 2  # the first failure's code
+        assert (tmp_path / f"{mode}0").exists() == (mode == "saving")
+        assert time.monotonic() - t < 15
+
+
 def test_a_rank_dies_with_its_launcher_even_a_sigkilled_one(tmp_path):
     """A launcher killed with SIGKILL (OOM killer, `kill -9`) can forward nothing: its ranks are armed to get
     SIGTERM from the kernel when it dies, so none is left running (holding the run dir's lock)."""
