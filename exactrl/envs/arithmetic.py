@@ -91,8 +91,11 @@ class ArithmeticTask(Task):
         raise ValueError(f"no non-negative expression found in {_MAX_ATTEMPTS} draws with ops={self.ops} over "
                          f"[{self.min_value}, {self.max_value}]; add '+' to ops or set nonnegative=False")
 
-    def reward(self, problem: Problem, completion: str) -> float:
+    def check(self, problem: Problem) -> None:
         if not _INT.fullmatch(problem.answer.strip()):
             raise ValueError(f"arithmetic problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        self.check(problem)
         got = first_integer(strip_reasoning(completion), max(_MAX_DIGITS, len(problem.answer.strip())))
         return 1.0 if got is not None and got == int(problem.answer) else 0.0

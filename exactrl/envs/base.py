@@ -54,6 +54,10 @@ class Task(abc.ABC):
     def reward(self, problem: Problem, completion: str) -> float:
         """Scores `completion` (decoded text, special tokens dropped) in [0, 1]; never raises on bad text."""
 
+    def check(self, problem: Problem) -> None:
+        """Raises ValueError if `reward` cannot score `problem` (a training-file row without what the task
+        needs). Run on every row of `task.train_jsonl` at the start; the default checks nothing."""
+
     def split_key(self, problem: Problem) -> str:
         """What makes two problems one, for the held-out split (`envs.dataset.held_out`): the prompt, unless
         the task's prompts state one problem in several ways (countdown's numbers in any order)."""

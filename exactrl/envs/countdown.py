@@ -202,7 +202,7 @@ class CountdownTask(Task):
             return f"countdown {sorted(numbers)} -> {target}"
         return problem.prompt  # a row without them: the reward names it
 
-    def reward(self, problem: Problem, completion: str) -> float:
+    def check(self, problem: Problem) -> None:
         if "numbers" not in problem.meta or "target" not in problem.meta:
             raise ValueError(f"countdown problem {problem.prompt!r} lacks meta 'numbers' and 'target' "
                              f"(JSONL rows need them as extra keys)")
@@ -210,6 +210,10 @@ class CountdownTask(Task):
         if not (isinstance(numbers, list) and numbers and all(_is_int(x) for x in numbers) and _is_int(target)):
             raise ValueError(f"countdown problem {problem.prompt!r}: meta 'numbers' must be a non-empty list of "
                              f"integers and 'target' an integer, got {numbers!r} and {target!r}")
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        self.check(problem)
+        numbers, target = problem.meta["numbers"], problem.meta["target"]
         try:
             parsed = parse_expression(extract_expression(completion))
         except (ExpressionError, ZeroDivisionError, RecursionError):  # deep parentheses too: bad text scores 0

@@ -22,6 +22,7 @@ import ast
 import json
 import operator
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +83,12 @@ class CalculatorTask(Task):
         expr = str(terms[0]) + "".join(o + str(t) for o, t in zip(ops, terms[1:]))
         return Problem(prompt=f"Compute {expr}", answer=str(evaluate_terms(terms, ops)), meta={"expression": expr})
 
+    def check(self, problem: Problem) -> None:
+        if not re.fullmatch(r"-?[0-9]+", problem.answer.strip()):
+            raise ValueError(f"calculator problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
+
     def reward(self, problem: Problem, completion: str) -> float:
+        self.check(problem)
         return float(first_integer(strip_reasoning(completion or "")) == int(problem.answer))
 
 

@@ -416,7 +416,7 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
              else make_dataset(task, cfg.task.train_size, cfg.seed, split="train"))
     for k, p in enumerate(train if cfg.task.train_jsonl else ()):  # a row the task cannot score fails now,
         try:  # not when a later step first draws it
-            task.reward(p, "")
+            task.check(p)
         except ValueError as e:
             raise ValueError(f"task.train_jsonl {cfg.task.train_jsonl}: problem {k + 1} of the file: {e}") from None
     seen = {task.split_key(p) for p in train} if cfg.task.train_jsonl else set()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -161,3 +162,18 @@ class Clash(Task):
     with pytest.raises(RuntimeError, match="broken task file"):
         import_task_module(str(bad))
     assert set(sys.modules) == before
+
+
+def test_each_builtin_task_checks_a_problem_it_cannot_score():
+    """`Task.check` runs on every training-file row at the start (rl/setup.py), without scoring anything."""
+    from exactrl.envs import CountdownTask
+    from exactrl.envs.arithmetic import ArithmeticTask
+    from exactrl.envs.base import Problem
+    from exactrl.envs.tool_use import CalculatorTask
+
+    for task, bad in ((ArithmeticTask(), Problem("2+1=", "3.0")), (CalculatorTask(), Problem("2+1", "three")),
+                      (CountdownTask(), Problem("Use 1 2 to make 3.", "1+2"))):
+        with pytest.raises(ValueError, match=re.escape(repr(bad.prompt))):
+            task.check(bad)
+        good = task.generate(random.Random(0))
+        assert task.check(good) is None and task.reward(good, good.answer) == 1.0
