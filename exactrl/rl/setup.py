@@ -422,8 +422,8 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     seen = {task.split_key(p) for p in train} if cfg.task.train_jsonl else set()
     eval_problems = []
     for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval"):
-        if task.split_key(p) not in seen:  # each distinct problem once
-            seen.add(task.split_key(p))
+        if (key := task.split_key(p)) not in seen:  # each distinct problem once
+            seen.add(key)
             eval_problems.append(p)
     if cfg.task.eval_size and not eval_problems:
         raise ValueError(f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "

@@ -150,16 +150,13 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
             weights_BT, mask_BT, _ = s.corrections(old_BT, behav_BT, sampled_BT, adv_BT)
         inp = LossInputs(logprobs_BT=logp_BT, old_logprobs_BT=old_BT, behav_logprobs_BT=behav_BT,
                          advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT, sampled_mask_BT=sampled_BT)
-        lengths_B = sampled_BT.sum(dim=1)  # seq-mean-token-mean's n_b: a masked token stays in it
         if s.bypass:
             inp = apply_bypass(inp)
-        loss, _ = loss_fn(inp, s.agg_mode, norm)
-        if s.entropy_coef:
-            loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm, lengths_B)
+        kl_BT = None
         if ref_model is not None and s.kl_coef and s.kl_in_loss:
             kl_BT = kl_estimate(logp_BT, _ref_logprobs(ref_model, batch, idx, s, T), s.kl_kind)
-            loss = loss + s.kl_coef * aggregate(kl_BT, mask_BT, s.agg_mode, norm, lengths_B)
             kept["kl"].append(kl_BT.detach())
+        loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm)
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
         for k, t in zip(kept, (old_BT, behav_BT, sampled_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())):
@@ -182,6 +179,17 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     return _batch_metrics(whole, loss_fn, s, norm) | {"train/grad_norm": float(grad_norm)}
 
 
+def _regularised(loss, ent_BT, kl_BT, mask_BT, sampled_BT, s: StepSettings, norm: LossNorm):
+    """loss − entropy_coef·agg(H) + kl_coef·agg(KL) (the KL term only when `kl_BT` is given), aggregated as
+    the loss is; seq-mean-token-mean's n_b counts the sampled tokens (a masked one stays in it)."""
+    lengths_B = sampled_BT.sum(dim=1)
+    if s.entropy_coef:
+        loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm, lengths_B)
+    if kl_BT is not None:
+        loss = loss + s.kl_coef * aggregate(kl_BT, mask_BT, s.agg_mode, norm, lengths_B)
+    return loss
+
+
 def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[str, float]:
     """The step's metrics over the whole batch at once, so that no figure depends on micro_batch_size or
     on the number of ranks: the corrections and the loss (`train/loss` with its entropy and KL terms)
@@ -200,11 +208,7 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
     inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
                      mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])
     loss, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)
-    lengths_B = t["loss_mask"].sum(dim=1)
-    if s.entropy_coef:
-        loss = loss - s.entropy_coef * aggregate(t["ent"], final, s.agg_mode, norm, lengths_B)
-    if t["kl"] is not None:  # kept only where the KL is in the loss
-        loss = loss + s.kl_coef * aggregate(t["kl"], final, s.agg_mode, norm, lengths_B)
+    loss = _regularised(loss, t["ent"], t["kl"], final, t["loss_mask"], s, norm)  # kl kept only if in the loss
     metrics |= cm | lm | {"train/loss": float(loss)}
     metrics["train/entropy"] = float(masked_mean(t["ent"].double(), gen))  # the policy's, on what it sampled
     if t["kl"] is not None:  # the estimator's token mean over the trained tokens, whatever agg_mode
