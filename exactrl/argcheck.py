@@ -11,7 +11,18 @@ import collections.abc
 import math
 import types
 import typing
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
+
+from pydantic import AfterValidator
+
+def _not_blank(path: str) -> str:
+    if not path.strip():
+        raise ValueError("a path must not be empty or only spaces")
+    return path
+
+
+PathText = Annotated[str, AfterValidator(_not_blank)]
+"""A config field naming a file or directory: `""` or `"  "` is a mistake, not the current directory."""
 
 _TYPE_NAMES = {float: "a finite number", int: "an integer", bool: "true or false", str: "a string", type(None): "null"}
 

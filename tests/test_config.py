@@ -32,8 +32,12 @@ def test_defaults_and_overrides(tmp_path):
     ("max_steps=true", "bad value for 'max_steps'"),
     ("optim.betas=[true, 0.9]", "bad value for 'optim.betas'"),
     ("rollout_backend.ray.num_engines=false", "bad value for 'rollout_backend.ray.num_engines'"),
-    ("run_dir=''", "bad value for 'run_dir': String should have at least 1 character"),  # not the cwd
+    ("run_dir=''", "bad value for 'run_dir': a path must not be empty or only spaces"),  # not the cwd
     ("model.path=''", "bad value for 'model.path'"),  # not the default model
+    ("model.tokenizer='  '", "bad value for 'model.tokenizer'"),  # spaces: no directory a user means
+    ("task.train_jsonl=' '", "bad value for 'task.train_jsonl'"),
+    ("task.module=''", "bad value for 'task.module'"),
+    ("rollout_backend.sync_dir=' '", "bad value for 'rollout_backend.sync_dir'"),
 ])
 def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):

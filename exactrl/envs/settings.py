@@ -5,18 +5,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exactrl.argcheck import PathText
+
 
 class TaskSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     name: str = "arithmetic"
     """Registered task name (see `exactrl.envs.TASKS`)."""
-    module: str | None = Field(None, min_length=1)
+    module: PathText | None = None
     """Python module imported before `name` is looked up: a dotted name (`mypkg.tasks`) or a .py file path.
     A task it registers with `@register_task` can then be named in `name` (a task of your own, from the CLI)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Constructor arguments of the task (difficulty knobs)."""
-    train_jsonl: str | None = Field(None, min_length=1)
+    train_jsonl: PathText | None = None
     """Optional JSONL file of {prompt, answer} training problems; None generates them procedurally."""
     train_size: int = Field(4096, ge=1)
     """Number of procedurally generated training problems (cycled by epoch)."""

@@ -5,13 +5,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exactrl.argcheck import PathText
+
 
 class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
-    path: str | None = Field(None, min_length=1)
+    path: PathText | None = None
     """Hugging Face model directory; None builds (and caches) the default tiny model with a warm start."""
-    tokenizer: str | None = Field(None, min_length=1)
+    tokenizer: PathText | None = None
     """Tokenizer directory; None uses `path` (or the default job's own tokenizer)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and activation dtype for both trainer and engine."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 from datetime import date
 from pathlib import Path
+from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from exactrl.argcheck import PathText
 from exactrl.envs.settings import TaskSettings
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
@@ -180,7 +182,7 @@ class RunConfig(BaseModel):
     """RL steps to run."""
     seed: int = Field(0, ge=-(2**63), lt=2**63)
     """Seeds data order, sampling and the default model's initialisation."""
-    run_dir: str | None = Field(None, min_length=1)
+    run_dir: PathText | None = None
     """Output directory; None creates runs/<timestamp>."""
     resume: bool = False
     """Continue from the latest checkpoint in run_dir (required if run_dir has checkpoints)."""
@@ -233,7 +235,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def _is_str_field(dotted: str) -> bool:
-    """Whether the dotted key names a `str` or `str | None` field (keys inside free-form dicts do not)."""
+    """Whether the dotted key names a `str` or `str | None` field, PathText too (keys inside free-form dicts do not)."""
     node: Any = RunConfig
     for k in dotted.split("."):
         if not (isinstance(node, type) and issubclass(node, BaseModel)):
@@ -242,7 +244,9 @@ def _is_str_field(dotted: str) -> bool:
         if field is None:
             return False
         node = field.annotation
-    return node in (str, str | None)
+    kinds = {get_args(a)[0] if get_origin(a) is Annotated else a  # PathText is an Annotated str
+             for a in (get_args(node) if get_origin(node) in (Union, UnionType) else (node,))}
+    return bool(kinds) and kinds <= {str, type(None)} and str in kinds
 
 
 def _parse_override(key: str, raw: str) -> Any:
@@ -321,11 +325,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         msgs = []
         for err in e.errors():
             key = ".".join(str(x) for x in err["loc"])
+            # a validator's own ValueError, without pydantic's "Value error, " in front
+            msg = str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"]
             if not key:  # a rule across keys: its message names them
-                msgs.append(str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"])
+                msgs.append(msg)
                 continue
             what = "unknown config key" if err["type"] == "extra_forbidden" else "bad value for"
-            msgs.append(f"{what} {key!r}: {err['msg']}" + ("" if err["type"] == "extra_forbidden"
+            msgs.append(f"{what} {key!r}: {msg}" + ("" if err["type"] == "extra_forbidden"
                                                          else f" (got {err.get('input')!r})")
                         + ("; quote it in YAML to pass it as text" if err["type"] == "string_type" else ""))
         raise ValueError("; ".join(msgs)) from None

@@ -77,6 +77,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from exactrl.argcheck import PathText
 from exactrl.distributed.ray_engines import RayEngineSettings
 from exactrl.engine.engine import Completion
 from exactrl.engine.sampling import SamplingParams, params_per_prompt
@@ -103,7 +104,7 @@ class RolloutBackendSettings(BaseModel):
     weight_sync: Literal["none", "disk"] = "none"
     """`none`: the server keeps its weights (data grows stale); `disk`: after each step the weights are
     saved to `sync_dir` and loaded by the server's /update_weights_from_disk."""
-    sync_dir: str | None = Field(None, min_length=1)
+    sync_dir: PathText | None = None
     """Where `disk` writes checkpoints; the server must read the same path. None: a temp dir (same machine)."""
     timeout_s: float = Field(600.0, gt=0)
     """Per HTTP request (a whole completion of n samples, or one weight load)."""
