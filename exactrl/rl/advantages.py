@@ -8,6 +8,14 @@ Standard deviations are Bessel-corrected (as in DeepSeekMath's GRPO and its
 common implementations); a group or batch of one sample has std 0 and, since
 its centred reward is also 0, advantage exactly 0 — never 0/0 = NaN.
 
+A group (or, whitened over the batch, a batch) of equal rewards gets
+advantage exactly 0: its centred rewards are set to 0, not computed. The
+mean of G copies of 0.7 in float32 comes out one ulp off, and
+(r − mean) / (0 + eps) would turn that ulp into an advantage of ~0.06 for
+the whole group (5.7 gives −0.32). They compute in float64 (float32
+rewards' means and stds are then exact to float32's precision) and return
+float64.
+
 Legend: P prompts, G samples per prompt.
 """
 from __future__ import annotations
@@ -29,7 +37,7 @@ def _check_rewards(rewards_PG: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(rewards_PG).all()):
         p, g = (int(i) for i in (~torch.isfinite(rewards_PG)).nonzero()[0])
         raise ValueError(f"rewards_PG is non-finite at (prompt {p}, sample {g}): {rewards_PG[p, g].item()}")
-    return rewards_PG.to(torch.promote_types(rewards_PG.dtype, torch.float32))
+    return rewards_PG.to(torch.float64)  # see the module docstring: equal rewards centre to exactly 0
 
 
 def _std(x: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -46,10 +54,18 @@ def _check_eps(eps: float) -> None:
         raise ValueError(f"eps must be a number > 0 (it keeps a group of equal rewards finite), got {eps!r}")
 
 
+def _centre(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """x − mean(x) along `dim` (None: the whole tensor); exactly 0 where the values are all equal."""
+    keep = dim is not None
+    mean, same = ((x.mean(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True) == x.amin(dim=dim, keepdim=True))
+                  if keep else (x.mean(), x.max() == x.min()))
+    return torch.where(same, torch.zeros_like(x), x - mean)
+
+
 def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x − mean) / (std + eps) over the whole batch."""
     _check_eps(eps)
-    return (x - x.mean()) / (_std(x, None) + eps)
+    return _centre(x, None) / (_std(x, None) + eps)
 
 
 def grpo(rewards_PG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -59,7 +75,7 @@ def grpo(rewards_PG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
     `agg_mode: constant-normalised` (the run config's default is `token-mean`).
     """
     r = _check_rewards(rewards_PG)
-    centred_PG = r - r.mean(dim=1, keepdim=True)
+    centred_PG = _centre(r, 1)
     _check_eps(eps)
     if not normalize_std:
         return centred_PG
@@ -79,7 +95,7 @@ def rloo(rewards_PG: torch.Tensor) -> torch.Tensor:
     G = r.shape[1]
     if G < 2:
         return torch.zeros_like(r)
-    return (r - r.mean(dim=1, keepdim=True)) * (G / (G - 1))
+    return _centre(r, 1) * (G / (G - 1))
 
 
 def reinforce_pp(rewards_PG: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -97,7 +113,7 @@ def reinforce_pp_baseline(rewards_PG: torch.Tensor, eps: float = 1e-6) -> torch.
     """REINFORCE++-baseline (Hu 2025): subtract the group mean (removes the
     prompt's difficulty), then whiten over the whole batch."""
     r = _check_rewards(rewards_PG)
-    return _whiten(r - r.mean(dim=1, keepdim=True), eps)
+    return _whiten(_centre(r, 1), eps)
 
 
 ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {

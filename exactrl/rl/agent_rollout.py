@@ -105,7 +105,7 @@ def complete_groups(groups_P_G: list[list]) -> tuple[list[list[AgentRollout]], i
 def agent_train_batch(groups_P_G: list[list[AgentRollout]], advantage: str = "grpo",
                       advantage_kwargs: dict | None = None) -> TrainBatch:
     """Group-relative advantages per episode, broadcast to each of its trajectories."""
-    rewards_PG = torch.tensor([[r.reward for r in g] for g in groups_P_G], dtype=torch.float32)
+    rewards_PG = torch.tensor([[r.reward for r in g] for g in groups_P_G], dtype=torch.float64)
     adv_PG = compute_advantages(advantage, rewards_PG, **(advantage_kwargs or {}))
     prompt_ids, completion_ids, behav, adv, mask = [], [], [], [], []
     for k, g in enumerate(groups_P_G):

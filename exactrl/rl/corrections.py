@@ -43,7 +43,7 @@ import torch
 
 from exactrl.argcheck import check_arg_types
 from exactrl.rl.aggregation import masked_mean, masked_values, seq_mean, seq_sum
-from exactrl.rl.kl import exp_ratio, kl_estimate
+from exactrl.rl.kl import KL_ESTIMATORS, exp_ratio, kl_estimate
 from exactrl.rl.types import LossInputs, check_finite, check_kwargs, check_mask, check_same_shape
 
 Metrics = dict[str, float]
@@ -235,15 +235,17 @@ class KLRejection(Correction):
             raise ValueError(f"KLRejection level must be 'token' or 'sequence', got {level!r}")
         if not threshold > 0:
             raise ValueError(f"KLRejection threshold must be > 0, got {threshold}")
-        kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), kind)  # validates `kind` at build time
+        if kind not in KL_ESTIMATORS:
+            raise ValueError(f"KLRejection kind must be one of {sorted(KL_ESTIMATORS)}, got {kind!r}")
         self.threshold, self.kind, self.level = threshold, kind, level
         self.key = f"kl_rejection_{level}"
 
     def compute(self, b):
         kl_BT = masked_values(kl_estimate(b.behav_BT, b.old_BT, self.kind), b.mask_BT)
+        metrics = {"kl_mean": _tok(kl_BT, b.mask_BT)}  # the token mean at either level
         if self.level == "sequence":
             kl_BT = seq_mean(kl_BT, b.mask_BT)[:, None].expand_as(kl_BT)
-        return None, kl_BT <= self.threshold, {"kl_mean": _tok(kl_BT, b.mask_BT)}
+        return None, kl_BT <= self.threshold, metrics
 
 
 class OPSM(Correction):
@@ -322,7 +324,10 @@ def build_corrections(specs: Sequence[dict]) -> Composed:
                              "(bypass mode is algorithm.bypass=true, not a correction)")
         check_kwargs(CORRECTIONS[name], kwargs, f"correction {name!r}")
         check_arg_types(CORRECTIONS[name], kwargs, f"correction {name!r}")
-        built.append(CORRECTIONS[name](**kwargs))
+        try:
+            built.append(CORRECTIONS[name](**kwargs))
+        except ValueError as e:  # a bound out of range: say which entry of the list
+            raise ValueError(f"corrections[{i}] ({name!r}): {e}") from None
     return compose(built)
 
 

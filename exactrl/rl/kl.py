@@ -81,8 +81,10 @@ def _k2(logp_BT: torch.Tensor, logq_BT: torch.Tensor) -> torch.Tensor:
 
 
 def _k3(logp_BT: torch.Tensor, logq_BT: torch.Tensor) -> torch.Tensor:
-    """exp(logq − logp) − (logq − logp) − 1."""
-    r_BT = log_ratio(logq_BT, logp_BT)
+    """exp(r) − r − 1 with r = logq − logp, r clamped above at MAX_LOG_RATIO as a whole: clamping
+    only the exp would leave −r − 1, whose gradient +1 on logp beyond the clamp has the wrong sign
+    (it would push logp further below logq where it has already fallen e^20 times below)."""
+    r_BT = log_ratio(logq_BT, logp_BT).clamp(max=MAX_LOG_RATIO)
     return exp_ratio(r_BT) - r_BT - 1.0
 
 
@@ -117,6 +119,8 @@ def kl_reward_penalty(behav_lps: list[torch.Tensor], ref_lps: list[torch.Tensor]
     InstructGPT-style RLHF, Ouyang et al. 2022, summed over the completion). Returns the penalties
     and their metrics; nothing here is differentiated.
     """
+    if len(behav_lps) != len(ref_lps):
+        raise ValueError(f"kl_reward_penalty: {len(behav_lps)} behaviour sequences but {len(ref_lps)} reference ones")
     per_seq = [kl_estimate(b.double(), r.double(), kind).sum().item() if len(b) else 0.0
                for b, r in zip(behav_lps, ref_lps)]
     n = max(len(per_seq), 1)

@@ -234,4 +234,7 @@ def build_loss(name: str, **kwargs) -> PolicyLoss:
         raise ValueError(f"unknown loss {name!r}; valid losses: {sorted(LOSSES)}")
     check_kwargs(LOSSES[name], kwargs, f"loss {name!r}")
     check_arg_types(LOSSES[name], kwargs, f"loss {name!r}")
-    return LOSSES[name](**kwargs)
+    try:
+        return LOSSES[name](**kwargs)
+    except ValueError as e:  # a value out of range (eps_low=1.5): say which loss
+        raise ValueError(f"loss {name!r}: {e}") from None

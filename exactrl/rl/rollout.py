@@ -112,7 +112,7 @@ def to_train_batch(groups: list[list[Rollout]], advantage: str, advantage_kwargs
                    mask_truncated: bool = False) -> TrainBatch:
     """Advantages over each group's rewards. `mask_truncated`: a completion cut at the length limit gets a
     loss mask of zeros (it still counts in its group's baseline)."""
-    rewards_PG = torch.tensor([[r.reward for r in g] for g in groups], dtype=torch.float32)
+    rewards_PG = torch.tensor([[r.reward for r in g] for g in groups], dtype=torch.float64)
     adv_PG = compute_advantages(advantage, rewards_PG, **advantage_kwargs)
     flat = [r for g in groups for r in g]
     mask = ([[int(r.finish_reason != "length")] * len(r.completion_ids) for r in flat] if mask_truncated

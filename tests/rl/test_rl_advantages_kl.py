@@ -55,6 +55,20 @@ def test_one_sample_groups_give_finite_advantages(name):
     assert single.tolist() == [[0.0]]
 
 
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_equal_rewards_give_exactly_zero(name, dtype):
+    # 0.7 and 5.7 are not exact in binary: G copies of them averaged in the rewards' own dtype come
+    # out an ulp off, and / (std 0 + eps) made that ulp an advantage of −0.32 (5.7) for the whole group
+    for v in (0.1, 0.7, 5.7, 1 / 3):
+        for G in (2, 3, 7, 16):
+            rewards = torch.full((2, G), v, dtype=dtype)
+            assert compute_advantages(name, rewards).tolist() == [[0.0] * G] * 2, (v, G)
+    mixed = torch.tensor([[0.7] * 4, [1.0, 0.0, 0.0, 1.0]], dtype=dtype)  # the equal group alone is 0
+    if name != "reinforce_pp":  # which whitens over the batch, so no group is on its own
+        assert compute_advantages(name, mixed)[0].tolist() == [0.0] * 4
+
+
 def test_registry_and_errors():
     assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
     assert compute_advantages("grpo", R, normalize_std=False).tolist()[0] == [0.5, -0.5, -0.5, 0.5]
@@ -94,6 +108,28 @@ def test_k3_nonnegative_zero_on_policy_and_finite_far_off():
     assert kl_estimate(x, x, "k3").tolist() == [[0.0, 0.0]]
     far = kl_estimate(torch.tensor([[-1000.0]]), torch.tensor([[0.0]]), "k3")
     assert torch.isfinite(far).all() and far.item() > 0
+
+
+def test_k3_gradient_never_pushes_logp_further_below_the_reference():
+    # r = logq − logp; ∂k3/∂logp = 1 − e^r < 0 for r > 0. Beyond the clamp (r > 20) it is 0, not +1,
+    # which clamping only the exp gave: the loss then pushed logp down where it was already far below
+    for r in (1.0, 19.0, 21.0, 25.0, 500.0):
+        logp = torch.tensor([[-30.0 - r]], requires_grad=True)
+        kl_estimate(logp, torch.tensor([[-30.0]]), "k3").sum().backward()
+        assert logp.grad.item() <= 0, (r, logp.grad.item())
+        if r < 20:
+            assert logp.grad.item() == pytest.approx(1 - math.exp(r), rel=1e-5)
+    for r in (-5.0, -25.0):  # logp above the reference: the gradient 1 − e^r pulls it down, ~1 far off
+        logp = torch.tensor([[-1.0]], requires_grad=True)
+        kl_estimate(logp, torch.tensor([[-1.0 + r]]), "k3").sum().backward()
+        assert logp.grad.item() == pytest.approx(1 - math.exp(r), rel=1e-5)
+
+
+def test_kl_reward_penalty_refuses_lists_of_different_lengths():
+    from exactrl.rl.kl import kl_reward_penalty
+
+    with pytest.raises(ValueError, match="3 behaviour sequences but 2 reference"):  # zip dropped the third
+        kl_reward_penalty([torch.tensor([-1.0])] * 3, [torch.tensor([-1.5])] * 2, "k1", 0.1)
 
 
 def test_kl_is_differentiable_and_upcast():

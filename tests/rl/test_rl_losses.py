@@ -189,6 +189,8 @@ def test_registry_and_build_errors():
         build_loss("ppo", clip_ratio=0.2)
     with pytest.raises(ValueError, match="dual_clip"):
         build_loss("ppo", dual_clip=0.5)
+    with pytest.raises(ValueError, match=r"^loss 'gspo': eps_high must be >= 0"):  # which loss, too
+        build_loss("gspo", eps_high=-1e-4)
     with pytest.raises(ValueError, match="tau"):
         build_loss("sapo", tau_neg=0.0)
     with pytest.raises(ValueError, match="level"):
