@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from exactrl.chat.trajectory import Session
-from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
+from exactrl.server.generation import (Generation, SessionStream, drain_all, sampling_key, score_top_logprobs, sse,
                                        stream_error, token_fields, until_done)
 from exactrl.server.schemas import (MAX_SEQUENCES, MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common,
                                     sampling_params)
@@ -82,7 +82,7 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
 
 async def _completion_answer(st, body: CompletionRequest, gens: list[Generation], cid: str, created: int,
                              request: Request, session: Session | None):
-    if await until_done(st, asyncio.gather(*(drain(g) for g in gens)), request) is None:
+    if await until_done(st, drain_all(gens), request) is None:
         return Response(status_code=499)
     choices = []
     for k, g in enumerate(gens):

@@ -275,6 +275,18 @@ async def drain(gen: Generation) -> Generation:
     return gen
 
 
+async def drain_all(gens: list[Generation]) -> list[Generation]:
+    """`drain` of every generation at once; when one fails (or this is cancelled) the others are
+    cancelled too, which aborts what they still run (a plain gather left them generating, unread)."""
+    tasks = [asyncio.ensure_future(drain(g)) for g in gens]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def token_fields(prompt_ids, c) -> dict:
     return {"prompt_token_ids": list(prompt_ids), "generation_token_ids": list(c.token_ids),
             "generation_log_probs": list(c.logprobs)}

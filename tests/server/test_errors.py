@@ -271,3 +271,31 @@ def test_top_logprobs_are_not_scored_under_weights_that_sampled_nothing():
     with pytest.raises(APIError, match=r"changed between sampling \(version 0\) and scoring .* \(version 1\)") as e:
         score_top_logprobs(SimpleNamespace(version=1), [1, 2, 3], 2, None, 3, versions=[0, 0])
     assert e.value.status == 409 and e.value.code == "weights_changed"
+
+
+def test_a_failed_prompt_of_a_list_aborts_its_siblings():
+    """One prompt of a /v1/completions list fails (non-finite logits in its request alone): the error goes
+    back, and the other prompts' generations are aborted with it, not left decoding for nobody."""
+    from exactrl.engine import NonFiniteLogitsError
+
+    s = served()
+    eng, poison = s.state.engine, [7, 7, 7]
+    step = eng.step
+
+    def poisoned_step():
+        for rid, req in list(eng._requests.items()):
+            if list(req.prompt) == poison:
+                eng.abort(rid)
+                raise NonFiniteLogitsError([rid])
+        return step()
+
+    before = _wait_idle(s.url)
+    eng.step = poisoned_step
+    try:
+        r = post("/v1/completions", json={"model": s.model, "prompt": [[5, 6, 8], poison], "max_tokens": 480,
+                                          "n": 4, "ignore_eos": True})
+        assert r.status_code == 500, r.text
+        after = _wait_idle(s.url)
+    finally:
+        eng.step = step
+    assert after["engine/aborted"] == before["engine/aborted"] + 1  # the sibling, not left to run its 4 x 480
