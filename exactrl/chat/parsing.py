@@ -54,17 +54,30 @@ class ParsedAssistant:
         return msg
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a key written twice is not a call (which of the two would the client get?)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("duplicate key")
+    return obj
+
+
 def parse_tool_call_body(body: str) -> ToolCall | None:
-    """A `<tool_call>` body as a call, or None if it is not a valid one."""
+    """A `<tool_call>` body as a call, or None if it is not a valid one: a JSON object of `name` and
+    optional `arguments` only (another key, e.g. `parameters`, would be dropped from the call), no
+    key twice, and arguments that strict JSON can carry (no NaN or Infinity) in UTF-8."""
     try:  # ValueError: also a number past Python's digit limit; RecursionError: nesting too deep
-        obj = json.loads(body)
+        obj = json.loads(body, object_pairs_hook=_unique_keys)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _TOOL_NAME.match(obj["name"]):
+            return None
+        if set(obj) - {"name", "arguments"}:
             return None
         args = obj.get("arguments", {})
         if isinstance(args, str):  # some models emit the arguments as a JSON string
-            args = json.loads(args)
-        # what a client is sent must be UTF-8: a lone surrogate escape ("\ud800") is not a valid call
-        json.dumps(args, ensure_ascii=False).encode("utf-8")
+            args = json.loads(args, object_pairs_hook=_unique_keys)
+        # what a client is sent must be strict JSON in UTF-8: not 1e999 (inf), NaN, or a lone
+        # surrogate escape ("\ud800")
+        json.dumps(args, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return None
     if not isinstance(args, dict):

@@ -119,12 +119,14 @@ class Session:
     def trajectories(self) -> list[Trajectory]:
         """The maximal records (no other record extends them), in order of recording."""
         out = []
-        for r in self.records:
+        for i, r in enumerate(self.records):
             if r.retired or any(o is not r and len(o.tokens_T) > len(r.tokens_T)
                                 and o.tokens_T[:len(r.tokens_T)] == r.tokens_T for o in self.records):
                 continue
-            if any(o is not r and o.tokens_T == r.tokens_T for o in self.records[:self.records.index(r)]):
-                continue  # an identical earlier record (same prompt, same sample)
+            # an identical earlier record (same prompt, same sample), by position: `index` compares
+            # records by value, so a copy equal in every field found itself and was kept twice
+            if any(o.tokens_T == r.tokens_T for o in self.records[:i]):
+                continue
             p = r.prompt_len
             out.append(Trajectory(r.tokens_T[:p], r.tokens_T[p:], r.mask_T[p:], r.logprobs_T[p:], r.versions_T[p:],
                                   num_turns=_turns(r.mask_T), sampling=[list(x) for x in r.sampling]))

@@ -35,6 +35,15 @@ def test_reasoning_content_and_calls():
     ('<tool_call>{"name": "f", "arguments": {"x": ' + "1" * 4301 + '}}</tool_call>', None, 0),
     ('<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 100_000 + "]" * 100_000 + '}}</tool_call>', None, 0),
     ('<tool_call>{"name": "f", "arguments": "{\\"x\\": \\"\\\\ud800\\"}"}</tool_call>', None, 0),
+    # strict JSON parsers (JS, Go) refuse NaN and Infinity, which json.dumps wrote back
+    ('<tool_call>{"name": "f", "arguments": {"a": 1e999}}</tool_call>', '<tool_call>{"name": "f", "arguments": {"a": 1e999}}</tool_call>', 0),
+    ('<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', None, 0),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": Infinity}"}</tool_call>', None, 0),
+    # a key the call has no place for (the model's arguments as "parameters" were dropped), a key twice
+    ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', '<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', 0),
+    ('<tool_call>{"name": "f", "arguments": {}, "note": "x"}</tool_call>', None, 0),
+    ('<tool_call>{"name": "f", "name": "g"}</tool_call>', None, 0),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}}</tool_call>', None, 0),
 ])
 def test_invalid_calls_stay_text(text, content, n_calls):
     p = parse_assistant_text(text)

@@ -76,3 +76,13 @@ def test_truncate_without_its_history_is_refused():
 
     with pytest.raises(ValueError, match="cut_history"):
         Session().record([1], [2], [-.1], [0], kind="truncate")
+
+
+def test_an_identical_record_is_one_trajectory_whatever_its_other_fields():
+    # a greedy n>1 or a retried request: the same prompt and sample recorded twice is trained once,
+    # whether the copies differ in a field other than the tokens (versions) or in none
+    for versions in ([0, 0], [1, 1]):
+        s = Session()
+        s.record([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0])
+        s.record([1, 2, 3], [4, 5], [-0.1, -0.2], versions)
+        assert len(s.trajectories()) == 1, versions
