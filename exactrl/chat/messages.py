@@ -128,6 +128,9 @@ def template_message(msg: dict, index: int) -> dict:
         raise ValueError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
     out: dict = {"role": "system" if role == "developer" else role,
                  "content": _text(msg.get("content"), where + ".content")}
+    for key, owner in (("tool_calls", "assistant"), ("reasoning_content", "assistant"), ("tool_call_id", "tool")):
+        if msg.get(key) and role != owner:  # the template would drop it without a word
+            raise ValueError(f"{where}.{key} belongs on {owner!r} messages, not on role {role!r}")
     if role == "assistant":
         if msg.get("reasoning_content") is not None:
             out["reasoning_content"] = _text(msg["reasoning_content"], where + ".reasoning_content")
@@ -138,10 +141,11 @@ def template_message(msg: dict, index: int) -> dict:
     elif out["content"] is None:
         raise ValueError(f"{where} (role {role!r}) needs a content")
     if role == "tool":
-        if msg.get("tool_call_id") is not None:
-            out["tool_call_id"] = str(msg["tool_call_id"])
-        if msg.get("name") is not None:
-            out["name"] = str(msg["name"])
+        for key in ("tool_call_id", "name"):
+            if msg.get(key) is not None:
+                if not isinstance(msg[key], str):  # str() made {"x": 1} the id "{'x': 1}"
+                    raise ValueError(f"{where}.{key} must be a string, got {type(msg[key]).__name__}")
+                out[key] = msg[key]
     return out
 
 

@@ -631,6 +631,27 @@ def test_a_bad_message_field_is_named_by_its_path(field, value, needle):
     assert needle in error_of(post("/v1/chat/completions", json=chat(messages=msgs, max_tokens=2)))["message"]
 
 
+@pytest.mark.parametrize("message,needle", [
+    # fields the template would have dropped without a word
+    ({"role": "user", "content": "y", "tool_calls": []}, None),  # empty: nothing dropped
+    ({"role": "user", "content": "y", "tool_calls": [{"function": {"name": "f"}}]},
+     "messages[1].tool_calls belongs on 'assistant' messages, not on role 'user'"),
+    ({"role": "system", "content": "y", "reasoning_content": "r"},
+     "messages[1].reasoning_content belongs on 'assistant' messages, not on role 'system'"),
+    ({"role": "user", "content": "y", "tool_call_id": "c1"},
+     "messages[1].tool_call_id belongs on 'tool' messages, not on role 'user'"),
+    # an id that is not a string: str() made {"x": 1} the id "{'x': 1}"
+    ({"role": "tool", "content": "5", "tool_call_id": {"x": 1}}, "messages[1].tool_call_id must be a string, got dict"),
+    ({"role": "tool", "content": "5", "name": 3}, "messages[1].name must be a string, got int"),
+])
+def test_a_message_field_its_role_cannot_carry_is_refused(message, needle):
+    r = post("/v1/chat/completions", json=chat(messages=MSGS + [message], max_tokens=2))
+    if needle is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert needle in error_of(r)["message"]
+
+
 def test_a_model_is_retrieved_by_its_id_or_alias():
     """`client.models.retrieve` (GET /v1/models/{id}); the default id is a path, slashes and all."""
     s = served()
