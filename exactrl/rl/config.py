@@ -317,6 +317,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if "=" not in item:
             raise ValueError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
+        if any(not part.strip() for part in key.split(".")):  # "=1", "a..b", "a.": no key to name
+            raise ValueError(f"--set expects key=value with a dotted key, got {item!r}")
         _set_dotted(tree, key.strip(), _parse_override(key.strip(), raw))
     _no_bools_for_numbers(tree, RunConfig)
     try:

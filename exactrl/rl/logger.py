@@ -120,6 +120,8 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
+    if Path(run_dir).is_file():
+        raise ValueError(f"{run_dir} is a file: give the run directory that holds metrics.jsonl")
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
     try:

@@ -49,6 +49,8 @@ def test_bench_engine_against_vllm(capsys):
         assert row["vllm_tok_s"] > 0 and row["exact_over_vllm"] > 0 and row["vllm_over_hf"] > 0
 
 
-def test_bench_engine_names_a_missing_vllm_python(tmp_path):
-    with pytest.raises(SystemExit, match="is not a file"):
+def test_bench_engine_names_a_missing_vllm_python(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # an option error like every other: usage, the message, exit 2
         load_bench().main(["--quick", "--vllm-python", str(tmp_path / "nope")])
+    assert e.value.code == 2
+    assert "error: --vllm-python" in capsys.readouterr().err
