@@ -68,6 +68,9 @@ class Choice:
         return delta
 
 
+DECODE_CONTEXT_TOKENS = 4  # prompt tokens decoded before a SentencePiece generation (Generation.text_of)
+
+
 class Generation:
     """Iterate with `async for changed in gen.updates()`; choices live in `gen.choices`."""
 
@@ -147,7 +150,7 @@ class Generation:
         the last whole character, not of the whole generation (which made long generations quadratic on
         the event loop, stop strings and streams alike)."""
         if not self.tok.byte_level:
-            return self.tok.decode(c.token_ids, skip_special_tokens=False)
+            return self.text_of(c.token_ids)
         tail = self.tok.decode(c.token_ids[c.settled:], skip_special_tokens=False)
         if tail and not tail.endswith("\ufffd"):  # ends a whole character: a place to cut the text
             c.settled_text, c.settled, tail = c.settled_text + tail, len(c.token_ids), ""
@@ -157,7 +160,18 @@ class Generation:
         ids = token_ids
         if finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return self.tok.decode(ids, skip_special_tokens=False)
+        return self.text_of(ids)
+
+    def text_of(self, ids: list[int]) -> str:
+        """The text generated tokens add after the prompt. A byte-level tokenizer's is their own decode; a
+        SentencePiece one (Llama-2, Mistral) strips the first space of every decode, so " Paris" alone
+        reads "Paris": its text is that of the prompt's last tokens and the generation, minus theirs."""
+        if self.tok.byte_level or not self.prompt_ids:
+            return self.tok.decode(ids, skip_special_tokens=False)
+        ctx = self.prompt_ids[-DECODE_CONTEXT_TOKENS:]
+        head = self.tok.decode(ctx, skip_special_tokens=False)
+        full = self.tok.decode(ctx + list(ids), skip_special_tokens=False)
+        return full[len(head):] if full.startswith(head) else self.tok.decode(ids, skip_special_tokens=False)
 
 
 def sampling_key(params) -> tuple[float, int, float]:

@@ -527,6 +527,37 @@ def test_logprob_bytes_of_a_sentencepiece_byte_fallback_tokenizer():
     assert s.tokenizer.byte_level and s.token_bytes(s.tokenizer.encode("\n")[0]) == [10]
 
 
+def test_a_sentencepiece_generation_keeps_its_leading_space():
+    """Llama-2/Mistral's decoder strips the first space of every decode: " Paris." decoded alone read
+    "Paris.", so echo gave "The capital isParis." and the stop string " Paris" never matched."""
+    from types import SimpleNamespace as NS
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from exactrl.engine import SamplingParams
+    from exactrl.server.generation import Generation
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {"\u2581The": 259, "\u2581capital": 260, "\u2581is": 261, "\u2581Paris": 262, ".": 263}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok = NS(hf=hf, byte_level=False, decode=lambda ids, skip_special_tokens=False: hf.decode(ids))
+    prompt, gen = [1, 259, 260, 261], [262, 263]
+    assert hf.decode(gen) == "Paris."  # the decoder's own view, alone
+    params = SamplingParams(max_tokens=2, stop_token_ids=[2])
+    g = Generation(NS(tokenizer=tok), prompt, params, [], False)
+    assert g.visible_text(gen, "length") == " Paris."
+    assert hf.decode(prompt) + g.visible_text(gen, "length") == hf.decode(prompt + gen)  # echo
+    assert Generation(NS(tokenizer=tok), [1], params, [], False).visible_text(gen, "length") == " Paris."
+    g = Generation(NS(tokenizer=tok), prompt, params, [" Paris"], False)
+    c = g.choices[0]
+    g._advance(c, NS(token_ids=gen, logprobs=[0.0, 0.0], versions=[0, 0], finish_reason="length"))
+    assert (c.finish_reason, c.text) == ("stop", "")
+
+
 def test_streamed_text_is_decoded_incrementally_and_exactly():
     """Each update decodes only the tokens since the last whole character, and the text is always the
     whole decode: split multi-byte characters, invalid bytes and special tokens included."""
