@@ -28,22 +28,33 @@ from exactrl.server.schemas import (MAX_SEQUENCES, MAX_TOP_LOGPROBS, APIError, C
 
 def _prompts(st, prompt) -> list[list[int]]:
     """Token ids of each prompt; ids are checked against the model's vocabulary (it may exceed the tokenizer's)."""
-    if isinstance(prompt, str) or prompt and all(isinstance(p, str) for p in prompt):
-        try:
-            prompts = [st.tokenizer.encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
-        except ValueError as e:  # not valid Unicode
-            raise APIError(400, f"prompt: {e}", param="prompt") from None
-    elif prompt and all(isinstance(p, int) for p in prompt):
+    single = isinstance(prompt, str) or bool(prompt) and all(isinstance(p, int) for p in prompt)
+
+    def name(k: int) -> str:  # which prompt of a list a message is about
+        return "prompt" if single else f"prompt[{k}]"
+
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if texts and all(isinstance(p, str) for p in texts):
+        prompts = []
+        for k, p in enumerate(texts):
+            try:
+                prompts.append(st.tokenizer.encode(p))
+            except ValueError as e:  # not valid Unicode
+                raise APIError(400, f"{name(k)}: {e}", param="prompt") from None
+    elif single:
         prompts = [list(prompt)]
     else:
         prompts = [list(p) for p in prompt]
-    if not prompts or any(not p for p in prompts):
+    if not prompts:
         raise APIError(400, "prompt must be non-empty", param="prompt")
     vocab = st.limits.vocab_size
-    for p in prompts:
+    for k, p in enumerate(prompts):
+        if not p:
+            raise APIError(400, f"{name(k)} must be non-empty", param="prompt")
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"prompt holds token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
+            raise APIError(400, f"{name(k)} holds token id {bad[0]} outside the vocabulary [0, {vocab})",
+                           param="prompt")
     return prompts
 
 
@@ -65,8 +76,13 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences in one "
                             f"request: send fewer prompts per request", param="prompt")
     gens = []
-    for p in prompts:
-        max_tokens = st.resolve_max_tokens(body.max_tokens, len(p), "prompt", default=16)  # OpenAI's default
+    for k, p in enumerate(prompts):
+        try:
+            max_tokens = st.resolve_max_tokens(body.max_tokens, len(p), "prompt", default=16)  # OpenAI's default
+        except APIError as e:
+            if len(prompts) > 1:  # which prompt of the list is too long
+                e.message = f"prompt[{k}]: {e.message}"
+            raise
         gens.append(Generation(st, p, sampling_params(body, max_tokens, st.stop_token_ids), stops, body.stream))
     st.count("server/completion_requests")
     # the session as it is now: a DELETE while this request runs drops its record too (see app.session)
@@ -120,8 +136,12 @@ async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, pr
             ids = full  # the request's top_k / top_p leave out: -inf, which JSON cannot carry)
             lps = [None] + [lp if math.isfinite(lp) else None for lp in chosen[:start - 1]] + lps
             tops = [None] + tops
-    else:
-        tops = None
+    else:  # logprobs=0 without echo: no alternatives, nothing to score
+        tops = [[] for _ in ids]
+    # as OpenAI and vLLM: the chosen token is always in its row ("up to logprobs + 1 elements"), so
+    # top_logprobs[i][tokens[i]] is there wherever token_logprobs[i] is
+    tops = [row if row is None or lp is None or any(t == tid for t, _ in row) else row + [(tid, lp)]
+            for row, tid, lp in zip(tops, ids, lps)]
     tokens = [st.token_str(t) for t in ids]
     offsets, pos = [], 0
     for t in tokens:

@@ -2,6 +2,7 @@
 server keeps serving; a client that disconnects aborts its generation and frees its KV pages."""
 from __future__ import annotations
 
+import json
 import shutil
 import time
 
@@ -178,6 +179,15 @@ def test_completions_bad_prompts():
             s.client().completions.create(model=s.model, prompt=prompt, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="suffix"):
         s.client().completions.create(model=s.model, prompt="hi", suffix="x")
+    # in a list, the message names the prompt it is about
+    for prompt, kw, needle in ((["hi", ""], {}, "prompt[1] must be non-empty"),
+                               ([[5, 6], [5, 10**6]], {}, "prompt[1] holds token id 1000000 outside"),
+                               (["a", "hi\ud800"], {}, "prompt[1]: "),
+                               ([[5, 6], [5] * 9000], {}, "prompt[1]: This model's maximum context length is"),
+                               ([5] * 9000, {}, "This model's maximum context length is")):
+        body = json.dumps({"model": s.model, "prompt": prompt, "max_tokens": 2} | kw)  # "\ud800" escaped
+        r = post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert assert_error(r, 400)["message"].startswith(needle), (needle, r.text)
 
 
 def test_update_weights_from_a_damaged_directory_is_400_and_the_server_keeps_serving(tmp_path):

@@ -107,7 +107,12 @@ def test_completions_endpoint():
         full = extra["prompt_token_ids"] + extra["generation_token_ids"]
         lps = trainer_logprobs(full)[len(extra["prompt_token_ids"]) - 1:]
         assert c.logprobs.token_logprobs == extra["generation_log_probs"] == lps
-        assert all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+        assert all(len(t) <= 3 for t in c.logprobs.top_logprobs)  # the top 2 and the chosen token
+        # as OpenAI and vLLM: the chosen token is in its row, with its logprob
+        assert [t[tok_] for t, tok_ in zip(c.logprobs.top_logprobs, c.logprobs.tokens)] == lps
+    zero = client.completions.create(model=s.model, prompt="hello world", max_tokens=4, seed=5, logprobs=0)
+    lp0 = zero.choices[0].logprobs
+    assert [list(t.items()) for t in lp0.top_logprobs] == [[(x, v)] for x, v in zip(lp0.tokens, lp0.token_logprobs)]
     ids = tok.encode("the quick")
     e = client.completions.create(model=s.model, prompt=ids, max_tokens=4, seed=5, echo=True, logprobs=0)
     assert e.choices[0].text.startswith("the quick") and e.choices[0].logprobs.token_logprobs[0] is None

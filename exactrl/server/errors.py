@@ -1,0 +1,113 @@
+"""The server's errors as OpenAI's error JSON (app.py's docstring has the policy).
+
+pydantic's validation errors become one message naming the field; an
+unexpected error in a route becomes a 500 answer on a connection that stays
+usable. Each is counted under server/errors_<status>.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from exactrl.server.schemas import APIError
+
+log = logging.getLogger("exactrl.server")
+
+
+def _error(status: int, message: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(APIError(status, message, param, code).body(), status_code=status)
+
+
+def _is_union_tag(x) -> bool:
+    """pydantic puts the member of a union it tried into `loc` ("str", "list[int]"): not a field name."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x)
+
+
+def _validation_message(errs: list[dict]) -> tuple[str, str | None]:
+    """One message naming the field and the problem for pydantic's errors (the first field's)."""
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    if not loc:  # the body itself
+        if first.get("type") == "missing":
+            return "the request body is empty: send a JSON object with the request's fields", None
+        return f"the request body must be a JSON object, got {_short(first.get('input'))}", None
+    field = str(loc[0])
+    if first.get("type") == "missing" and len(loc) == 1:
+        return f"missing required field: {field}", field
+    same = [err for err in errs if [x for x in err.get("loc", ()) if x != "body"][:1] == [loc[0]]]
+    tags = list(dict.fromkeys(x for err in same for x in err.get("loc", ())[2:3] if _is_union_tag(x)))
+    if len(tags) > 1:  # no member of a union matched
+        return f"{field} must be one of {', '.join(tags)}; got {_short(_top_input(same))}", field
+    path = field + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:] if not _is_union_tag(x))
+    return f"invalid {path}: {first.get('msg', 'invalid value')}; got {_short(first.get('input'))}", field
+
+
+def _top_input(errs: list[dict]):
+    """The whole value of the field (the error whose loc stops at the union member)."""
+    for err in errs:
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        if len(loc) <= 2:
+            return err.get("input")
+    return errs[0].get("input")
+
+
+def _short(value, limit: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def install_error_handlers(app: FastAPI, state) -> None:
+    """Every error as OpenAI's error JSON with its status, counted under server/errors_<status>."""
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        state.count(f"server/errors_{e.status}")
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        state.count("server/errors_400")
+        message, param = _validation_message(e.errors())
+        return _error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        state.count(f"server/errors_{e.status_code}")
+        return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+
+    def internal(path: str, e: Exception):
+        log.exception("internal error on %s", path)
+        state.count("server/errors_500")
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+    # not an exception handler for Exception: Starlette sends its response and then raises the error again,
+    # and the server closes the connection, failing the client's next request on it
+    app.add_middleware(_InternalErrors, on_error=internal)
+
+
+class _InternalErrors:
+    """ASGI middleware: an unexpected error in a route becomes a 500 JSON answer and the connection stays
+    usable. An error after the response started (a stream) cannot be answered: it is raised."""
+
+    def __init__(self, app, on_error):
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:  # noqa: BLE001 - answered as a 500
+            if started:
+                raise
+            await self.on_error(scope["path"], e)(scope, receive, send)
