@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -342,6 +343,10 @@ def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tm
         _run_dir(load_config(None, [f"run_dir={tmp_path / 'dl' / 'run'}"]))
     with pytest.raises(ValueError, match="run_dir /proc/exactrl-run cannot be created"):
         _make_dir(Path("/proc/exactrl-run"))
+    if os.access("/proc", os.W_OK):  # root: os.access says yes, every mkdir says no; named before the warm start
+        with pytest.raises(ValueError, match=r"run_dir /proc/exactrl-run cannot be created: a directory cannot be made"):
+            _run_dir(load_config(None, ["run_dir=/proc/exactrl-run"]))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exactrl-probe")]  # the probes are gone
 
 
 def test_non_finite_settings_are_refused_naming_the_key():

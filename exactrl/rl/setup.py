@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +153,8 @@ RUN_WRITES = ("config.json", "report", "tensorboard")  # what else a run writes 
 
 def _check_creatable(d: Path) -> None:
     """A run dir that does not exist yet can be made: no dangling link on the way, and its nearest existing
-    ancestor is a writable directory (what still fails, e.g. under /proc, is named when it is made)."""
+    ancestor is a writable directory that takes a new one (a probe made and removed at once: /proc passes
+    os.access for root and refuses every mkdir, which a run found only after its warm start)."""
     p = d
     while not p.exists():
         if p.is_symlink():
@@ -162,6 +164,10 @@ def _check_creatable(d: Path) -> None:
         raise ValueError(f"run_dir {d} cannot be created: {p} is not a directory")
     if not os.access(p, os.W_OK | os.X_OK):
         raise ValueError(f"run_dir {d} cannot be created: {p} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".exactrl-probe-", dir=p))
+    except OSError as e:
+        raise ValueError(f"run_dir {d} cannot be created: a directory cannot be made in {p} ({e.strerror})") from None
 
 
 def _default_run_dir() -> str:
