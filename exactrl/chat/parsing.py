@@ -6,7 +6,9 @@ also checks, on the next turn, that an assistant message sent back still says
 what its tokens say (see splice.py).
 
 Format (Qwen / Hermes): an optional leading `<think>…</think>` block is the
-reasoning (`</think>` missing = the generation stopped inside it); every
+reasoning (`</think>` missing = the generation stopped inside it; a template
+that writes `<think>` into the generation prompt itself, as some "thinking"
+checkpoints' do, leaves reasoning and `</think>` in the content); every
 `<tool_call>{"name": …, "arguments": {…}}</tool_call>` block whose body is a
 valid call becomes a tool call; everything else is content. A block with an
 invalid body stays in the content as text, so nothing the model wrote is lost.

@@ -202,6 +202,10 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
         outs = [o[0] for o in engine.generate(batch, params)]
     finally:
         engine.close()
+    bad = next((t for o in outs for t in o.token_ids if not 0 <= t < V), None)
+    if bad is not None:  # the server holds another model (or vocabulary) than --model
+        raise ValueError(f"--server {base_url!r} returned token id {bad}, outside --model's vocabulary [0, {V}): "
+                         f"it does not serve the weights given as --model")
     seqs = [p + o.token_ids for p, o in zip(batch, outs)]
     trainer = sequence_logprobs(model, seqs, temperature or 1.0)
     T = max(1, max(len(o.token_ids) for o in outs))

@@ -321,6 +321,10 @@ def fake_app() -> FastAPI:
             return JSONResponse({"error": {"message": "stalled"}}, status_code=500)
         if body["model"] == "broken":
             return JSONResponse({"error": {"message": "boom: out of KV cache"}}, status_code=500)
+        if body["model"] == "bigger":  # serves a model of a larger vocabulary than the trainer's
+            return {"choices": [{"index": k, "text": "", "finish_reason": "length",
+                                 "generation_token_ids": [10**6] * body["max_tokens"],
+                                 "generation_log_probs": [-0.5] * body["max_tokens"]} for k in range(body["n"])]}
         if body["model"] == "mute":  # stops at once, whatever ignore_eos says
             return {"choices": [{"index": k, "text": "", "finish_reason": "stop", "generation_token_ids": [],
                                  "generation_log_probs": []} for k in range(body["n"])]}
@@ -504,6 +508,11 @@ def test_parity_against_a_server_that_returns_no_tokens_is_not_exact(model_dir, 
     assert cli_main(["parity", "--model", str(model_dir), "--server", fake_url, "--served-model", "mute"]) == 1
     out = capsys.readouterr().out
     assert "NOTHING COMPARED" in out and "returned 0 of the 256 tokens" in out
+
+
+def test_parity_against_a_server_of_other_weights_says_so(model_dir, fake_url, capsys):
+    assert cli_main(["parity", "--model", str(model_dir), "--server", fake_url, "--served-model", "bigger"]) == 2
+    assert "returned token id 1000000, outside --model's vocabulary" in capsys.readouterr().err
 
 
 def test_parity_arguments_are_checked_naming_them(model_dir, capsys):
