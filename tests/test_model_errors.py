@@ -180,3 +180,25 @@ def test_call_and_batch_decode_answer_like_transformers(tok):
     seqs = [tok.encode("1+2="), tok.encode("<|im_end|>3")]
     assert tok.batch_decode(seqs) == ["1+2=", "<|im_end|>3"] == tok.hf.batch_decode(seqs)
     assert tok.batch_decode(seqs, skip_special_tokens=True) == ["1+2=", "3"]
+
+
+def test_a_tied_checkpoint_that_also_stores_its_head(damaged):
+    """tie_word_embeddings=true with an lm_head.weight stored too: the same matrix loads; a different one
+    is refused (transformers 5 would use it, 4.x drop it); the head alone is the embedding, as transformers
+    ties it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _edit_config(damaged, tie_word_embeddings=True)
+    f = damaged / "model.safetensors"
+    sd = load_file(f)
+    embed = sd["model.embed_tokens.weight"]
+    assert not torch.equal(sd["lm_head.weight"], embed)  # the untied model's own head
+    with pytest.raises(ValueError, match="tie_word_embeddings=true, but its lm_head.weight differs"):
+        exactrl.load_model(damaged)
+    save_file(sd | {"lm_head.weight": embed.clone()}, f, metadata={"format": "pt"})
+    ref = exactrl.load_model(damaged)
+    assert torch.equal(ref.model.embed_tokens.weight, embed)
+    save_file({k: v for k, v in sd.items() if k != "model.embed_tokens.weight"} | {"lm_head.weight": embed.clone()},
+              f, metadata={"format": "pt"})
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), exactrl.load_model(damaged).parameters()))

@@ -116,12 +116,14 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
     model = build_model(cfg, dtype, kernels, seed=None, block_size=block_size)
     params = dict(model.named_parameters())
     seen: set[str] = set()
+    stored_head = None  # a tied model's head, if the checkpoint stores it too
     with torch.no_grad():
         for f in _weight_files(path):
             with _open_safetensors(f) as sf:
                 for name in sf.keys():
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue  # tied: the embedding is the head
+                        stored_head = sf.get_tensor(name)  # tied: the embedding is the head (checked below)
+                        continue
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # older checkpoints saved RoPE's buffer; it is recomputed from the config
                     if name not in params:
@@ -132,11 +134,32 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
                                          f"expected {tuple(params[name].shape)}")
                     params[name].copy_(t.to(params[name].dtype))
                     seen.add(name)
+        if stored_head is not None:
+            _check_tied_head(path, params[TIED], stored_head, TIED in seen)
+            seen.add(TIED)
     missing = sorted(set(params) - seen)
     if missing:
         raise ValueError(f"checkpoint {path!s} is missing tensors: {missing[:5]}"
                          + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
     return model
+
+
+TIED = "model.embed_tokens.weight"  # a tied model's one matrix: embedding and LM head
+
+
+def _check_tied_head(path: Path, embed: torch.Tensor, head: torch.Tensor, embed_stored: bool) -> None:
+    """A tied checkpoint that stores `lm_head.weight` as well: the same matrix, or the embedding itself when
+    only the head is stored (transformers ties them that way). A head that differs is refused: transformers
+    5 then unties them and uses it, 4.x ties them and drops it, so no single model is meant."""
+    if tuple(head.shape) != tuple(embed.shape):
+        raise ValueError(f"tensor 'lm_head.weight' has shape {tuple(head.shape)}, expected {tuple(embed.shape)}")
+    head = head.to(embed.dtype)
+    if not embed_stored:
+        embed.copy_(head)
+    elif not torch.equal(head, embed):
+        raise ValueError(f"checkpoint {path!s}: config.json says tie_word_embeddings=true, but its lm_head.weight "
+                         f"differs from model.embed_tokens.weight; set tie_word_embeddings to false if the head is "
+                         f"its own matrix")
 
 
 def _remove_shards(path: Path) -> None:
