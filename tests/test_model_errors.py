@@ -202,3 +202,29 @@ def test_a_tied_checkpoint_that_also_stores_its_head(damaged):
     save_file({k: v for k, v in sd.items() if k != "model.embed_tokens.weight"} | {"lm_head.weight": embed.clone()},
               f, metadata={"format": "pt"})
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), exactrl.load_model(damaged).parameters()))
+
+
+def test_sliding_window_is_refused_only_where_a_layer_slides(damaged):
+    """transformers slides on Qwen layers i >= max_window_layers (or those layer_types names): with none,
+    use_sliding_window=true is full attention, and loads; with one, it is refused."""
+    from exactrl.model.checkpoint import read_config
+
+    layers = json.loads((damaged / "config.json").read_text())["num_hidden_layers"]
+    _edit_config(damaged, use_sliding_window=True, sliding_window=16, max_window_layers=layers, layer_types=...)
+    exactrl.load_model(damaged)
+    _edit_config(damaged, max_window_layers=layers - 1)
+    with pytest.raises(ValueError, match="use_sliding_window=true is not supported"):
+        exactrl.load_model(damaged)
+    _edit_config(damaged, layer_types=["full_attention"] * layers)
+    exactrl.load_model(damaged)
+    _edit_config(damaged, layer_types=["full_attention"] * (layers - 1) + ["sliding_attention"])
+    with pytest.raises(ValueError, match="use_sliding_window=true is not supported"):
+        exactrl.load_model(damaged)
+    _edit_config(damaged, use_sliding_window=False, max_position_embeddings=...)  # transformers' Qwen default
+    assert read_config(damaged).max_position_embeddings == 32768
+
+
+def test_a_pytorch_bin_checkpoint_is_named(damaged):
+    (damaged / "model.safetensors").rename(damaged / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="holds a pytorch_model.bin checkpoint; only safetensors are read"):
+        exactrl.load_model(damaged)

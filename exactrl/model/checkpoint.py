@@ -73,6 +73,10 @@ def _weight_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
+    if any(path.glob("pytorch_model*.bin")):
+        raise ValueError(f"{path!s} holds a pytorch_model.bin checkpoint; only safetensors are read: convert it with "
+                         f"transformers.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d) (it writes "
+                         f"safetensors)")
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!s}")
 
 

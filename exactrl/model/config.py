@@ -12,6 +12,18 @@ from typing import Any
 
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' own defaults, for a config.json without max_position_embeddings
+DEFAULT_CONTEXT = {"qwen3": 32768, "qwen2": 32768, "llama": 2048}
+
+
+def _slides(cfg: dict) -> bool:
+    """Whether a Qwen2/Qwen3 config with use_sliding_window=true has a layer that slides: those named
+    "sliding_attention" in layer_types, else (transformers' rule) layers i >= max_window_layers (default 28)
+    when sliding_window is set. Windows on no layer are full attention, which loads."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return "sliding_attention" in types
+    return cfg.get("sliding_window") is not None and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
 
 
 @dataclass
@@ -68,7 +80,7 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
-        if cfg.get("use_sliding_window"):
+        if cfg.get("use_sliding_window") and _slides(cfg):
             raise ValueError("use_sliding_window=true is not supported (full attention only)")
         # both keys may be there (transformers >= 5 writes rope_parameters; a long-context recipe adds
         # rope_scaling beside it, and transformers applies it): each is checked
@@ -97,7 +109,7 @@ class ModelConfig:
             num_attention_heads=heads, num_key_value_heads=kv_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_CONTEXT[mt]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if mt == "qwen2" else attn_bias,
             o_bias=False if mt == "qwen2" else attn_bias,
