@@ -20,6 +20,9 @@ difference can never round to zero.
                                or sequence-level correction reports its own figures)
     mismatch/token_mask_frac   tokens the corrections removed
     mismatch/seq_mask_frac     non-empty sequences the corrections removed entirely
+    mismatch/out_of_support_frac  sampled tokens the trainer's top-k/top-p cuts (π_old = 0, so ρ_t = 0
+                               and |lp_train − lp_rollout| = ∞; only off-policy). The trainer leaves
+                               them out of the loss and every figure above (trainer.py)
 
 χ² and k1 are sample estimates over the batch's tokens, so they can be
 slightly negative when the mismatch is tiny. w is the applied weight (`weights_BT`, e.g. from `corrections`) on the tokens

@@ -138,16 +138,19 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     T = max(1, max(len(c) for c in batch.completion_ids))
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
-    kept = {k: [] for k in ("old", "behav", "loss_mask", "gen", "adv", "final", "ent", "kl")}
+    kept = {k: [] for k in ("old", "behav", "loss_mask", "live", "gen", "adv", "final", "ent", "kl")}
     optimizer.zero_grad(set_to_none=True)
     order = ranks.shard(len(batch))
     for start in range(0, len(order), s.micro_batch_size):
         idx = order[start:start + s.micro_batch_size]
         logp_BT, ent_BT, sampled_BT, gen_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
         old_BT = logp_BT.detach()
-        weights_BT, mask_BT = torch.ones_like(old_BT), sampled_BT
+        # a sampled token the trainer's top-k/top-p cuts (π_old = 0, only off-policy: μ ≠ π_old) has no
+        # gradient and no finite ratio: it leaves the loss as a correction's mask would, and is counted
+        live_BT = sampled_BT * torch.isfinite(old_BT)
+        weights_BT, mask_BT = torch.ones_like(old_BT), live_BT
         if s.corrections is not None:
-            weights_BT, mask_BT, _ = s.corrections(old_BT, behav_BT, sampled_BT, adv_BT)
+            weights_BT, mask_BT, _ = s.corrections(old_BT, behav_BT, live_BT, adv_BT)
         inp = LossInputs(logprobs_BT=logp_BT, old_logprobs_BT=old_BT, behav_logprobs_BT=behav_BT,
                          advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT, sampled_mask_BT=sampled_BT)
         if s.bypass:
@@ -159,7 +162,8 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
         loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm)
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
-        for k, t in zip(kept, (old_BT, behav_BT, sampled_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())):
+        for k, t in zip(kept, (old_BT, behav_BT, sampled_BT, live_BT, gen_BT, adv_BT, mask_BT.detach(),
+                               ent_BT.detach())):
             kept[k].append(t)
     ranks.sum_grads(model.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
@@ -194,14 +198,18 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
     """The step's metrics over the whole batch at once, so that no figure depends on micro_batch_size or
     on the number of ranks: the corrections and the loss (`train/loss` with its entropy and KL terms)
     are evaluated again on the detached tensors (π_θ = π_old, as in the step)."""
-    old, behav, gen, final = t["old"], t["behav"], t["gen"], t["final"]
+    old, behav, final, live = t["old"], t["behav"], t["final"], t["live"]
+    # tokens the trainer's top-k/top-p cut (π_old = 0) have an infinite mismatch: counted, not averaged
+    cut = t["gen"] * ~torch.isfinite(old)
+    gen = t["gen"] - cut
     # over the tokens as sampled, before any mask drops some: a mask never hides the mismatch it acts on
     metrics = logprob_diff_metrics(old, behav, gen)
+    metrics["mismatch/out_of_support_frac"] = float(cut.sum() / t["gen"].sum().clamp(min=1))
     weights, cm = torch.ones_like(old), {}
     if s.corrections is not None:
-        weights, _, cm = s.corrections(old, behav, t["loss_mask"], t["adv"])
+        weights, _, cm = s.corrections(old, behav, live, t["adv"])
     # what the corrections removed, not what the rollout kept out of the loss (overlong.mask_truncated)
-    kept = final + (gen - t["loss_mask"])
+    kept = final + (gen - live)
     metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=kept,
                                 weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False),
                                 weighted_mask_BT=final if s.corrections else None)  # ρ itself: every token

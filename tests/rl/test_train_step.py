@@ -223,3 +223,36 @@ def test_a_bad_mask_is_refused_before_any_step(masks, words):
     ok = TrainBatch([[1], [2]], [[3, 4], [5, 6]], [[0.0, 0.0], [0.0, 0.0]], [1.0, -1.0],
                     loss_mask=[[0, 1], [0, 0]], generated_mask=[[1, 1], [0, 1]])
     assert len(ok) == 2
+
+
+@pytest.mark.parametrize("corrections", [None, [{"name": "token_mask_is", "upper": 2.0, "lower": 0.5}]])
+def test_a_token_the_trainers_top_k_cuts_leaves_the_loss_and_is_counted(qwen3_dir, corrections):
+    """Off-policy (async, an external engine) μ may sample a token that π_old's top-k/top-p cuts: log π_old
+    = −inf. It cannot be trained (no ratio, no gradient); the step used to stop with a ValueError. It now
+    leaves the loss as a correction's mask would, and `mismatch/out_of_support_frac` counts it."""
+    model = exactrl.load_model(qwen3_dir)
+    engine = exactrl.Engine(model)
+    greedy = engine.generate(PROMPTS, exactrl.SamplingParams(temperature=0, max_tokens=3))
+    completions = [list(o[0].token_ids) for o in greedy]
+    for p, c in zip(PROMPTS, completions):  # a last token outside the top 2: the first candidate that is
+        for t in range(5, 200):
+            with torch.no_grad():
+                (lp,), _ = token_logprobs(model, [p + c + [t]], top_k=2, first=[len(p)])
+            if lp[-1] == -math.inf:
+                c.append(t)
+                break
+    with torch.no_grad():  # μ: the untruncated distribution (finite for every token)
+        lps, _ = token_logprobs(model, [p + c for p, c in zip(PROMPTS, completions)], first=[3, 3])
+        cut, _ = token_logprobs(model, [p + c for p, c in zip(PROMPTS, completions)], top_k=2, first=[3, 3])
+    n_cut = int(sum((~torch.isfinite(x)).sum() for x in cut))
+    assert 2 <= n_cut < sum(len(c) for c in completions)  # the last tokens, and perhaps a greedy tie
+    batch = TrainBatch(PROMPTS, completions, [lp.tolist() for lp in lps], [1.0, -1.0])
+    s = _settings(top_k=2, corrections=build_corrections(corrections) if corrections else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train_step(model, opt, build_loss("ppo"), batch, s)
+    assert m["mismatch/out_of_support_frac"] == pytest.approx(n_cut / sum(len(c) for c in completions))
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert math.isfinite(m["train/train_rollout_logprob_abs_diff_max"])  # over the tokens π_old covers
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the others trained
+    assert all(torch.isfinite(p).all() for p in model.parameters())
