@@ -53,9 +53,14 @@ class TrainBatch:
         n = len(self.prompt_ids)
         if not (len(self.completion_ids) == len(self.behav_logprobs) == len(self.advantages) == n):
             raise ValueError("TrainBatch fields must all have one entry per sequence")
+        if n == 0:
+            raise ValueError("TrainBatch is empty: no sequence to train on")
         for k, (c, lp) in enumerate(zip(self.completion_ids, self.behav_logprobs)):
             if len(c) != len(lp):
                 raise ValueError(f"sequence {k}: {len(c)} completion tokens but {len(lp)} behaviour logprobs")
+        bad = next((k for k, p in enumerate(self.prompt_ids) if not len(p)), None)
+        if bad is not None:
+            raise ValueError(f"TrainBatch.prompt_ids[{bad}] is empty: a prompt needs at least one token")
         for name in ("loss_mask", "generated_mask"):  # checked before a step changes any weight
             mask = getattr(self, name)
             if mask is None:
@@ -132,6 +137,11 @@ def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings
 def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch: TrainBatch,
                s: StepSettings, ref_model: CausalLM | None = None, ranks: Ranks = Ranks()) -> dict[str, float]:
     """Forward/backward over micro-batches (this rank's share of the batch), clip, step. Returns flat metrics."""
+    vocab = model.config.vocab_size  # checked before any micro-batch runs, naming the sequence
+    for name in ("prompt_ids", "completion_ids"):
+        bad = next(((k, t) for k, ids in enumerate(getattr(batch, name)) for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"TrainBatch.{name}[{bad[0]}] holds token id {bad[1]}, outside the vocabulary [0, {vocab})")
     if len(batch) < ranks.world:
         raise ValueError(f"a batch of {len(batch)} sequences cannot be shared by {ranks.world} ranks: raise "
                          f"rollout.prompts_per_step or rollout.samples_per_prompt, or run fewer ranks")

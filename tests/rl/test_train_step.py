@@ -225,6 +225,23 @@ def test_a_bad_mask_is_refused_before_any_step(masks, words):
     assert len(ok) == 2
 
 
+def test_a_bad_sequence_is_named_by_its_batch_index_before_any_micro_batch(qwen3_dir):
+    with pytest.raises(ValueError, match="TrainBatch is empty"):
+        TrainBatch([], [], [], [])
+    with pytest.raises(ValueError, match=re.escape("TrainBatch.prompt_ids[1] is empty")):
+        TrainBatch([[1], []], [[3], [4]], [[0.0], [0.0]], [1.0, -1.0])
+    model = exactrl.load_model(qwen3_dir)
+    V = model.config.vocab_size
+    before = [p.detach().clone() for p in model.parameters()]
+    for prompts, completions, words in (([[1], [2], [3]], [[4], [5], [V]], f"completion_ids[2] holds token id {V}"),
+                                        ([[1], [-1], [3]], [[4], [5], [6]], "prompt_ids[1] holds token id -1")):
+        batch = TrainBatch(prompts, completions, [[0.0]] * 3, [1.0, -1.0, 0.5])
+        with pytest.raises(ValueError, match=re.escape(f"TrainBatch.{words}, outside the vocabulary [0, {V})")):
+            train_step(model, torch.optim.AdamW(model.parameters(), lr=1.0), build_loss("ppo"), batch,
+                       _settings(micro_batch_size=1))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 @pytest.mark.parametrize("corrections", [None, [{"name": "token_mask_is", "upper": 2.0, "lower": 0.5}]])
 def test_a_token_the_trainers_top_k_cuts_leaves_the_loss_and_is_counted(qwen3_dir, corrections):
     """Off-policy (async, an external engine) μ may sample a token that π_old's top-k/top-p cuts: log π_old
