@@ -3,10 +3,12 @@
 Same tiny random Qwen3 for both (built with transformers, saved to a temp dir,
 loaded by both), sampled at T = 1 with no top-k/top-p, fixed prompt length and
 exactly `--new` generated tokens per sequence (eos ignored), batch 1 and 32,
-exact and fast kernels, all in one run; best of `--repeat` timed runs. Peak
-memory per configuration is the peak resident set size above the level before
-it (sampled every 2 ms; for our engine it includes the KV pool, allocated
-then, for transformers its dynamic cache), plus the process's max RSS at the end.
+exact and fast kernels, all in one run; best of `--repeat` timed runs, the
+three sides taking turns run by run (exact, fast, transformers, exact, ...)
+so that the VM's drift moves them alike. Peak memory per configuration is the
+kernel's high-water mark of the resident set above the level before its
+first run (for our engine it includes the KV pool, allocated then; for
+transformers its dynamic cache), plus the process's max RSS at the end.
 
 Ceiling. `gemm_floor_tok_s` is batch / (time of one decode step's matmuls
 alone: every layer's projections and the LM head on `batch` rows, with the
@@ -122,39 +124,69 @@ class PeakRSS:
         return round(self.peak - self.base, 1)
 
 
-def run_engine(model, prompts, new: int, repeat: int) -> tuple[float, float, float]:
-    """Best-of-`repeat` tokens/s; peak memory counts the engine's KV pool (allocated inside)."""
-    with PeakRSS() as mem:
-        engine = Engine(model, kv_budget_tokens=len(prompts) * (len(prompts[0]) + new + model.block_size),
-                        max_num_seqs=len(prompts), max_num_batched_tokens=max(2048, len(prompts) * len(prompts[0])))
-        engine.generate(prompts, SamplingParams(max_tokens=4, seed=1, ignore_eos=True))  # warm-up
-        best = 0.0
-        for r in range(repeat):
-            t = time.perf_counter()
-            outs = engine.generate(prompts, SamplingParams(max_tokens=new, seed=r, ignore_eos=True))
-            dt = time.perf_counter() - t
-            n = sum(len(c.token_ids) for o in outs for c in o)
-            assert n == len(prompts) * new
-            best = max(best, n / dt)
-    kv_mb = sum(t.numel() * t.element_size() for layer in engine.pool.kv for t in layer) / 2**20
-    return best, mem.mb, round(kv_mb, 3)
+class EngineSide:
+    """Our engine on one batch of prompts: `start` builds it (its KV pool) and warms it up, `run` times one
+    generation of `new` tokens per prompt and returns its tokens/s."""
+
+    def __init__(self, model, prompts, new: int):
+        self.model, self.prompts, self.new = model, prompts, new
+
+    def start(self) -> None:
+        b, L = len(self.prompts), len(self.prompts[0])
+        self.engine = Engine(self.model, kv_budget_tokens=b * (L + self.new + self.model.block_size),
+                             max_num_seqs=b, max_num_batched_tokens=max(2048, b * L))
+        self.engine.generate(self.prompts, SamplingParams(max_tokens=4, seed=1, ignore_eos=True))  # warm-up
+
+    def run(self, r: int) -> float:
+        t = time.perf_counter()
+        outs = self.engine.generate(self.prompts, SamplingParams(max_tokens=self.new, seed=r, ignore_eos=True))
+        dt = time.perf_counter() - t
+        n = sum(len(c.token_ids) for o in outs for c in o)
+        assert n == len(self.prompts) * self.new
+        return n / dt
+
+    def kv_mb(self) -> float:
+        return round(sum(t.numel() * t.element_size() for layer in self.engine.pool.kv for t in layer) / 2**20, 3)
 
 
-def run_hf(hf, prompts, new: int, repeat: int) -> tuple[float, float]:
-    ids = torch.tensor(prompts)
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    best = 0.0
-    with torch.inference_mode(), PeakRSS() as mem:
-        hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        for _ in range(repeat):
+class HFSide:
+    """transformers' `generate` on the same prompts, sampled at T = 1 with exactly `new` tokens each."""
+
+    def __init__(self, hf, prompts, new: int):
+        self.hf, self.ids, self.new = hf, torch.tensor(prompts), new
+        self.kw = dict(attention_mask=torch.ones_like(self.ids), do_sample=True, temperature=1.0, top_k=0,
+                       top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+
+    def start(self) -> None:
+        with torch.inference_mode():
+            self.hf.generate(self.ids, **{**self.kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+
+    def run(self, r: int) -> float:
+        with torch.inference_mode():
             t = time.perf_counter()
-            out = hf.generate(ids, **kw)
+            out = self.hf.generate(self.ids, **self.kw)
             dt = time.perf_counter() - t
-            n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-            assert n == len(prompts) * new
-            best = max(best, n / dt)
-    return best, mem.mb
+        n = (out.shape[1] - self.ids.shape[1]) * self.ids.shape[0]
+        assert n == self.ids.numel() // self.ids.shape[1] * self.new
+        return n / dt
+
+
+def timed_rounds(sides: dict, repeat: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Best-of-`repeat` tokens/s of each side, the sides taking turns run by run (exact, fast,
+    transformers, exact, ...), so the VM's drift over a minute moves all of them alike; and each side's
+    peak memory above the level before its start and first run (our engine's includes its KV pool)."""
+    best, mem = {k: 0.0 for k in sides}, {}
+    for r in range(repeat):
+        for k, side in sides.items():
+            if r == 0:
+                with PeakRSS() as m:
+                    side.start()
+                    tps = side.run(r)
+                mem[k] = m.mb
+            else:
+                tps = side.run(r)
+            best[k] = max(best[k], tps)
+    return best, mem
 
 
 class VLLMServer:
@@ -258,14 +290,18 @@ def _bench_size(d: str, size: str, batches: list[int], prompt_len: int, new: int
     all_prompts = {b: [[rng.randrange(V) for _ in range(prompt_len)] for _ in range(b)] for b in batches}
     for b in batches:
         prompts = all_prompts[b]
+        sides = {k: EngineSide(m, prompts, new) for k, m in models.items()}
+        if hf is not None:
+            sides["hf"] = HFSide(hf, prompts, new)
+        best, mem = timed_rounds(sides, repeat)
         row = {}
-        for k, m in models.items():
-            tps, mb, kv_mb = run_engine(m, prompts, new, repeat)
-            row[f"{k}_tok_s"], row[f"{k}_peak_mb"], row["kv_cache_mb"] = round(tps, 1), mb, kv_mb
+        for k in sides:
+            row[f"{k}_tok_s"], row[f"{k}_peak_mb"] = round(best[k], 1), mem[k]
+        row["kv_cache_mb"] = sides["exact"].kv_mb()
+        del sides  # the engines' KV pools, before the next batch's
         row["exact_over_fast"] = round(row["exact_tok_s"] / row["fast_tok_s"], 3)
         if hf is not None:
-            tps, mb = run_hf(hf, prompts, new, repeat)
-            row["hf_tok_s"], row["hf_peak_mb"] = round(tps, 1), mb
+            tps = row["hf_tok_s"]
             row["exact_over_hf"] = round(row["exact_tok_s"] / tps, 2)
             row["fast_over_hf"] = round(row["fast_tok_s"] / tps, 2)
             # ceiling: a decode step that were nothing but its matmuls (the fastest GEMM at hand, b rows)

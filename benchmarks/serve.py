@@ -13,7 +13,8 @@ is HTTP, JSON and tokenization rather than the model.
 The model is a random Qwen3 of the `--size` shape with the project tokenizer
 (its vocabulary replaces the size's), or `--model DIR`.
 
-    exactrl bench serve [--quick] [--size 20M] [--clients 1,8,32] [--requests 4] [--max-tokens 64]
+    exactrl bench serve [--quick] [--model DIR | --size 20M] [--clients 1,8,32] [--requests 4]
+                        [--max-tokens 64] [--kernels exact] [--dtype float32]
 """
 from __future__ import annotations
 
@@ -141,8 +142,12 @@ def main(argv: list[str]) -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+    import torch
+
     print(json.dumps({"benchmark": "serve", "model": info, "kernels": a.kernels, "dtype": a.dtype,
                       "max_tokens": a.max_tokens, "requests_per_client": a.requests, "cpu_threads": os.cpu_count(),
+                      # the server inherits this process's environment, so torch picks it the same thread count
+                      "server_torch_threads": torch.get_num_threads(),
                       "results": results}, indent=2))
 
 

@@ -40,9 +40,11 @@ exactrl's step), so a change in the machine's speed during the run (a shared
 VM's neighbours) slows both sides alike; `--sequential` runs all of
 exactrl's steps first, then TRL's. `phase_ratio_*` splits the speed-up: rollout (engine vs
 transformers `generate`, timed around TRL's call) and the rest of the step.
-`flop_floor` is the step's matmul FLOPs at the fp32 matmul peak measured in
-the same run, and `ceiling_over_trl` TRL's step time over that floor: the
-most any implementation could gain on this CPU. Other processes on the machine slow both sides (and small decode ops the
+`flop_floor` is the step's matmul FLOPs at the fp32 matmul peak torch's GEMM
+(1024² products) reaches in the same run, and `ceiling_over_trl` TRL's step
+time over that floor: what an implementation whose step were nothing but
+products at that speed would gain. It is no hard bound: a GEMM nearer the
+cores' FMA peak (this machine's is ~12% above torch's) would move it. Other processes on the machine slow both sides (and small decode ops the
 most); the 1-minute load average at start and end is in the output.
 
 TRL's train/rollout logprob difference. Without vLLM, TRL keeps no sampling
@@ -63,7 +65,7 @@ the mean over sequences; `_max` over all tokens. The probe is only active on
 the warm-up step, so it costs the timed steps nothing.
 
     exactrl bench train [--quick] [--size 20M] [--prompts 8] [--group 8] [--prompt 32] [--new 128]
-                        [--steps 3] [--no-trl] [--fast]
+                        [--steps 3] [--lr 5e-5] [--seed 0] [--no-trl] [--fast] [--sequential]
 
 Legend: P prompts per step, G samples per prompt, B = P·G sequences, N completion tokens, V vocabulary.
 """
@@ -403,22 +405,24 @@ def ratios(exactrl: dict, trl: dict) -> dict:
 
 
 def flop_floor(model: dict, a, trl: dict | None) -> dict:
-    """The step's matmul FLOPs at the machine's measured fp32 matmul peak: a floor for any implementation.
+    """The step's matmul FLOPs at torch's fp32 GEMM peak measured in the run: a floor for a step of products.
 
-    Rollout: the prompt's prefill once per prompt (P·prompt rows) and one row per
-    generated token through the layers; the LM head on generated tokens only.
-    Training: forward + backward (3 × 2 FLOPs per weight and row) through the layers
-    over each prompt once and every completion token (P·prompt + B·N rows: a group's
-    samples share their prompt, as exactrl's trainer lays it out, `optim.share_prompts`;
-    TRL computes B·(prompt + N) rows), the LM head on the completion rows only (as
-    TRL's `logits_to_keep`). Attention scores, norms and the optimizer are left out, so the
+    Rollout: the prompt's prefill once per prompt (P·prompt rows), whose last row's
+    LM head gives the G samples their first token (P head rows), then one row per
+    generated token fed back (B·(N − 1): the last is never fed). Training: forward +
+    backward (3 × 2 FLOPs per weight and row) through the layers over each prompt
+    once and every completion token but the last, whose output predicts nothing
+    (P·prompt + B·(N − 1) rows: a group's samples share their prompt, as exactrl's
+    trainer lays it out, `optim.share_prompts`; TRL computes B·(prompt + N) rows), and
+    the LM head on the B·N rows that predict a completion token (as TRL's
+    `logits_to_keep`). Attention scores, norms and the optimizer are left out, so the
     floor is lower than any real step; `ceiling_over_trl` = TRL's step time / floor
-    bounds the speed-up any implementation on this CPU can show.
+    is what a step of nothing but these products at that speed would gain.
     """
     body, head = model["matmul_params_body"], model["matmul_params_head"]
-    B = a.prompts * a.group
-    rollout = 2 * body * (a.prompts * a.prompt + B * a.new) + 2 * head * B * a.new
-    train = 6 * body * (a.prompts * a.prompt + B * a.new) + 6 * head * B * a.new
+    P, B, N = a.prompts, a.prompts * a.group, a.new
+    rollout = 2 * body * (P * a.prompt + B * (N - 1)) + 2 * head * (P + B * (N - 1))
+    train = 6 * body * (P * a.prompt + B * (N - 1)) + 6 * head * B * N
     peak = matmul_peak_gflops()
     floor_s = (rollout + train) / 1e9 / peak
     out = {"gflop_rollout": round(rollout / 1e9, 3), "gflop_train": round(train / 1e9, 3),
@@ -467,17 +471,17 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as d:
         out["model"] = build_model_dir(Path(d), a.size, a.seed)
         log(f"model {out['model']['params'] / 1e6:.1f}M params; {out['shapes']}")
+        kernels = ["exact", "fast"] if a.fast else ["exact"]
         if with_trl and not a.sequential:  # each exactrl step right after TRL's: drift slows both alike
-            exact = ExactrlRun(Path(d), prompts, a, "exact")
-            out["trl"] = run_trl(Path(d), prompts, a, between=exact.step)
-            out["exactrl"] = {"exact": exact.result()}
+            runs = {k: ExactrlRun(Path(d), prompts, a, k) for k in kernels}
+            out["trl"] = run_trl(Path(d), prompts, a, between=lambda i: [r.step(i) for r in runs.values()])
+            out["exactrl"] = {k: r.result() for k, r in runs.items()}
         else:
-            out["exactrl"] = {"exact": run_exactrl(Path(d), prompts, a, "exact")}
+            out["exactrl"] = {k: run_exactrl(Path(d), prompts, a, k) for k in kernels}
             out["trl"] = run_trl(Path(d), prompts, a) if with_trl else (
                 "skipped (--no-trl)" if a.no_trl else TRL_MISSING)
-        out["order"] = "interleaved (TRL step, then exactrl step)" if with_trl and not a.sequential else "sequential"
-        if a.fast:
-            out["exactrl"]["fast"] = run_exactrl(Path(d), prompts, a, "fast")
+        out["order"] = ("interleaved (TRL step, then exactrl's: " + ", ".join(kernels) + ")"
+                        if with_trl and not a.sequential else "sequential")
     if with_trl:
         out |= ratios(out["exactrl"], out["trl"])
     out["flop_floor"] = flop_floor(out["model"], a, out["trl"] if with_trl else None)

@@ -40,9 +40,14 @@ def test_bench_train_quick_exactrl_side(capsys):
     assert fast[DIFF_MAX] > 0.0  # the inverse check: the metric can see a mismatch
     floor = out["flop_floor"]  # --quick: 2 prompts x 4 samples of 8 + 8 tokens
     m, B = out["model"], 2 * 4
-    # each prompt once (a group shares it), every completion token
-    flop = 6 * m["matmul_params_body"] * (2 * 8 + B * 8) + 6 * m["matmul_params_head"] * B * 8
+    # each prompt once (a group shares it), every completion token but the last (whose output predicts
+    # nothing) through the layers; the head on the rows that predict a completion token
+    flop = 6 * m["matmul_params_body"] * (2 * 8 + B * 7) + 6 * m["matmul_params_head"] * B * 8
     assert floor["gflop_train"] == pytest.approx(flop / 1e9, abs=5e-4)
+    # the rollout: the prefill, whose last row's head gives each prompt's samples their first token,
+    # then the generated tokens fed back (not the last)
+    flop = 2 * m["matmul_params_body"] * (2 * 8 + B * 7) + 2 * m["matmul_params_head"] * (2 + B * 7)
+    assert floor["gflop_rollout"] == pytest.approx(flop / 1e9, abs=5e-4)
     assert floor["floor_step_s"] > 0 and floor["matmul_peak_gflops_fp32"] > 0
     assert "ceiling_over_trl" not in floor
 
