@@ -284,6 +284,8 @@ class Composed:
         weighs = {c.weighs for c in self.corrections}
         # the applied weight is each token's own (truncated) ratio: a weight ≠ ρ_t marks a truncated token
         self.weighs_token_ratios = "token" in weighs and "sequence" not in weighs
+        # ... or, sequence TIS alone (no mask either), each sequence's own (truncated) ratio Π_t ρ_t
+        self.weighs_sequence_ratios = weighs == {"sequence"}
 
     def __call__(self, old_logprobs_BT, behav_logprobs_BT, mask_BT, advantages_BT=None):
         check_mask("mask_BT", mask_BT)

@@ -222,6 +222,7 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
     kept = final + (gen - live)
     metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=kept,
                                 weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False),
+                                weights_are_sequence_ratios=getattr(s.corrections, "weighs_sequence_ratios", False),
                                 weighted_mask_BT=final if s.corrections else None)  # ρ itself: every token
     inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
                      mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])

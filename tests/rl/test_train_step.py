@@ -62,7 +62,18 @@ def test_truncation_is_reported_as_clipped_weights(qwen3_dir):
     # rho = exp(1.0) = 2.7 on one token of 8 is truncated to 2; the other tokens keep their ratio
     assert m["mismatch/token_clip_frac"] == pytest.approx(1 / 8)
     assert m["mismatch/is_weight_max"] == pytest.approx(2.0)
-    assert _step(qwen3_dir)["mismatch/token_clip_frac"] == 0.0
+    assert m["mismatch/seq_clip_frac"] == pytest.approx(1 / 2)  # sequence 0 holds that token
+    assert _step(qwen3_dir)["mismatch/token_clip_frac"] == _step(qwen3_dir)["mismatch/seq_clip_frac"] == 0.0
+
+
+def test_a_truncated_sequence_weight_is_reported_as_a_clipped_sequence(qwen3_dir):
+    # sequence 0's ratio Π ρ_t = e is truncated to 2, sequence 1's e^0.01 is kept
+    m = _step(qwen3_dir, [{"name": "sequence_tis", "upper": 2.0}])
+    assert m["mismatch/seq_clip_frac"] == m["correction/sequence_tis/clip_frac"] == pytest.approx(1 / 2)
+    assert _step(qwen3_dir, [{"name": "sequence_tis", "upper": 3.0}])["mismatch/seq_clip_frac"] == 0.0
+    # with a mask beside it, its weights' source is not known here: no figure rather than a wrong one
+    both = _step(qwen3_dir, [{"name": "sequence_tis", "upper": 2.0}, {"name": "token_mask_is", "upper": 3.0}])
+    assert both["mismatch/seq_clip_frac"] == 0.0
 
 
 @pytest.mark.parametrize("correction", [{"name": "token_mask_is", "upper": 2.0},
