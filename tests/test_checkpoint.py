@@ -124,6 +124,38 @@ def test_a_pruned_checkpoint_cut_short_never_looks_complete(qwen3_dir, tmp_path,
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003"]
 
 
+def test_a_step_saved_again_replaces_the_old_one_by_renaming_and_a_failed_prune_stops_nothing(
+        qwen3_dir, tmp_path, monkeypatch):
+    """A complete step_N a crash left unnamed (after its rename, before the pointer) is renamed away before
+    it is deleted, as pruning does; an old checkpoint that cannot be removed leaves a warning, not a failed
+    run (the new checkpoint and its pointer are already on disk)."""
+    import shutil
+
+    model = exactrl.load_model(qwen3_dir)
+    opt = _opt(model)
+    ck.save_checkpoint(tmp_path, 1, model, opt, {"prompts": {}}, keep=2)
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step_000001", root / "step_000002")  # the crash's unnamed step 2
+    real, removed = shutil.rmtree, []
+
+    def watch(path, *a, **kw):
+        removed.append(path.name)
+        return real(path, *a, **kw)
+    monkeypatch.setattr(ck.shutil, "rmtree", watch)
+    ck.save_checkpoint(tmp_path, 2, model, opt, {"prompts": {"pos": 2}}, keep=2)
+    assert ".old_step_000002" in removed and "step_000002" not in removed
+    assert ck.load_checkpoint(ck.latest_checkpoint(tmp_path), "float32", "exact")[2]["prompts"] == {"pos": 2}
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(ck.os, "replace", lambda src, dst, real=ck.os.replace: (
+        refuse(src, dst) if ".old_" in str(dst) else real(src, dst)))
+    assert ck.save_checkpoint(tmp_path, 3, model, opt, {"prompts": {}}, keep=2).name == "step_000003"
+    assert ck.latest_checkpoint(tmp_path).name == "step_000003"
+    assert [p.name for p in ck._step_dirs(root)] == ["step_000001", "step_000002", "step_000003"]  # left, warned
+    assert (root / "latest").read_text() == "step_000003\n" and not list(root.glob(".*.tmp"))
+
+
 @pytest.mark.parametrize("state", ["[]", "{}", '{"step": "3", "prompts": {}}', '{"step": -5, "prompts": {}}',
                                    '{"step": 3, "prompts": {}, "config": [1]}'])
 def test_a_damaged_state_json_is_named(qwen3_dir, tmp_path, state):

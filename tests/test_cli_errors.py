@@ -306,6 +306,34 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(model_dir, tmp_path
     assert f"nothing to do: run {tmp_path / 'r'} is already at step 1 (max_steps=1)" in capsys.readouterr().out
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == rows
     assert json.loads(rows.splitlines()[-1])["step"] == 1
+    # a run stopped after its last checkpoint, before its report: the resume that finds nothing to do writes it
+    import shutil
+
+    shutil.rmtree(tmp_path / "r" / "report")
+    assert train(*base, "resume=true") == 0
+    assert "report: " in capsys.readouterr().out and (tmp_path / "r" / "report" / "summary.png").is_file()
+
+
+def test_a_failed_write_says_what_the_run_kept_and_how_to_go_on(model_dir, tmp_path, capsys, monkeypatch):
+    """A full disk when a metrics row is written (not inside the checkpoint save, which says so itself)."""
+    import errno
+
+    from exactrl.rl.logger import MetricsLogger
+
+    real, calls = MetricsLogger.log, []
+
+    def full(self, metrics):
+        calls.append(metrics["step"])
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", full)
+    run = tmp_path / "r"
+    assert train(*TINY, f"model.path={model_dir}", f"run_dir={run}", "max_steps=3", "save_every=1") == 2
+    err = error_of(capsys, "train")
+    assert f"No space left on device; run {run} is kept and its last checkpoint step_000001 is intact" in err
+    assert f"continue it with --set run_dir={run} --set resume=true" in err
 
 
 def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):

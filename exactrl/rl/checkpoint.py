@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -25,6 +26,8 @@ import torch
 from exactrl.model import load_model, save_model
 from exactrl.model.transformer import CausalLM
 
+log = logging.getLogger("exactrl.checkpoint")
+
 
 def _fsync(path: Path) -> None:
     """fsync of a file or directory (a directory's: its entries, so a rename in it reaches the disk)."""
@@ -33,6 +36,16 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_durably(path: Path, text: str) -> None:
+    """Writes `path` whole or not at all, on disk when this returns: a temporary file, fsynced, renamed
+    over it, and the directory fsynced (a crash or power cut leaves the old text or the new)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -72,18 +85,20 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
                           f"{f'{kept.name} is intact' if kept else 'no earlier checkpoint is kept'}: {fix} "
                           f"and resume") from e
         raise
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():  # a complete step_N a crash left unnamed: renamed first, as pruning does, so one
+        gone = root / f".old_{final.name}"  # cut short by a kill never looks like a checkpoint
+        os.replace(final, gone)
+        shutil.rmtree(gone, ignore_errors=True)
     os.replace(tmp, final)
     _fsync(root)  # the rename is on disk before the pointer names it
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name + "\n")
-    _fsync(pointer)
-    os.replace(pointer, root / "latest")
-    _fsync(root)  # the pointer is on disk before an older checkpoint goes
+    replace_durably(root / "latest", final.name + "\n")  # on disk before an older checkpoint goes
     for old in [p for p in _step_dirs(root) if p != final][:-(keep - 1) or None]:
         gone = root / f".old_{old.name}"  # renamed first: one cut short never looks like a checkpoint
-        os.replace(old, gone)
-        shutil.rmtree(gone, ignore_errors=True)
+        try:
+            os.replace(old, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        except OSError as e:  # the new checkpoint is safe: an old one left over stops no run
+            log.warning("could not remove the old checkpoint %s (%s); it stays", old, e)
     return final
 
 

@@ -150,7 +150,9 @@ class AsyncSettings(BaseModel):
     """Generate the next batches on a second thread while the trainer trains (rl/async_loop.py)."""
     max_staleness: int = Field(1, ge=0)
     """Largest policy-version lag of a trained token; the rollout thread runs at most this many steps
-    ahead. 0 reproduces the synchronous loop bit for bit."""
+    ahead. 0 reproduces the synchronous loop bit for bit. Above 0, a resumed run's first batches are
+    fresher than the uninterrupted run's (the batches sampled ahead are not saved): it goes on from the
+    trained data position, not bit for bit."""
     inflight_updates: bool = False
     """Apply new weights between engine steps, inside a batch (tokens of one sequence may then come
     from several versions, each recorded)."""

@@ -113,9 +113,9 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
             keep.append(line)
     if len(keep) == len(lines) and (not text or text.endswith("\n")):  # else the next row would join the last
         return
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    from exactrl.rl.checkpoint import replace_durably
+
+    replace_durably(path, "".join(line + "\n" for line in keep))  # the rows checkpoints cover survive a power cut
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -61,7 +61,7 @@ def _quiet(*args, **kwargs) -> None:
 def _train(cfg, ranks, say) -> int:
     from exactrl.distributed import optimizer_share
     from exactrl.rl.async_loop import train_async
-    from exactrl.rl.checkpoint import latest_checkpoint
+    from exactrl.rl.checkpoint import latest_checkpoint, replace_durably
     from exactrl.rl.loop import train
     from exactrl.rl.report import write_report
     from exactrl.rl.setup import build
@@ -73,6 +73,8 @@ def _train(cfg, ranks, say) -> int:
         c.close()
         say(f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
             f"raise max_steps with --set max_steps=N to continue it")
+        if ranks.main and not (c.run_dir / "report").is_dir():  # stopped after its last checkpoint, before it
+            say(f"report: {write_report(c.run_dir)[0]}")
         return 0
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
     mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
@@ -83,7 +85,7 @@ def _train(cfg, ranks, say) -> int:
             f"parameter elements")
     try:
         if ranks.main:
-            (c.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True), indent=2))
+            replace_durably(c.run_dir / "config.json", json.dumps(cfg.model_dump(by_alias=True), indent=2))
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
     except BaseException as e:
         c.close()
@@ -101,6 +103,11 @@ def _train(cfg, ranks, say) -> int:
                   file=sys.stderr)
         if interrupted:
             return 130
+        if isinstance(e, OSError) and ranks.main and not removed and "resume" not in str(e):
+            ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
+            raise OSError(f"{e}; run {c.run_dir} is kept and "
+                          f"{f'its last checkpoint {ckpt.name} is intact' if ckpt else 'it has no checkpoint yet'}: "
+                          f"fix that and continue it with --set run_dir={c.run_dir} --set resume=true") from e
         raise
     finally:
         c.close()
