@@ -15,6 +15,7 @@ from typing import Annotated, Any, Callable
 
 from pydantic import AfterValidator
 
+
 def _not_blank(path: str) -> str:
     if not path.strip():
         raise ValueError("a path must not be empty or only spaces")
