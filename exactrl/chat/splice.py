@@ -268,8 +268,9 @@ class Splicer:
             # a stop string ends the content early without a stop token: its text is cut from the content
             if same(parse_assistant_text(text, parse_tools), not stopped):
                 return True
-        if stopped:
-            return False
+        if stopped:  # or, under ignore_eos, a run to max_tokens whose last sampled token is the stop
+            full = self._text(f.generation_token_ids)  # token: finish "length", and its text is content
+            return any(same(parse_assistant_text(full, parse_tools), False) for parse_tools in (True, False))
         # a stop string may have cut the text anywhere: in the reasoning, or in a tag. The answer was the
         # parse of a prefix of the text, which ends just after the last field it shows (or a tag's few
         # characters later)

@@ -123,9 +123,9 @@ class Session:
             if r.retired or any(o is not r and len(o.tokens_T) > len(r.tokens_T)
                                 and o.tokens_T[:len(r.tokens_T)] == r.tokens_T for o in self.records):
                 continue
-            # an identical earlier record (same prompt, same sample), by position: `index` compares
-            # records by value, so a copy equal in every field found itself and was kept twice
-            if any(o.tokens_T == r.tokens_T for o in self.records[:i]):
+            # an identical earlier record (same prompt, same sample) still live, by position: `index`
+            # compares records by value, so a copy equal in every field found itself and was kept twice
+            if any(o.tokens_T == r.tokens_T and not o.retired for o in self.records[:i]):
                 continue
             p = r.prompt_len
             out.append(Trajectory(r.tokens_T[:p], r.tokens_T[p:], r.mask_T[p:], r.logprobs_T[p:], r.versions_T[p:],

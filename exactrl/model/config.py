@@ -19,11 +19,12 @@ DEFAULT_CONTEXT = {"qwen3": 32768, "qwen2": 32768, "llama": 2048}
 def _slides(cfg: dict) -> bool:
     """Whether a Qwen2/Qwen3 config with use_sliding_window=true has a layer that slides: those named
     "sliding_attention" in layer_types, else (transformers' rule) layers i >= max_window_layers (default 28)
-    when sliding_window is set. Windows on no layer are full attention, which loads."""
+    when sliding_window is set (absent: transformers' 4096). Windows on no layer are full attention, which
+    loads."""
     types = cfg.get("layer_types")
     if isinstance(types, list):
         return "sliding_attention" in types
-    return cfg.get("sliding_window") is not None and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
+    return cfg.get("sliding_window", 4096) is not None and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
 
 
 @dataclass

@@ -29,6 +29,10 @@ from exactrl.model.transformer import CausalLM
 log = logging.getLogger("exactrl.checkpoint")
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message names the one that is intact and how to go on."""
+
+
 def _fsync(path: Path) -> None:
     """fsync of a file or directory (a directory's: its entries, so a rename in it reaches the disk)."""
     fd = os.open(path, os.O_RDONLY)
@@ -81,7 +85,7 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "inline_container" in str(e)):
             kept = latest_checkpoint(run_dir)
             fix = "free disk space" if getattr(e, "errno", None) in (None, errno.ENOSPC) else "fix that"
-            raise OSError(f"the checkpoint of step {step} could not be written to {root} ({e}); "
+            raise CheckpointWriteError(f"the checkpoint of step {step} could not be written to {root} ({e}); "
                           f"{f'{kept.name} is intact' if kept else 'no earlier checkpoint is kept'}: {fix} "
                           f"and resume") from e
         raise

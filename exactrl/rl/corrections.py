@@ -242,7 +242,7 @@ class KLRejection(Correction):
 
     def compute(self, b):
         kl_BT = masked_values(kl_estimate(b.behav_BT, b.old_BT, self.kind), b.mask_BT)
-        metrics = {"kl_mean": _tok(kl_BT, b.mask_BT)}  # the token mean at either level
+        metrics = {"kl_mean": _tok(kl_BT, b.mask_BT)}  # the token mean (the sequence means, length-weighted)
         if self.level == "sequence":
             kl_BT = seq_mean(kl_BT, b.mask_BT)[:, None].expand_as(kl_BT)
         return None, kl_BT <= self.threshold, metrics
@@ -284,8 +284,6 @@ class Composed:
         weighs = {c.weighs for c in self.corrections}
         # the applied weight is each token's own (truncated) ratio: a weight ≠ ρ_t marks a truncated token
         self.weighs_token_ratios = "token" in weighs and "sequence" not in weighs
-        # ... or, sequence TIS alone (no mask either), each sequence's own (truncated) ratio Π_t ρ_t
-        self.weighs_sequence_ratios = weighs == {"sequence"}
 
     def __call__(self, old_logprobs_BT, behav_logprobs_BT, mask_BT, advantages_BT=None):
         check_mask("mask_BT", mask_BT)

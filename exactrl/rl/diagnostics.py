@@ -18,8 +18,9 @@ difference can never round to zero.
     mismatch/token_clip_frac   tokens whose applied weight differs from ρ_t (truncated), when the
                                weights are token ratios (token_tis, decoupled); else 0 (a masking
                                or sequence-level correction reports its own figures)
-    mismatch/seq_clip_frac     non-empty sequences with a truncated weight: a token's (token ratios)
-                               or the sequence's own, when sequence TIS alone weighs them; else 0
+    mismatch/seq_clip_frac     non-empty sequences holding a token whose weight is truncated (token
+                               ratios, as token_clip_frac); the trainer reports sequence TIS's own
+                               clipped fraction here when it weighs the sequences
     mismatch/token_mask_frac   tokens the corrections removed
     mismatch/seq_mask_frac     non-empty sequences the corrections removed entirely
     mismatch/out_of_support_frac  sampled tokens the trainer's top-k/top-p cuts (π_old = 0, so ρ_t = 0
@@ -85,20 +86,14 @@ def _differs(w, ratio):
     return (w - ratio).abs() > 1e-6 * ratio.clamp(min=1.0)
 
 
-def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT, token_ratios: bool,
-                      seq_ratio_B: torch.Tensor | None) -> dict[str, float]:
+def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT, token_ratios: bool) -> dict[str, float]:
     n = max(float(mask_BT.sum().item()), 1.0)
-    clipped, seq_clipped_B = 0.0, None
-    weighed_B = weighted_BT.sum(dim=1) > 0
+    clipped = seq_clip = 0.0
     if weights_BT is not None and token_ratios:
         differs_BT = _differs(weights_BT, ratio_BT) & (weighted_BT > 0)
         clipped = float(masked_mean(differs_BT.to(torch.float64), weighted_BT).item())
-        seq_clipped_B = differs_BT.any(dim=1)
-    elif weights_BT is not None and seq_ratio_B is not None:  # one weight per sequence, on each of its tokens
-        w_B = (weights_BT * weighted_BT).amax(dim=1)
-        seq_clipped_B = _differs(w_B, seq_ratio_B) & weighed_B
-    seq_clip = (float(seq_clipped_B.sum().item()) / max(int(weighed_B.sum().item()), 1)
-                if seq_clipped_B is not None else 0.0)
+        weighed_B = weighted_BT.sum(dim=1) > 0
+        seq_clip = float(differs_BT.any(dim=1).sum().item()) / max(int(weighed_B.sum().item()), 1)
     has_B = mask_BT.sum(dim=1) > 0
     removed_B = has_B & (final_BT.sum(dim=1) == 0)
     return {"mismatch/token_clip_frac": clipped, "mismatch/seq_clip_frac": seq_clip,
@@ -109,12 +104,9 @@ def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT, toke
 def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
                      weights_BT: torch.Tensor | None = None,
                      final_mask_BT: torch.Tensor | None = None, weights_are_token_ratios: bool = True,
-                     weighted_mask_BT: torch.Tensor | None = None,
-                     weights_are_sequence_ratios: bool = False) -> dict[str, float]:
+                     weighted_mask_BT: torch.Tensor | None = None) -> dict[str, float]:
     """Flat `mismatch/...` metrics (see the module docstring for each key). `weights_are_token_ratios`:
-    whether `weights_BT` are the tokens' own (truncated) ratios, which token_clip_frac compares with ρ_t;
-    `weights_are_sequence_ratios`: whether they are each sequence's own (truncated) Π_t ρ_t over the
-    weighted tokens, which seq_clip_frac then compares with it.
+    whether `weights_BT` are the tokens' own (truncated) ratios, which token_clip_frac compares with ρ_t.
     `weighted_mask_BT`: the tokens the weights were computed for, over which ess, is_weight_* and
     token_clip_frac are taken (default `final_mask_BT`; a trainer that keeps tokens out of the loss
     before the corrections run, as overlong.mask_truncated does, passes those the corrections saw)."""
@@ -141,7 +133,5 @@ def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Ten
     if bool(((weighted_BT > 0) & (final_BT == 0)).any()):
         raise ValueError("weighted_mask_BT keeps tokens that final_mask_BT excludes")
     metrics |= _weight_stats(ratio_BT if weights_BT is None else weights_BT, weighted_BT)
-    seq_ratio_B = exp_ratio(seq_sum(lr_BT, weighted_BT)) if weights_are_sequence_ratios else None
-    metrics |= _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT,
-                                 weights_are_token_ratios and not weights_are_sequence_ratios, seq_ratio_B)
+    metrics |= _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT, weights_are_token_ratios)
     return metrics

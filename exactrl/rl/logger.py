@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from exactrl.rl.checkpoint import replace_durably
+
 # figures shown on the live display, in this order: (metric key, label, format)
 DISPLAY = [("rollout/reward_mean", "reward", "{:.3f}"), ("eval/accuracy", "eval acc", "{:.3f}"),
            ("train/train_rollout_logprob_abs_diff", "|Δlogp|", "{:.2e}"), ("rollout/response_len_mean", "len", "{:.1f}"),
@@ -113,8 +115,6 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
             keep.append(line)
     if len(keep) == len(lines) and (not text or text.endswith("\n")):  # else the next row would join the last
         return
-    from exactrl.rl.checkpoint import replace_durably
-
     replace_durably(path, "".join(line + "\n" for line in keep))  # the rows checkpoints cover survive a power cut
 
 

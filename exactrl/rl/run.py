@@ -61,7 +61,7 @@ def _quiet(*args, **kwargs) -> None:
 def _train(cfg, ranks, say) -> int:
     from exactrl.distributed import optimizer_share
     from exactrl.rl.async_loop import train_async
-    from exactrl.rl.checkpoint import latest_checkpoint, replace_durably
+    from exactrl.rl.checkpoint import CheckpointWriteError, latest_checkpoint, replace_durably
     from exactrl.rl.loop import train
     from exactrl.rl.report import write_report
     from exactrl.rl.setup import build
@@ -103,7 +103,7 @@ def _train(cfg, ranks, say) -> int:
                   file=sys.stderr)
         if interrupted:
             return 130
-        if isinstance(e, OSError) and ranks.main and not removed and "resume" not in str(e):
+        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and ranks.main and not removed:
             ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
             raise OSError(f"{e}; run {c.run_dir} is kept and "
                           f"{f'its last checkpoint {ckpt.name} is intact' if ckpt else 'it has no checkpoint yet'}: "

@@ -167,7 +167,9 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
             inp = apply_bypass(inp)
         kl_BT = None
         if ref_model is not None and s.kl_coef and s.kl_in_loss:
-            kl_BT = kl_estimate(logp_BT, _ref_logprobs(ref_model, batch, idx, s, T), s.kl_kind)
+            ref_BT = _ref_logprobs(ref_model, batch, idx, s, T)
+            # a cut token's −inf would make k2's gradient NaN through the mask: it is the reference there (KL 0)
+            kl_BT = kl_estimate(torch.where(live_BT > 0, logp_BT, ref_BT), ref_BT, s.kl_kind)
             kept["kl"].append(kl_BT.detach())
         loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm)
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
@@ -222,14 +224,15 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
     kept = final + (gen - live)
     metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=kept,
                                 weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False),
-                                weights_are_sequence_ratios=getattr(s.corrections, "weighs_sequence_ratios", False),
                                 weighted_mask_BT=final if s.corrections else None)  # ρ itself: every token
+    if "correction/sequence_tis/clip_frac" in cm:  # its weights are the sequences': it counts their clipping
+        metrics["mismatch/seq_clip_frac"] = cm["correction/sequence_tis/clip_frac"]
     inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
                      mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])
     loss, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)
     loss = _regularised(loss, t["ent"], t["kl"], final, t["loss_mask"], s, norm)  # kl kept only if in the loss
     metrics |= cm | lm | {"train/loss": float(loss)}
-    metrics["train/entropy"] = float(masked_mean(t["ent"].double(), gen))  # the policy's, on what it sampled
+    metrics["train/entropy"] = float(masked_mean(t["ent"].double(), t["gen"]))  # the policy's, on what it sampled
     if t["kl"] is not None:  # the estimator's token mean over the trained tokens, whatever agg_mode
         metrics["train/kl_ref"] = float(masked_mean(t["kl"].double(), final))
     return metrics

@@ -80,7 +80,7 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
         try:
             max_tokens = st.resolve_max_tokens(body.max_tokens, len(p), "prompt", default=16)  # OpenAI's default
         except APIError as e:
-            if len(prompts) > 1:  # which prompt of the list is too long
+            if len(prompts) > 1 and e.code == "context_length_exceeded":  # which prompt of the list is too long
                 e.message = f"prompt[{k}]: {e.message}"
             raise
         gens.append(Generation(st, p, sampling_params(body, max_tokens, st.stop_token_ids), stops, body.stream))
@@ -147,7 +147,7 @@ async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, pr
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    top_dicts = None if tops is None else [None if row is None else {st.token_str(t): v for t, v in row} for row in tops]
+    top_dicts = [None if row is None else {st.token_str(t): v for t, v in row} for row in tops]
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_dicts, "text_offset": offsets}
 
 

@@ -145,10 +145,10 @@ class Generation:
         return True
 
     def decoded(self, c: Choice) -> str:
-        """The text of all of c's tokens, `tok.decode(c.token_ids)` exactly. A byte-level tokenizer's text
-        is the settled tokens' text (kept) then the rest's, so each token costs the decode of the few since
-        the last whole character, not of the whole generation (which made long generations quadratic on
-        the event loop, stop strings and streams alike)."""
+        """The text of all of c's tokens, `text_of(c.token_ids)` exactly (for a byte-level tokenizer,
+        `tok.decode`). A byte-level tokenizer's text is the settled tokens' text (kept) then the rest's, so
+        each token costs the decode of the few since the last whole character, not of the whole generation
+        (which made long generations quadratic on the event loop, stop strings and streams alike)."""
         if not self.tok.byte_level:
             return self.text_of(c.token_ids)
         tail = self.tok.decode(c.token_ids[c.settled:], skip_special_tokens=False)

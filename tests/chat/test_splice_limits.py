@@ -115,3 +115,16 @@ def test_generation_ending_with_end_of_turn_shown_in_its_text_splices_exactly(to
         plan = sp.build([USER, a1, FOLLOW])
         assert plan.kind == "spliced" and plan.prompt_ids[:len(p1) + len(gen)] == p1 + gen
         assert plan.prompt_ids[len(p1) + len(gen)] != eot
+
+
+def test_a_length_cut_generation_ending_on_end_of_turn_inside_its_reasoning_splices(tok, sp):
+    """ignore_eos, cut by length right after an end-of-turn while still in `<think>`: the server's message
+    carries the end-of-turn's text in reasoning_content; the matcher compared it with the text without it
+    (as if the token had stopped the generation) and refused the turn (hypothesis found it: seed 227428)."""
+    p1 = sp.build([USER]).prompt_ids
+    eot = tok.end_of_turn_id
+    gen = tok.encode("<think>") + byte_tokens(tok, "ab") + [eot]
+    a1 = turn(tok, p1, gen, eot=False)
+    assert a1["reasoning_content"].endswith(tok.decode([eot]))
+    plan = sp.build([USER, a1, FOLLOW])
+    assert plan.kind == "spliced" and plan.prompt_ids[:len(p1) + len(gen)] == p1 + gen

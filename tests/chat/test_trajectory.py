@@ -86,3 +86,8 @@ def test_an_identical_record_is_one_trajectory_whatever_its_other_fields():
         s.record([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0])
         s.record([1, 2, 3], [4, 5], [-0.1, -0.2], versions)
         assert len(s.trajectories()) == 1, versions
+    # a copy a truncate retired hides no live one: the regeneration after the cut is trained
+    s = Session()
+    s.record([1, 2], [3], [-0.1], [0])
+    s.record([1, 2], [3], [-0.1], [0], kind="truncate", cut_history=[1, 2, 3, 4, 5])
+    assert [r.retired for r in s.records] == [True, False] and len(s.trajectories()) == 1
