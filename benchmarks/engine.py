@@ -167,7 +167,7 @@ class HFSide:
             out = self.hf.generate(self.ids, **self.kw)
             dt = time.perf_counter() - t
         n = (out.shape[1] - self.ids.shape[1]) * self.ids.shape[0]
-        assert n == self.ids.numel() // self.ids.shape[1] * self.new
+        assert n == self.ids.shape[0] * self.new
         return n / dt
 
 
