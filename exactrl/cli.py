@@ -233,9 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                      else e)
     except OSError as e:  # a full disk, a file gone: one line (a run's checkpoints say what is kept)
         code = _fail(args.command, e)
-    except KeyboardInterrupt:  # outside a training loop (loading, a report): nothing to save, no traceback
-        print(f"\nexactrl {args.command}: interrupted", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:  # outside a training loop (loading, a report): nothing to save, no traceback
+        from exactrl.rl.run import Terminated  # SIGTERM to a one-process `train`
+
+        terminated = isinstance(e, Terminated)
+        print(f"\nexactrl {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        code = 143 if terminated else 130
     if argv is None and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         _exit_rank(code)
     return code

@@ -428,3 +428,31 @@ def test_config_files_that_are_not_a_mapping_of_unique_utf8_keys_are_named(tmp_p
 def test_resume_without_a_run_dir_is_refused():
     with pytest.raises(ValueError, match="resume=true needs run_dir"):
         load_config(None, ["resume=true"])
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(model_dir, tmp_path):
+    """A job manager's stop (SLURM, Kubernetes send SIGTERM): the run keeps what it saved, says how to go on,
+    and exits 143; it used to die at once, without a word."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "r"
+    sets = [*TINY, f"model.path={model_dir}", f"run_dir={run}", "max_steps=1000", "save_every=1"]
+    cmd = [sys.executable, "-m", "exactrl", "train"] + [x for o in sets for x in ("--set", o)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        t0 = time.monotonic()
+        while not (run / "checkpoints" / "latest").is_file():  # a step saved, the loop running
+            assert p.poll() is None and time.monotonic() - t0 < 120, p.communicate()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143, err
+    assert f"terminated (SIGTERM): run {run} is kept and its last checkpoint is step_" in err
+    assert f"--set run_dir={run} --set resume=true" in err
+    assert (run / "checkpoints" / "latest").is_file()

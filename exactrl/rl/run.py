@@ -6,9 +6,20 @@ alone prints, writes the run dir's files and the report (exactrl/distributed).
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 
 from exactrl.rl.config import dotted, ignored_settings, load_config
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, a job manager's stop (SLURM, Kubernetes), met as Ctrl-C is: what is saved stays, and the
+    run says how to go on. Only in a one-process run: ranks are stopped by their launcher."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
@@ -16,13 +27,17 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
 
     cfg = load_config(config_path, overrides)
     ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
+    graceful = ranks.world == 1 and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if graceful else None
     try:
         _check_same_settings(cfg, ranks)
         code = _train(cfg, ranks, print if ranks.main else _quiet)
-        if code != 130:  # an interrupted rank may have left the others in another collective: no barrier
+        if code not in (130, 143):  # an interrupted rank may have left the others in another collective: no barrier
             ranks.barrier()  # every rank is done before any tears the group down
         return code
     finally:
+        if graceful:
+            signal.signal(signal.SIGTERM, previous)
         if ranks.world > 1:
             import torch.distributed
 
@@ -90,19 +105,20 @@ def _train(cfg, ranks, say) -> int:
     except BaseException as e:
         c.close()
         interrupted = isinstance(e, KeyboardInterrupt)
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         removed = ranks.main and _remove_if_empty(c)  # an error's own message follows on one line (cli.py)
         if removed and interrupted:
-            print(f"\ninterrupted before the first step: the new run dir {c.run_dir} held nothing and was removed",
+            print(f"\n{how} before the first step: the new run dir {c.run_dir} held nothing and was removed",
                   file=sys.stderr)
         elif interrupted and ranks.main:  # Ctrl-C: what is saved stays; say how to go on
             ckpt = latest_checkpoint(c.run_dir)
             where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
             nproc = f" --nproc {ranks.world}" if ranks.world > 1 else ""
-            print(f"\ninterrupted: run {c.run_dir} is kept and {where}; continue it with "
+            print(f"\n{how}: run {c.run_dir} is kept and {where}; continue it with "
                   f"exactrl train{nproc} --set run_dir={c.run_dir} --set resume=true (and the same settings)",
                   file=sys.stderr)
         if interrupted:
-            return 130
+            return 143 if isinstance(e, Terminated) else 130  # 128 + the signal, as a shell reports it
         if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and ranks.main and not removed:
             ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
             raise OSError(f"{e}; run {c.run_dir} is kept and "
