@@ -234,11 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk, a file gone: one line (a run's checkpoints say what is kept)
         code = _fail(args.command, e)
     except KeyboardInterrupt as e:  # outside a training loop (loading, a report): nothing to save, no traceback
-        from exactrl.rl.run import Terminated  # SIGTERM to a one-process `train`
+        from exactrl.rl.run import stopped_by  # Ctrl-C, or SIGTERM to a one-process `train`
 
-        terminated = isinstance(e, Terminated)
-        print(f"\nexactrl {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
-        code = 143 if terminated else 130
+        how, code = stopped_by(e)
+        print(f"\nexactrl {args.command}: {how}", file=sys.stderr)
     if argv is None and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         _exit_rank(code)
     return code

@@ -22,6 +22,11 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+def stopped_by(e: KeyboardInterrupt) -> tuple[str, int]:
+    """How a run was stopped, and its exit code (128 + the signal, as a shell reports it)."""
+    return ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+
+
 def train_main(config_path: str | None, overrides: list[str]) -> int:
     from exactrl.distributed import init_from_env
 
@@ -105,7 +110,7 @@ def _train(cfg, ranks, say) -> int:
     except BaseException as e:
         c.close()
         interrupted = isinstance(e, KeyboardInterrupt)
-        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        how, stop_code = stopped_by(e) if interrupted else ("", 0)
         removed = ranks.main and _remove_if_empty(c)  # an error's own message follows on one line (cli.py)
         if removed and interrupted:
             print(f"\n{how} before the first step: the new run dir {c.run_dir} held nothing and was removed",
@@ -118,7 +123,7 @@ def _train(cfg, ranks, say) -> int:
                   f"exactrl train{nproc} --set run_dir={c.run_dir} --set resume=true (and the same settings)",
                   file=sys.stderr)
         if interrupted:
-            return 143 if isinstance(e, Terminated) else 130  # 128 + the signal, as a shell reports it
+            return stop_code
         if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and ranks.main and not removed:
             ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
             raise OSError(f"{e}; run {c.run_dir} is kept and "
