@@ -50,13 +50,22 @@ class TrainBatch:
     ref_logprobs: list[torch.Tensor] | None = None  # filled by the trainer when KL is on
 
     def __post_init__(self):
+        for name in ("prompt_ids", "completion_ids", "behav_logprobs"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"TrainBatch.{name} must be a list with one entry per sequence, got "
+                                 f"{type(getattr(self, name)).__name__}")
         n = len(self.prompt_ids)
-        if not (len(self.completion_ids) == len(self.behav_logprobs) == len(self.advantages) == n):
-            raise ValueError("TrainBatch fields must all have one entry per sequence")
+        lengths = {name: len(getattr(self, name)) for name in ("completion_ids", "behav_logprobs")}
+        lengths["advantages"] = len(_numbers("advantages", self.advantages))
+        if any(v != n for v in lengths.values()):
+            raise ValueError(f"TrainBatch fields must all have one entry per sequence: prompt_ids has {n}, "
+                             + ", ".join(f"{k} {v}" for k, v in lengths.items()))
         if n == 0:
             raise ValueError("TrainBatch is empty: no sequence to train on")
+        for name in ("prompt_ids", "completion_ids"):
+            _check_token_ids(name, getattr(self, name))
         for k, (c, lp) in enumerate(zip(self.completion_ids, self.behav_logprobs)):
-            if len(c) != len(lp):
+            if len(_numbers(f"behav_logprobs[{k}]", lp)) != len(c):
                 raise ValueError(f"sequence {k}: {len(c)} completion tokens but {len(lp)} behaviour logprobs")
         bad = next((k for k, p in enumerate(self.prompt_ids) if not len(p)), None)
         if bad is not None:
@@ -83,6 +92,32 @@ class TrainBatch:
         return len(self.prompt_ids)
 
 
+def _check_token_ids(name: str, rows) -> None:
+    """Each row a list (or tuple) of int token ids: the vocabulary range is checked by train_step."""
+    for k, ids in enumerate(rows):
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"TrainBatch.{name}[{k}] must be a list of token ids, got {type(ids).__name__}")
+        bad = next((j for j, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise ValueError(f"TrainBatch.{name}[{k}] holds {ids[bad]!r}, not an int token id")
+
+
+def _numbers(name: str, values) -> torch.Tensor:
+    """`values` as the trainer reads them (fp32, 1-D), each finite: a NaN or an overflow named by its index
+    here, not as a row of a micro-batch (or a NaN gradient) inside the step."""
+    try:
+        v = torch.as_tensor(values, dtype=torch.float32)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        v = None
+    if v is None or v.dim() != 1:
+        raise ValueError(f"TrainBatch.{name} must be a list of numbers, got {str(values)[:80]}")
+    bad = (~torch.isfinite(v)).nonzero()
+    if len(bad):
+        k = int(bad[0])
+        raise ValueError(f"TrainBatch.{name}[{k}] is {values[k]!r}, not a finite (fp32) number")
+    return v
+
+
 @dataclass
 class StepSettings:
     """What the step needs from the run config (kept flat for the hot path)."""
@@ -103,6 +138,10 @@ class StepSettings:
     share_prompts: bool = True  # a micro-batch's repeated prompts are laid out once (logprobs.pack_shared)
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if type(self.micro_batch_size) is not int or self.micro_batch_size < 1:
+            raise ValueError(f"StepSettings.micro_batch_size must be an int >= 1, got {self.micro_batch_size!r}")
+
 
 def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     out = torch.zeros(len(rows), T, dtype=torch.float32)
@@ -121,7 +160,7 @@ def _mask(rows: list[list[int]] | None, batch: TrainBatch, idx: list[int], T: in
 
 
 def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings, T: int):
-    seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
+    seqs = [list(batch.prompt_ids[k]) + list(batch.completion_ids[k]) for k in idx]
     plens = [len(batch.prompt_ids[k]) for k in idx]
     lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True, first=plens,
                                entropy_grad=bool(s.entropy_coef), share_prompts=s.share_prompts)
@@ -241,7 +280,7 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
 def _ref_logprobs(ref_model, batch, idx, s: StepSettings, T: int) -> torch.Tensor:
     """log π_ref of the sampled tokens at the sampling temperature, never truncated (`kl.py`: π_ref must
     cover every token the policy samples, or the KL is infinite)."""
-    seqs = [batch.prompt_ids[k] + batch.completion_ids[k] for k in idx]
+    seqs = [list(batch.prompt_ids[k]) + list(batch.completion_ids[k]) for k in idx]
     with torch.no_grad():
         lps, _ = token_logprobs(ref_model, seqs, s.temperature, -1, 1.0,
                                 first=[len(batch.prompt_ids[k]) for k in idx], share_prompts=s.share_prompts)
