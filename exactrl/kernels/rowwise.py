@@ -88,15 +88,17 @@ def apply_rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor
 
 
 MIN_TEMPERATURE = 1e-5  # below it (but above 0) z / T can overflow fp32 to inf and the distribution to NaN
+MAX_TEMPERATURE = torch.finfo(torch.float32).max  # T is an fp32 tensor: above it, inf (or a cast error)
 
 
 def check_temperature(temperature) -> None:
-    """The sampling temperatures the distribution is defined for: 0 (greedy) or in [MIN_TEMPERATURE, inf)."""
+    """The sampling temperatures the distribution is defined for: 0 (greedy) or in [MIN_TEMPERATURE,
+    MAX_TEMPERATURE]."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature must be a number, got {temperature!r}")
-    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < float("inf")):
-        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones "
-                         f"overflow fp32 logits / T), got {temperature}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+                         f"(smaller ones overflow fp32 logits / T, larger ones are no fp32 number), got {temperature}")
 
 
 def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_k_N: torch.Tensor,
