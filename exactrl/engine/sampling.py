@@ -84,6 +84,8 @@ class SamplingParams:
         for t in stops:
             _check_number("stop_token_ids", t, int)
         object.__setattr__(self, "stop_token_ids", stops)
+        if not isinstance(self.ignore_eos, bool):  # "no" or 0.0 would ignore (or not) the eos by truthiness
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     def branch_flags(self, vocab_size: int) -> tuple[bool, bool]:
         """(top-k active, top-p active), exactly as `sampling_logprobs` decides them."""
