@@ -260,6 +260,10 @@ class Engine:
         (`add_request`) keep running. One caller drives the engine at a time: a
         `generate` or `step` from another thread waits for this one to return.
         """
+        if not isinstance(prompts, (list, tuple, torch.Tensor)):
+            raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+        if on_step is not None and not callable(on_step):
+            raise ValueError(f"on_step must be a callable or None, got {on_step!r}")
         plist = params_per_prompt(params, len(prompts))
         for k, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any is queued
             try:
