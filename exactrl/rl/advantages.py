@@ -134,4 +134,7 @@ def compute_advantages(name: str, rewards_PG: torch.Tensor, **kwargs) -> torch.T
     check_arg_types(fn, kwargs, f"advantage estimator {name!r}")
     advantages_PG = fn(rewards_PG, **kwargs)
     assert advantages_PG.shape == rewards_PG.shape
+    if not bool(torch.isfinite(advantages_PG).all()):  # finite rewards near float64's max overflow mean or std
+        raise ValueError(f"rewards_PG up to {rewards_PG.abs().max().item():g} overflow the {name!r} advantages "
+                         f"(NaN or inf): scale the rewards down")
     return advantages_PG
