@@ -313,6 +313,8 @@ CORRECTIONS: dict[str, type[Correction]] = {
 
 def build_corrections(specs: Sequence[dict]) -> Composed:
     """Composed corrections from config: [{"name": "token_tis", "upper": 2.0}, ...]."""
+    if not isinstance(specs, (list, tuple)):
+        raise ValueError(f"corrections must be a list of dicts with a 'name' key, got {specs!r}")
     built = []
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict) or "name" not in spec:
