@@ -64,8 +64,9 @@ class TrainBatch:
             raise ValueError("TrainBatch is empty: no sequence to train on")
         for name in ("prompt_ids", "completion_ids"):
             _check_token_ids(name, getattr(self, name))
-        for k, (c, lp) in enumerate(zip(self.completion_ids, self.behav_logprobs)):
-            if len(_numbers(f"behav_logprobs[{k}]", lp)) != len(c):
+        behav = [_numbers(f"behav_logprobs[{k}]", lp, finite=False) for k, lp in enumerate(self.behav_logprobs)]
+        for k, (c, lp) in enumerate(zip(self.completion_ids, behav)):
+            if len(lp) != len(c):
                 raise ValueError(f"sequence {k}: {len(c)} completion tokens but {len(lp)} behaviour logprobs")
         bad = next((k for k, p in enumerate(self.prompt_ids) if not len(p)), None)
         if bad is not None:
@@ -87,6 +88,16 @@ class TrainBatch:
             if bad is not None:
                 raise ValueError(f"TrainBatch.generated_mask[{bad}] is 0 where loss_mask is 1: every token "
                                  f"trained on was sampled")
+        # μ is read where the engine sampled: a token it did not sample (a tool's output) may carry anything
+        for k, lp in enumerate(behav):
+            bad = ~torch.isfinite(lp)
+            sampled = (self.generated_mask or self.loss_mask or [None] * n)[k]
+            if sampled is not None:
+                bad &= torch.tensor(sampled, dtype=torch.bool)
+            if bool(bad.any()):
+                t = int(bad.nonzero()[0])
+                raise ValueError(f"TrainBatch.behav_logprobs[{k}][{t}] is {self.behav_logprobs[k][t]!r}, not a finite "
+                                 f"(fp32) number, at a sampled token")
 
     def __len__(self):
         return len(self.prompt_ids)
@@ -102,9 +113,9 @@ def _check_token_ids(name: str, rows) -> None:
             raise ValueError(f"TrainBatch.{name}[{k}] holds {ids[bad]!r}, not an int token id")
 
 
-def _numbers(name: str, values) -> torch.Tensor:
-    """`values` as the trainer reads them (fp32, 1-D), each finite: a NaN or an overflow named by its index
-    here, not as a row of a micro-batch (or a NaN gradient) inside the step."""
+def _numbers(name: str, values, finite: bool = True) -> torch.Tensor:
+    """`values` as the trainer reads them (fp32, 1-D), each finite unless `finite` is False: a NaN or an
+    overflow named by its index here, not as a row of a micro-batch (or a NaN gradient) inside the step."""
     try:
         v = torch.as_tensor(values, dtype=torch.float32)
     except (TypeError, ValueError, OverflowError, RuntimeError):
@@ -112,7 +123,7 @@ def _numbers(name: str, values) -> torch.Tensor:
     if v is None or v.dim() != 1:
         raise ValueError(f"TrainBatch.{name} must be a list of numbers, got {str(values)[:80]}")
     bad = (~torch.isfinite(v)).nonzero()
-    if len(bad):
+    if finite and len(bad):
         k = int(bad[0])
         raise ValueError(f"TrainBatch.{name}[{k}] is {values[k]!r}, not a finite (fp32) number")
     return v
@@ -168,6 +179,7 @@ def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings
     mask_BT = _mask(batch.loss_mask, batch, idx, T)
     gen_BT = mask_BT if batch.generated_mask is None else _mask(batch.generated_mask, batch, idx, T)
     behav_BT = _pad([torch.tensor(batch.behav_logprobs[k], dtype=torch.float32) for k in idx], T)
+    behav_BT = torch.where(gen_BT > 0, behav_BT, 0.0)  # μ of a token not sampled is never read (TrainBatch)
     adv_BT = torch.tensor([batch.advantages[k] for k in idx], dtype=torch.float32)[:, None].expand(-1, T)
     adv_BT = adv_BT * (mask_BT > 0)
     return logp_BT, ent_BT, mask_BT, gen_BT, behav_BT, adv_BT

@@ -160,6 +160,30 @@ def test_cut_completions_left_out_of_the_loss_still_count_in_the_mismatch(qwen3_
     assert m["mismatch/token_mask_frac"] == m["mismatch/seq_mask_frac"] == 0.0  # no correction removed them
 
 
+@pytest.mark.parametrize("filler", [math.nan, math.inf, 0.0])
+def test_a_token_the_engine_did_not_sample_may_carry_any_behaviour_logprob(qwen3_dir, filler):
+    """A tool's output in an agent's completion has no μ (the engine did not sample it): whatever the
+    producer puts there (NaN, inf) is never read, and the step is the one with 0.0 there. At a sampled
+    token a NaN is refused before the step, naming the token."""
+    sampled = [[1, 1, 0, 1], [1, 1, 1, 1]]  # token 2 of sequence 0 came from a tool
+
+    def step(value, gen):
+        model = exactrl.load_model(qwen3_dir)
+        batch = _off_policy_batch(model)
+        behav = [list(lp) for lp in batch.behav_logprobs]
+        behav[0][2] = value
+        b = TrainBatch(batch.prompt_ids, batch.completion_ids, behav, batch.advantages, loss_mask=gen,
+                       generated_mask=gen)
+        m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), build_loss("ppo"), b, _settings(
+            corrections=build_corrections([{"name": "token_tis", "upper": 2.0}])))
+        return m, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    (m, w), (m0, w0) = step(filler, sampled), step(-123.0, sampled)
+    assert m == m0 and torch.equal(w, w0) and m["train/train_rollout_logprob_abs_diff_max"] > 0
+    with pytest.raises(ValueError, match=re.escape("TrainBatch.behav_logprobs[0][2] is nan")):
+        step(math.nan, [[1] * 4, [1] * 4])
+
+
 def test_weight_figures_cover_the_tokens_the_correction_weighed_when_cut_completions_are_left_out(qwen3_dir):
     """With overlong.mask_truncated the corrections weigh the loss mask's tokens only; the cut completion's
     tokens (here the second, every token 0.01 nat off) must not read as clipped or pull is_weight_* to 1."""
