@@ -48,6 +48,25 @@ def test_malformed_json_and_missing_fields():
         s.client().chat.completions.create(model=s.model, messages=[{"role": "wizard", "content": "x"}])
 
 
+@pytest.mark.parametrize("body, content_type, words", [
+    # FastAPI answered these "There was an error parsing the body", naming nothing
+    (b'{"model": "m\xff", "messages": []}', "application/json", ["not valid UTF-8", "invalid start byte (byte 12)"]),
+    (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
+     ["malformed JSON body", "nested too deeply"]),
+    (b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", "application/json", ["malformed JSON body", "4300 digits"]),
+    # read as bytes, not JSON: it read "must be a JSON object, got b'{...'"
+    (json.dumps({"model": "m", "messages": MSGS}).encode(), "text/plain",
+     ["must be JSON sent with Content-Type: application/json, got Content-Type 'text/plain'"]),
+    (json.dumps({"model": "m", "messages": MSGS}).encode(), None, ["application/json, got no Content-Type"]),
+    # a field name that is not Unicode: it read "must be a JSON object, got '\\ud800'"
+    (b'{"model": "m", "messages": [], "\\ud800": 1}', "application/json", ["field name that is not valid Unicode"]),
+])
+def test_a_body_that_cannot_be_read_as_json_says_why(body, content_type, words):
+    r = post("/v1/chat/completions", content=body, headers={"content-type": content_type} if content_type else {})
+    assert assert_error(r, 400, *words)["param"] is None
+    assert served().client().chat.completions.create(model=served().model, messages=MSGS, max_tokens=1).choices
+
+
 def test_unknown_model_and_route_are_404():
     s = served()
     with pytest.raises(openai.NotFoundError) as e:
