@@ -67,6 +67,20 @@ def test_a_body_that_cannot_be_read_as_json_says_why(body, content_type, words):
     assert served().client().chat.completions.create(model=served().model, messages=MSGS, max_tokens=1).choices
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("model", "m" * 100_000, ["The model 'mmmmmmmmmmmm...mmmmmmmmmmmmm' does not exist"]),
+    ("repetition_penalty", list(range(100_000)), ["repetition_penalty=[0, 1, 2, 3, 4, 5, ...] is not supported"]),
+    ("messages", [{"role": "r" * 100_000, "content": "x"}], ["messages[0].role must be one of"]),
+    ("tools", [{"type": "function", "function": {"name": "f " * 50_000}}], ["tools[0].function.name must match"]),
+    ("tool_choice", "c" * 100_000, ["tool_choice must be"]),
+])
+def test_an_error_quotes_a_long_value_shortened(field, value, words):
+    """The message names the value it refuses, not a copy of the whole (it was the client's 100 kB again)."""
+    r = post("/v1/chat/completions", json={"model": served().model, "messages": MSGS, "max_tokens": 1, field: value})
+    err = assert_error(r, 404 if field == "model" else 400, *words)
+    assert err["param"] == field and len(err["message"]) < 300, err["message"][:300]
+
+
 def test_unknown_model_and_route_are_404():
     s = served()
     with pytest.raises(openai.NotFoundError) as e:
