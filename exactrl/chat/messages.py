@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,7 @@ def template_message(msg: dict, index: int) -> dict:
         raise ValueError(f"{where} must be an object")
     role = msg.get("role")
     if role not in ROLES:
-        raise ValueError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
+        raise ValueError(f"{where}.role must be one of {list(ROLES)}, got {reprlib.repr(role)}")
     out: dict = {"role": "system" if role == "developer" else role,
                  "content": _text(msg.get("content"), where + ".content")}
     for key, owner in (("tool_calls", "assistant"), ("reasoning_content", "assistant"), ("tool_call_id", "tool")):
@@ -164,7 +165,7 @@ def validate_tools(tools: Any) -> list[dict] | None:
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
-            raise ValueError(f"{where}.function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got {name!r}")
+            raise ValueError(f"{where}.function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got {reprlib.repr(name)}")
         if name in seen:
             raise ValueError(f"{where}.function.name {name!r} is defined twice")
         seen.add(name)
@@ -196,4 +197,5 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> bool:
     if tool_choice == "required" or isinstance(tool_choice, dict):
         raise ValueError("tool_choice 'required' or a named function needs constrained decoding, which this server "
                          "does not implement (it would put forced tokens into the generation); use 'auto' or 'none'")
-    raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}")
+    raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got "
+                     f"{reprlib.repr(tool_choice)}")

@@ -39,6 +39,7 @@ import collections
 import contextlib
 import logging
 import re
+import reprlib
 import socket
 import threading
 import time
@@ -113,7 +114,8 @@ class ServerState:
     # ------------------------------------------------------------ checks
     def check_model(self, name: str) -> None:
         if name != self.config.model_name and name not in self.config.aliases:
-            raise APIError(404, f"The model {name!r} does not exist; this server serves {self.config.model_name!r}",
+            raise APIError(404, f"The model {reprlib.repr(name)} does not exist; this server serves "
+                                f"{self.config.model_name!r}",
                            param="model", code="model_not_found")
 
     @property

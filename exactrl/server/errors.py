@@ -1,12 +1,15 @@
 """The server's errors as OpenAI's error JSON (app.py's docstring has the policy).
 
-pydantic's validation errors become one message naming the field; an
-unexpected error in a route becomes a 500 answer on a connection that stays
-usable. Each is counted under server/errors_<status>.
+pydantic's validation errors become one message naming the field; a body
+FastAPI could not read as JSON is named as such (its own answer is "There was
+an error parsing the body" for anything but a syntax error); an unexpected
+error in a route becomes a 500 answer on a connection that stays usable. Each
+is counted under server/errors_<status>.
 """
 from __future__ import annotations
 
 import logging
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +30,7 @@ def _is_union_tag(x) -> bool:
     return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x)
 
 
-def _validation_message(errs: list[dict]) -> tuple[str, str | None]:
+def _validation_message(errs: list[dict], content_type: str | None) -> tuple[str, str | None]:
     """One message naming the field and the problem for pydantic's errors (the first field's)."""
     first = errs[0] if errs else {}
     if first.get("type") == "json_invalid":
@@ -36,6 +39,11 @@ def _validation_message(errs: list[dict]) -> tuple[str, str | None]:
     if not loc:  # the body itself
         if first.get("type") == "missing":
             return "the request body is empty: send a JSON object with the request's fields", None
+        if isinstance(first.get("input"), bytes):  # FastAPI reads the body as JSON only under a JSON content type
+            sent = f"Content-Type {_short(content_type)}" if content_type else "no Content-Type"
+            return f"the request body must be JSON sent with Content-Type: application/json, got {sent}", None
+        if first.get("type") == "string_unicode":  # a field name (of the object itself) that is not text
+            return f"the request body holds a field name that is not valid Unicode: {_short(first.get('input'))}", None
         return f"the request body must be a JSON object, got {_short(first.get('input'))}", None
     field = str(loc[0])
     if first.get("type") == "missing" and len(loc) == 1:
@@ -62,6 +70,18 @@ def _short(value, limit: int = 80) -> str:
     return r if len(r) <= limit else r[:limit] + "..."
 
 
+def _unreadable_body(cause: BaseException) -> str:
+    """What made a JSON body unreadable, for the errors FastAPI answers with "There was an error parsing the
+    body" (JSON syntax errors are RequestValidationErrors, `_validation_message`)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8: {cause.reason} (byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "malformed JSON body: arrays or objects nested too deeply to parse"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return f"malformed JSON body: a number of more than {sys.get_int_max_str_digits()} digits"
+    return f"malformed JSON body: {type(cause).__name__}: {cause}"
+
+
 def install_error_handlers(app: FastAPI, state) -> None:
     """Every error as OpenAI's error JSON with its status, counted under server/errors_<status>."""
     @app.exception_handler(APIError)
@@ -72,12 +92,14 @@ def install_error_handlers(app: FastAPI, state) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         state.count("server/errors_400")
-        message, param = _validation_message(e.errors())
+        message, param = _validation_message(e.errors(), request.headers.get("content-type"))
         return _error(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         state.count(f"server/errors_{e.status_code}")
+        if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not read the body as JSON
+            return _error(400, _unreadable_body(e.__cause__))
         return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
 
     def internal(path: str, e: Exception):

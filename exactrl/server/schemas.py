@@ -22,6 +22,7 @@ Extras beyond OpenAI's schema:
 """
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -157,8 +158,8 @@ def check_common(req: _Sampling, limits: EngineLimits) -> list[str]:
     """Checks the fields every endpoint shares against the engine's limits; returns the stop strings."""
     for name, value in (req.model_extra or {}).items():
         if name in DISTRIBUTION_EXTRAS and not _is_neutral(value, DISTRIBUTION_EXTRAS[name]):
-            raise _bad(name, f"{name}={value!r} is not supported: it changes the sampling distribution, which the "
-                             f"trainer could not reproduce (omit it or send its neutral value)")
+            raise _bad(name, f"{name}={reprlib.repr(value)} is not supported: it changes the sampling distribution, "
+                             f"which the trainer could not reproduce (omit it or send its neutral value)")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise _bad("response_format", "response_format other than 'text' needs constrained decoding, not implemented")
     if req.presence_penalty or req.frequency_penalty:

@@ -48,6 +48,39 @@ def test_malformed_json_and_missing_fields():
         s.client().chat.completions.create(model=s.model, messages=[{"role": "wizard", "content": "x"}])
 
 
+@pytest.mark.parametrize("body, content_type, words", [
+    # FastAPI answered these "There was an error parsing the body", naming nothing
+    (b'{"model": "m\xff", "messages": []}', "application/json", ["not valid UTF-8", "invalid start byte (byte 12)"]),
+    (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
+     ["malformed JSON body", "nested too deeply"]),
+    (b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", "application/json", ["malformed JSON body", "4300 digits"]),
+    # read as bytes, not JSON: it read "must be a JSON object, got b'{...'"
+    (json.dumps({"model": "m", "messages": MSGS}).encode(), "text/plain",
+     ["must be JSON sent with Content-Type: application/json, got Content-Type 'text/plain'"]),
+    (json.dumps({"model": "m", "messages": MSGS}).encode(), None, ["application/json, got no Content-Type"]),
+    # a field name that is not Unicode: it read "must be a JSON object, got '\\ud800'"
+    (b'{"model": "m", "messages": [], "\\ud800": 1}', "application/json", ["field name that is not valid Unicode"]),
+])
+def test_a_body_that_cannot_be_read_as_json_says_why(body, content_type, words):
+    r = post("/v1/chat/completions", content=body, headers={"content-type": content_type} if content_type else {})
+    assert assert_error(r, 400, *words)["param"] is None
+    assert served().client().chat.completions.create(model=served().model, messages=MSGS, max_tokens=1).choices
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("model", "m" * 100_000, ["The model 'mmmmmmmmmmmm...mmmmmmmmmmmmm' does not exist"]),
+    ("repetition_penalty", list(range(100_000)), ["repetition_penalty=[0, 1, 2, 3, 4, 5, ...] is not supported"]),
+    ("messages", [{"role": "r" * 100_000, "content": "x"}], ["messages[0].role must be one of"]),
+    ("tools", [{"type": "function", "function": {"name": "f " * 50_000}}], ["tools[0].function.name must match"]),
+    ("tool_choice", "c" * 100_000, ["tool_choice must be"]),
+])
+def test_an_error_quotes_a_long_value_shortened(field, value, words):
+    """The message names the value it refuses, not a copy of the whole (it was the client's 100 kB again)."""
+    r = post("/v1/chat/completions", json={"model": served().model, "messages": MSGS, "max_tokens": 1, field: value})
+    err = assert_error(r, 404 if field == "model" else 400, *words)
+    assert err["param"] == field and len(err["message"]) < 300, err["message"][:300]
+
+
 def test_unknown_model_and_route_are_404():
     s = served()
     with pytest.raises(openai.NotFoundError) as e:
