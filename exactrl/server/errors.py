@@ -53,7 +53,9 @@ def _validation_message(errs: list[dict], content_type: str | None) -> tuple[str
     if len(tags) > 1:  # no member of a union matched
         return f"{field} must be one of {', '.join(tags)}; got {_short(_top_input(same))}", field
     path = field + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:] if not _is_union_tag(x))
-    return f"invalid {path}: {first.get('msg', 'invalid value')}; got {_short(first.get('input'))}", field
+    # a validator's own ValueError, without pydantic's "Value error, " in front
+    msg = first["ctx"]["error"] if "error" in first.get("ctx", {}) else first.get("msg", "invalid value")
+    return f"invalid {path}: {msg}; got {_short(first.get('input'))}", field
 
 
 def _top_input(errs: list[dict]):

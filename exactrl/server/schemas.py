@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
 from exactrl.engine import SamplingParams
 
@@ -53,22 +53,33 @@ def context_error(limit: int, max_model_len: int, detail: str, param: str) -> AP
                     code="context_length_exceeded")
 
 
+def _not_bool(v: Any) -> Any:
+    """true / false are not numbers (pydantic's lax mode reads them as 1 / 0: `top_k: true` was greedy)."""
+    if isinstance(v, bool):
+        raise ValueError(f"must be a number, not {str(v).lower()}")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    n: int = 1
-    temperature: float | None = None  # OpenAI default 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
+    n: Int = 1
+    temperature: Float | None = None  # OpenAI default 1.0
+    top_p: Float | None = None
+    top_k: Int | None = None
+    max_tokens: Int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
@@ -85,9 +96,9 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -96,10 +107,10 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # StrictInt: true/false are not token ids
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     return_token_ids: bool | None = None  # vLLM's flag; exactrl returns the token ids in any case
 
 

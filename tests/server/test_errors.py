@@ -116,6 +116,21 @@ def test_invalid_sampling_values(kw):
         s.client().chat.completions.create(model=s.model, messages=MSGS, **kw)
 
 
+@pytest.mark.parametrize("path, field", [
+    ("/v1/chat/completions", "top_k"), ("/v1/chat/completions", "n"), ("/v1/chat/completions", "temperature"),
+    ("/v1/chat/completions", "max_tokens"), ("/v1/chat/completions", "seed"), ("/v1/completions", "logprobs"),
+    ("/v1/completions", "top_p"),
+])
+def test_true_or_false_is_no_number(path, field):
+    """pydantic's lax mode read `top_k: true` as 1 (greedy) and `n: true` as 1: a 400 naming the field."""
+    s = served()
+    body = {"model": s.model, "max_tokens": 2, field: True}
+    body.update({"messages": MSGS} if "chat" in path else {"prompt": "hello"})
+    err = assert_error(post(path, json=body), 400, f"invalid {field}: must be a number, not true; got True")
+    assert err["param"] == field
+    assert post(path, json={**body, field: 1}).status_code == 200  # the server keeps serving
+
+
 def test_structured_output_is_refused_on_both_endpoints():
     """response_format json_object / json_schema would need constrained decoding: a 400 naming it, on
     /v1/completions too (it used to be accepted there and ignored), while type text is fine."""
