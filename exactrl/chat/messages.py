@@ -104,6 +104,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ValueError(f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        if c.get("type", "function") != "function":
+            raise ValueError(f"{where}.tool_calls[{k}].type must be 'function', got {reprlib.repr(c['type'])}")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise ValueError(f"{where}.tool_calls[{k}].id must be a string, got {reprlib.repr(c['id'])}")
         args = fn.get("arguments", "{}")
         try:
             args = json.loads(args) if isinstance(args, str) else args

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactrl.chat.messages import check_tool_choice, validate_tools
+from exactrl.chat.messages import check_tool_choice, template_message, validate_tools
 from exactrl.chat.parsing import StreamParser, parse_assistant_text
 from exactrl.envs.tool_use import CALCULATOR_TOOL
 
@@ -100,3 +101,15 @@ def test_tool_choice():
     for bad in ("required", {"type": "function", "function": {"name": "calculator"}}, "sometimes"):
         with pytest.raises(ValueError):
             check_tool_choice(bad, tools)
+
+
+@pytest.mark.parametrize("call, words", [
+    ({"type": "xx", "function": {"name": "f", "arguments": "{}"}}, "messages[1].tool_calls[0].type must be 'function', got 'xx'"),
+    ({"id": 5, "function": {"name": "f", "arguments": "{}"}}, "messages[1].tool_calls[0].id must be a string, got 5"),
+])
+def test_a_tool_call_of_another_type_or_with_a_non_string_id_is_named(call, words):
+    """OpenAI's tool calls are {'id': str, 'type': 'function', ...}: an id 5 or a type 'xx' passed unchecked."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        template_message({"role": "assistant", "content": None, "tool_calls": [call]}, 1)
+    ok = {**call, "type": "function", "id": "call_0"}
+    assert template_message({"role": "assistant", "content": None, "tool_calls": [ok]}, 1)["tool_calls"][0]["id"] == "call_0"
