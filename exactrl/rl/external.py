@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exactrl.argcheck import PathText
@@ -83,6 +84,9 @@ from exactrl.engine.engine import Completion
 from exactrl.engine.sampling import SamplingParams, params_per_prompt
 from exactrl.model import save_model
 from exactrl.model.transformer import CausalLM
+
+
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 class RolloutBackendSettings(BaseModel):
@@ -153,8 +157,10 @@ class ExternalEngine:
     """exactrl.Engine's rollout surface over an OpenAI-compatible HTTP server."""
 
     def __init__(self, s: RolloutBackendSettings, stop_token_ids=(), version: int = 0,
-                 policy: CausalLM | None = None):
-        """`policy`: a copy of the policy model, used only to write `disk` checkpoints (required then)."""
+                 policy: CausalLM | None = None, vocab_size: int | None = None):
+        """`policy`: a copy of the policy model, used only to write `disk` checkpoints (required then).
+        `vocab_size`: the trainer's; a token id the server returns outside [0, vocab_size) is an error
+        (None: only a negative one)."""
         if s.kind != "openai":
             raise ValueError(f"ExternalEngine needs rollout_backend.kind=openai, got {s.kind!r}")
         if s.weight_sync == "disk" and policy is None:
@@ -163,6 +169,7 @@ class ExternalEngine:
         self.servers = s.server_roots
         self.base_url = self.servers[0]
         self.stop_token_ids = frozenset(stop_token_ids)  # sent with every request, as the in-process engine's
+        self.vocab_size = vocab_size
         self.version = version  # weights the server is known to hold (the trainer's numbering)
         self.trainer_version = version  # newest version offered by update_weights
         self._policy = policy
@@ -183,7 +190,7 @@ class ExternalEngine:
                 ) -> "ExternalEngine":
         """The backend of a run: with `disk`, the server is first loaded with the policy's current weights."""
         own = copy.deepcopy(policy).requires_grad_(False) if s.weight_sync == "disk" else None
-        engine = cls(s, stop_token_ids, version, own)
+        engine = cls(s, stop_token_ids, version, own, vocab_size=policy.config.vocab_size)
         if own is not None:
             engine._push(policy.state_dict(), version)
         else:  # `none`: the server holds the weights it was started with, version 0, also after a resume
@@ -209,7 +216,7 @@ class ExternalEngine:
             answers = self._map(self._complete, bodies)
             self._stats["external/requests"] += len(bodies)
             self._stats["external/request_s"] += time.perf_counter() - t0
-        return [to_completions(a, list(p), sp, version, f"{server}/v1/completions (prompt {k})")
+        return [to_completions(a, list(p), sp, version, f"{server}/v1/completions (prompt {k})", self.vocab_size)
                 for k, ((server, a), p, sp) in enumerate(zip(answers, prompts, plist))]
 
     def _complete(self, body: dict) -> tuple[str, dict]:
@@ -336,17 +343,25 @@ class ExternalEngine:
 
 
 # ---------------------------------------------------------------- answers
-def to_completions(answer: dict, prompt: list[int], sp: SamplingParams, version: int, where: str) -> list[Completion]:
-    """The n choices of one /v1/completions answer, by index, as Completions of `version`."""
+def to_completions(answer: dict, prompt: list[int], sp: SamplingParams, version: int, where: str,
+                   vocab_size: int | None = None) -> list[Completion]:
+    """The n choices of one /v1/completions answer, by index, as Completions of `version`; a token id
+    outside [0, vocab_size) is an error (the server holds another vocabulary or model)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     indexes = [c.get("index") if isinstance(c, dict) else None for c in choices or ()]
-    if (not isinstance(choices, list) or len(choices) != sp.n or not all(i in range(sp.n) for i in indexes)
-            or len(set(indexes)) != sp.n):
+    # `in range` alone took 0.0 and True for index 0 and 1
+    if (not isinstance(choices, list) or len(choices) != sp.n
+            or not all(type(i) is int and i in range(sp.n) for i in indexes) or len(set(indexes)) != sp.n):
         raise ExternalEngineError(f"{where}: expected `choices` with indexes 0..{sp.n - 1} (n={sp.n}), got "
                                   f"{str(answer)[:300]}")
     out = []
     for c in sorted(choices, key=lambda c: c["index"]):
         ids, lps = parse_choice(c, where)
+        top = vocab_size if vocab_size is not None else float("inf")
+        bad = next((t for t in ids if not 0 <= t < top), None)
+        if bad is not None:
+            raise ExternalEngineError(f"{where}: choice {c['index']} has token id {str(bad)[:40]}, outside the "
+                                      f"trainer's vocabulary [0, {top}): does the server hold the trainer's model?")
         echoed = c.get("prompt_token_ids")
         if echoed is not None and echoed != prompt:
             raise ExternalEngineError(f"{where}: the server changed the prompt's tokens (prompt_token_ids "
@@ -393,4 +408,9 @@ def parse_choice(c: dict, where: str) -> tuple[list[int], list[float]]:
     if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
         raise ExternalEngineError(f"{where}: `{lp_field}` must hold one number per token ({len(ids)} tokens), "
                                   f"got {lps[:8]}")
+    # NaN reached the trainer as μ and a positive one weighted its token silently; the trainer reads fp32
+    bad = next((x for x in lps if not -FP32_MAX <= x <= 0), None)
+    if bad is not None:
+        raise ExternalEngineError(f"{where}: `{lp_field}` holds {str(bad)[:40]}: a sampled token's logprob is a "
+                                  f"finite (fp32) number <= 0")
     return list(ids), [float(x) for x in lps]

@@ -131,6 +131,13 @@ def test_sglang_and_exactrl_shaped_answers_are_parsed():
     ({"meta_info": {"output_token_logprobs": [[-0.1]]}}, r"a malformed choice \(IndexError"),
     ({"generation_token_ids": [3], "generation_log_probs": {"a": 1}}, "must be lists"),
     ({"generation_token_ids": [3], "generation_log_probs": [-1.0], "prompt_token_ids": 5}, "changed the prompt"),
+    # a logprob no sampled token has (NaN reached the trainer as μ; a positive one weighted its token)
+    ({"token_ids": [3], "logprobs": {"token_logprobs": [float("nan")]}}, r"`logprobs.token_logprobs` holds nan"),
+    ({"generation_token_ids": [3], "generation_log_probs": [0.5]}, r"holds 0.5: .* finite \(fp32\) number <= 0"),
+    ({"meta_info": {"output_token_logprobs": [[float("-inf"), 3, None]]}}, "holds -inf"),
+    ({"generation_token_ids": [3], "generation_log_probs": [-1e39]}, r"finite \(fp32\)"),
+    ({"generation_token_ids": [3], "generation_log_probs": [-(10**400)]}, "finite"),
+    ({"generation_token_ids": [-1], "generation_log_probs": [-1.0]}, r"token id -1, outside the trainer's vocab"),
 ])
 def test_answers_without_what_exactness_needs_are_errors(choice, match):
     c = {"index": 0, "finish_reason": "length"} | choice
@@ -146,6 +153,23 @@ def test_wrong_number_of_choices_is_an_error():
         to_completions({"choices": [one, one]}, [1], SP2, 0, "srv")
     with pytest.raises(ExternalEngineError, match="indexes"):
         to_completions({"detail": "nope"}, [1], SP2, 0, "srv")
+    for index in (0.0, True):  # `in range(n)` took them for 0 and 1
+        other = one | {"index": 1 - index}
+        with pytest.raises(ExternalEngineError, match="indexes 0..1"):
+            to_completions({"choices": [one | {"index": index}, other]}, [1], SP2, 0, "srv")
+
+
+def test_token_ids_outside_the_trainers_vocabulary_are_refused(model_dir, fake_url):
+    """The trainer's vocabulary comes with the policy (connect); the ids reached the reward's decode."""
+    policy = exactrl.load_model(model_dir)
+    V = policy.config.vocab_size
+    eng = ExternalEngine.connect(RolloutBackendSettings(kind="openai", base_url=fake_url, model="bigger"), policy)
+    with pytest.raises(ExternalEngineError, match=rf"{fake_url}/v1/completions \(prompt 0\): choice 0 has token "
+                                                  rf"id 1000000, outside the trainer's vocabulary \[0, {V}\)"):
+        eng.generate([[1]], SamplingParams(max_tokens=2))
+    one = {"index": 0, "finish_reason": "stop", "token_ids": [V - 1, V], "logprobs": {"token_logprobs": [-1.0] * 2}}
+    with pytest.raises(ExternalEngineError, match=f"token id {V}, outside"):
+        to_completions({"choices": [one]}, [1], SamplingParams(max_tokens=2), 0, "srv", vocab_size=V)
 
 
 def test_request_body_speaks_one_dialect():
