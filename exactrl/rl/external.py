@@ -66,6 +66,7 @@ refused.
 from __future__ import annotations
 
 import copy
+import json
 import queue
 import shutil
 import tempfile
@@ -278,20 +279,31 @@ class ExternalEngine:
 
     def _post(self, server: str, path: str, body: dict) -> dict:
         url = f"{server}{path}"
+        deadline = time.monotonic() + self.s.timeout_s
         try:
-            r = self._client.post(url, json=body)
+            with self._client.stream("POST", url, json=body) as r:
+                chunks = []
+                for chunk in r.iter_bytes():  # httpx's timeout is per read: a trickling answer never ended
+                    chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise httpx.ReadTimeout("the whole answer took longer")
         except httpx.TimeoutException as e:
             raise ExternalEngineError(f"{url}: no answer within rollout_backend.timeout_s={self.s.timeout_s}s "
                                       f"({type(e).__name__})") from None
         except httpx.TransportError as e:
             raise ExternalEngineError(f"cannot reach the rollout server at {url}: {type(e).__name__}: {e} (is it "
                                       f"running? rollout_backend.base_url / base_urls)") from None
+        except httpx.DecodingError as e:
+            raise ExternalEngineError(f"{url} answered with a body that cannot be decoded as its "
+                                      f"Content-Encoding {r.headers.get('content-encoding')!r} says: {e}") from None
+        data = b"".join(chunks)
+        text = data.decode(r.encoding, errors="replace")
         if r.status_code != 200:
-            raise ExternalEngineError(f"{url} answered HTTP {r.status_code}: {r.text[:1000]}")
+            raise ExternalEngineError(f"{url} answered HTTP {r.status_code}: {text[:1000]}")
         try:
-            return r.json()
-        except ValueError:
-            raise ExternalEngineError(f"{url} answered with a body that is not JSON: {r.text[:200]!r}") from None
+            return json.loads(data)
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
+            raise ExternalEngineError(f"{url} answered with a body that is not JSON: {text[:200]!r}") from None
 
     # ------------------------------------------------------------ weights
     def update_weights(self, state_dict, version: int | None = None) -> int:
