@@ -88,6 +88,11 @@ from exactrl.model.transformer import CausalLM
 
 
 FP32_MAX = torch.finfo(torch.float32).max
+# a sampled token's logprob is <= 0, and a log-softmax computed as (x - max) - log(sum) keeps it there in any
+# order; another engine's fused kernel (an approximate exp, a log-sum-exp taken apart from the max) can land a
+# near-certain token a few ulps above 0. Up to this much is that rounding (and is passed on as it is), beyond
+# it the number is no logprob
+LOGPROB_SLACK = 1e-5
 
 
 class RolloutBackendSettings(BaseModel):
@@ -421,8 +426,8 @@ def parse_choice(c: dict, where: str) -> tuple[list[int], list[float]]:
         raise ExternalEngineError(f"{where}: `{lp_field}` must hold one number per token ({len(ids)} tokens), "
                                   f"got {lps[:8]}")
     # NaN reached the trainer as μ and a positive one weighted its token silently; the trainer reads fp32
-    bad = next((x for x in lps if not -FP32_MAX <= x <= 0), None)
+    bad = next((x for x in lps if not -FP32_MAX <= x <= LOGPROB_SLACK), None)
     if bad is not None:
         raise ExternalEngineError(f"{where}: `{lp_field}` holds {str(bad)[:40]}: a sampled token's logprob is a "
-                                  f"finite (fp32) number <= 0")
+                                  f"finite (fp32) number <= 0 (up to {LOGPROB_SLACK:g} of rounding)")
     return list(ids), [float(x) for x in lps]

@@ -117,6 +117,15 @@ def test_sglang_and_exactrl_shaped_answers_are_parsed():
     assert c.token_ids == [3] and c.logprobs == [-1.5]
 
 
+def test_a_logprob_a_few_ulps_above_0_is_another_engines_rounding_and_passes_as_it_is():
+    c = {"index": 0, "finish_reason": "length", "generation_token_ids": [3, 4], "generation_log_probs": [1.2e-7, -0.0]}
+    (out,) = to_completions({"choices": [c]}, [1], SamplingParams(max_tokens=4), 0, "srv")
+    assert out.logprobs == [1.2e-7, -0.0]
+    with pytest.raises(ExternalEngineError, match=r"holds 0.001: .* <= 0 \(up to 1e-05 of rounding\)"):
+        to_completions({"choices": [c | {"generation_log_probs": [1e-3, 0.0]}]}, [1], SamplingParams(max_tokens=4),
+                       0, "srv")
+
+
 @pytest.mark.parametrize("choice, match", [
     ({"text": "hi", "logprobs": {"tokens": ["hi"], "token_logprobs": [-1.0]}}, "no generated token ids"),
     ({"token_ids": [3], "logprobs": None}, r"`logprobs.token_logprobs` missing"),

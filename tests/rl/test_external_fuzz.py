@@ -4,7 +4,7 @@ A tiny stdlib HTTP server in a thread answers /v1/completions with what each exa
 answer in one of the three dialects (exactrl, vLLM, SGLang), the same with a field dropped, replaced by
 junk or given a wrong value, an HTTP error with or without OpenAI's error body, bytes that are not JSON,
 or a broken connection, a stall or a trickle. Every outcome is one of two:
-  - completions the trainer can use (ids ints in the vocabulary, one finite logprob <= 0 per token,
+  - completions the trainer can use (ids ints in the vocabulary, one finite logprob <= 0 (LOGPROB_SLACK) per token,
     indexes 0..n-1, the prompt sent, finish_reason stop/length), equal bitwise to the valid answer's
     when only fields nobody reads changed;
   - an ExternalEngineError naming the server URL, the prompt and (for a malformed answer) the field,
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exactrl.engine import SamplingParams
-from exactrl.rl.external import ExternalEngine, ExternalEngineError, RolloutBackendSettings
+from exactrl.rl.external import LOGPROB_SLACK, ExternalEngine, ExternalEngineError, RolloutBackendSettings
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])
@@ -147,7 +147,7 @@ def usable(outs, prompts, sp) -> None:
             assert c.prompt_token_ids == p and c.finish_reason in ("stop", "length")
             assert len(c.logprobs) == len(c.token_ids) == len(c.versions) <= sp.max_tokens
             assert all(type(t) is int and 0 <= t < V for t in c.token_ids), c.token_ids
-            assert all(type(x) is float and -FP32_MAX <= x <= 0 for x in c.logprobs), c.logprobs
+            assert all(type(x) is float and -FP32_MAX <= x <= LOGPROB_SLACK for x in c.logprobs), c.logprobs
 
 
 def names_server(e: ExternalEngineError, server, k: int | None = None) -> str:
@@ -294,7 +294,7 @@ def wrong_answers(draw, prompt, sp):
         return answer, "vocabulary"
     if kind == "lp_value":
         lps[j] = draw(st.sampled_from([math.nan, math.inf, -math.inf, -1e39, 10**400, -(10**400), 1])
-                      | st.floats(min_value=1e-300) | st.sampled_from([None, "-1", True, [-1.0]]))
+                      | st.floats(min_value=LOGPROB_SLACK, exclude_min=True) | st.sampled_from([None, "-1", True, [-1.0]]))
         set_tokens(dialect, c, ids, lps)
         return answer, re.escape(LP_FIELD[dialect])
     set_tokens(dialect, c, ids, draw(st.sampled_from([lps[1:], lps + [-1.0]])))
