@@ -84,7 +84,8 @@ def _messages(draw) -> list[dict]:
 
 @st.composite
 def specs(draw, model: str) -> Spec:
-    kind = draw(st.sampled_from(["chat", "chat", "completion", "completion", "session", "hangup", "invalid"]))
+    kind = draw(st.sampled_from(["chat", "chat", "completion", "completion", "session", "hangup", "invalid",
+                                 "reload"]))
     delay = draw(st.sampled_from([0.0, 0.0, 0.05, 0.2, 0.5]))
     stream = draw(st.booleans())
     base = {"model": model, "max_tokens": draw(st.integers(1, 100)), "n": draw(st.integers(1, 3))} | _sampling(draw)
@@ -102,7 +103,7 @@ def specs(draw, model: str) -> Spec:
             body |= {"logprobs": True, "top_logprobs": draw(st.integers(0, 2))}
         spec = Spec(kind, CHAT, body, delay)
     if kind == "session":  # two turns: temperature only, as `check_trajectory` scores them
-        spec.body = {k: v for k, v in spec.body.items() if k not in ("top_k", "top_p", "n")}
+        spec.body = {k: v for k, v in spec.body.items() if k not in ("top_k", "top_p", "n", "top_logprobs")}
         spec.body["max_tokens"] = min(spec.body["max_tokens"], 40)
     elif kind == "hangup":
         spec.body = {k: v for k, v in spec.body.items() if k not in ("logprobs", "top_logprobs", "echo")}
@@ -205,11 +206,26 @@ async def request(client: httpx.AsyncClient, path: str, body: dict) -> list[dict
     return _json_choices(await client.post(path, json=body), path, expected_choices(Spec("", path, body, 0)))
 
 
-async def run_client(client: httpx.AsyncClient, spec: Spec, sid: str) -> Outcome:
+def scores_alternatives(body: dict) -> bool:
+    """Top logprobs or echo: scored after generation, a 409 if the weights changed since sampling."""
+    return bool(body.get("top_logprobs") or body.get("echo") or type(body.get("logprobs")) is int
+                and body["logprobs"] > 0)
+
+
+async def run_client(client: httpx.AsyncClient, spec: Spec, sid: str, reloads: bool) -> Outcome:
     await asyncio.sleep(spec.delay)
     out = Outcome(spec)
-    if spec.kind in ("chat", "completion"):
+    if spec.kind in ("chat", "completion") and reloads and scores_alternatives(spec.body):
+        r = await client.post(spec.path, json=spec.body)
+        if r.status_code == 409:  # the weights were reloaded (the same ones) between sampling and scoring
+            assert r.json()["error"]["code"] == "weights_changed", r.text
+        else:
+            out.choices = _json_choices(r, spec.path, expected_choices(spec))
+    elif spec.kind in ("chat", "completion"):
         out.choices = await request(client, spec.path, spec.body)
+    elif spec.kind == "reload":  # the served weights again: every sequence is preempted and recomputed
+        r = await client.post("/update_weights_from_disk", json={"model_path": str(model_dir())})
+        assert r.status_code == 200 and r.json()["success"], r.text
     elif spec.kind == "session":
         messages = list(spec.body["messages"])
         for t in range(2):
@@ -247,7 +263,10 @@ async def run_client(client: httpx.AsyncClient, spec: Spec, sid: str) -> Outcome
 
 async def run_schedule(url: str, schedule: list[Spec]) -> list[Outcome]:
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-        return await asyncio.gather(*(run_client(client, s, session_id(k)) for k, s in enumerate(schedule)))
+        reloads = any(s.kind == "reload" for s in schedule)
+        async with asyncio.TaskGroup() as tg:  # the first failure cancels the other clients and is raised
+            tasks = [tg.create_task(run_client(client, s, session_id(k), reloads)) for k, s in enumerate(schedule)]
+    return [t.result() for t in tasks]
 
 
 def session_id(k: int) -> str:
@@ -301,7 +320,7 @@ def check_idle(server) -> dict:
 def replay_alone(url: str, outcomes: list[Outcome], rng: random.Random, k: int) -> None:
     """A few seeded requests sent again, one at a time and streamed if they were not (or not if they were):
     the same tokens and text as in the crowd."""
-    done = [o for o in outcomes if o.spec.kind in ("chat", "completion")]
+    done = [o for o in outcomes if o.choices]
     for o in rng.sample(done, min(k, len(done))):
         body = o.spec.body | {"stream": not o.spec.body["stream"]}
         if body["stream"]:  # alternatives are not streamed
@@ -327,10 +346,13 @@ def run_and_check(server, schedule: list[Spec], cache: dict) -> None:
     outcomes = asyncio.run(run_schedule(server.url, schedule))
     check_idle(server)
     for k, o in enumerate(outcomes):
-        if o.spec.kind == "hangup" and o.spec.session:  # its turn is recorded whole if it was answered, else not
+        if o.spec.kind == "hangup" and o.spec.session:  # recorded only if it was answered (the hang-up came late)
             r = httpx.get(f"{server.url}/sessions/{session_id(k)}/trajectories", timeout=60)
             assert r.status_code == 200, r.text
-            assert len(r.json()["trajectories"]) in (0, expected_choices(o.spec)), r.text[:2000]
+            # (identical choices, or one a prefix of another, are one trajectory)
+            assert len(r.json()["trajectories"]) <= expected_choices(o.spec), r.text[:2000]
+            if o.choices:
+                assert r.json()["trajectories"], r.text
             assert httpx.delete(f"{server.url}/sessions/{session_id(k)}", timeout=60).json()["deleted"]
     for o in outcomes:
         if o.choices:
