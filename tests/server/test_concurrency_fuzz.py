@@ -58,7 +58,9 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def server():
-    state = build_state(str(model_dir()), kv_budget_tokens=KV_BUDGET, max_num_batched_tokens=96, max_num_seqs=16)
+    # 32-token steps: prompts are prefilled in chunks, decodes share steps with them; 8 sequence slots:
+    # requests of n = 3 queue for seats
+    state = build_state(str(model_dir()), kv_budget_tokens=KV_BUDGET, max_num_batched_tokens=32, max_num_seqs=8)
     thread = ServerThread(create_app(state)).start()
     yield SimpleNamespace(url=thread.url, state=state, model=state.config.model_name)
     thread.stop()
@@ -111,7 +113,7 @@ def specs(draw, model: str) -> Spec:
         spec.hangup_after = draw(st.integers(0, 6)) if spec.body["stream"] else -1
         spec.session = draw(st.booleans())
     elif kind == "invalid":
-        bad = draw(st.sampled_from([("top_k", 10**30), ("n", 0), ("n", 17), ("temperature", 3), ("model", "gpt-4"),
+        bad = draw(st.sampled_from([("top_k", 10**30), ("n", 0), ("n", 9), ("temperature", 3), ("model", "gpt-4"),
                                     ("max_tokens", 10**6), ("seed", 2**64), ("stop", [""]),
                                     ("logit_bias", {"5": 1.0}), ("prompt", [512]), ("prompt", [1] * 400),
                                     ("messages", [{"role": "wizard", "content": "x"}])]))
