@@ -81,7 +81,8 @@ def _sampling(draw) -> dict:
 
 
 def _messages(draw) -> list[dict]:
-    return [{"role": "user", "content": " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=3)))}]  # <= 40 tokens
+    """A user turn of at most 3 words: a prompt of <= 40 tokens, which leaves room for 100 generated ones."""
+    return [{"role": "user", "content": " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=3)))}]
 
 
 @st.composite
