@@ -250,8 +250,15 @@ class SessionStream(StreamingResponse):
                 self._release()
 
 
+# characters str.splitlines ends a line at that JSON leaves raw: a client reading the stream line by line that
+# way (httpx's aiter_lines) cut an event inside a string when the model generated one. In a JSON text they
+# can only stand inside strings, where their escape means the same
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event: JSON text on one line, whatever line breaks a client's reader knows."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def stream_error(st, e: Exception) -> str:

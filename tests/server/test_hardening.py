@@ -731,3 +731,14 @@ def test_a_small_kv_budget_is_the_context_limit_clients_are_told_and_it_is_named
     with pytest.raises(Exception) as e:
         tie.resolve_max_tokens(None, 600, "prompt")
     assert "maximum context length is 512 tokens, but" in e.value.message and "KV cache" not in e.value.message
+
+
+def test_a_streamed_event_is_one_line_for_every_line_splitter():
+    """The model may generate U+0085, U+2028 or U+2029; JSON leaves them raw, and str.splitlines (httpx's
+    aiter_lines) ends a line there: an event cut inside its text (seen in the concurrency fuzz)."""
+    from exactrl.server.generation import sse
+    text = "a\x85b\u2028c\u2029d é😀\n\r\x1c"
+    event = sse({"choices": [{"text": text}]})
+    assert event.endswith("\n\n") and len(event.splitlines()) == 2 and event.splitlines()[1] == ""
+    assert json.loads(event.splitlines()[0].removeprefix("data: ")) == {"choices": [{"text": text}]}
+    assert "é😀" in event  # other text stays as it is
