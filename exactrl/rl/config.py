@@ -8,6 +8,7 @@ unknown key or a bad value is an error naming the dotted key.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
 from datetime import date
 from pathlib import Path
 from types import UnionType
@@ -258,9 +259,9 @@ def _parse_override(key: str, raw: str) -> Any:
     null are not turned into text: a string field refuses a bool, and null means None.
     """
     try:
-        value = yaml.safe_load(raw)
+        value = _yaml_load(raw)
     except yaml.YAMLError as e:
-        raise ValueError(f"--set {key}: not valid YAML ({_yaml_problem(e)}): {raw!r}; "
+        raise ValueError(f"--set {key}: not valid YAML ({_yaml_problem(e)}): {raw!r:.80}; "
                          f"quote the value if it is meant as text") from None
     if isinstance(value, (int, float, date)) and not isinstance(value, bool) and _is_str_field(key):
         return raw.strip()
@@ -285,7 +286,7 @@ def _load_file(p: Path) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"config file {p} is not UTF-8 text (byte {e.start})") from None
     try:
-        tree = yaml.load(text, Loader=_UniqueKeyLoader)
+        tree = _yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)  # an error at the end of the stream points at the last line
         where = f"line {min(mark.line + 1, len(text.splitlines()))}: " if mark is not None else ""
@@ -298,6 +299,15 @@ def _load_file(p: Path) -> dict:
     return tree
 
 
+def _yaml_load(text: str) -> Any:
+    """YAML's safe load with `_UniqueKeyLoader`; nesting deeper than Python's recursion limit (`[[[[...`) is a
+    YAMLError like any other malformed input, not a RecursionError."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise yaml.YAMLError("lists or mappings nested too deeply") from None
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently)."""
 
@@ -305,6 +315,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # `? [a, b]`: yaml's own check refuses it ("found unhashable key")
+                break
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice",
                                                         key_node.start_mark)
