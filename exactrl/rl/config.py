@@ -346,6 +346,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             if not key:  # a rule across keys: its message names them
                 msgs.append(msg)
                 continue
+            if err["type"] == "invalid_key" or err["loc"][-1] == "[key]":  # `1: x`, `null: x`, a date as a key
+                where = ".".join(str(x) for x in err["loc"][:-2 if err["loc"][-1] == "[key]" else -1])
+                msgs.append(f"bad key {err['input']!r} {f'in {where!r}' if where else 'at the top level'}: a key "
+                            f"must be a name (text); quote it in YAML to pass it as text")
+                continue
             what = "unknown config key" if err["type"] == "extra_forbidden" else "bad value for"
             msgs.append(f"{what} {key!r}: {msg}" + ("" if err["type"] == "extra_forbidden"
                                                          else f" (got {err.get('input')!r})")
