@@ -1,11 +1,9 @@
 """Run-config section for the task (prompts and reward)."""
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
 
-from exactrl.argcheck import PathText
+from exactrl.argcheck import PathText, PlainData
 
 
 class TaskSettings(BaseModel):
@@ -16,7 +14,7 @@ class TaskSettings(BaseModel):
     module: PathText | None = None
     """Python module imported before `name` is looked up: a dotted name (`mypkg.tasks`) or a .py file path.
     A task it registers with `@register_task` can then be named in `name` (a task of your own, from the CLI)."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: PlainData = Field(default_factory=dict)
     """Constructor arguments of the task (difficulty knobs)."""
     train_jsonl: PathText | None = None
     """Optional JSONL file of {prompt, answer} training problems; None generates them procedurally."""

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from exactrl.argcheck import PathText
+from exactrl.argcheck import PathText, PlainData
 from exactrl.envs.settings import TaskSettings
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
@@ -101,18 +101,18 @@ class AlgorithmSettings(BaseModel):
 
     advantage: str = "grpo"
     """grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline."""
-    advantage_kwargs: dict[str, Any] = Field(default_factory=dict)
+    advantage_kwargs: PlainData = Field(default_factory=dict)
     """e.g. {normalize_std: false} for GRPO without std normalisation."""
     loss: str = "ppo"
     """ppo | gspo | cispo | reinforce | sapo | topr."""
-    loss_kwargs: dict[str, Any] = Field(default_factory=dict)
+    loss_kwargs: PlainData = Field(default_factory=dict)
     """e.g. {eps_low: 0.2, eps_high: 0.28, dual_clip: 3.0} for PPO."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"] = "token-mean"
     """How per-token losses become one number (and its denominator)."""
     kl: KLSettings = Field(default_factory=KLSettings)
     entropy_coef: float = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
-    corrections: list[dict[str, Any]] = Field(default_factory=list)
+    corrections: list[PlainData] = Field(default_factory=list)
     """Off-policy corrections, each {name: ..., **kwargs}; empty for synchronous exact training."""
     overlong: OverlongSettings = Field(default_factory=OverlongSettings)
     """What a completion that hits the length limit gets: by default its task reward, like any other."""
