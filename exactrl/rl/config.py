@@ -45,8 +45,8 @@ class RolloutSettings(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:  # the engine's rule (SamplingParams), checked before the run starts
-            raise ValueError(f"must be -1 (off) or >= 1, got {v}")
+        if v == 0 or not -1 <= v < 2**63:  # the engine's rule (SamplingParams), checked before the run starts
+            raise ValueError(f"must be -1 (off) or in [1, 2**63), got {v}")
         return v
 
     @field_validator("temperature")
