@@ -25,6 +25,27 @@ def _not_blank(path: str) -> str:
 PathText = Annotated[str, AfterValidator(_not_blank)]
 """A config field naming a file or directory: `""` or `"  "` is a mistake, not the current directory."""
 
+
+def _plain(value: Any, where: str = "") -> Any:
+    """`value` if it is plain data: text, finite numbers, true/false, null, and lists and mappings of these."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _plain(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _plain(v, f"{where}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where or 'the value'} is {value}, not a finite number")
+    elif not isinstance(value, (str, int, float, type(None))):  # bool is an int
+        raise ValueError(f"{where or 'the value'} is a {type(value).__name__} ({value!r:.40}), not text, a number, "
+                         f"true/false, null, a list or a mapping; quote it in YAML to pass it as text")
+    return value
+
+
+PlainData = Annotated[dict[str, Any], AfterValidator(_plain)]
+"""A free-form config mapping (a component's `*_kwargs`): plain data only, as a run's config.json holds it
+and a resume compares it. Bytes (`!!binary`), sets and dates cannot be saved, and NaN never equals itself."""
+
 _TYPE_NAMES = {float: "a finite number", int: "an integer", bool: "true or false", str: "a string", type(None): "null"}
 
 

@@ -416,7 +416,11 @@ def test_config_files_that_are_not_a_mapping_of_unique_utf8_keys_are_named(tmp_p
     cases = {"list.yaml": (b"[]\n", "must hold a mapping of settings at the top level, got list"),
              "zero.yaml": (b"0\n", "got int 0"),
              "twice.yaml": (b"optim:\n  lr: 1\n  lr: 2\n", "line 3: not valid YAML (the key 'lr' appears twice)"),
-             "latin1.yaml": (b"run_dir: caf\xe9\n", "is not UTF-8 text (byte 12)")}
+             "latin1.yaml": (b"run_dir: caf\xe9\n", "is not UTF-8 text (byte 12)"),
+             "listkey.yaml": (b"optim:\n  ? [1]\n  : 2\n", "line 2: not valid YAML (while constructing a mapping found "
+                                                          "unhashable key)"),  # was a TypeError
+             "deep.yaml": (b"[" * 3000, "not valid YAML (lists or mappings nested too deeply)"),  # was a RecursionError
+             "nullkey.yaml": (b"null: 1\n", "bad key None at the top level: a key must be a name (text)")}
     for name, (content, words) in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=re.escape(words)):

@@ -40,6 +40,18 @@ def test_defaults_and_overrides(tmp_path):
     ("task.train_jsonl=' '", "bad value for 'task.train_jsonl'"),
     ("task.module=''", "bad value for 'task.module'"),
     ("rollout_backend.sync_dir=' '", "bad value for 'rollout_backend.sync_dir'"),
+    # found by tests/test_config_fuzz.py: each was accepted and failed later, or was a traceback
+    ("rollout.top_k=9223372036854775808", "bad value for 'rollout.top_k'"),  # SamplingParams at step 1
+    ("rollout_backend.timeout_s=1.0e+10", "bad value for 'rollout_backend.timeout_s'"),  # OverflowError, 1st request
+    ("task.train_size=100000000000000000000", "bad value for 'task.train_size'"),  # generated until out of memory
+    ("task.eval_size=100000000000000000000", "bad value for 'task.eval_size'"),
+    ("algorithm.loss_kwargs={eps_low: .nan}", "bad value for 'algorithm.loss_kwargs': eps_low is nan"),
+    ("task.kwargs={x: !!binary aGVsbG8=}", "bad value for 'task.kwargs': x is a bytes"),  # config.json: TypeError
+    ("algorithm.corrections=[{name: token_tis, upper: 2024-01-01}]", "'algorithm.corrections.0': upper is a date"),
+    ("algorithm.loss_kwargs={eps_low: 0.1, eps_low: 0.2}", "not valid YAML (the key 'eps_low' appears twice)"),
+    ("task.kwargs={? [1] : 2}", "--set task.kwargs: not valid YAML (while constructing a mapping found unhashable key)"),
+    ("max_steps=" + "[" * 3000, "--set max_steps: not valid YAML (lists or mappings nested too deeply)"),  # RecursionError
+    ("task.kwargs={1: 2}", "bad key 1 in 'task.kwargs': a key must be a name (text)"),  # was 'task.kwargs.1.[key]'
 ])
 def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):

@@ -58,11 +58,12 @@ class RayEngineSettings(BaseModel):
     `auto` or HOST:PORT: join a running Ray cluster (`ray start`), whose machines then host the engines."""
     threads_per_engine: int | None = Field(None, ge=1)
     """torch threads (and Ray CPUs) of each engine; None: the cluster's CPUs divided by num_engines."""
-    start_timeout_s: float = Field(300.0, gt=0)
-    """How long the engines may take to start (CPUs held by other Ray jobs keep them waiting)."""
-    call_timeout_s: float = Field(3600.0, gt=0)
+    start_timeout_s: float = Field(300.0, gt=0, le=1e9)
+    """How long the engines may take to start (CPUs held by other Ray jobs keep them waiting); at most 1e9 s
+    (longer ones overflow Ray's millisecond timer)."""
+    call_timeout_s: float = Field(3600.0, gt=0, le=1e9)
     """How long one batch's sampling or one weight load may take on the engines before the run stops with
-    an error naming the engine (a stalled actor would otherwise hang the run)."""
+    an error naming the engine (a stalled actor would otherwise hang the run); at most 1e9 s."""
 
 
 class RayEngineError(RuntimeError):

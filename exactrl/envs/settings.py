@@ -1,11 +1,9 @@
 """Run-config section for the task (prompts and reward)."""
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
 
-from exactrl.argcheck import PathText
+from exactrl.argcheck import PathText, PlainData
 
 
 class TaskSettings(BaseModel):
@@ -16,14 +14,16 @@ class TaskSettings(BaseModel):
     module: PathText | None = None
     """Python module imported before `name` is looked up: a dotted name (`mypkg.tasks`) or a .py file path.
     A task it registers with `@register_task` can then be named in `name` (a task of your own, from the CLI)."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: PlainData = Field(default_factory=dict)
     """Constructor arguments of the task (difficulty knobs)."""
     train_jsonl: PathText | None = None
     """Optional JSONL file of {prompt, answer} training problems; None generates them procedurally."""
-    train_size: int = Field(4096, ge=1)
-    """Number of procedurally generated training problems (cycled by epoch)."""
-    eval_size: int = Field(200, ge=0)
-    """Draws of held-out problems scored greedily every `eval_every` steps (0 disables evaluation), from the
-    fifth of the task's problems that training never draws (`envs.dataset.held_out`), minus any prompt of
-    `train_jsonl`; each distinct problem drawn is scored once (the default task has 200 problems, so about
-    40 held out). The default job's warm start, which stands for pretraining, saw every problem."""
+    train_size: int = Field(4096, ge=1, le=10**6)
+    """Number of procedurally generated training problems (cycled by epoch); at most 1e6, as they are
+    generated and held in memory before the run starts."""
+    eval_size: int = Field(200, ge=0, le=10**6)
+    """Draws of held-out problems scored greedily every `eval_every` steps (0 disables evaluation; at most
+    1e6), from the fifth of the task's problems that training never draws (`envs.dataset.held_out`), minus
+    any prompt of `train_jsonl`; each distinct problem drawn is scored once (the default task has 200
+    problems, so about 40 held out). The default job's warm start, which stands for pretraining, saw every
+    problem."""

@@ -8,6 +8,7 @@ unknown key or a bad value is an error naming the dotted key.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
 from datetime import date
 from pathlib import Path
 from types import UnionType
@@ -16,7 +17,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from exactrl.argcheck import PathText
+from exactrl.argcheck import PathText, PlainData
 from exactrl.envs.settings import TaskSettings
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
@@ -44,8 +45,8 @@ class RolloutSettings(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:  # the engine's rule (SamplingParams), checked before the run starts
-            raise ValueError(f"must be -1 (off) or >= 1, got {v}")
+        if v == 0 or not -1 <= v < 2**63:  # the engine's rule (SamplingParams), checked before the run starts
+            raise ValueError(f"must be -1 (off) or in [1, 2**63), got {v}")
         return v
 
     @field_validator("temperature")
@@ -100,18 +101,18 @@ class AlgorithmSettings(BaseModel):
 
     advantage: str = "grpo"
     """grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline."""
-    advantage_kwargs: dict[str, Any] = Field(default_factory=dict)
+    advantage_kwargs: PlainData = Field(default_factory=dict)
     """e.g. {normalize_std: false} for GRPO without std normalisation."""
     loss: str = "ppo"
     """ppo | gspo | cispo | reinforce | sapo | topr."""
-    loss_kwargs: dict[str, Any] = Field(default_factory=dict)
+    loss_kwargs: PlainData = Field(default_factory=dict)
     """e.g. {eps_low: 0.2, eps_high: 0.28, dual_clip: 3.0} for PPO."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"] = "token-mean"
     """How per-token losses become one number (and its denominator)."""
     kl: KLSettings = Field(default_factory=KLSettings)
     entropy_coef: float = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
-    corrections: list[dict[str, Any]] = Field(default_factory=list)
+    corrections: list[PlainData] = Field(default_factory=list)
     """Off-policy corrections, each {name: ..., **kwargs}; empty for synchronous exact training."""
     overlong: OverlongSettings = Field(default_factory=OverlongSettings)
     """What a completion that hits the length limit gets: by default its task reward, like any other."""
@@ -258,9 +259,9 @@ def _parse_override(key: str, raw: str) -> Any:
     null are not turned into text: a string field refuses a bool, and null means None.
     """
     try:
-        value = yaml.safe_load(raw)
+        value = _yaml_load(raw)
     except yaml.YAMLError as e:
-        raise ValueError(f"--set {key}: not valid YAML ({_yaml_problem(e)}): {raw!r}; "
+        raise ValueError(f"--set {key}: not valid YAML ({_yaml_problem(e)}): {raw!r:.80}; "
                          f"quote the value if it is meant as text") from None
     if isinstance(value, (int, float, date)) and not isinstance(value, bool) and _is_str_field(key):
         return raw.strip()
@@ -285,7 +286,7 @@ def _load_file(p: Path) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"config file {p} is not UTF-8 text (byte {e.start})") from None
     try:
-        tree = yaml.load(text, Loader=_UniqueKeyLoader)
+        tree = _yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)  # an error at the end of the stream points at the last line
         where = f"line {min(mark.line + 1, len(text.splitlines()))}: " if mark is not None else ""
@@ -298,6 +299,15 @@ def _load_file(p: Path) -> dict:
     return tree
 
 
+def _yaml_load(text: str) -> Any:
+    """YAML's safe load with `_UniqueKeyLoader`; nesting deeper than Python's recursion limit (`[[[[...`) is a
+    YAMLError like any other malformed input, not a RecursionError."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise yaml.YAMLError("lists or mappings nested too deeply") from None
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently)."""
 
@@ -305,6 +315,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # `? [a, b]`: yaml's own check refuses it ("found unhashable key")
+                break
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice",
                                                         key_node.start_mark)
@@ -333,6 +345,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             msg = str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"]
             if not key:  # a rule across keys: its message names them
                 msgs.append(msg)
+                continue
+            if err["type"] == "invalid_key" or err["loc"][-1] == "[key]":  # `1: x`, `null: x`, a date as a key
+                where = ".".join(str(x) for x in err["loc"][:-2 if err["loc"][-1] == "[key]" else -1])
+                msgs.append(f"bad key {err['input']!r} {f'in {where!r}' if where else 'at the top level'}: a key "
+                            f"must be a name (text); quote it in YAML to pass it as text")
                 continue
             what = "unknown config key" if err["type"] == "extra_forbidden" else "bad value for"
             msgs.append(f"{what} {key!r}: {msg}" + ("" if err["type"] == "extra_forbidden"

@@ -116,8 +116,9 @@ class RolloutBackendSettings(BaseModel):
     saved to `sync_dir` and loaded by the server's /update_weights_from_disk."""
     sync_dir: PathText | None = None
     """Where `disk` writes checkpoints; the server must read the same path. None: a temp dir (same machine)."""
-    timeout_s: float = Field(600.0, gt=0)
-    """Per HTTP request (a whole completion of n samples, or one weight load)."""
+    timeout_s: float = Field(600.0, gt=0, le=1e9)
+    """Per HTTP request (a whole completion of n samples, or one weight load); at most 1e9 s (about 30
+    years: no limit in effect), as longer ones overflow the socket's timer."""
     max_concurrency: int = Field(16, ge=1)
     """Requests (one per prompt) in flight at once, per server."""
 
