@@ -36,6 +36,10 @@ A server that returns neither token ids nor their logprobs is an error:
 re-tokenizing the text would not give back the sampled tokens (a string has
 many tokenizations), and the run would silently train on tokens nobody
 sampled. A server that echoes `prompt_token_ids` must echo ours unchanged.
+Each token id must lie in the trainer's vocabulary and each logprob be a
+finite number <= 0 (up to `LOGPROB_SLACK` of another engine's rounding);
+anything else is an `ExternalEngineError` naming the server, the prompt and
+the field, before the batch reaches the trainer.
 
 Mismatch. The server's logprobs are the behaviour policy μ; the trainer
 recomputes π_old itself, so `train/train_rollout_logprob_abs_diff` and the
