@@ -320,7 +320,7 @@ def check_idle(server) -> dict:
     return m
 
 
-def replay_alone(url: str, outcomes: list[Outcome], rng: random.Random, k: int) -> None:
+def replay_alone(url: str, model: str, outcomes: list[Outcome], rng: random.Random, k: int) -> None:
     """A few seeded requests sent again, one at a time and streamed if they were not (or not if they were):
     the same tokens and text as in the crowd."""
     done = [o for o in outcomes if o.choices]
@@ -335,7 +335,7 @@ def replay_alone(url: str, outcomes: list[Outcome], rng: random.Random, k: int) 
             assert a["generation_log_probs"] == c["generation_log_probs"], (body, a, c)
             if not o.spec.body.get("echo"):
                 assert a["text"] == c["text"], (body, a, c)
-    r = httpx.post(url + CHAT, timeout=60, json={"model": outcomes[0].spec.body["model"], "max_tokens": 2,
+    r = httpx.post(url + CHAT, timeout=60, json={"model": model, "max_tokens": 2,
                                                  "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text
 
@@ -362,7 +362,7 @@ def run_and_check(server, schedule: list[Spec], cache: dict) -> None:
             check_exact(o.choices, o.spec.body, cache)
         if o.turns:
             check_session(o)
-    replay_alone(server.url, outcomes, random.Random(len(schedule)), 2)
+    replay_alone(server.url, server.model, outcomes, random.Random(len(schedule)), 2)  # (the first may be invalid)
     check_idle(server)
 
 
