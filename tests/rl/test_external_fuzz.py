@@ -218,12 +218,17 @@ def mutate(answer, path, how: str, value):
     return answer
 
 
+def valid_batch(data, req) -> tuple[list, SamplingParams, int, dict]:
+    """(prompts, params, the prompt whose answer goes wrong, a valid answer for each prompt)."""
+    prompts, sp = batch(*req)
+    bad = data.draw(st.integers(0, len(prompts) - 1))
+    return prompts, sp, bad, {k: data.draw(valid_answers(p, sp))[0] for k, p in enumerate(prompts)}
+
+
 @given(data=st.data(), req=requests_)
 @FUZZ
 def test_any_mutated_answer_is_usable_or_a_named_error(server, engine, data, req):
-    prompts, sp = batch(*req)
-    bad = data.draw(st.integers(0, len(prompts) - 1))
-    answers = {k: data.draw(valid_answers(p, sp))[0] for k, p in enumerate(prompts)}
+    prompts, sp, bad, answers = valid_batch(data, req)
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(list(paths(answers[bad]))))
         how = data.draw(st.sampled_from(["drop", "replace", "add"]))
@@ -304,9 +309,7 @@ def wrong_answers(draw, prompt, sp):
 @given(data=st.data(), req=requests_)
 @FUZZ
 def test_a_wrong_field_is_an_error_naming_server_prompt_and_field(server, engine, data, req):
-    prompts, sp = batch(*req)
-    bad = data.draw(st.integers(0, len(prompts) - 1))
-    answers = {k: data.draw(valid_answers(p, sp))[0] for k, p in enumerate(prompts)}
+    prompts, sp, bad, answers = valid_batch(data, req)
     answers[bad], words = data.draw(wrong_answers(prompts[bad], sp))
     answering(server, answers)
     with pytest.raises(ExternalEngineError) as e:
