@@ -111,12 +111,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     rename and the pointer's, or a lost pointer), the newest complete one there is; None if none is."""
     root = Path(run_dir) / "checkpoints"
     pointer = root / "latest"
-    if pointer.is_file():
-        named = pointer.read_text().strip()
-        if named and (root / named / "state.json").is_file():
-            return root / named
     complete = [p for p in _step_dirs(root) if (p / "state.json").is_file()] if root.is_dir() else []
-    return complete[-1] if complete else None
+    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""  # garbage names none
+    return next((p for p in complete if p.name == named), complete[-1] if complete else None)
 
 
 def load_checkpoint(path: Path, dtype: str, kernels: str) -> tuple[CausalLM, dict, dict[str, Any]]:
