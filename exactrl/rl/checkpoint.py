@@ -96,7 +96,8 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
     os.replace(tmp, final)
     _fsync(root)  # the rename is on disk before the pointer names it
     replace_durably(root / "latest", final.name + "\n")  # on disk before an older checkpoint goes
-    for old in [p for p in _step_dirs(root) if p != final][:-(keep - 1) or None]:
+    # only complete ones count: an empty or half-copied step_ directory never pushes an intact one out
+    for old in [p for p in _step_dirs(root) if p != final and (p / "state.json").is_file()][:-(keep - 1) or None]:
         gone = root / f".old_{old.name}"  # renamed first: one cut short never looks like a checkpoint
         try:
             os.replace(old, gone)
