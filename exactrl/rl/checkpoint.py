@@ -133,4 +133,7 @@ def load_checkpoint(path: Path, dtype: str, kernels: str) -> tuple[CausalLM, dic
             and isinstance(state.get("prompts"), dict) and isinstance(state.get("config", {}), dict)):
         raise ValueError(f"checkpoint {path}: state.json is damaged (it needs an object with an integer step >= 0, "
                          f"the prompts' position and the run config){hint}")
+    if path.name[5:].isdigit() and state["step"] != int(path.name[5:]):  # a run would go on from the wrong step
+        raise ValueError(f"checkpoint {path}: state.json is damaged (its step {state['step']} is not the "
+                         f"directory's {int(path.name[5:])}){hint}")
     return model, opt_state, state
