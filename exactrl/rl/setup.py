@@ -93,11 +93,11 @@ def rng_state() -> dict[str, Any]:
             "numpy_rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
 
 
-def _restore_rng(state: dict[str, Any], ranks: Ranks, ckpt: Path) -> None:
+def _restore_rng(state: dict[str, Any], ranks: Ranks) -> None:
     """This rank's random streams from a checkpoint; a run resumes with the number of ranks it saved."""
     saved = state.get("ranks_rng", [state])
     if len(saved) != ranks.world:
-        raise ValueError(f"{ckpt} was saved by a run of {len(saved)} rank(s) and this run has {ranks.world}: resume "
+        raise ValueError(f"it was saved by a run of {len(saved)} rank(s) and this run has {ranks.world}: resume "
                          f"it with the same number (exactrl train --nproc {len(saved)})")
     rng = saved[ranks.rank]
     torch.set_rng_state(torch.tensor(rng["torch_rng"], dtype=torch.uint8))
@@ -404,10 +404,14 @@ def _resume(cfg: RunConfig, run_dir: Path, model: CausalLM, tokenizer, prompts: 
         try:
             optimizer.load_state_dict(opt_state)
             prompts.load_state_dict(state["prompts"])
-            _restore_rng(state, ranks, ckpt)
+            _restore_rng(state, ranks)
         except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
             raise ValueError(f"checkpoint {ckpt} cannot be resumed: its state does not fit this run "
                              f"({type(e).__name__}: {e}); remove it to resume from an older one") from None
+        except ValueError as e:  # a data position or random stream refused in its own words (a dataset or rank count
+            # that differs: an older checkpoint would not fit either)
+            raise ValueError(f"checkpoint {ckpt} cannot be resumed: its state.json does not fit this run ({e})") \
+                from None
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
     elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
