@@ -34,6 +34,7 @@ SEQS = [[1, 5, 9, 2], [7, 3, 0]]
 # keys whose value cannot change the model's logits (ids the engine stops on, bookkeeping)
 IRRELEVANT = {"bos_token_id", "torch_dtype", "dtype", "architectures", "transformers_version", "use_cache",
               "initializer_range", "attention_dropout", "pad_token_id", "_name_or_path", "foo"}
+BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")
 KEYS = sorted({*SIZE_KEYS, *IRRELEVANT, "model_type", "rms_norm_eps", "rope_theta", "rope_parameters",
@@ -90,6 +91,9 @@ def test_a_damaged_config_loads_or_is_named(qwen3_dir, ref, edits, text):
         (d / "config.json").write_text(json.dumps(cfg) if text is None else text)
         keys = [k for k, _ in edits] if text is None else KEYS  # a config that is no object lacks every key
         model = _loads_or_names(d, ["config.json", *keys] + ["tensor", "tensors", "lm_head.weight"])
+        if model is not None:  # nothing was read as something else: "false" is no false, "x" no token id
+            assert all(cfg.get(k) in (None, True, False) for k in BOOLS), cfg
+            assert all(type(t) is int and t >= 0 for t in model.config.eos_token_ids), cfg
         if model is not None and text is None and set(keys) <= IRRELEVANT:
             got = forward_logits(model, SEQS)
             assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from exactrl.kernels import get_kernels
-from exactrl.model.config import ModelConfig
+from exactrl.model.config import ModelConfig, check_eos_token_id
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE, CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -53,6 +53,7 @@ def read_config(path: str | Path) -> ModelConfig:
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         cfg.generation = _read_json_object(gen)
+        check_eos_token_id(str(gen), cfg.generation)
     return cfg
 
 

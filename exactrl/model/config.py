@@ -27,6 +27,13 @@ def _slides(cfg: dict) -> bool:
     return cfg.get("sliding_window", 4096) is not None and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
 
 
+def check_eos_token_id(file: str, cfg: dict) -> None:
+    """eos_token_id, if set, is a token id or a list of them (the engine stops on them)."""
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not all(type(t) is int and t >= 0 for t in (eos if isinstance(eos, list) else [eos])):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+
+
 @dataclass
 class ModelConfig:
     model_type: str  # "qwen3" | "qwen2" | "llama"
@@ -80,6 +87,10 @@ class ModelConfig:
             v = cfg.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
                 raise ValueError(f"config.json: {k} must be a positive number, got {v!r}")
+        for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if cfg.get(k) not in (None, True, False):  # bool("false") is True
+                raise ValueError(f"config.json: {k} must be true or false, got {cfg[k]!r}")
+        check_eos_token_id("config.json", cfg)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
