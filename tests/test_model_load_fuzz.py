@@ -132,7 +132,7 @@ def test_any_consistent_small_config_runs_or_is_refused(tmp_path_factory, data):
 # --------------------------------------------------------------------------- safetensors
 
 TENSOR_EDITS = ["drop", "extra", "rename", "transpose", "slice", "unsqueeze", "scalar", "int32", "int64", "bool",
-                "uint8", "float16", "bfloat16", "float64"]
+                "uint8", "float16", "bfloat16", "float64", "nan", "inf"]
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -152,6 +152,8 @@ def _edit_tensors(sd: dict, name: str, how: str) -> None:
         sd[name] = t[None].clone()
     elif how == "scalar":
         sd[name] = t.flatten()[0].clone()
+    elif how in ("nan", "inf"):
+        sd[name] = t.clone().view(-1).index_fill_(0, torch.tensor([t.numel() // 2]), float(how)).view(t.shape)
     elif how in FLOATS:
         sd[name] = t.to(FLOATS[how])
     else:

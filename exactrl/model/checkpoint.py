@@ -133,10 +133,15 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
         for f in sorted({f for f, _ in stored.values()}):
             with _open_safetensors(f) as sf:
                 for name in sf.keys():
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue  # RoPE's old buffer: recomputed from the config
+                    t = sf.get_tensor(name)
+                    if not torch.isfinite(t).all():  # a corrupt copy; every logit would be NaN
+                        raise ValueError(f"tensor {name!r} in {f} holds NaN or inf values; re-copy the checkpoint")
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        stored_head = sf.get_tensor(name)  # tied: the embedding is the head (checked below)
-                    elif not name.endswith("rotary_emb.inv_freq"):  # RoPE's old buffer: recomputed from config
-                        params[name].copy_(sf.get_tensor(name).to(params[name].dtype))
+                        stored_head = t  # tied: the embedding is the head (checked below)
+                    else:
+                        params[name].copy_(t.to(params[name].dtype))
         if stored_head is not None:
             _check_tied_head(path, params[TIED], stored_head, TIED in stored)
     return model
