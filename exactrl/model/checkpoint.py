@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from exactrl.kernels import get_kernels
-from exactrl.model.config import ModelConfig
+from exactrl.model.config import ModelConfig, check_eos_token_id
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE, CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -34,7 +34,7 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 def _read_json_object(p: Path) -> dict:
     try:
         obj = json.loads(p.read_text())
-    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError (binary), nesting too deep
         raise ValueError(f"{p} is not valid JSON: {e}; restore the file from the original checkpoint") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{p} must hold a JSON object, got {type(obj).__name__}")
@@ -53,6 +53,7 @@ def read_config(path: str | Path) -> ModelConfig:
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         cfg.generation = _read_json_object(gen)
+        check_eos_token_id(str(gen), cfg.generation)
     return cfg
 
 
@@ -65,7 +66,11 @@ def _weight_files(path: Path) -> list[Path]:
         weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no 'weight_map' object (tensor name -> shard file)")
-        shards = [path / s for s in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        odd = [s for s in names if not isinstance(s, str) or not s or Path(s).name != s]
+        if odd:  # an absolute or relative path would read a checkpoint outside this directory
+            raise ValueError(f"{index} names shards that are not file names in {path!s}: {odd[:5]}")
+        shards = [path / s for s in sorted(names)]
         absent = [s.name for s in shards if not s.is_file()]
         if absent:
             raise ValueError(f"{index} names shard files that are not in {path!s}: {absent}")
@@ -111,41 +116,83 @@ def build_model(cfg: ModelConfig, dtype="float32", kernels: str = "exact", seed:
 
 def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
                block_size: int = DEFAULT_BLOCK_SIZE) -> CausalLM:
-    """Loads a Hugging Face model directory into the exactrl decoder."""
+    """Loads a Hugging Face model directory into the exactrl decoder. Every stored tensor's name, shape and
+    dtype is checked against config.json from the file headers before the model is allocated, so a config
+    that is wrong (say a vocab_size of 10**13) is a named error, not an allocation failure."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model directory {path!s} " + ("is a file: give the directory that holds config.json"
                                                         if path.exists() else "does not exist"))
     cfg = read_config(path)
+    stored = _stored_tensors(path, _weight_files(path))
+    _check_shapes(path, cfg, stored, kernels, block_size)
     model = build_model(cfg, dtype, kernels, seed=None, block_size=block_size)
     params = dict(model.named_parameters())
-    seen: set[str] = set()
     stored_head = None  # a tied model's head, if the checkpoint stores it too
     with torch.no_grad():
-        for f in _weight_files(path):
+        for f in sorted({f for f, _ in stored.values()}):
             with _open_safetensors(f) as sf:
                 for name in sf.keys():
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        stored_head = sf.get_tensor(name)  # tied: the embedding is the head (checked below)
-                        continue
                     if name.endswith("rotary_emb.inv_freq"):
-                        continue  # older checkpoints saved RoPE's buffer; it is recomputed from the config
-                    if name not in params:
-                        raise ValueError(f"unexpected tensor {name!r} in {f.name} for a {cfg.model_type} model")
+                        continue  # RoPE's old buffer: recomputed from the config
                     t = sf.get_tensor(name)
-                    if tuple(t.shape) != tuple(params[name].shape):
-                        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, "
-                                         f"expected {tuple(params[name].shape)}")
-                    params[name].copy_(t.to(params[name].dtype))
-                    seen.add(name)
+                    if not torch.isfinite(t).all():  # a corrupt copy; every logit would be NaN
+                        raise ValueError(f"tensor {name!r} in {f} holds NaN or inf values; re-copy the checkpoint")
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        stored_head = t  # tied: the embedding is the head (checked below)
+                    else:
+                        params[name].copy_(t.to(params[name].dtype))
         if stored_head is not None:
-            _check_tied_head(path, params[TIED], stored_head, TIED in seen)
-            seen.add(TIED)
-    missing = sorted(set(params) - seen)
+            _check_tied_head(path, params[TIED], stored_head, TIED in stored)
+    return model
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes a weight may be stored in
+
+
+def _stored_tensors(path: Path, files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Each stored tensor's file and shape, from the headers. A tensor stored twice (which copy is meant?)
+    or not in floating point (an int tensor would be cast silently) is refused."""
+    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in files:
+        with _open_safetensors(f) as sf:
+            for name in sf.keys():
+                if name in stored:
+                    raise ValueError(f"checkpoint {path!s} stores tensor {name!r} twice, in {stored[name][0].name} "
+                                     f"and {f.name}")
+                t = sf.get_slice(name)
+                if t.get_dtype() not in FLOAT_DTYPES:
+                    raise ValueError(f"tensor {name!r} in {f} has dtype {t.get_dtype()}; weights must be one of "
+                                     f"{', '.join(FLOAT_DTYPES)}")
+                stored[name] = (f, tuple(t.get_shape()))
+    return stored
+
+
+def _check_shapes(path: Path, cfg: ModelConfig, stored: dict, kernels: str, block_size: int) -> None:
+    """The stored tensors are exactly the model's, shape for shape: checked on a meta-device model, which
+    allocates nothing (its layers are counted first: a huge num_hidden_layers would take long to build)."""
+    layers = {int(n.split(".")[2]) for n in stored if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if cfg.num_hidden_layers > len(layers):
+        raise ValueError(f"checkpoint {path!s}: config.json gives num_hidden_layers={cfg.num_hidden_layers}, "
+                         f"but the safetensors files hold {len(layers)} layers")
+    with torch.device("meta"):
+        params = {n: tuple(p.shape) for n, p in CausalLM(cfg, get_kernels(kernels), block_size).named_parameters()}
+    if cfg.tie_word_embeddings:
+        params["lm_head.weight"] = params[TIED]  # stored too, maybe: the same matrix (checked at load)
+    for name, (f, shape) in stored.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # older checkpoints saved RoPE's buffer; it is recomputed from the config
+        if name not in params:
+            raise ValueError(f"unexpected tensor {name!r} in {f} for a {cfg.model_type} model")
+        if shape != params[name]:
+            raise ValueError(f"tensor {name!r} in {f} has shape {shape}, expected {params[name]} from config.json")
+    expected = set(params)
+    if cfg.tie_word_embeddings:  # one matrix, stored as either name (or both)
+        expected -= {"lm_head.weight"} | ({TIED} if "lm_head.weight" in stored else set())
+    missing = sorted(expected - set(stored))
     if missing:
         raise ValueError(f"checkpoint {path!s} is missing tensors: {missing[:5]}"
                          + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
-    return model
 
 
 TIED = "model.embed_tokens.weight"  # a tied model's one matrix: embedding and LM head

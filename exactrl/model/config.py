@@ -27,6 +27,13 @@ def _slides(cfg: dict) -> bool:
     return cfg.get("sliding_window", 4096) is not None and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
 
 
+def check_eos_token_id(file: str, cfg: dict) -> None:
+    """eos_token_id, if set, is a token id or a list of them (the engine stops on them)."""
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not all(type(t) is int and t >= 0 for t in (eos if isinstance(eos, list) else [eos])):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+
+
 @dataclass
 class ModelConfig:
     model_type: str  # "qwen3" | "qwen2" | "llama"
@@ -63,7 +70,7 @@ class ModelConfig:
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
         mt = cfg.get("model_type")
-        if mt not in SUPPORTED:
+        if not isinstance(mt, str) or mt not in SUPPORTED:
             raise ValueError(f"unsupported architecture model_type={mt!r} "
                              f"(architectures={cfg.get('architectures')}); supported: {sorted(SUPPORTED)}")
         missing = [k for k in REQUIRED if cfg.get(k) is None]
@@ -74,10 +81,16 @@ class ModelConfig:
             v = cfg.get(k)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"config.json: {k} must be an integer >= 1, got {v!r}")
+            if v is not None and v >= 2**31:  # beyond any tensor size torch can hold once multiplied
+                raise ValueError(f"config.json: {k}={v} is too large (at most 2**31 - 1)")
         for k in ("rms_norm_eps", "rope_theta"):
             v = cfg.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
                 raise ValueError(f"config.json: {k} must be a positive number, got {v!r}")
+        for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if cfg.get(k) not in (None, True, False):  # bool("false") is True
+                raise ValueError(f"config.json: {k} must be true or false, got {cfg[k]!r}")
+        check_eos_token_id("config.json", cfg)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
@@ -103,12 +116,16 @@ class ModelConfig:
         kv_heads = cfg.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if head_dim % 2 or head_dim == 0:  # RoPE rotates pairs of channels
+            raise ValueError(f"config.json: head_dim (given, or hidden_size // num_attention_heads) must be even "
+                             f"and >= 2, got {head_dim}")
         attn_bias = bool(cfg.get("attention_bias", False))
         return ModelConfig(
             model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_CONTEXT[mt]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

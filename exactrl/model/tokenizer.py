@@ -293,8 +293,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                          f"exactrl.model.tokenizer.build_tokenizer")
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except OSError as e:  # transformers' error for unreadable files, e.g. a config.json that is not JSON
-        raise ValueError(f"cannot load the tokenizer in {path}: {e}") from None
+    except Exception as e:  # a damaged file fails anywhere inside transformers/tokenizers, with any type
+        raise ValueError(f"cannot load the tokenizer in {path}: {type(e).__name__}: {e}") from e
     if not hf.is_fast:
         raise ValueError(f"tokenizer at {path} is not a fast (Rust) tokenizer; add a tokenizer.json")
     vocab = hf.get_vocab()
