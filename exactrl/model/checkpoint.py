@@ -135,13 +135,15 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
                 for name in sf.keys():
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # RoPE's old buffer: recomputed from the config
-                    t = sf.get_tensor(name)
-                    if not torch.isfinite(t).all():  # a corrupt copy; every logit would be NaN
-                        raise ValueError(f"tensor {name!r} in {f} holds NaN or inf values; re-copy the checkpoint")
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        stored_head = t  # tied: the embedding is the head (checked below)
+                    tied = name == "lm_head.weight" and cfg.tie_word_embeddings  # the embedding is the head
+                    t = sf.get_tensor(name).to(params[TIED if tied else name].dtype)
+                    if not torch.isfinite(t).all():  # a corrupt copy, or beyond the dtype: every logit would be NaN
+                        raise ValueError(f"weight {name} holds NaN or infinite values (in {f}, as {dtype}); re-copy "
+                                         f"the checkpoint")
+                    if tied:
+                        stored_head = t  # checked below
                     else:
-                        params[name].copy_(t.to(params[name].dtype))
+                        params[name].copy_(t)
         if stored_head is not None:
             _check_tied_head(path, params[TIED], stored_head, TIED in stored)
     return model
