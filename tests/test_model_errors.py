@@ -228,3 +228,20 @@ def test_a_pytorch_bin_checkpoint_is_named(damaged):
     (damaged / "model.safetensors").rename(damaged / "pytorch_model.bin")
     with pytest.raises(ValueError, match="holds a pytorch_model.bin checkpoint; only safetensors are read"):
         exactrl.load_model(damaged)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_weight_finite_as_stored_but_not_in_the_loaded_dtype_is_named(damaged, dtype):
+    """fp64 1e300 is a number; cast to the model's dtype it is inf, and every logit would be NaN."""
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(damaged / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    w[name] = w[name].double()
+    w[name][0, 0] = 1e300
+    save_file(w, damaged / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"weight {name} holds NaN or infinite values (in ")):
+        exactrl.load_model(damaged, dtype=dtype)
+    w[name][0, 0] = 1e30  # finite in both
+    save_file(w, damaged / "model.safetensors", metadata={"format": "pt"})
+    assert exactrl.load_model(damaged, dtype=dtype).state_dict()[name][0, 0] > 1e29
