@@ -126,7 +126,7 @@ def _run_dir(cfg: RunConfig, locked: bool = False) -> Path:
     if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
         raise ValueError(f"run_dir {d}: checkpoints is a file, where the run keeps its checkpoint directories")
     if not locked and (d / ".lock").is_file():  # a live run first: no advice that taking its dir over would then refuse
-        _lock_run_dir(d).close()
+        _lock_run_dir(d, probe=True).close()
     ckpt = latest_checkpoint(d) if d.exists() else None
     if ckpt is not None and not cfg.resume:
         raise ValueError(f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, "
@@ -201,9 +201,11 @@ def _claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None
     return run_dir, new_run_dir, run_lock, logger
 
 
-def _lock_run_dir(d: Path):
+def _lock_run_dir(d: Path, probe: bool = False):
     """An exclusive lock on d/.lock, held while the returned file is open (the OS drops it if the process
-    dies): two runs never write one run dir. A ValueError if another run holds it."""
+    dies): two runs never write one run dir. A ValueError if another run holds it. `probe`: a shared lock,
+    only to ask whether a run holds it; the ranks of one run probe at the same moment, and two exclusive
+    probes refused one of them as "in use"."""
     import fcntl
 
     try:
@@ -211,7 +213,7 @@ def _lock_run_dir(d: Path):
     except OSError as e:
         raise ValueError(f"run_dir {d}: cannot write its lock file ({e.strerror or e})") from None
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, (fcntl.LOCK_SH if probe else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
         raise ValueError(f"run_dir {d} is in use by another run: wait for it to end, or choose another run_dir") \

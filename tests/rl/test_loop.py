@@ -340,6 +340,26 @@ def test_a_run_dir_in_use_by_another_run_is_refused(model_dir, tmp_path, capsys)
     assert [r["step"] for r in run(model_dir, d, "max_steps=2", "resume=true")] == [1, 2]  # free again
 
 
+def test_the_ranks_of_one_run_may_probe_its_lock_at_once_and_a_held_lock_still_refuses(tmp_path):
+    """Every rank of a data-parallel resume asks whether a run holds the dir's lock, at the same moment: two
+    exclusive probes refused one rank as "in use by another run" (seen in CI). Probes share the lock; a run
+    holding it still refuses them, and holds it against the next run."""
+    from exactrl.rl.setup import _lock_run_dir
+
+    d = tmp_path / "run"
+    d.mkdir()
+    one = _lock_run_dir(d, probe=True)
+    _lock_run_dir(d, probe=True).close()  # the other rank's probe, while the first is open
+    one.close()
+    held = _lock_run_dir(d)
+    try:
+        for probe in (True, False):
+            with pytest.raises(ValueError, match="is in use by another run"):
+                _lock_run_dir(d, probe=probe)
+    finally:
+        held.close()
+
+
 def test_resume_before_the_first_checkpoint_starts_again(model_dir, tmp_path, capsys):
     import shutil
 
