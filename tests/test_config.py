@@ -58,6 +58,18 @@ def test_bad_overrides_name_the_key(override, needle):
         load_config(None, [override])
 
 
+def test_a_kv_budget_no_prompt_fits_in_is_refused_before_the_run():
+    """It was taken, and failed at the first rollout, after the warm start. The pool holds whole pages of 32, so a
+    budget of 1 holds 32 tokens: room for an answer of 31 and a prompt of 1, not for 32."""
+    with pytest.raises(ValueError, match=re.escape("engine.kv_budget_tokens=1 (32 tokens in pages of 32) cannot hold a "
+                                                   "prompt and rollout.max_tokens=32 answer tokens")):
+        load_config(None, ["engine.kv_budget_tokens=1", "rollout.max_tokens=32"])
+    assert load_config(None, ["engine.kv_budget_tokens=1", "rollout.max_tokens=31"]).engine.kv_budget_tokens == 1
+    # an external server keeps its own cache: the engine's settings do not apply
+    assert load_config(None, ["engine.kv_budget_tokens=1", "rollout.max_tokens=32", "rollout_backend.kind=openai",
+                              "rollout_backend.base_url=http://x", "rollout_backend.model=m"]).rollout.max_tokens == 32
+
+
 def test_missing_and_malformed_file(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

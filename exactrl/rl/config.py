@@ -21,6 +21,7 @@ from exactrl.argcheck import PathText, PlainData
 from exactrl.envs.settings import TaskSettings
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
+from exactrl.model.transformer import DEFAULT_BLOCK_SIZE
 from exactrl.rl.external import RolloutBackendSettings
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True, allow_inf_nan=False)
@@ -60,7 +61,8 @@ class EngineSettings(BaseModel):
     model_config = _STRICT
 
     kv_budget_tokens: int = Field(65536, ge=1)
-    """KV cache size in tokens, allocated once."""
+    """KV cache size in tokens, allocated once, in whole pages of 32; one sequence (a prompt and its
+    rollout.max_tokens answer) must fit, and more run at once the larger it is."""
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences decoded in one step."""
     max_num_batched_tokens: int = Field(4096, ge=1)
@@ -218,6 +220,11 @@ class RunConfig(BaseModel):
         if exactrl_engines and self.rollout.samples_per_prompt > self.engine.max_num_seqs:
             raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} exceeds "
                              f"engine.max_num_seqs={self.engine.max_num_seqs}: raise engine.max_num_seqs")
+        pages = -(-self.engine.kv_budget_tokens // DEFAULT_BLOCK_SIZE)  # the pool holds whole pages
+        if exactrl_engines and pages * DEFAULT_BLOCK_SIZE <= self.rollout.max_tokens:  # no prompt would ever fit
+            raise ValueError(f"engine.kv_budget_tokens={self.engine.kv_budget_tokens} ({pages * DEFAULT_BLOCK_SIZE} "
+                             f"tokens in pages of {DEFAULT_BLOCK_SIZE}) cannot hold a prompt and "
+                             f"rollout.max_tokens={self.rollout.max_tokens} answer tokens: raise engine.kv_budget_tokens")
         if self.resume and self.run_dir is None:
             raise ValueError("resume=true needs run_dir: the directory of the run to continue "
                              "(--set run_dir=runs/<its name>)")
