@@ -290,6 +290,7 @@ class ExternalEngine:
     def _post(self, server: str, path: str, body: dict) -> dict:
         url = f"{server}{path}"
         deadline = time.monotonic() + self.s.timeout_s
+        chunks = None  # a list once the server has answered: a transport error then is not "cannot reach"
         try:
             with self._client.stream("POST", url, json=body) as r:
                 chunks = []
@@ -301,6 +302,14 @@ class ExternalEngine:
             raise ExternalEngineError(f"{url}: no answer within rollout_backend.timeout_s={self.s.timeout_s}s "
                                       f"({type(e).__name__})") from None
         except httpx.TransportError as e:
+            if chunks is not None:
+                raise ExternalEngineError(f"the rollout server at {url} answered HTTP {r.status_code}, then the "
+                                          f"connection broke mid-answer ({type(e).__name__}: {e}): did it crash or "
+                                          f"restart?") from None
+            if not isinstance(e, httpx.ConnectError):  # connected, and the connection broke before an answer
+                raise ExternalEngineError(f"the rollout server at {url} took the request, then the connection broke "
+                                          f"before an answer ({type(e).__name__}: {e}): did it crash or restart?"
+                                          ) from None
             raise ExternalEngineError(f"cannot reach the rollout server at {url}: {type(e).__name__}: {e} (is it "
                                       f"running? rollout_backend.base_url / base_urls)") from None
         except httpx.DecodingError as e:
