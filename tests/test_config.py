@@ -45,6 +45,7 @@ def test_defaults_and_overrides(tmp_path):
     ("rollout_backend.timeout_s=1.0e+10", "bad value for 'rollout_backend.timeout_s'"),  # OverflowError, 1st request
     ("task.train_size=100000000000000000000", "bad value for 'task.train_size'"),  # generated until out of memory
     ("task.eval_size=100000000000000000000", "bad value for 'task.eval_size'"),
+    ("rollout.prompts_per_step=100000000000000000000", "bad value for 'rollout.prompts_per_step'"),  # was taken; no step came
     ("algorithm.loss_kwargs={eps_low: .nan}", "bad value for 'algorithm.loss_kwargs': eps_low is nan"),
     ("task.kwargs={x: !!binary aGVsbG8=}", "bad value for 'task.kwargs': x is a bytes"),  # config.json: TypeError
     ("algorithm.corrections=[{name: token_tis, upper: 2024-01-01}]", "'algorithm.corrections.0': upper is a date"),
