@@ -140,3 +140,29 @@ def test_truncated_distribution_is_renormalised(qwen3_dir):
     finite = trunc > float("-inf")
     assert bool((trunc[finite] >= full[finite]).all())
     assert bool((trunc[~finite] == float("-inf")).all())  # tokens outside the top-3 are impossible
+
+
+def test_rotary_tables_grow_as_far_as_a_forward_reaches_with_the_bits_of_one_table(tmp_path):
+    """A config allowing 2**31 - 1 positions built tables for all of them at load (10^8 took 80 s and 13 GB; 10^9
+    did not fit); now one chunk at load, grown by the positions a forward reaches, each chunk built alone."""
+    from exactrl.kernels.rowwise import rotary_tables
+    from exactrl.model.transformer import ROPE_CHUNK
+
+    hf = make_hf_model(tmp_path, "qwen3", max_position_embeddings=2**31 - 1)
+    model = exactrl.load_model(tmp_path)
+    assert model.rope_cos.shape[0] == ROPE_CHUNK
+    seq = random_sequences(random.Random(3), 1, 2 * ROPE_CHUNK + 40, 2 * ROPE_CHUNK + 40, 211)[0]
+    with torch.no_grad():
+        lazy = exactrl.sequence_logprobs(model, [seq])[0]
+        err = (lazy - _hf_logprobs(hf, seq)).abs().max().item()
+    assert model.rope_cos.shape[0] == 3 * ROPE_CHUNK  # at least doubled, in whole chunks
+    cos, sin = rotary_tables(model.config.head_dim, 3 * ROPE_CHUNK, model.config.rope_theta)
+    assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+    assert err <= 1e-4, err  # the positions past the first chunk rotate as transformers' do
+    ahead = exactrl.load_model(tmp_path)
+    ahead.rope_reach(7 * ROPE_CHUNK)  # a table grown otherwise holds the same bits
+    assert torch.equal(ahead.rope_cos[:3 * ROPE_CHUNK], cos)
+    with torch.no_grad():
+        assert torch.equal(exactrl.sequence_logprobs(ahead, [seq])[0], lazy)
+    with pytest.raises(ValueError, match="position 2147483647 is beyond max_position_embeddings=2147483647"):
+        model.rope_reach(2**31)  # the forward's check, not an allocation of 2**31 rows

@@ -20,6 +20,10 @@ from exactrl.kernels import Kernels, TokenLayout, rotary_tables, write_kv
 from exactrl.model.config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 32  # keys per attention block = KV page size
+# RoPE's cos/sin are built as far as a forward reaches, in chunks of this many positions, each computed alone
+# with the same shape whatever the growth before it: a model whose config allows 10^9 positions took 80 s and
+# 13 GB to build a table for 10^8 of them (10^9 did not fit), and a 128k context holds 134 MB per model copy
+ROPE_CHUNK = 4096
 
 
 class Linear(nn.Module):
@@ -123,9 +127,24 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg, kernels)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(kernels, cfg.hidden_size, cfg.vocab_size, False)
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", torch.empty(0, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0, cfg.head_dim), persistent=False)
+        self.rope_reach(1)
+
+    def rope_reach(self, positions: int) -> None:
+        """Grows the rotary tables to hold at least `positions` positions (at least doubling, in whole
+        ROPE_CHUNKs, up to max_position_embeddings)."""
+        c, have = self.config, self.rope_cos.shape[0]
+        if positions > c.max_position_embeddings:
+            raise ValueError(f"position {positions - 1} is beyond max_position_embeddings={c.max_position_embeddings}")
+        if positions <= have:
+            return
+        assert have % ROPE_CHUNK == 0, have  # only the last chunk is cut, at max_position_embeddings
+        want = min(-(-max(positions, 2 * have) // ROPE_CHUNK) * ROPE_CHUNK, c.max_position_embeddings)
+        parts = [rotary_tables(c.head_dim, ROPE_CHUNK, c.rope_theta, start) for start in range(have, want, ROPE_CHUNK)]
+        dtype = self.rope_cos.dtype  # the model's, after a `model.to(dtype)`, as the first chunk's
+        self.rope_cos = torch.cat([self.rope_cos, *(cos.to(dtype) for cos, _ in parts)])[:want]
+        self.rope_sin = torch.cat([self.rope_sin, *(sin.to(dtype) for _, sin in parts)])[:want]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -146,9 +165,7 @@ class CausalLM(nn.Module):
         """(embeddings, rotary cos and sin at each position, attention plan): the layers' inputs, the layout
         checked. Apart from `run_layers` because the engine's decode graphs replay that part only."""
         c = self.config
-        if int(layout.pos_N.max()) >= c.max_position_embeddings:
-            raise ValueError(f"position {int(layout.pos_N.max())} is beyond max_position_embeddings="
-                             f"{c.max_position_embeddings}")
+        self.rope_reach(int(layout.pos_N.max()) + 1)  # checks the positions against max_position_embeddings
         plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size)
         return self.model.embed_tokens(tokens_N), self.rope_cos[layout.pos_N], self.rope_sin[layout.pos_N], plan
 

@@ -1,10 +1,15 @@
 """Shared checks for the engine tests: engine logprobs vs the trainer path, bitwise."""
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 import exactrl
 from exactrl import SamplingParams
+from exactrl.model.transformer import ROPE_CHUNK
+from conftest import make_hf_model
 
 
 def trainer_logprobs(model, prompt: list[int], tokens: list[int], params: SamplingParams) -> torch.Tensor:
@@ -49,3 +54,16 @@ def check_finish(comp, params: SamplingParams, stop_ids: set[int]) -> None:
 
 def all_pages_free(engine) -> bool:
     return engine.pool.num_free == engine.pool.num_pages and not engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("long_context")
+    make_hf_model(d, "qwen3", max_position_embeddings=3 * ROPE_CHUNK)
+    return d
+
+
+def long_prompts():
+    """Prompts whose prefill, or whose decode steps, cross the rotary tables' first and second chunks."""
+    rng = random.Random(5)
+    return [[rng.randrange(211) for _ in range(n)] for n in (ROPE_CHUNK - 3, 2 * ROPE_CHUNK + 7, 9)]

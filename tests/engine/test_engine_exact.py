@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import exactrl
 from exactrl import Engine, SamplingParams
 from conftest import make_hf_model
-from engine_helpers import all_pages_free, check_finish, mismatches
+from engine_helpers import all_pages_free, check_finish, long_context_dir, long_prompts, mismatches  # noqa: F401
 
 HSET = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 V = 211  # conftest TINY vocabulary
@@ -352,3 +352,14 @@ def test_weights_changed_drops_packed_copies_of_weights_written_in_place(onednn_
     with pytest.raises(RuntimeError, match="requests running"):
         engine.weights_changed()
     engine.abort(rid)
+
+
+def test_exact_where_the_rotary_tables_grow(long_context_dir):
+    """The engine's copy of the model grows its rotary tables at other steps than the trainer's (during a chunked
+    prefill, during recorded decode steps): the logprobs stay the trainer's, bit for bit."""
+    engine_model = exactrl.load_model(long_context_dir)
+    sp = SamplingParams(max_tokens=8, n=2, seed=3, temperature=0.9, top_k=50)
+    outs = Engine(engine_model, kv_budget_tokens=32768, max_num_batched_tokens=1024).generate(long_prompts(), sp)
+    assert engine_model.rope_cos.shape[0] == 3 * exactrl.load_model(long_context_dir).rope_cos.shape[0]
+    trainer = exactrl.load_model(long_context_dir)
+    assert not mismatches(trainer, [(p, c, sp) for p, o in zip(long_prompts(), outs) for c in o])

@@ -15,7 +15,7 @@ import pytest
 import exactrl
 from exactrl import Engine, SamplingParams
 from conftest import make_hf_model
-from engine_helpers import mismatches
+from engine_helpers import long_context_dir, long_prompts, mismatches  # noqa: F401
 
 V = 211
 
@@ -57,3 +57,10 @@ def test_fast_engine_differs_on_the_onednn_path_model(onednn_dir):
     sp = SamplingParams(max_tokens=12, n=2, seed=3, temperature=0.8, top_k=50)
     assert not _run(exactrl.load_model(onednn_dir, kernels="exact"), prompts, sp)
     assert _run(exactrl.load_model(onednn_dir, kernels="fast"), prompts, sp)
+
+
+def test_fast_differs_where_the_rotary_tables_grow(long_context_dir):
+    """The twin of test_engine_exact.py's test_exact_where_the_rotary_tables_grow."""
+    sp = SamplingParams(max_tokens=8, n=2, seed=3, temperature=0.9, top_k=50)
+    assert _run(exactrl.load_model(long_context_dir, kernels="fast"), long_prompts(), sp, kv_budget_tokens=32768,
+                max_num_batched_tokens=1024)
