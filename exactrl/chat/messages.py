@@ -4,6 +4,17 @@ Everything here is validation with messages a client can act on: a bad
 message raises `ValueError` (the server answers 400). The template sees plain
 dicts in the Hugging Face convention: `content` a string, `reasoning_content`
 for `<think>` text, tool-call `arguments` as a dict.
+
+Text the template renders is encoded with special tokens recognised (as
+transformers does), so a user message holding the text `<|im_end|>` would
+become a real end-of-turn token: a forged turn the model trains on, and one
+turn too many for the splicer's end-of-turn count. `check_rendered_text`
+therefore refuses the text of a tokenizer's special tokens in every field a
+client wrote (system, user and tool messages, tools, assistant messages sent
+without token fields) instead of silently escaping it; a generated assistant
+message (token fields present) keeps what the model wrote, since its tokens,
+not its text, are the history. A tool message must answer a call of the
+assistant turn just before its run of tool messages (`check_tool_replies`).
 """
 from __future__ import annotations
 
@@ -104,6 +115,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ValueError(f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        if not _TOOL_NAME.match(fn["name"]):  # the name is rendered raw: it could close the turn; the parser
+            # would never read such a call back from the model's text either
+            raise ValueError(f"{where}.tool_calls[{k}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got "
+                             f"{reprlib.repr(fn['name'])}")
         if c.get("type", "function") != "function":
             raise ValueError(f"{where}.tool_calls[{k}].type must be 'function', got {reprlib.repr(c['type'])}")
         if c.get("id") is not None and not isinstance(c["id"], str):
@@ -119,6 +134,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         if not isinstance(args, dict):
             raise ValueError(f"{where}.tool_calls[{k}].function.arguments must encode a JSON object")
         _check_nesting(args, f"{where}.tool_calls[{k}].function.arguments")
+        try:  # rendered with tojson: NaN or 1e999 would render as text no JSON parser (ours included) reads back
+            json.dumps(args, allow_nan=False)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}.tool_calls[{k}].function.arguments must be strict JSON: {e}") from None
         out.append({"type": "function", "id": c.get("id"), "function": {"name": fn["name"], "arguments": args}})
     return out
 
@@ -203,3 +222,54 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> bool:
                          "does not implement (it would put forced tokens into the generation); use 'auto' or 'none'")
     raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got "
                      f"{reprlib.repr(tool_choice)}")
+
+
+def _strings(obj: Any, where: str):
+    """(field path, string) of every string in a JSON-like value, dict keys included."""
+    if isinstance(obj, str):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for key, v in obj.items():
+            yield from _strings(key, f"{where} key")
+            yield from _strings(v, f"{where}.{key}")
+    elif isinstance(obj, list):
+        for k, v in enumerate(obj):
+            yield from _strings(v, f"{where}[{k}]")
+
+
+def check_rendered_text(tmsgs: list[dict], tools: list[dict] | None, specials: tuple[str, ...],
+                        generated: set[int] = frozenset()) -> None:
+    """Every string the template renders is valid Unicode, and none a client wrote spells a special token
+    (`specials`, their texts); `generated`: indices of messages carrying token fields, whose text the model
+    wrote (see the module docstring). Names the field, so the client knows what to escape."""
+    fields = [(f"messages[{i}]", m, i not in generated) for i, m in enumerate(tmsgs)]
+    fields += [(f"tools[{k}]", t, True) for k, t in enumerate(tools or [])]
+    for root, value, written in fields:
+        for where, s in _strings(value, root):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where} is not valid Unicode: a lone surrogate {s[e.start]!r} at character "
+                                 f"{e.start}") from None
+            hits = sorted((s.find(t), t) for t in specials if t in s) if written else []
+            if hits:
+                raise ValueError(f"{where} holds the text of the special token {hits[0][1]!r} (at character "
+                                 f"{hits[0][0]}), which would be encoded as that token (a forged turn boundary); "
+                                 f"escape or remove it")
+
+
+def check_tool_replies(tmsgs: list[dict]) -> None:
+    """Each tool message answers a call of the assistant message before its run of tool messages (and, if both
+    carry ids, one of its ids): a reply to no call is a tool result the model never asked for."""
+    calls = None  # ids of the open assistant turn's calls; None: no turn with calls is open
+    for i, m in enumerate(tmsgs):
+        if m["role"] != "tool":
+            calls = [c.get("id") for c in m.get("tool_calls", [])] or None
+            continue
+        if calls is None:
+            raise ValueError(f"messages[{i}] (role 'tool') answers no tool call: the message before its run of tool "
+                             f"messages must be an assistant message with tool_calls")
+        cid = m.get("tool_call_id")
+        if cid is not None and None not in calls and cid not in calls:
+            raise ValueError(f"messages[{i}].tool_call_id {reprlib.repr(cid)} matches none of the calls it answers "
+                             f"({', '.join(calls)})")

@@ -52,7 +52,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from exactrl.chat.messages import TokenFields, template_message, token_fields
+from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
+                                   token_fields)
 from exactrl.chat.parsing import parse_assistant_text
 
 POLICIES = ("raise", "split", "truncate")
@@ -115,6 +116,9 @@ class Splicer:
         self.eot = tokenizer.end_of_turn_id
         self.eot_text = tokenizer.decode([self.eot], skip_special_tokens=False)
         self.stop_ids = frozenset(tokenizer.stop_token_ids) | {self.eot}
+        # texts the encoder turns into special tokens: refused in what a client wrote (messages.py)
+        self.special_texts = tuple(t.content for t in tokenizer.hf.added_tokens_decoder.values()
+                                   if t.special and t.content)
 
     def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise",
               max_len: int | None = None) -> PromptPlan:
@@ -126,6 +130,8 @@ class Splicer:
         tmsgs = [template_message(m, i) for i, m in enumerate(messages)]
         fields = {i: f for i, m in enumerate(messages)
                   if (f := token_fields(m, i, self.vocab_size)) is not None}
+        check_tool_replies(tmsgs)
+        check_rendered_text(tmsgs, tools, self.special_texts, set(fields))
         for i, f in fields.items():
             tmsgs[i] = self._closing_eot_as_template(tmsgs[i], f)
         full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True)

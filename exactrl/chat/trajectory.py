@@ -30,6 +30,7 @@ Legend: T tokens of a record.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -78,7 +79,7 @@ class Session:
                kind: str = "spliced", sampling: tuple = (1.0, -1, 1.0), cut_history: list[int] | None = None) -> None:
         """Adds one completion. `kind` is the PromptPlan kind of its prompt; `sampling` (T, top_k, top_p);
         `cut_history`: with `truncate`, the token history it cut (PromptPlan.history)."""
-        assert len(generated) == len(logprobs) == len(versions)
+        _check_turn(prompt, generated, logprobs, versions)
         if kind == "truncate":
             if cut_history is None:
                 raise ValueError("a truncate record needs the token history it cut (cut_history)")
@@ -131,6 +132,21 @@ class Session:
             out.append(Trajectory(r.tokens_T[:p], r.tokens_T[p:], r.mask_T[p:], r.logprobs_T[p:], r.versions_T[p:],
                                   num_turns=_turns(r.mask_T), sampling=[list(x) for x in r.sampling]))
         return out
+
+
+def _check_turn(prompt: list[int], generated: list[int], logprobs: list[float], versions: list[int]) -> None:
+    """A ValueError naming the field of a completion that cannot be a turn: a record is kept for training, so
+    a misaligned one would put logprobs on the wrong tokens (an assert vanishes under `python -O`)."""
+    for name, ids in (("prompt", prompt), ("generated", generated)):
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
+        if bad is not None:
+            raise ValueError(f"Session.record: {name} holds {bad!r}, not a token id (an integer >= 0)")
+    if len(logprobs) != len(generated) or len(versions) != len(generated):
+        raise ValueError(f"Session.record: {len(generated)} generated tokens but {len(logprobs)} logprobs and "
+                         f"{len(versions)} versions: one of each per generated token")
+    bad = next((x for x in logprobs if not (isinstance(x, (int, float)) and math.isfinite(x) and x <= 0)), None)
+    if bad is not None:
+        raise ValueError(f"Session.record: logprobs holds {bad!r}, not a finite log-probability <= 0")
 
 
 def _turns(mask: list[int]) -> int:

@@ -60,7 +60,7 @@ CHAT_TEMPLATE = r"""
 {%- for message in messages %}
     {%- if message.role == 'system' %}
         {%- if not loop.first %}
-            {{- raise_exception('a system message may only be the first message') }}
+            {{- raise_exception('messages[' ~ loop.index0 ~ ']: a system message may only be the first message') }}
         {%- endif %}
     {%- elif message.role == 'user' %}
         {{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}

@@ -18,7 +18,8 @@ index, below TURN_SEEDS, so no two turns of a step share a seed), so a step's
 episodes do not depend on how many run concurrently.
 
 An episode whose environment raises (a server error, a conversation that
-outgrew the context) takes its group out of the step, as a group needs all
+outgrew the context) or returns a reward that is not a finite number takes
+its group out of the step, as a group needs all
 G rewards for its baseline; the others train. `rollout/failed_episodes`
 counts them; if every group failed the step fails with the first error.
 
@@ -27,6 +28,9 @@ Legend: P problems, G episodes per problem.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
+import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -61,14 +65,25 @@ async def run_episode(server_url: str, env: EnvFn, problem: Problem, seed: int, 
     try:
         result = await env(f"{server_url}/sessions/{sid}/v1", problem, seed=seed, **env_kwargs)
         r = await client.get(f"{server_url}/sessions/{sid}/trajectories")
+        if r.status_code not in (200, 404):  # 404: the environment made no request, so there are no tokens
+            raise RuntimeError(f"the server answered {r.status_code} for the episode's trajectories: {r.text[:300]}")
         trajectories = [Trajectory(**t) for t in r.json()["trajectories"]] if r.status_code == 200 else []
     finally:
         try:
             await client.delete(f"{server_url}/sessions/{sid}")
         except httpx.TransportError:  # the server is gone: its sessions with it; keep the episode's own error
             pass
-    reward = float(result.reward if hasattr(result, "reward") else result)
-    return AgentRollout(problem, reward, trajectories, result)
+    return AgentRollout(problem, _reward(result), trajectories, result)
+
+
+def _reward(result: Any) -> float:
+    """The episode's reward, a finite real number: a NaN or inf made the whole step's advantages NaN (every
+    group lost, under a misleading 'scale the rewards down'), and float() read a string "1" as 1.0."""
+    r = result.reward if hasattr(result, "reward") else result
+    if not isinstance(r, numbers.Real) or not math.isfinite(r):
+        raise ValueError(f"the environment's reward must be a finite number (returned, or its .reward), got "
+                         f"{reprlib.repr(r)} ({type(r).__name__})")
+    return float(r)
 
 
 async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,
