@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import numbers
 import reprlib
 import uuid
 from dataclasses import dataclass
@@ -80,10 +79,14 @@ def _reward(result: Any) -> float:
     """The episode's reward, a finite real number: a NaN or inf made the whole step's advantages NaN (every
     group lost, under a misleading 'scale the rewards down'), and float() read a string "1" as 1.0."""
     r = result.reward if hasattr(result, "reward") else result
-    if not isinstance(r, numbers.Real) or not math.isfinite(r):
+    try:  # a number, a numpy scalar or a one-element tensor; not text, nor a bool meant as a verdict
+        value = None if isinstance(r, (str, bytes, bool)) else float(r)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+        value = None
+    if value is None or not math.isfinite(value):
         raise ValueError(f"the environment's reward must be a finite number (returned, or its .reward), got "
                          f"{reprlib.repr(r)} ({type(r).__name__})")
-    return float(r)
+    return value
 
 
 async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import math
 
+import numpy as np
 import pytest
+import torch
 from fastapi import FastAPI, HTTPException
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -124,7 +126,8 @@ def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_l
         assert all((x == 0) == (p == 0.0) for x, p in zip(m, lp))
 
 
-@pytest.mark.parametrize("reward, shown", [(math.nan, "nan"), (math.inf, "inf"), (None, "None"), ("1.0", "'1.0'")])
+@pytest.mark.parametrize("reward, shown", [(math.nan, "nan"), (math.inf, "inf"), (None, "None"), ("1.0", "'1.0'"),
+                                           (True, "True"), (torch.tensor([1.0, 0.0]), "tensor")])
 def test_a_reward_that_is_not_a_finite_number_fails_its_episode_only(url, reward, shown):
     """Before: NaN or inf reached the advantages and failed every group of the step ("scale the rewards
     down"); a string "1.0" was read as 1.0."""
@@ -149,3 +152,12 @@ def test_an_episode_whose_trajectories_the_server_cannot_give_fails_instead_of_t
     assert all(isinstance(x, RuntimeError) and "answered 500 for the episode's trajectories" in str(x)
                for x in groups[0])
     assert not REGISTERED
+
+
+@pytest.mark.parametrize("reward", [np.float32(0.5), torch.tensor(0.5), torch.tensor([0.5]), 1, 0.5])
+def test_a_reward_of_any_real_number_type_is_taken(url, reward):
+    async def env(base_url, problem, *, seed):
+        return reward
+
+    groups = asyncio.run(collect_agent_groups(url, env, [Problem("good", "1")], 2, 0, 0))
+    assert [r.reward for r in groups[0]] == [float(reward)] * 2
