@@ -90,16 +90,29 @@ def _reward(result: Any) -> float:
 
 
 async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,
-                               step: int, env_kwargs: dict | None = None, max_concurrency: int = 32
-                               ) -> list[list[AgentRollout | BaseException]]:
+                               step: int, env_kwargs: dict | None = None, max_concurrency: int = 32,
+                               episode_timeout_s: float | None = None) -> list[list[AgentRollout | BaseException]]:
     """G episodes per problem, at most `max_concurrency` at a time; groups_P_G[k][j] (the exception an
-    episode raised, in its place). `env_kwargs` go to every `env` call (model name, sampling settings, ...)."""
+    episode raised, in its place). `env_kwargs` go to every `env` call (model name, sampling settings, ...).
+
+    `episode_timeout_s`: an episode still running after that many seconds is cancelled and fails with a
+    TimeoutError in its place (its session deleted), so one hung environment does not hang the step; None
+    waits for ever. Cancelling works at the environment's awaits: a tool that blocks the event loop
+    synchronously cannot be cut short."""
+    if episode_timeout_s is not None and (isinstance(episode_timeout_s, bool) or not isinstance(
+            episode_timeout_s, (int, float)) or not 0 < episode_timeout_s < float("inf")):
+        raise ValueError(f"episode_timeout_s must be a number of seconds > 0 or None, got {episode_timeout_s!r}")
     sem = asyncio.Semaphore(max_concurrency)
     async with httpx.AsyncClient(timeout=None) as client:
         async def one(k: int, j: int) -> AgentRollout:
             async with sem:
                 episode_seed = (sampling_seed(seed, step, k) * group_size + j) * TURN_SEEDS
-                return await run_episode(server_url, env, problems[k], episode_seed, client, **(env_kwargs or {}))
+                episode = run_episode(server_url, env, problems[k], episode_seed, client, **(env_kwargs or {}))
+                try:
+                    return await asyncio.wait_for(episode, episode_timeout_s)
+                except TimeoutError:
+                    raise TimeoutError(f"the episode of problem {k}, sample {j} ran longer than episode_timeout_s="
+                                       f"{episode_timeout_s} and was cancelled") from None
 
         flat = await asyncio.gather(*(one(k, j) for k in range(len(problems)) for j in range(group_size)),
                                     return_exceptions=True)
@@ -163,16 +176,19 @@ def sync_weights(server_state, model) -> int:
 
 def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_url: str, env: EnvFn,
                      problems: list[Problem], group_size: int, seed: int, step: int, env_kwargs: dict | None = None,
-                     advantage: str = "grpo", advantage_kwargs: dict | None = None) -> dict[str, float]:
+                     advantage: str = "grpo", advantage_kwargs: dict | None = None,
+                     episode_timeout_s: float | None = None) -> dict[str, float]:
     """Collect episodes -> train on their trajectories -> sync the server's engine. Returns flat metrics.
 
     `settings.temperature/top_k/top_p` must be the ones the environment samples with, so that the
-    trainer's π_old is the distribution the engine sampled from.
+    trainer's π_old is the distribution the engine sampled from. `episode_timeout_s`: see
+    `collect_agent_groups`.
     """
     from exactrl.rl.trainer import train_step
 
     groups, failed = complete_groups(asyncio.run(collect_agent_groups(server_url, env, problems, group_size, seed,
-                                                                      step, env_kwargs)))
+                                                                      step, env_kwargs,
+                                                                      episode_timeout_s=episode_timeout_s)))
     want = [float(settings.temperature) or 1.0, settings.top_k, float(settings.top_p)]
     used = {tuple(x) for g in groups for r in g for t in r.trajectories for x in t.sampling}
     if used - {tuple(want)}:

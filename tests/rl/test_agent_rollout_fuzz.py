@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import numpy as np
 import pytest
@@ -161,3 +162,35 @@ def test_a_reward_of_any_real_number_type_is_taken(url, reward):
 
     groups = asyncio.run(collect_agent_groups(url, env, [Problem("good", "1")], 2, 0, 0))
     assert [r.reward for r in groups[0]] == [float(reward)] * 2
+
+
+def test_a_hung_episode_fails_alone_after_episode_timeout_s_and_its_session_is_deleted(url):
+    """Before, the client had no timeout and nothing else bounded an episode: one environment that never
+    returned hung the whole step."""
+    sids = []
+
+    async def env(base_url, problem, *, seed):
+        sid = base_url.split("/sessions/")[1].split("/")[0]
+        REGISTERED[sid] = [_trajectory(1, "ok")]
+        sids.append(sid)
+        if problem.prompt == "hang":
+            await asyncio.Event().wait()  # never set
+        return 1.0
+
+    t0 = time.monotonic()
+    groups = asyncio.run(collect_agent_groups(url, env, [Problem("hang", "1"), Problem("good", "1")], 2, 0, 0,
+                                              episode_timeout_s=0.5))
+    assert time.monotonic() - t0 < 5
+    assert all(isinstance(x, TimeoutError) and "problem 0, sample" in str(x) and "episode_timeout_s=0.5" in str(x)
+               for x in groups[0])
+    assert [r.reward for r in groups[1]] == [1.0, 1.0]
+    assert len(sids) == 4 and not set(sids) & set(REGISTERED)  # every session deleted, the cancelled ones too
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "5"])
+def test_a_bad_episode_timeout_is_refused(url, bad):
+    async def env(base_url, problem, *, seed):
+        return 1.0
+
+    with pytest.raises(ValueError, match="episode_timeout_s must be a number of seconds > 0 or None"):
+        asyncio.run(collect_agent_groups(url, env, [Problem("good", "1")], 2, 0, 0, episode_timeout_s=bad))
