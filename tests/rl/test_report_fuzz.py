@@ -139,3 +139,14 @@ def test_keys_in_only_some_rows_and_a_cut_last_line_still_plot(tmp_path):
     notes = []
     write_report(tmp_path, warn=notes.append)
     assert notes == []  # every panel has a value, none is left out
+
+
+@pytest.mark.parametrize("line", ['{"step": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                                  '{"step": 2, "x": ' + "7" * 5000 + "}"], ids=["nested", "long-int"])
+def test_resume_names_the_same_lines(tmp_path, line):
+    """metrics.jsonl is read again when a run resumes: the same lines are named there, not a RecursionError."""
+    from exactrl.rl.logger import MetricsLogger
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' + line + '\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'metrics.jsonl'}:2: "):
+        MetricsLogger(tmp_path, tensorboard=False, progress=False, total_steps=5, start_step=1)
