@@ -32,6 +32,8 @@ _INT = re.compile(r"-?[0-9]+")  # ASCII digits only (\d would also take e.g. Ara
 _WHOLE_INT = re.compile(r"(?<![\w.,-])-?[0-9]+(?![0-9]|[.,/][0-9]|[eE][-+]?[0-9])")
 _MAX_DIGITS = 64  # longer digit runs are not answers, unless the answer itself is (int() refuses > 4300 digits)
 _MAX_ATTEMPTS = 1000  # rejection-sampling budget for `nonnegative`
+MAX_ANSWER_DIGITS = 4000  # an answer int() can read (it refuses more than 4300 digits), with room for a sign
+MAX_TERMS = 1000  # operands per expression: bounds the work of generating one problem
 
 
 def evaluate_terms(terms: Sequence[int], ops: Sequence[str]) -> int:
@@ -72,8 +74,12 @@ class ArithmeticTask(Task):
             raise ValueError(f"max_value ({max_value}) must be >= min_value ({min_value})")
         if not ops or any(op not in SUPPORTED_OPS for op in ops):
             raise ValueError(f"ops must be a non-empty subset of {SUPPORTED_OPS}, got {ops}")
-        if num_terms < 2:
-            raise ValueError(f"num_terms must be >= 2, got {num_terms}")
+        if not 2 <= num_terms <= MAX_TERMS:
+            raise ValueError(f"num_terms must be in [2, {MAX_TERMS}], got {num_terms}")
+        if (digits := answer_digits_bound(max_value, num_terms, ops)) > MAX_ANSWER_DIGITS:
+            raise ValueError(f"max_value, num_terms={num_terms} and ops={ops} allow answers of up to "
+                             f"{digits} digits; at most {MAX_ANSWER_DIGITS} can be scored (lower max_value or "
+                             f"num_terms)")
         self.min_value = min_value  # smallest operand
         self.max_value = max_value  # largest operand
         self.ops = ops  # operators drawn uniformly between operands
@@ -92,10 +98,32 @@ class ArithmeticTask(Task):
                          f"[{self.min_value}, {self.max_value}]; add '+' to ops or set nonnegative=False")
 
     def check(self, problem: Problem) -> None:
-        if not _INT.fullmatch(problem.answer.strip()):
-            raise ValueError(f"arithmetic problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
+        check_integer_answer("arithmetic", problem)
 
     def reward(self, problem: Problem, completion: str) -> float:
         self.check(problem)
-        got = first_integer(strip_reasoning(completion), max(_MAX_DIGITS, len(problem.answer.strip())))
-        return 1.0 if got is not None and got == int(problem.answer) else 0.0
+        return integer_reward(problem.answer, completion)
+
+
+def answer_digits_bound(max_value: int, num_terms: int, ops: Sequence[str]) -> int:
+    """At least the digits of any answer: |value| <= (max_value+1)**num_terms with `*` (the binomial expansion
+    holds every sum of products), num_terms*max_value without; from bit lengths (str() refuses huge ints)."""
+    bits = num_terms * (max_value + 1).bit_length() if "*" in ops else (num_terms * max_value).bit_length()
+    return int(bits * 0.30103) + 1
+
+
+def check_integer_answer(task: str, problem: Problem) -> None:
+    """Raises ValueError unless the problem's answer is an integer `integer_reward` can read."""
+    answer = problem.answer.strip()
+    if not _INT.fullmatch(answer):
+        raise ValueError(f"{task} problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
+    if len(answer.lstrip("-")) > MAX_ANSWER_DIGITS:
+        raise ValueError(f"{task} problem {problem.prompt!r:.60} has an answer of {len(answer.lstrip('-'))} digits; "
+                         f"at most {MAX_ANSWER_DIGITS} can be scored")
+
+
+def integer_reward(answer: str, completion: str) -> float:
+    """1.0 if the first integer standing alone in the completion, reasoning dropped, is `answer` (a checked one),
+    else 0.0. A digit run as long as the answer is read, never one int() refuses."""
+    got = first_integer(strip_reasoning(completion), max(_MAX_DIGITS, len(answer.strip())))
+    return 1.0 if got is not None and got == int(answer) else 0.0

@@ -164,6 +164,13 @@ class CountdownTask(Task):
             raise ValueError(f"num_numbers must be >= 2, got {num_numbers}")
         if max_number < 1 or max_target < 1:
             raise ValueError(f"max_number and max_target must be >= 1, got {max_number} and {max_target}")
+        if max_number >= 10**_MAX_LITERAL_DIGITS:  # an answer could not write it
+            raise ValueError(f"max_number must have at most {_MAX_LITERAL_DIGITS} digits, got {max_number}")
+        # n numbers, n-1 operators and at most n-2 pairs of parentheses: the reference answer must parse
+        if (chars := num_numbers * len(str(max_number)) + (num_numbers - 1) + 2 * (num_numbers - 2)) \
+                > MAX_EXPRESSION_CHARS:
+            raise ValueError(f"num_numbers={num_numbers} and max_number={max_number} allow answers of {chars} "
+                             f"characters; at most {MAX_EXPRESSION_CHARS} are read (lower num_numbers)")
         if not ops or any(op not in SUPPORTED_OPS for op in ops):
             raise ValueError(f"ops must be a non-empty subset of {SUPPORTED_OPS}, got {ops}")
         if not 0.0 <= format_reward < 1.0:
@@ -210,6 +217,11 @@ class CountdownTask(Task):
         if not (isinstance(numbers, list) and numbers and all(_is_int(x) for x in numbers) and _is_int(target)):
             raise ValueError(f"countdown problem {problem.prompt!r}: meta 'numbers' must be a non-empty list of "
                              f"integers and 'target' an integer, got {numbers!r} and {target!r}")
+        unwritable = [x for x in numbers if not 0 <= x < 10**_MAX_LITERAL_DIGITS]  # no sign, at most 12 digits
+        if self.use_all_numbers and unwritable:  # every answer must write it: the problem could never score
+            raise ValueError(f"countdown problem {problem.prompt!r}: use_all_numbers needs every number written "
+                             f"in the answer, and {unwritable[0]} cannot be (integers in [0, "
+                             f"10**{_MAX_LITERAL_DIGITS}) can)")
 
     def reward(self, problem: Problem, completion: str) -> float:
         self.check(problem)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,24 @@ def _parse_line(line: str, where: str) -> Problem:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError:  # the only other ValueError of json.loads
+        raise ValueError(f"{where}: holds an integer too long to read (at most {sys.get_int_max_str_digits()} "
+                         f"digits)") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to read") from None
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
     missing = [k for k in _REQUIRED if k not in row]
     if missing:
         raise ValueError(f"{where}: missing key(s) {missing}; each line needs 'prompt' and 'answer'")
+    for key, value in row.items():
+        try:  # a lone surrogate escape ("\ud800") is no character: hashing and tokenizing the text would fail
+            json.dumps([key, value], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: {key!r} holds a lone surrogate escape (\\ud800-\\udfff), which is not "
+                             f"a character") from None
+        except RecursionError:
+            raise ValueError(f"{where}: {key!r} is nested too deeply to read") from None
     prompt, answer = row.pop("prompt"), row.pop("answer")
     if isinstance(answer, int) and not isinstance(answer, bool):
         answer = str(answer)
@@ -62,10 +76,12 @@ def _parse_line(line: str, where: str) -> Problem:
 def read_jsonl(path: str | Path) -> list[Problem]:
     """Reads problems; blank lines are skipped, any other bad line raises ValueError naming file:line."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"dataset file {path} is a directory: give the JSONL file in it")
     if not path.is_file():
         raise ValueError(f"dataset file {path} does not exist")
     problems = []
-    with open(path, "rb") as f:
+    with _open_dataset(path) as f:
         for lineno, raw in enumerate(f, start=1):
             try:  # a byte-order mark at the start is not part of the first line
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -76,6 +92,13 @@ def read_jsonl(path: str | Path) -> list[Problem]:
     if not problems:
         raise ValueError(f"dataset file {path} holds no problems")
     return problems
+
+
+def _open_dataset(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as e:  # no permission to read it
+        raise ValueError(f"cannot read dataset file {path}: {e.strerror or e}") from None
 
 
 HELD_OUT = 5  # one problem in HELD_OUT, chosen by a hash of its prompt, is for evaluation only

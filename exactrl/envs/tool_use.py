@@ -22,12 +22,11 @@ import ast
 import json
 import operator
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from exactrl.envs.arithmetic import evaluate_terms, first_integer
-from exactrl.envs.base import Problem, Task, register_task, strip_reasoning
+from exactrl.envs.arithmetic import MAX_TERMS, check_integer_answer, evaluate_terms, integer_reward
+from exactrl.envs.base import Problem, Task, register_task
 
 CALCULATOR_TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluates an integer arithmetic expression (+, -, *, //, %, parentheses).",
@@ -73,9 +72,23 @@ class CalculatorTask(Task):
 
     def __init__(self, min_value: int = 10, max_value: int = 99, ops: tuple[str, ...] = ("+", "-", "*"),
                  num_terms: int = 2):
-        if not 0 <= min_value <= max_value or num_terms < 2 or not set(ops) <= {"+", "-", "*"} or not ops:
-            raise ValueError("CalculatorTask needs 0 <= min_value <= max_value, num_terms >= 2, ops within + - *")
-        self.min_value, self.max_value, self.ops, self.num_terms = min_value, max_value, tuple(ops), num_terms
+        ops = tuple(ops)
+        if min_value < 0:
+            raise ValueError(f"min_value must be >= 0 (operands are written without a sign), got {min_value}")
+        if max_value < min_value:
+            raise ValueError(f"max_value ({max_value}) must be >= min_value ({min_value})")
+        if not ops or not set(ops) <= {"+", "-", "*"}:
+            raise ValueError(f"ops must be a non-empty subset of ('+', '-', '*'), got {ops}")
+        if not 2 <= num_terms <= MAX_TERMS:
+            raise ValueError(f"num_terms must be in [2, {MAX_TERMS}], got {num_terms}")
+        # the tool must compute every expression, or a correct agent is told "error"
+        if (chars := num_terms * (len(str(max_value)) + 1) - 1) > _MAX_EXPR_CHARS:
+            raise ValueError(f"max_value and num_terms={num_terms} allow expressions of {chars} characters; the "
+                             f"calculator reads at most {_MAX_EXPR_CHARS} (lower max_value or num_terms)")
+        if ((max_value + 1) ** num_terms if "*" in ops else num_terms * max_value) > _MAX_ABS:  # arithmetic.py
+            raise ValueError(f"max_value, num_terms={num_terms} and ops={ops} allow values beyond the calculator's "
+                             f"limit of 10**30 (lower max_value or num_terms)")
+        self.min_value, self.max_value, self.ops, self.num_terms = min_value, max_value, ops, num_terms
 
     def generate(self, rng: random.Random) -> Problem:
         terms = [rng.randint(self.min_value, self.max_value) for _ in range(self.num_terms)]
@@ -84,12 +97,11 @@ class CalculatorTask(Task):
         return Problem(prompt=f"Compute {expr}", answer=str(evaluate_terms(terms, ops)), meta={"expression": expr})
 
     def check(self, problem: Problem) -> None:
-        if not re.fullmatch(r"-?[0-9]+", problem.answer.strip()):
-            raise ValueError(f"calculator problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
+        check_integer_answer("calculator", problem)
 
     def reward(self, problem: Problem, completion: str) -> float:
         self.check(problem)
-        return float(first_integer(strip_reasoning(completion or "")) == int(problem.answer))
+        return integer_reward(problem.answer, completion or "")
 
 
 def first_messages(problem: Problem) -> list[dict]:
@@ -153,9 +165,9 @@ async def calculator_episode(base_url: str, problem: Problem, *, model: str, see
                 return ep
             for call in msg.tool_calls:
                 ep.tool_calls += 1
-                try:
+                try:  # untrusted model text: bad JSON, a list, deep nesting, an integer too long for int()
                     expr = json.loads(call.function.arguments).get("expression", "")
-                except (json.JSONDecodeError, AttributeError):
+                except (ValueError, AttributeError, RecursionError):
                     expr = None
                 result = calculate(expr) if call.function.name == "calculator" else "error: unknown tool"
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
