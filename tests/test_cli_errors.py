@@ -103,7 +103,8 @@ def test_a_training_file_row_the_task_cannot_score_fails_at_the_start(no_warm_st
 
 
 def test_max_tokens_beyond_the_models_context_fails_before_the_run_dir(model_dir, tmp_path, capsys):
-    assert train(*TINY, f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "rollout.max_tokens=100000") == 2
+    assert train(*TINY, f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "rollout.max_tokens=100000",
+                 "engine.kv_budget_tokens=200000") == 2  # (a smaller budget is refused first, by the config)
     assert "rollout.max_tokens=100000 leaves no room for a prompt" in error_of(capsys, "train")
     assert not (tmp_path / "r").exists()
 
