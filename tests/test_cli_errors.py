@@ -92,12 +92,13 @@ def test_bad_config_fails_before_warm_start_and_leaves_no_run_dir(override, need
 
 def test_a_training_file_row_the_task_cannot_score_fails_at_the_start(no_warm_start, tmp_path, capsys):
     """A row with a non-integer answer used to stop the run only at the step that first drew it (and a
-    resume stopped there again); now before the run dir and the warm start, naming the file and row."""
+    resume stopped there again); now before the run dir and the warm start, naming the file and its line (it
+    said "problem 6 of the file", which blank lines made another line than the 6th)."""
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(5))
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n\n" for a in range(5))
                     + json.dumps({"prompt": "2+1=", "answer": "3.0"}) + "\n")
     assert train("progress=false", f"task.train_jsonl={data}") == 2
-    assert f"task.train_jsonl {data}: problem 6 of the file: arithmetic problem '2+1=' has a non-integer answer" \
+    assert f"task.train_jsonl: {data}:11: arithmetic problem '2+1=' has a non-integer answer" \
         in error_of(capsys, "train")
     assert not (tmp_path / "runs").exists()
 

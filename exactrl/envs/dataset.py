@@ -16,7 +16,7 @@ import hashlib
 import json
 import random
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,9 @@ def _parse_line(line: str, where: str) -> Problem:
     return Problem(prompt=prompt, answer=answer, meta=row)
 
 
-def read_jsonl(path: str | Path) -> list[Problem]:
-    """Reads problems; blank lines are skipped, any other bad line raises ValueError naming file:line."""
+def read_jsonl(path: str | Path, check: Callable[[Problem], None] | None = None) -> list[Problem]:
+    """Reads problems; blank lines are skipped, any other bad line raises ValueError naming file:line.
+    `check` (a task's `check`) runs on each problem, its ValueError named by file:line too."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"dataset file {path} is a directory: give the JSONL file in it")
@@ -89,6 +90,10 @@ def read_jsonl(path: str | Path) -> list[Problem]:
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if line.strip():
                 problems.append(_parse_line(line, f"{path}:{lineno}"))
+                try:
+                    check and check(problems[-1])
+                except ValueError as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
     if not problems:
         raise ValueError(f"dataset file {path} holds no problems")
     return problems

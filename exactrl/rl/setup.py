@@ -424,13 +424,13 @@ def _resume(cfg: RunConfig, run_dir: Path, model: CausalLM, tokenizer, prompts: 
 def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     """The training stream and the evaluation problems: the task's held-out split, and none of a training
     file's prompts, so evaluation scores problems never trained on (`envs.dataset.held_out`)."""
-    train = (read_jsonl(cfg.task.train_jsonl) if cfg.task.train_jsonl
-             else make_dataset(task, cfg.task.train_size, cfg.seed, split="train"))
-    for k, p in enumerate(train if cfg.task.train_jsonl else ()):  # a row the task cannot score fails now,
-        try:  # not when a later step first draws it
-            task.check(p)
+    if cfg.task.train_jsonl:
+        try:  # a row the task cannot score fails now, not when a later step first draws it
+            train = read_jsonl(cfg.task.train_jsonl, check=task.check)
         except ValueError as e:
-            raise ValueError(f"task.train_jsonl {cfg.task.train_jsonl}: problem {k + 1} of the file: {e}") from None
+            raise ValueError(f"task.train_jsonl: {e}") from None
+    else:
+        train = make_dataset(task, cfg.task.train_size, cfg.seed, split="train")
     seen = {task.split_key(p) for p in train} if cfg.task.train_jsonl else set()
     eval_problems = []
     for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval"):
