@@ -77,6 +77,7 @@ def sigterm_self() -> None:
 
 TASK = """
 import os
+import signal
 from exactrl.envs import register_task
 from exactrl.envs.arithmetic import ArithmeticTask
 
@@ -88,18 +89,25 @@ class Judge(ArithmeticTask):
     name = "NAME"
 
     def reward(self, problem, completion):
+        # EXACTRL_TEST_STOP=N:what: the N-th call of this run stops it; unset: the arithmetic task as it is
+        at, _, what = os.environ.get("EXACTRL_TEST_STOP", "0:").partition(":")
         calls[0] += 1
-        if calls[0] == AT:
-            ACTION
+        if calls[0] == int(at):
+            if what == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)  # the run's handler raises in the main thread
+            else:
+                raise eval(what)
         return super().reward(problem, completion)
 """
 
 
-def task_module(tmp_path, name: str, at: int, action: str) -> list[str]:
-    """Settings for a task whose reward does `action` at its `at`-th call (16 calls a step here)."""
-    path = tmp_path / f"{name}.py"
-    path.write_text(TASK.replace("NAME", name).replace("AT", str(at)).replace("ACTION", action))
-    return [f"task.module={path}", f"task.name={name}"]
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory) -> list[str]:
+    """Settings for the arithmetic task behind a judge that stops the run at a reward call chosen by
+    EXACTRL_TEST_STOP (16 calls a step here, 8 an evaluation); one file, so a resumed run imports the same task source."""
+    path = tmp_path_factory.mktemp("task") / "lifecycle_judge.py"
+    path.write_text(TASK.replace("NAME", "lifecycle_judge"))
+    return [f"task.module={path}", "task.name=lifecycle_judge"]
 
 
 # ---------------------------------------------------------------- an error on the rollout thread
@@ -107,19 +115,107 @@ def task_module(tmp_path, name: str, at: int, action: str) -> list[str]:
 
 @pytest.mark.parametrize("error", ["KeyError('no answer key for problem 7')",
                                    "ZeroDivisionError('judge divided by zero')"])
-def test_an_unexpected_error_on_the_rollout_thread_is_raised_with_its_own_message(model_dir, tmp_path, error):
+def test_an_unexpected_error_on_the_rollout_thread_is_raised_with_its_own_message(model_dir, tmp_path, judge,
+                                                                                  monkeypatch, error):
     """Not a ValueError (which the CLI prints in one line): the traceback's last line must still say what
     went wrong, not only that the rollout thread failed; the thread is gone and step 1's checkpoint stays."""
-    name = f"judge_{error.split('(')[0].lower()}"
+    monkeypatch.setenv("EXACTRL_TEST_STOP", f"20:{error}")  # within step 2's rollouts
     d = tmp_path / "run"
-    sets = task_module(tmp_path, name, 20, f"raise {error}")  # within step 2's rollouts
     t0 = time.monotonic()
-    with pytest.raises(Exception) as info:
+    with pytest.raises(RuntimeError) as info:
         cli_main(args_of(model_dir, d, "max_steps=4", "save_every=1", "task.eval_size=0", "async.enabled=true",
-                         *sets))
+                         *judge))
     assert time.monotonic() - t0 < 120  # it did not hang
-    message = error.split("'")[1]
-    assert message in str(info.value), str(info.value)
+    assert error.split("'")[1] in str(info.value), str(info.value)
     assert type(info.value.__cause__).__name__ == error.split("(")[0]
     assert no_rollout_thread_left()
     assert intact(d) == "step_000001"
+
+
+# ---------------------------------------------------------------- stopped at a chosen moment, then resumed
+
+FULL = ["max_steps=4", "save_every=1"]
+
+
+@pytest.fixture(scope="module")
+def full_run(model_dir, judge, tmp_path_factory):
+    """The uninterrupted sync run every stopped-and-resumed one must reproduce, bit for bit."""
+    return run(model_dir, tmp_path_factory.mktemp("full") / "run", *FULL, *judge)
+
+
+def stopped_then_resumed(model_dir, d, monkeypatch, code: int, *overrides) -> tuple[str, list[dict]]:
+    """(the checkpoint the stopped run left, the rows after resuming it with nothing in its way)."""
+    assert cli_main(args_of(model_dir, d, *FULL, *overrides)) == code
+    assert no_rollout_thread_left()
+    kept = intact(d)
+    assert [r["step"] for r in rows_of(d)] >= list(range(1, int(kept[5:]) + 1))
+    monkeypatch.undo()
+    return kept, run(model_dir, d, *FULL, *overrides, "resume=true")
+
+
+def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one(model_dir, tmp_path, judge, full_run,
+                                                                     monkeypatch):
+    import exactrl.rl.checkpoint as ckpt_mod
+
+    real = ckpt_mod.save_model
+
+    def save_model(model, path):
+        real(model, path)  # step 3's weights are in its temporary directory, its optimizer state not yet
+        if path.name == ".tmp_step_000003":
+            sigterm_self()
+    monkeypatch.setattr(ckpt_mod, "save_model", save_model)
+    d = tmp_path / "run"
+    kept, rows = stopped_then_resumed(model_dir, d, monkeypatch, 143, *judge)
+    assert kept == "step_000002"
+    same_metrics(full_run, rows)
+
+
+def test_sigterm_between_a_checkpoints_rename_and_its_pointer(model_dir, tmp_path, judge, full_run, monkeypatch):
+    """step_000003 is complete but `latest` still names step_000002: the run goes on from what the pointer
+    names, and its redone step 3 replaces the directory."""
+    import exactrl.rl.checkpoint as ckpt_mod
+
+    real = ckpt_mod.replace_durably
+
+    def replace_durably(path, text):
+        if path.name == "latest" and text.startswith("step_000003"):
+            assert (path.parent / "step_000003" / "state.json").is_file()
+            sigterm_self()
+        real(path, text)
+    monkeypatch.setattr(ckpt_mod, "replace_durably", replace_durably)
+    d = tmp_path / "run"
+    kept, rows = stopped_then_resumed(model_dir, d, monkeypatch, 143, *judge)
+    assert kept == "step_000002"
+    same_metrics(full_run, rows)
+    assert intact(d) == "step_000004"
+
+
+def test_sigterm_in_the_middle_of_a_training_step(model_dir, tmp_path, judge, full_run, monkeypatch):
+    import exactrl.rl.loop as loop_mod
+
+    real, calls = loop_mod.train_step, []
+
+    def train_step(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            sigterm_self()
+        return real(*args, **kw)
+    monkeypatch.setattr(loop_mod, "train_step", train_step)
+    kept, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143, *judge)
+    assert kept == "step_000002"
+    same_metrics(full_run, rows)
+
+
+# reward calls: 1-8 the evaluation before training, 9-24 step 1, 25-40 step 2, 41-48 its evaluation,
+# 49-64 step 3, 65-80 step 4: the first of step 2, in step 2's evaluation, in step 3, the last of step 4
+@pytest.mark.parametrize("at, kept", [(25, 1), (44, 1), (60, 2), (80, 3)])
+@pytest.mark.parametrize("how", ["ValueError('judge crashed')", "sigterm"])
+def test_stopped_in_the_step_after_a_checkpoint_the_resumed_run_is_the_uninterrupted_one(
+        model_dir, tmp_path, judge, full_run, monkeypatch, at, kept, how):
+    """The step's prompts were taken and its samples drawn before it stopped: the checkpoint's data
+    position and random streams, not the ones at the stop, are where the resumed run goes on."""
+    monkeypatch.setenv("EXACTRL_TEST_STOP", f"{at}:{how}")
+    left, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143 if how == "sigterm" else 2,
+                                      *judge)
+    assert left == f"step_{kept:06d}"
+    same_metrics(full_run, rows)
