@@ -219,3 +219,88 @@ def test_stopped_in_the_step_after_a_checkpoint_the_resumed_run_is_the_uninterru
                                       *judge)
     assert left == f"step_{kept:06d}"
     same_metrics(full_run, rows)
+
+
+# ---------------------------------------------------------------- the asynchronous loop stopped
+
+ASYNC = ["async.enabled=true", "async.max_staleness=0", "task.eval_size=0"]  # evaluation would call the judge
+# from the trainer thread meanwhile: its count would depend on timing
+
+
+@pytest.fixture(scope="module")
+def full_async_run(model_dir, judge, tmp_path_factory):
+    return run(model_dir, tmp_path_factory.mktemp("full_async") / "run", *FULL, *ASYNC, *judge)
+
+
+@pytest.mark.parametrize("where", ["reward", "engine step"])
+def test_sigterm_while_the_rollout_thread_samples(model_dir, tmp_path, judge, full_async_run, monkeypatch, where):
+    """SIGTERM sent while the rollout thread scores or samples step 3's batch: the trainer thread may be
+    saving step 2 or waiting for the batch; either way the run stops, its thread ends, what it saved is
+    whole, and at max_staleness 0 the resumed run is the uninterrupted one bit for bit."""
+    import exactrl.rl.async_loop as async_mod
+
+    if where == "reward":
+        monkeypatch.setenv("EXACTRL_TEST_STOP", "40:sigterm")  # step 3's batch (16 rewards a step)
+    else:
+        real, steps = async_mod.generate_groups, []
+
+        def generate_groups(*args, on_step=None, **kw):
+            def hook():
+                steps.append(1)
+                if args[6] == 3 and len(steps) == 2:
+                    sigterm_self()
+                on_step()
+            if args[6] == 3:
+                steps.clear()
+            return real(*args, on_step=hook, **kw)
+        monkeypatch.setattr(async_mod, "generate_groups", generate_groups)
+    kept, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143, *ASYNC, *judge)
+    assert kept in ("step_000001", "step_000002")
+    same_metrics(full_async_run, rows)
+
+
+def test_a_non_finite_engine_on_the_rollout_thread_is_named_as_divergence(model_dir, tmp_path, capsys, monkeypatch):
+    import exactrl.rl.async_loop as async_mod
+    from exactrl.engine.engine import NonFiniteLogitsError
+
+    real = async_mod.generate_groups
+
+    def generate_groups(*args, **kw):
+        if args[6] == 2:
+            raise NonFiniteLogitsError(["req-7"])
+        return real(*args, **kw)
+    monkeypatch.setattr(async_mod, "generate_groups", generate_groups)
+    d = tmp_path / "run"
+    assert cli_main(args_of(model_dir, d, *FULL, *ASYNC)) == 2
+    err = capsys.readouterr().err
+    assert "error: non-finite logits (NaN or inf) for request(s) ['req-7']" in err
+    assert "The training diverged; its checkpoints are kept" in err
+    assert no_rollout_thread_left() and intact(d) == "step_000001"
+
+
+def test_sigterm_from_outside_stops_an_asynchronous_run_which_then_resumes(model_dir, tmp_path):
+    """A child process, stopped at whatever moment it is in once a checkpoint exists (the rollout thread a
+    step ahead): exit 143 without hanging, a whole checkpoint, and a resume that goes on from it."""
+    d = tmp_path / "run"
+    sets = [*SMALL, f"model.path={model_dir}", f"run_dir={d}", "max_steps=1000", "save_every=1",
+            "async.enabled=true", "async.max_staleness=1", "task.eval_size=0"]
+    code = "import sys; from exactrl.cli import main; sys.exit(main(sys.argv[1:]))"
+    p = subprocess.Popen([sys.executable, "-c", code, "train", *[x for o in sets for x in ("--set", o)]],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        t0 = time.monotonic()
+        while not (d / "checkpoints" / "latest").is_file():
+            assert p.poll() is None and time.monotonic() - t0 < 120, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)  # it did not hang
+    finally:
+        p.kill()
+    assert p.returncode == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
+    kept = int(intact(d)[5:])
+    rows = run(model_dir, d, f"max_steps={kept + 1}", "save_every=1", "async.enabled=true", "async.max_staleness=1",
+               "task.eval_size=0", "resume=true")
+    assert [r["step"] for r in rows] == list(range(1, kept + 2))
+    assert intact(d) == f"step_{kept + 1:06d}"
