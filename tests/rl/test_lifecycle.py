@@ -304,3 +304,38 @@ def test_sigterm_from_outside_stops_an_asynchronous_run_which_then_resumes(model
                "task.eval_size=0", "resume=true")
     assert [r["step"] for r in rows] == list(range(1, kept + 2))
     assert intact(d) == f"step_{kept + 1:06d}"
+
+
+# ---------------------------------------------------------------- async settings that cannot do what they say
+
+
+def test_inflight_updates_at_max_staleness_zero_are_named_as_having_no_effect(model_dir, tmp_path, capsys):
+    """Batch k starts only once version k − 1 is out and version k needs batch k: no weights ever arrive
+    in the middle of a batch, which the run says instead of leaving the user to think they did."""
+    from exactrl.rl.config import ignored_settings, load_config
+
+    cfg = load_config(None, ["async.enabled=true", "async.max_staleness=0", "async.inflight_updates=true"])
+    assert ignored_settings(cfg) == ["async.inflight_updates has no effect: async.max_staleness is 0, so no new "
+                                     "weights come out while a batch is sampled"]
+    assert ignored_settings(load_config(None, ["async.enabled=true", "async.max_staleness=1",
+                                               "async.inflight_updates=true"])) == []
+    run(model_dir, tmp_path / "run", "max_steps=1", "async.enabled=true", "async.max_staleness=0",
+        "async.inflight_updates=true", "task.eval_size=0")
+    assert "note: async.inflight_updates has no effect" in capsys.readouterr().out
+
+
+def test_async_without_weight_sync_is_refused_when_it_would_stop_half_way():
+    """An external server with weight_sync none samples every token as version 0: the asynchronous loop
+    drops it all from step max_staleness + 2 on, so a longer run is refused before it starts."""
+    from exactrl.rl.config import load_config
+
+    server = ["rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1", "rollout_backend.model=m",
+              "async.enabled=true", "async.max_staleness=2"]
+    with pytest.raises(ValueError, match=r"async.enabled with rollout_backend.weight_sync=none: .* from step 4 every "
+                                         r"sample is staler than async.max_staleness=2 .* max_steps=4; use "
+                                         r"rollout_backend.weight_sync=disk"):
+        load_config(None, [*server, "max_steps=4"])
+    assert load_config(None, [*server, "max_steps=3"]).max_steps == 3  # it ends before then
+    assert load_config(None, [*server, "max_steps=40", "rollout_backend.weight_sync=disk",
+                              "rollout_backend.sync_dir=/tmp"]).max_steps == 40
+    assert load_config(None, [*server, "max_steps=40", "async.enabled=false"]).max_steps == 40
