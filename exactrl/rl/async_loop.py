@@ -125,8 +125,8 @@ class RolloutWorker:
 
     def next_batch(self) -> RolloutBatch:
         item = self._out.get()
-        if isinstance(item, BaseException):
-            raise RuntimeError("the rollout thread failed") from item
+        if isinstance(item, BaseException):  # its own words on the last line of a traceback, its frames as the cause
+            raise RuntimeError(f"the rollout thread failed: {type(item).__name__}: {item}") from item
         return item
 
     def _apply_pending(self) -> None:

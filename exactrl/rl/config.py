@@ -229,6 +229,15 @@ class RunConfig(BaseModel):
         if self.resume and self.run_dir is None:
             raise ValueError("resume=true needs run_dir: the directory of the run to continue "
                              "(--set run_dir=runs/<its name>)")
+        a, rb = self.async_, self.rollout_backend
+        if a.enabled and rb.kind == "openai" and rb.weight_sync == "none" and self.max_steps > a.max_staleness + 1:
+            # every token of a server that keeps its starting weights is version 0: from step max_staleness + 2
+            # on, drop_stale finds every sample too stale and the run would stop there, half done
+            raise ValueError(f"async.enabled with rollout_backend.weight_sync=none: the server keeps its starting "
+                             f"weights, so from step {a.max_staleness + 2} every sample is staler than "
+                             f"async.max_staleness={a.max_staleness} and the run would stop there, short of "
+                             f"max_steps={self.max_steps}; use rollout_backend.weight_sync=disk, or the synchronous "
+                             f"loop (async.enabled=false)")
         if self.algorithm.overlong.buffer_len > self.rollout.max_tokens:
             raise ValueError(f"algorithm.overlong.buffer_len={self.algorithm.overlong.buffer_len} exceeds "
                              f"rollout.max_tokens={self.rollout.max_tokens}: the buffer is the last tokens before it")
@@ -411,6 +420,9 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
     if not cfg.async_.enabled:
         out += given(cfg.async_, "async", ("max_staleness", "inflight_updates", "recompute_behaviour"),
                      "async.enabled is false")
+    elif cfg.async_.max_staleness == 0:  # batch k starts once version k - 1 is out; version k needs batch k
+        out += given(cfg.async_, "async", ("inflight_updates",),
+                     "async.max_staleness is 0, so no new weights come out while a batch is sampled")
     if cfg.algorithm.kl.coef == 0:
         out += given(cfg.algorithm.kl, "algorithm.kl", ("kind", "where"), "algorithm.kl.coef is 0")
     if cfg.algorithm.overlong.buffer_len == 0:

@@ -57,7 +57,8 @@ tokens carry version 0 (also after a resume), and `update_weights` only notes th
 trainer's version (`external/trainer_version`). The data then grows staler
 every step: the synchronous loop's mismatch metrics show it growing, and the
 asynchronous loop's `drop_stale` refuses it once it is older than
-`async.max_staleness`. `weight_sync: disk`: the weights are written as a
+`async.max_staleness` (so an asynchronous run that would get there is refused
+when its config is read). `weight_sync: disk`: the weights are written as a
 Hugging Face checkpoint into `sync_dir` (which the server must see under the
 same path) and loaded by the server's `update_weights_from_disk` (SGLang's
 endpoint, also `exactrl serve`'s; vLLM has none, so it runs with `none`).

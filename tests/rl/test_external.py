@@ -204,7 +204,8 @@ def test_config_section_and_errors():
                            "rollout_backend.model=m"])
     with pytest.raises(ValueError, match="inflight_updates"):
         build(load_config(None, ["rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1",
-                                 "rollout_backend.model=m", "async.enabled=true", "async.inflight_updates=true"]))
+                                 "rollout_backend.model=m", "async.enabled=true", "async.inflight_updates=true",
+                                 "max_steps=2"]))  # (longer, weight_sync none would be refused first)
 
 
 # ---------------------------------------------------------------- through a real server
