@@ -18,9 +18,9 @@ index, below TURN_SEEDS, so no two turns of a step share a seed), so a step's
 episodes do not depend on how many run concurrently.
 
 An episode whose environment raises (a server error, a conversation that
-outgrew the context) or returns a reward that is not a finite number takes
-its group out of the step, as a group needs all
-G rewards for its baseline; the others train. `rollout/failed_episodes`
+outgrew the context), returns a reward that is not a finite number, or runs
+past `episode_timeout_s` takes its group out of the step, as a group needs
+all G rewards for its baseline; the others train. `rollout/failed_episodes`
 counts them; if every group failed the step fails with the first error.
 
 Legend: P problems, G episodes per problem.
