@@ -18,6 +18,27 @@ SIZES = {
 }
 
 
+CONTEXT = 2048  # max_position_embeddings of every model a benchmark builds
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0 (a NaN learning rate was named by torch only after the model was built)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def check_context(parser: argparse.ArgumentParser, what: str, tokens: int, limit: int = CONTEXT) -> None:
+    """Exits naming the flags `what` when `tokens` do not fit the benchmark models' context (checked before a
+    model is built; the engine's own message names its request fields, not the flags)."""
+    if tokens > limit:
+        parser.error(f"{what} = {tokens} tokens exceeds the benchmark models' context of {limit} tokens")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
     try:
@@ -52,7 +73,7 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **val
             setattr(args, dest, value)
 
 
-def qwen3_config(size: str, max_positions: int = 2048):
+def qwen3_config(size: str, max_positions: int = CONTEXT):
     from exactrl.model import ModelConfig
 
     hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rms_norm_eps": 1e-6,

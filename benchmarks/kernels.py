@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (apply_quick, matmul_peak_gflops, peak_rss_mb, positive_int, positive_ints, qwen3_config,  # noqa: E402
-                     size_names, timeit)
+from _common import (apply_quick, check_context, matmul_peak_gflops, peak_rss_mb, positive_int,  # noqa: E402
+                     positive_ints, qwen3_config, size_names, timeit)
 
 import exactrl  # noqa: E402
 from exactrl.kernels import TokenLayout  # noqa: E402
@@ -94,5 +94,7 @@ def main(argv: list[str]) -> None:
     a = p.parse_args(argv)
     if a.quick:
         apply_quick(p, a, sizes=["tiny"], train_batch=2, train_seq=40, ctx=40, repeat=1)
+    check_context(p, f"--train-seq {a.train_seq}", a.train_seq)
+    check_context(p, f"--ctx {a.ctx} + the decoded token", a.ctx + 1)
     res = run(a.sizes, (a.train_batch, a.train_seq), a.decode_batches, a.ctx, a.repeat, a.dtype)
     print(json.dumps(res, indent=2))

@@ -126,6 +126,8 @@ def main(argv: list[str]) -> None:
         apply_quick(p, a, size="tiny", requests=1, max_tokens=16)
     if a.model is not None and not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there (a Hugging Face model directory, with its tokenizer)")
+    import openai
+
     levels = a.clients
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-serve-") as tmp:
         info = {"model_dir": a.model}
@@ -138,7 +140,10 @@ def main(argv: list[str]) -> None:
         try:
             name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
             asyncio.run(run_level(url, name, 1, 1, 4))  # warm-up
-            results = [asyncio.run(run_level(url, name, c, a.requests, a.max_tokens)) for c in levels]
+            try:
+                results = [asyncio.run(run_level(url, name, c, a.requests, a.max_tokens)) for c in levels]
+            except openai.BadRequestError as e:  # the server's message says what (a --max-tokens beyond the context)
+                raise ValueError(f"the server refused a request of --max-tokens {a.max_tokens}: {e.message}") from None
         finally:
             proc.terminate()
             proc.wait(timeout=30)

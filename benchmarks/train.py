@@ -87,7 +87,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SIZES, apply_quick, linear_weights, matmul_peak_gflops, positive_int  # noqa: E402
+from _common import (CONTEXT, SIZES, apply_quick, check_context, linear_weights, matmul_peak_gflops,  # noqa: E402
+                     positive_float, positive_int)
 
 TRL_MISSING = "not installed (pip install 'exactrl[bench]')"
 DIFF, DIFF_MAX = "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"
@@ -116,7 +117,7 @@ def build_model_dir(out: Path, size: str, seed: int) -> dict:
     build_tokenizer(out, texts, vocab_size=shape["vocab_size"])
     tok = load_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(**{**shape, "vocab_size": tok.vocab_size}, max_position_embeddings=2048,
+    cfg = transformers.Qwen3Config(**{**shape, "vocab_size": tok.vocab_size}, max_position_embeddings=CONTEXT,
                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     hf = transformers.Qwen3ForCausalLM(cfg)
     hf.save_pretrained(out)
@@ -440,7 +441,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens")
     p.add_argument("--new", type=positive_int, default=128, help="completion tokens per sequence (N, eos ignored)")
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps, after one warm-up step")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", type=positive_float, default=5e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer")
     p.add_argument("--fast", action="store_true", help="also run exactrl with fast kernels (non-zero diff)")
@@ -453,6 +454,7 @@ def parse_args(argv: list[str]):
     if a.group < 2 or a.prompts < 1 or a.prompt < 1 or a.new < 1 or a.steps < 1:
         p.error("need --group >= 2 (GRPO compares completions of a prompt) and --prompts, --prompt, --new, "
                 "--steps >= 1")
+    check_context(p, f"--prompt {a.prompt} + --new {a.new}", a.prompt + a.new)
     return a
 
 

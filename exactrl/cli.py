@@ -26,6 +26,8 @@ def _parity(args) -> int:
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --server URL (the server's logprobs against "
                              f"this trainer's); without it parity checks the model's own kernels")
+    if args.server:  # named before the model loads (a minute for a large one)
+        _check_server_flags(args)
     model = exactrl.load_model(args.model, dtype=args.dtype, kernels=args.kernels)
     if args.server:
         return _server_parity(args, model)
@@ -42,6 +44,18 @@ def _parity(args) -> int:
     return 0 if ok else 1
 
 
+def _check_server_flags(args) -> None:
+    """`parity --server`: the flags that need no model, checked before it loads."""
+    from exactrl.debug.parity import server_settings
+    from exactrl.kernels.rowwise import check_temperature
+
+    server_settings(args.server, args.served_model or args.model)
+    try:
+        check_temperature(args.temperature)
+    except ValueError as e:
+        raise ValueError(f"--temperature {args.temperature}: {e}") from None
+
+
 def _server_parity(args, model) -> int:
     """`parity --server URL`: the server's logprobs against this trainer's, on random prompts."""
     from exactrl.debug.parity import server_mismatch
@@ -50,8 +64,6 @@ def _server_parity(args, model) -> int:
     if args.max_tokens >= model.config.max_position_embeddings:
         raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
                          f"{model.config.max_position_embeddings} tokens")
-    if args.server.rstrip("/").endswith("/v1"):
-        raise ValueError(f"--server must be the server's root URL, without /v1: got {args.server!r}")
     length = min(args.length, model.config.max_position_embeddings - args.max_tokens)
     try:
         m = server_mismatch(model, args.server, args.served_model or args.model, prompts=args.prompts,
@@ -153,11 +165,19 @@ def _int_in(lo: int, hi: int | None = None):
     return parse
 
 
+def _path(text: str) -> str:
+    """An argparse type: a path or name that is not empty (an unset shell variable would otherwise be '.', and
+    an empty --server no server at all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty or only spaces, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exactrl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run an RL training job (default job without a config)")
-    t.add_argument("config", nargs="?", default=None, help="YAML run config")
+    t.add_argument("config", nargs="?", default=None, type=_path, help="YAML run config")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (every key, type and default: docs/config.md)")
     t.add_argument("--nproc", type=_int_in(1), default=1,
@@ -165,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "between them); across machines start ranks with torchrun -m exactrl train")
     t.set_defaults(fn=_train)
     s = sub.add_parser("serve", help="OpenAI-compatible server over the engine")
-    s.add_argument("--model", required=True, help="Hugging Face model directory to serve (config.json + safetensors)")
-    s.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    s.add_argument("--model", required=True, type=_path,
+                   help="Hugging Face model directory to serve (config.json + safetensors)")
+    s.add_argument("--tokenizer", default=None, type=_path, help="tokenizer directory (default: the model directory)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: all interfaces)")
     s.add_argument("--port", type=_int_in(0, 65535), default=8000, help="TCP port to listen on, 0..65535")
@@ -189,17 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "deletes its own), >= 0; 0 keeps sessions until they are deleted")
     s.set_defaults(fn=_serve)
     q = sub.add_parser("parity", help="check the exactness contract on a model")
-    q.add_argument("--model", required=True, help="Hugging Face model directory")
+    q.add_argument("--model", required=True, type=_path, help="Hugging Face model directory")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     q.add_argument("--kernels", default="exact", choices=["exact", "fast"])
     q.add_argument("--length", type=_int_in(1), default=80,
                    help="target sequence length, >= 1 (capped at the model's context)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--json", action="store_true", help="also print the results as JSON")
-    q.add_argument("--server", default=None, metavar="URL",
+    q.add_argument("--server", default=None, metavar="URL", type=_path,
                    help="instead: compare a rollout server's logprobs (exactrl serve, vLLM, SGLang; its root URL, "
                         "serving the same weights) with this trainer's on random prompts of --length tokens")
-    q.add_argument("--served-model", default=None, help="--server: the model name it serves (default: --model)")
+    q.add_argument("--served-model", default=None, type=_path,
+                   help="--server: the model name it serves (default: --model)")
     q.add_argument("--prompts", type=_int_in(1), default=8, help="--server: random prompts to send, >= 1")
     q.add_argument("--max-tokens", type=_int_in(1), default=32, help="--server: tokens generated per prompt, >= 1")
     q.add_argument("--temperature", type=float, default=1.0, help="--server: sampling temperature")
@@ -209,13 +231,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
     b.set_defaults(fn=_bench)
     r = sub.add_parser("report", help="PNG plots of a run directory")
-    r.add_argument("run_dir")
+    r.add_argument("run_dir", type=_path)
     r.set_defaults(fn=_report)
     return p
 
 
+def _refuse_dropped_values(parser: argparse.ArgumentParser, args, argv: list[str]) -> None:
+    """`--port=--`: Python 3.11's argparse drops the '--' and sets the flag to [] without calling its type (a
+    port of [], a benchmark run with --repeat []). Refused by the command's parser, naming the flag."""
+    for a in argv:
+        if a == "--":
+            return
+        if a.startswith("--") and a.endswith("=--"):
+            sub = next(x for x in parser._actions if isinstance(x, argparse._SubParsersAction))
+            sub.choices[args.command].error(f"argument {a[:-3]}: expected one argument, got '--'")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _refuse_dropped_values(parser, args, sys.argv[1:] if argv is None else argv)
     from exactrl.runtime import exec_with_huge_pages, tune_allocator
 
     if argv is None:  # the `exactrl` program (not a call from Python): start again with huge pages on

@@ -163,6 +163,23 @@ def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckRe
     return [_compare(model, name, a, b) for name, a, b in checks]
 
 
+def server_settings(base_url: str, served_model: str):
+    """The external rollout backend's settings for `parity --server URL`; a ValueError naming --server when
+    the URL is not a server root. Cheap: the CLI calls it before it loads the model."""
+    from pydantic import ValidationError
+
+    from exactrl.rl.external import RolloutBackendSettings
+
+    if base_url.rstrip("/").endswith("/v1"):
+        raise ValueError(f"--server must be the server's root URL, without /v1: got {base_url!r}")
+    try:
+        return RolloutBackendSettings(kind="openai", base_url=base_url, model=served_model)
+    except ValidationError as e:  # its message names rollout_backend's keys: here they are --server's
+        raise ValueError(f"--server {base_url!r}: " + "; ".join(
+            err["msg"].removeprefix("Value error, ").replace("rollout_backend.base_url", "it")
+            for err in e.errors())) from None
+
+
 def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: int = 8, length: int = 32,
                     max_tokens: int = 32, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
     """How far a rollout server's logprobs are from this trainer's, on the same weights (DESIGN.md §6).
@@ -177,9 +194,7 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     from exactrl.engine import SamplingParams
     from exactrl.model.logprobs import sequence_logprobs
     from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
-    from pydantic import ValidationError
-
-    from exactrl.rl.external import ExternalEngine, RolloutBackendSettings
+    from exactrl.rl.external import ExternalEngine
 
     if prompts < 1 or length < 1 or max_tokens < 1:
         raise ValueError(f"prompts, length and max_tokens must be >= 1, got {prompts}, {length}, {max_tokens}")
@@ -191,13 +206,7 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     batch = [[rng.randrange(V) for _ in range(length)] for _ in range(prompts)]
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed * 1_000_003 + k,
                              ignore_eos=True) for k in range(prompts)]
-    try:
-        settings = RolloutBackendSettings(kind="openai", base_url=base_url, model=served_model)
-    except ValidationError as e:  # its message names rollout_backend's keys: here they are --server's
-        raise ValueError(f"--server {base_url!r}: " + "; ".join(
-            err["msg"].removeprefix("Value error, ").replace("rollout_backend.base_url", "it")
-            for err in e.errors())) from None
-    engine = ExternalEngine(settings)
+    engine = ExternalEngine(server_settings(base_url, served_model))
     try:
         outs = [o[0] for o in engine.generate(batch, params)]
     finally:

@@ -15,6 +15,8 @@ partial one, lazily, on its first decode step.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -28,6 +30,11 @@ class PagePool:
         self.block_size = model.block_size
         # per layer [k_pages, v_pages], each [P + 1, Hk, B, Dh]: the last page is scratch, never handed out
         # (the padding rows of a decode graph write there: engine/graph.py)
+        need, ram = model.kv_bytes(num_pages + 1), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > ram:  # a budget beyond torch's int64 sizes was a TypeError; one beyond RAM may be OOM-killed
+            raise ValueError(f"a KV budget of {num_pages * self.block_size} tokens does not fit in memory "
+                             f"({need / 2**30:.4g} GiB of KV cache, the machine has {ram / 2**30:.4g} GiB): lower "
+                             f"kv_budget_tokens")
         try:
             self.kv = model.new_kv(num_pages + 1)
         except (RuntimeError, MemoryError) as e:  # torch's allocator: "can't allocate memory"

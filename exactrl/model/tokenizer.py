@@ -285,7 +285,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"tokenizer directory {path} does not exist")
+        raise ValueError(f"tokenizer directory {path} " + ("is a file: give the directory that holds the tokenizer "
+                                                           "files" if path.exists() else "does not exist"))
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"{path} holds no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); a "
                          f"training checkpoint has none: pass the tokenizer's directory separately (exactrl serve "

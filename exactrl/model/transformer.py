@@ -150,6 +150,12 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def kv_bytes(self, num_pages: int) -> int:
+        """The bytes `new_kv(num_pages)` allocates (a Python int: no overflow before the allocation is tried)."""
+        c = self.config
+        return 2 * c.num_hidden_layers * num_pages * c.num_key_value_heads * self.block_size * c.head_dim \
+            * self.dtype.itemsize
+
     def new_kv(self, num_pages: int) -> list[list[torch.Tensor]]:
         """An empty paged KV store: per layer [k_pages, v_pages], each [P, Hk, B, Dh]."""
         c = self.config

@@ -140,9 +140,12 @@ class RolloutBackendSettings(BaseModel):
                 if url.rstrip("/").endswith("/v1"):
                     raise ValueError(f"rollout_backend.{key} must be the server root, without /v1: got {url!r}")
                 try:
-                    httpx.URL(url)
+                    host = httpx.URL(url).host
                 except httpx.InvalidURL as e:
                     raise ValueError(f"rollout_backend.{key} is not a valid URL ({e}): got {url!r}") from None
+                if not host:  # `http://` or `http://:8000`: every request failed as a connection error
+                    raise ValueError(f"rollout_backend.{key} names no host: it must be a server root such as "
+                                     f"http://host:8000, got {url!r}")
             roots = self.server_roots
             if len(set(roots)) != len(roots):
                 raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")

@@ -87,9 +87,13 @@ class ServerConfig:
     def __post_init__(self):
         if self.monotonicity not in POLICIES:
             raise ValueError(f"monotonicity must be one of {list(POLICIES)}, got {self.monotonicity!r}")
-        if not self.session_ttl_s >= 0:
-            raise ValueError(f"session_ttl_s (--session-ttl) must be >= 0 seconds (0: never), got "
-                             f"{self.session_ttl_s!r}")
+        try:  # seconds are compared with time.monotonic() floats: an int beyond every float failed in a request
+            ok = float(self.session_ttl_s) >= 0
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise ValueError(f"session_ttl_s (--session-ttl) must be >= 0 seconds (0: never) and a number a float "
+                             f"holds, got {self.session_ttl_s!r:.40}")
 
 
 class ServerState:
