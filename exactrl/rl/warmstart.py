@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -83,14 +84,53 @@ def _hash(cfg) -> str:
 
 
 def default_model_dir(cfg, log=print) -> Path:
-    """Returns the cached warm-started model directory, building it if needed."""
+    """Returns the cached warm-started model directory, building it if needed.
+
+    Each build writes a directory of its own and renames it into place, so two runs building the same model
+    at once both finish (the first rename wins; they shared one scratch directory, and one deleted the other's
+    half-built model), and a crash leaves no half-built cache entry."""
     out = ARTIFACTS / f"default-{_hash(cfg)}"
-    if (out / "model.safetensors").is_file():
+    if _complete(out):
         return out
-    task = get_task(cfg.task.name, **cfg.task.kwargs)
-    tmp = ARTIFACTS / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        tmp = ARTIFACTS / f".tmp-{out.name}-{uuid.uuid4().hex[:12]}"  # mkdtemp's would be private (0700)
+        tmp.mkdir()
+    except OSError as e:
+        why = "a file, not a directory" if ARTIFACTS.is_file() else e.strerror or e
+        raise ValueError(f"cannot write the default model's cache in {ARTIFACTS} ({why}): point "
+                         f"EXACTRL_ARTIFACTS at a writable directory, or set model.path to a model") from None
     t0 = time.time()
+    try:
+        _build(cfg, tmp, log)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"warm start done in {time.time() - t0:.0f}s -> {out}")
+    return out
+
+
+def _complete(d: Path) -> bool:
+    return (d / "model.safetensors").is_file() and (d / "config.json").is_file()
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Renames the built `tmp` to `out`, unless another run's complete build got there first; an incomplete
+    `out` (its files deleted by hand) is replaced."""
+    if out.exists() and not _complete(out):
+        stale = ARTIFACTS / f".stale-{out.name}-{uuid.uuid4().hex[:12]}"
+        out.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # a directory of that name appeared meanwhile: another run's build
+        if not _complete(out):
+            raise
+
+
+def _build(cfg, tmp: Path, log) -> None:
+    """Tokenizer, model and warm start into `tmp`."""
+    task = get_task(cfg.task.name, **cfg.task.kwargs)
     build_tokenizer(tmp, default_tokenizer_corpus([task], 2000, cfg.seed), vocab_size=384)
     tok = load_tokenizer(tmp)
     hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": tok.vocab_size,
@@ -102,9 +142,6 @@ def default_model_dir(cfg, log=print) -> Path:
     supervised_finetune(model, tok, task, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, log,
                         echo_frac=cfg.sft.echo_frac)
     save_model(model, tmp)
-    tmp.rename(out) if not out.exists() else shutil.rmtree(tmp)
-    log(f"warm start done in {time.time() - t0:.0f}s -> {out}")
-    return out
 
 
 def supervised_finetune(model, tok, task, steps: int, batch_size: int, lr: float, seed: int, log=print,
