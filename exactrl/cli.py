@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "serving the same weights) with this trainer's on random prompts of --length tokens")
     q.add_argument("--served-model", default=None, type=_path,
                    help="--server: the model name it serves (default: --model)")
-    q.add_argument("--prompts", type=_int_in(1), default=8, help="--server: random prompts to send, >= 1")
+    q.add_argument("--prompts", type=_int_in(1, 100_000), default=8,  # all are built before the first is sent
+                   help="--server: random prompts to send, 1..100000")
     q.add_argument("--max-tokens", type=_int_in(1), default=32, help="--server: tokens generated per prompt, >= 1")
     q.add_argument("--temperature", type=float, default=1.0, help="--server: sampling temperature")
     q.set_defaults(fn=_parity)

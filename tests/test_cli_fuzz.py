@@ -67,7 +67,7 @@ blank = st.text(" \t\n\r", max_size=3)
 # (command argv before the flag, the flag, the smallest value it takes, the largest or None)
 INT_FLAGS = [
     (["parity", "--model", "m"], "--length", 1, None),
-    (["parity", "--model", "m", "--server", "http://h:1"], "--prompts", 1, None),
+    (["parity", "--model", "m", "--server", "http://h:1"], "--prompts", 1, 100_000),  # 10**14 built for minutes
     (["parity", "--model", "m", "--server", "http://h:1"], "--max-tokens", 1, None),
     (["serve", "--model", "m"], "--port", 0, 65535),
     (["serve", "--model", "m"], "--kv-budget-tokens", 1, None),
