@@ -100,6 +100,10 @@ def test_load_errors_name_the_problem(tmp_path):
         exactrl.load_model(tmp_path / "nope")
     with pytest.raises(ValueError, match="kernels"):
         exactrl.model.build_model(exactrl.model.read_config(tmp_path / "m"), kernels="turbo")
+    cfg_path.unlink()
+    cfg_path.mkdir()  # it said "no config.json in model directory", which there was
+    with pytest.raises(ValueError, match=r"config.json is a directory, not the model's config file"):
+        exactrl.load_model(tmp_path / "m")
 
 
 def test_sequence_logprobs_input_errors(qwen3_dir):

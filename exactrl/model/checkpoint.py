@@ -44,7 +44,8 @@ def _read_json_object(p: Path) -> dict:
 def read_config(path: str | Path) -> ModelConfig:
     p = Path(path) / "config.json"
     if not p.is_file():
-        raise ValueError(f"no config.json in model directory {path!s}")
+        raise ValueError(f"{p} is a directory, not the model's config file" if p.is_dir()
+                         else f"no config.json in model directory {path!s}")
     hf = _read_json_object(p)
     try:
         cfg = ModelConfig.from_hf(hf)
