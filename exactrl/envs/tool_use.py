@@ -14,7 +14,7 @@ returned (token fields included), so every turn's prompt is token-exact.
 
 Reward (in [0, 1], computed by a program): 1.0 if the first integer of the
 final answer (reasoning dropped) is the expression's value, else 0.0. An
-episode that is still calling tools after `max_turns` scores 0.
+episode that is still calling tools after `max_turns` scores 0 (`Episode.out_of_turns`).
 """
 from __future__ import annotations
 
@@ -140,6 +140,7 @@ class Episode:
     messages: list[dict] = field(default_factory=list)  # the conversation as the agent saw it
     tool_calls: int = 0
     turns: int = 0  # model calls
+    out_of_turns: bool = False  # still calling tools after max_turns: why its reward is 0
 
 
 async def calculator_episode(base_url: str, problem: Problem, *, model: str, seed: int | None = None,
@@ -171,4 +172,5 @@ async def calculator_episode(base_url: str, problem: Problem, *, model: str, see
                     expr = None
                 result = calculate(expr) if call.function.name == "calculator" else "error: unknown tool"
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    ep.out_of_turns = True
     return ep

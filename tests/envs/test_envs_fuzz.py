@@ -7,6 +7,7 @@ problems; settings out of range are refused by name.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from exactrl.envs import ArithmeticTask, CountdownTask, Problem, PromptSource, get_task, make_dataset, read_jsonl, \
     write_jsonl
 from exactrl.envs.dataset import fingerprint, held_out
-from exactrl.envs.tool_use import CalculatorTask, calculate, ideal_transcript
+from exactrl.envs.tool_use import CalculatorTask, calculate, calculator_episode, ideal_transcript
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -338,16 +339,31 @@ def test_countdown_use_all_numbers_refuses_a_number_no_answer_can_write():
 def test_calculator_episode_survives_any_tool_call_arguments(monkeypatch, arguments):
     """The arguments of a tool call are model text: bad JSON (deeply nested, an integer too long for int())
     is an error for the agent to read, not an exception that ends the rollout."""
-    import asyncio
-
-    import openai
-    from openai.types.chat import ChatCompletion
-
-    from exactrl.envs.tool_use import calculator_episode
-
     replies = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}]},
         {"role": "assistant", "content": "5"}]
+    _fake_openai(monkeypatch, replies)
+    problem = Problem("Compute 2+3", "5", {"expression": "2+3"})
+    ep = asyncio.run(calculator_episode("http://unused", problem, model="m"))
+    assert ep.reward == 1.0 and ep.tool_calls == 1 and not ep.out_of_turns
+    tool_reply = ep.messages[-2]["content"]
+    assert tool_reply == "5" if arguments == '{"expression": "2+3"}' else tool_reply.startswith("error")
+
+
+def test_a_calculator_episode_out_of_turns_says_so(monkeypatch):
+    """Its reward is 0 whatever it computed; `out_of_turns` says why (only turns == max_turns hinted at it)."""
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]}
+    _fake_openai(monkeypatch, [call, call])
+    problem = Problem("Compute 2+3", "5", {"expression": "2+3"})
+    ep = asyncio.run(calculator_episode("http://unused", problem, model="m", max_turns=2))
+    assert (ep.reward, ep.turns, ep.tool_calls, ep.out_of_turns) == (0.0, 2, 2, True)
+
+
+def _fake_openai(monkeypatch, replies: list[dict]) -> None:
+    """openai.AsyncOpenAI answering each chat request with the next of `replies` (assistant messages)."""
+    import openai
+    from openai.types.chat import ChatCompletion
 
     class FakeClient:
         def __init__(self, **kwargs):
@@ -366,8 +382,3 @@ def test_calculator_episode_survives_any_tool_call_arguments(monkeypatch, argume
                                                                "message": replies.pop(0)}]})
 
     monkeypatch.setattr(openai, "AsyncOpenAI", FakeClient)
-    problem = Problem("Compute 2+3", "5", {"expression": "2+3"})
-    ep = asyncio.run(calculator_episode("http://unused", problem, model="m"))
-    assert ep.reward == 1.0 and ep.tool_calls == 1
-    tool_reply = ep.messages[-2]["content"]
-    assert tool_reply == "5" if arguments == '{"expression": "2+3"}' else tool_reply.startswith("error")
