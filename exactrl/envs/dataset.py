@@ -100,13 +100,18 @@ def read_jsonl(path: str | Path, check: Callable[[Problem], None] | None = None)
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if line.strip():
                 problems.append(_parse_line(line, f"{path}:{lineno}"))
-                try:
-                    check and check(problems[-1])
-                except ValueError as e:
-                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                if check is not None:
+                    _check_row(check, problems[-1], f"{path}:{lineno}")
     if not problems:
         raise ValueError(f"dataset file {path} holds no problems")
     return problems
+
+
+def _check_row(check: Callable[[Problem], None], problem: Problem, where: str) -> None:
+    try:
+        check(problem)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _open_dataset(path: Path):
