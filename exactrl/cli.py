@@ -243,9 +243,10 @@ def _refuse_dropped_values(parser: argparse.ArgumentParser, args, argv: list[str
     for a in argv:
         if a == "--":
             return
-        if a.startswith("--") and a.endswith("=--"):
+        flag, eq, value = a.partition("=")
+        if flag.startswith("--") and eq and value == "--":  # `--set=k=--` keeps its value: 'k=--' is no '--'
             sub = next(x for x in parser._actions if isinstance(x, argparse._SubParsersAction))
-            sub.choices[args.command].error(f"argument {a[:-3]}: expected one argument, got '--'")
+            sub.choices[args.command].error(f"argument {flag}: expected one argument, got '--'")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,6 +204,14 @@ def test_a_flag_given_only_dashes_is_named(argv, nothing_expensive):
     assert f"argument {flag}: expected one argument, got '--'" in failed(argv, argv[0])
 
 
+def test_a_value_that_ends_in_dashes_is_kept(monkeypatch):
+    """`--set=k=--` sets k to '--' (argparse drops only a value that is '--' itself); it was refused as
+    'argument --set=k: expected one argument'."""
+    seen = []
+    monkeypatch.setattr(cli, "_train", lambda args: seen.append(args.set) or 0)
+    assert main(["train", "--set=run_name=--"]) == 0 and seen == [["run_name=--"]]
+
+
 def test_nproc_under_torchrun_is_refused(monkeypatch, nothing_expensive):
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, err = run(["train", "--nproc", "2"])

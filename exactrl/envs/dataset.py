@@ -41,16 +41,26 @@ def write_jsonl(path: str | Path, problems: Iterable[Problem]) -> None:
             f.write(json.dumps(problem_to_json(p), ensure_ascii=False) + "\n")
 
 
-def _parse_line(line: str, where: str) -> Problem:
+def load_json_line(line: str, where: str) -> Any:
+    """`json.loads` of one line of a JSONL file (a dataset, metrics.jsonl): bad syntax stays a JSONDecodeError
+    (the caller knows whether a crash cut the line); a line json cannot read for its size is a ValueError naming
+    `where` (it raised a bare RecursionError, or int()'s error about sys.set_int_max_str_digits)."""
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except ValueError:  # the only other ValueError of json.loads
+        return json.loads(line)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # json's only other ValueError
         raise ValueError(f"{where}: holds an integer too long to read (at most {sys.get_int_max_str_digits()} "
                          f"digits)") from None
     except RecursionError:
         raise ValueError(f"{where}: JSON nested too deeply to read") from None
+
+
+def _parse_line(line: str, where: str) -> Problem:
+    try:
+        row = load_json_line(line, where)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
     missing = [k for k in _REQUIRED if k not in row]
@@ -90,13 +100,18 @@ def read_jsonl(path: str | Path, check: Callable[[Problem], None] | None = None)
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if line.strip():
                 problems.append(_parse_line(line, f"{path}:{lineno}"))
-                try:
-                    check and check(problems[-1])
-                except ValueError as e:
-                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                if check is not None:
+                    _check_row(check, problems[-1], f"{path}:{lineno}")
     if not problems:
         raise ValueError(f"dataset file {path} holds no problems")
     return problems
+
+
+def _check_row(check: Callable[[Problem], None], problem: Problem, where: str) -> None:
+    try:
+        check(problem)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _open_dataset(path: Path):

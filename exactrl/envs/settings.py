@@ -25,5 +25,5 @@ class TaskSettings(BaseModel):
     """Draws of held-out problems scored greedily every `eval_every` steps (0 disables evaluation; at most
     1e6), from the fifth of the task's problems that training never draws (`envs.dataset.held_out`), minus
     any prompt of `train_jsonl`; each distinct problem drawn is scored once (the default task has 200
-    problems, 47 of them held out, of which its 200 draws find 46). The default job's warm start, which stands for pretraining, saw every
-    problem."""
+    problems, 47 of them held out, of which its 200 draws find 46). The default job's warm start, which
+    stands for pretraining, saw every problem."""

@@ -81,7 +81,7 @@ def _reward(result: Any) -> float:
     r = result.reward if hasattr(result, "reward") else result
     try:  # a number, a numpy scalar or a one-element tensor; not text, nor a bool meant as a verdict
         value = None if isinstance(r, (str, bytes, bool)) else float(r)
-    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # a tensor of several elements; an int past float
         value = None
     if value is None or not math.isfinite(value):
         raise ValueError(f"the environment's reward must be a finite number (returned, or its .reward), got "
@@ -108,9 +108,14 @@ async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Probl
             async with sem:
                 episode_seed = (sampling_seed(seed, step, k) * group_size + j) * TURN_SEEDS
                 episode = run_episode(server_url, env, problems[k], episode_seed, client, **(env_kwargs or {}))
-                try:
+                if episode_timeout_s is None:
+                    return await episode
+                deadline = asyncio.get_running_loop().time() + episode_timeout_s
+                try:  # wait_for raises asyncio.TimeoutError, which before Python 3.11 is not the builtin TimeoutError
                     return await asyncio.wait_for(episode, episode_timeout_s)
-                except TimeoutError:
+                except asyncio.TimeoutError:
+                    if asyncio.get_running_loop().time() < deadline:  # the environment's own timeout: its message
+                        raise
                     raise TimeoutError(f"the episode of problem {k}, sample {j} ran longer than episode_timeout_s="
                                        f"{episode_timeout_s} and was cancelled") from None
 

@@ -31,8 +31,7 @@ class RolloutSettings(BaseModel):
     model_config = _STRICT
 
     prompts_per_step: int = Field(32, ge=1, le=10**6)
-    """Prompts sampled per training step (at most 1e6, as the step's rollouts are held in memory at once; 1e20
-    was taken, and the first step never came)."""
+    """Prompts sampled per training step (at most 1e6, as the step's rollouts are held in memory at once)."""
     samples_per_prompt: int = Field(8, ge=1)
     """Group size G: completions per prompt (the engine shares their prefill)."""
     max_tokens: int = Field(8, ge=1)

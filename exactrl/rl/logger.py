@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
+from exactrl.envs.dataset import load_json_line
 from exactrl.rl.checkpoint import replace_durably
 
 # figures shown on the live display, in this order: (metric key, label, format)
@@ -83,21 +83,6 @@ class MetricsLogger:
             self.tb = None
 
 
-def _loads(line: str, where: str) -> Any:
-    """`json.loads`: bad syntax stays a JSONDecodeError (the caller knows whether a crash cut the line), a line
-    json cannot read for its size is a ValueError naming `where` (it raised a bare RecursionError, or int()'s
-    error about sys.set_int_max_str_digits)."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        raise
-    except ValueError:  # json's only other ValueError
-        raise ValueError(f"{where}: holds an integer too long to read (at most {sys.get_int_max_str_digits()} "
-                         f"digits)") from None
-    except RecursionError:
-        raise ValueError(f"{where}: JSON nested too deeply to read") from None
-
-
 def _keep_steps_up_to(path: Path, step: int) -> None:
     """Rewrites metrics.jsonl without the rows of steps after `step`, atomically (a crash keeps the old file).
 
@@ -118,7 +103,7 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
         if not line.strip():
             continue
         try:
-            row = _loads(line, f"{path}:{lineno}")
+            row = load_json_line(line, f"{path}:{lineno}")
         except json.JSONDecodeError as e:
             if lineno == len(lines):
                 continue  # the unfinished last row of a crash
@@ -150,7 +135,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            row = _loads(line, f"{path}:{lineno}")
+            row = load_json_line(line, f"{path}:{lineno}")
         except json.JSONDecodeError as e:
             if lineno == len(lines) and not text.endswith("\n"):  # cut while written (a killed run): not a row
                 break

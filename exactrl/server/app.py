@@ -87,8 +87,10 @@ class ServerConfig:
     def __post_init__(self):
         if self.monotonicity not in POLICIES:
             raise ValueError(f"monotonicity must be one of {list(POLICIES)}, got {self.monotonicity!r}")
-        try:  # seconds are compared with time.monotonic() floats: an int beyond every float failed in a request
-            ok = float(self.session_ttl_s) >= 0
+        ttl = self.session_ttl_s  # compared with time.monotonic() floats: text, or an int beyond every float,
+        # failed in a request (an HTTP 500), not here
+        try:
+            ok = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and float(ttl) >= 0
         except OverflowError:
             ok = False
         if not ok:

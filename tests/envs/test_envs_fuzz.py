@@ -175,7 +175,8 @@ PROBLEMS = [(ArithmeticTask(), Problem("3+5=", "8")), (ArithmeticTask(), Problem
 def _score_quickly(task, problem, completion: str) -> float:
     start = time.perf_counter()
     r = task.reward(problem, completion)
-    assert time.perf_counter() - start < 2.0, f"{task.name} took {time.perf_counter() - start:.1f}s on {completion[:40]!r}"
+    # a did-not-hang bound (9**9**9 evaluated would never end), not a timing threshold: 2 shared cores vary
+    assert time.perf_counter() - start < 60, f"{task.name} took {time.perf_counter() - start:.1f}s on {completion[:40]!r}"
     assert isinstance(r, float) and r in (0.0, getattr(task, "format_reward", 0.0), 1.0)
     return r
 

@@ -128,7 +128,8 @@ def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_l
 
 
 @pytest.mark.parametrize("reward, shown", [(math.nan, "nan"), (math.inf, "inf"), (None, "None"), ("1.0", "'1.0'"),
-                                           (True, "True"), (torch.tensor([1.0, 0.0]), "tensor")])
+                                           (True, "True"), (torch.tensor([1.0, 0.0]), "tensor"),
+                                           pytest.param(10**400, "1000", id="int_beyond_float")])
 def test_a_reward_that_is_not_a_finite_number_fails_its_episode_only(url, reward, shown):
     """Before: NaN or inf reached the advantages and failed every group of the step ("scale the rewards
     down"); a string "1.0" was read as 1.0."""
@@ -180,11 +181,23 @@ def test_a_hung_episode_fails_alone_after_episode_timeout_s_and_its_session_is_d
     t0 = time.monotonic()
     groups = asyncio.run(collect_agent_groups(url, env, [Problem("hang", "1"), Problem("good", "1")], 2, 0, 0,
                                               episode_timeout_s=0.5))
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60  # it did not hang
     assert all(isinstance(x, TimeoutError) and "problem 0, sample" in str(x) and "episode_timeout_s=0.5" in str(x)
                for x in groups[0])
     assert [r.reward for r in groups[1]] == [1.0, 1.0]
     assert len(sids) == 4 and not set(sids) & set(REGISTERED)  # every session deleted, the cancelled ones too
+
+
+@pytest.mark.parametrize("episode_timeout_s", [None, 60])
+def test_an_environments_own_timeout_error_keeps_its_message(url, episode_timeout_s):
+    """Before: any TimeoutError the environment raised (a judge's own deadline) was reported as the episode
+    running past episode_timeout_s, even with no episode_timeout_s at all."""
+    async def env(base_url, problem, *, seed):
+        raise TimeoutError("the judge took too long")
+
+    groups = asyncio.run(collect_agent_groups(url, env, [Problem("p", "1")], 2, 0, 0,
+                                              episode_timeout_s=episode_timeout_s))
+    assert [str(x) for x in groups[0]] == ["the judge took too long"] * 2
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "5"])

@@ -471,8 +471,9 @@ def test_a_negative_session_ttl_is_refused_by_name():
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--session-ttl", "-1"])
-    with pytest.raises(ValueError, match="session_ttl_s"):
-        ServerConfig("m", session_ttl_s=-1)
+    for bad in (-1, 10**400, "5", None):  # "5" was taken, then failed each session sweep as an HTTP 500
+        with pytest.raises(ValueError, match="session_ttl_s"):
+            ServerConfig("m", session_ttl_s=bad)
 
 
 # ---------------------------------------------------------------- 10. streamed text around stop strings
