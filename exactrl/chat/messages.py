@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import reprlib
 from dataclasses import dataclass
 from typing import Any
 
+from exactrl.chat.parsing import TOOL_NAME
+
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # JSON nesting allowed in tool arguments and tool schemas: the chat template renders them recursively, and a
 # few hundred levels exhaust Python's recursion (a 500 for what is the request's fault)
 MAX_NESTING = 64
@@ -115,7 +115,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ValueError(f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
-        if not _TOOL_NAME.match(fn["name"]):  # the name is rendered raw: it could close the turn; the parser
+        if not TOOL_NAME.fullmatch(fn["name"]):  # the name is rendered raw: it could close the turn; the parser
             # would never read such a call back from the model's text either
             raise ValueError(f"{where}.tool_calls[{k}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got "
                              f"{reprlib.repr(fn['name'])}")
@@ -187,7 +187,7 @@ def validate_tools(tools: Any) -> list[dict] | None:
         _check_nesting(t, where)
         fn = t["function"]
         name = fn.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise ValueError(f"{where}.function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got {reprlib.repr(name)}")
         if name in seen:
             raise ValueError(f"{where}.function.name {name!r} is defined twice")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: `$` would let a trailing newline through
 
 
 @dataclass
@@ -70,7 +70,7 @@ def parse_tool_call_body(body: str) -> ToolCall | None:
     key twice, and arguments that strict JSON can carry (no NaN or Infinity) in UTF-8."""
     try:  # ValueError: also a number past Python's digit limit; RecursionError: nesting too deep
         obj = json.loads(body, object_pairs_hook=_unique_keys)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _TOOL_NAME.match(obj["name"]):
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not TOOL_NAME.fullmatch(obj["name"]):
             return None
         if set(obj) - {"name", "arguments"}:
             return None

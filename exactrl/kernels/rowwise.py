@@ -72,8 +72,8 @@ class _ExactRMSNorm(torch.autograd.Function):
 
 def rotary_tables(head_dim: int, max_positions: int, theta: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_positions, head_dim] in fp32 of positions start, start + 1, ..., indexed by absolute position
-    (after `start`). Each element depends on its position alone, so a table built in pieces holds the bits of one
-    built whole (the model builds its table in fixed chunks all the same: transformer.ROPE_CHUNK)."""
+    (after `start`). The model builds its table in fixed chunks of transformer.ROPE_CHUNK positions, each computed
+    with the same shape, so two copies of a model hold the same bits however each grew."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.arange(start, start + max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -311,9 +311,8 @@ class ExternalEngine:
                                           f"connection broke mid-answer ({type(e).__name__}: {e}): did it crash or "
                                           f"restart?") from None
             if not isinstance(e, httpx.ConnectError):  # connected, and the connection broke before an answer
-                raise ExternalEngineError(f"the rollout server at {url} took the request, then the connection broke "
-                                          f"before an answer ({type(e).__name__}: {e}): did it crash or restart?"
-                                          ) from None
+                raise ExternalEngineError(f"the connection to the rollout server at {url} broke before an answer "
+                                          f"({type(e).__name__}: {e}): did it crash or restart?") from None
             raise ExternalEngineError(f"cannot reach the rollout server at {url}: {type(e).__name__}: {e} (is it "
                                       f"running? rollout_backend.base_url / base_urls)") from None
         except httpx.DecodingError as e:

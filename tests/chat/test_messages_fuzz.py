@@ -147,6 +147,8 @@ def test_ordinary_tag_text_stays_text():
      r"^messages\[1\]\.tool_calls\[0\]\.function\.name must match"),
     ([USER, CALLED | {"tool_calls": [{"type": "function", "function": {"name": "", "arguments": "{}"}}]}],
      r"^messages\[1\]\.tool_calls\[0\]\.function\.name must match"),
+    ([USER, CALLED | {"tool_calls": [{"type": "function", "function": {"name": "calc\n", "arguments": "{}"}}]}],
+     r"^messages\[1\]\.tool_calls\[0\]\.function\.name must match"),  # `$` let the newline through
     ([USER, CALLED | {"tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"x": NaN}'}}]}],
      r"^messages\[1\]\.tool_calls\[0\]\.function\.arguments must be strict JSON"),
     ([USER, CALLED | {"tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": float("inf")}}}]}],

@@ -57,9 +57,9 @@ def _check_report(run_dir: Path, rows_: list[dict]) -> None:
 
 
 def _run(rows_, blank_every, cut):
-    run_dir = Path(tempfile.mkdtemp(prefix="report_fuzz_"))
-    _write(run_dir, rows_, blank_every, cut)
-    _check_report(run_dir, rows_)
+    with tempfile.TemporaryDirectory(prefix="report_fuzz_") as d:  # one per example: hypothesis reuses no tmp_path
+        _write(Path(d), rows_, blank_every, cut)
+        _check_report(Path(d), rows_)
 
 
 @FEW
@@ -92,9 +92,9 @@ def test_a_value_that_cannot_be_drawn_is_left_out_and_named(tmp_path, bad):
 @given(data=st.binary(max_size=300) | st.text(alphabet='{}[]"step:,0123456789.eE-+NaInfity \n\r\t', max_size=300)
        .map(str.encode))
 def test_arbitrary_bytes_give_a_report_or_one_clean_error(data, capsys):
-    run_dir = Path(tempfile.mkdtemp(prefix="report_fuzz_"))
-    (run_dir / "metrics.jsonl").write_bytes(data)
-    code = main(["report", str(run_dir)])
+    with tempfile.TemporaryDirectory(prefix="report_fuzz_") as run_dir:
+        (Path(run_dir) / "metrics.jsonl").write_bytes(data)
+        code = main(["report", run_dir])
     err = capsys.readouterr().err
     assert code in (0, 2)
     if code == 2:
