@@ -31,7 +31,7 @@ from exactrl.envs.base import Problem, Task, register_task, strip_reasoning
 
 SUPPORTED_OPS = ("+", "-", "*", "/")
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
-_TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")  # ASCII digits only (\d also takes e.g. "٣")
 MAX_EXPRESSION_CHARS = 256  # bounds parser recursion (nesting) and big-integer work on untrusted text
 _MAX_LITERAL_DIGITS = 12
 _MAX_ATTEMPTS = 10_000  # rejection-sampling budget for a valid target

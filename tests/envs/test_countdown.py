@@ -26,7 +26,8 @@ def test_parser_records_numbers_in_order():
 
 
 @pytest.mark.parametrize("text", ["", "2+", "(2+3", "2 3", "2+3)", "-2+5", "2**3", "abc", "2+x", "()", "2^3",
-                                  "(" * 1000 + "1" + ")" * 1000])
+                                  "(" * 1000 + "1" + ")" * 1000,
+                                  "\u0669*(\u0665+\u0663)", "\uff19*8"])  # non-ASCII digits: Arabic-Indic, fullwidth
 def test_parser_rejects_malformed(text):
     with pytest.raises(ExpressionError):
         parse_expression(text)
@@ -50,6 +51,7 @@ def test_division_by_zero_scores_zero_not_exception():
     ("9*9-9", 0.0),  # 9 reused
     ("The answer is 9*(5+3)", 0.0),  # prose is not an expression
     ("", 0.0), ("9*(5+3", 0.0),
+    ("\u0669*(\u0665+\u0663)", 0.0),  # the same expression in Arabic-Indic digits is not ours to read
 ])
 def test_reward(completion, expected):
     assert CountdownTask().reward(P, completion) == expected
