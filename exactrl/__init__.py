@@ -1,5 +1,12 @@
 """exactrl: RL post-training with bitwise-exact (true on-policy) logprobs."""
+from importlib.metadata import PackageNotFoundError, version
+
 from exactrl.model import load_model, save_model, sequence_logprobs
+
+try:
+    __version__ = version("exactrl")
+except PackageNotFoundError:  # the source tree on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
 
 def load_tokenizer(path):

@@ -174,7 +174,10 @@ def _path(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from exactrl import __version__
+
     p = argparse.ArgumentParser(prog="exactrl", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"exactrl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run an RL training job (default job without a config)")
     t.add_argument("config", nargs="?", default=None, type=_path, help="YAML run config")

@@ -462,3 +462,12 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(model_dir, tmp_path):
     assert f"terminated (SIGTERM): run {run} is kept and its last checkpoint is step_" in err
     assert f"--set run_dir={run} --set resume=true" in err
     assert (run / "checkpoints" / "latest").is_file()
+
+
+def test_version_is_the_installed_packages(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"exactrl {version('exactrl')}"

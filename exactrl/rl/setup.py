@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import platform
 import random
 import tempfile
 import time
@@ -79,10 +80,18 @@ class Components:
         rng = rng_state() if rng is None else rng
         state = {"prompts": prompts_state, **rng, "config": _identity(self.cfg.model_dump(by_alias=True),
                                                                      self.module_sha256),
-                 "tokenizer": self.tokenizer.fingerprint}
+                 "tokenizer": self.tokenizer.fingerprint, "software": software_versions()}
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
         return state
+
+
+def software_versions() -> dict[str, str]:
+    """The versions a checkpoint records: a resume under another torch may round differently (its kernels
+    and ops are the bits the exactness rests on), so `_resume` says so."""
+    from exactrl import __version__
+
+    return {"exactrl": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 def rng_state() -> dict[str, Any]:
@@ -416,6 +425,11 @@ def _resume(cfg: RunConfig, run_dir: Path, model: CausalLM, tokenizer, prompts: 
                 from None
         start = state["step"]
         log(f"resuming {run_dir} from {ckpt.name}")
+        saved, now = state.get("software"), software_versions()
+        if isinstance(saved, dict) and saved.get("torch") not in (None, now["torch"]):
+            log(f"warning: {ckpt.name} was written under torch {saved['torch']}, this run has {now['torch']}: "
+                f"its next steps may differ in the last bits from the run it continues (engine and trainer "
+                f"still agree bitwise with each other)")
     elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
         log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
     return model, optimizer, start, ckpt

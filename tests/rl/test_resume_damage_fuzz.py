@@ -194,3 +194,22 @@ def test_resume_from_a_damaged_run_dir_continues_or_names_the_problem(model_dir,
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("exactrl train: error: "), err
         assert "Traceback" not in err and named in lines[0], err
+
+
+def test_a_checkpoint_records_the_software_and_a_resume_under_another_torch_says_so(model_dir, base, tmp_path,
+                                                                                     capfd):
+    import torch
+
+    import exactrl
+
+    saved = json.loads((_ckpt(base, 2) / "state.json").read_text())["software"]
+    assert saved == {"exactrl": exactrl.__version__, "torch": torch.__version__, "python": saved["python"]}
+    for torch_then, warned in ((torch.__version__, False), ("2.0.0", True)):
+        d = tmp_path / f"run_{warned}"
+        shutil.copytree(base, d)
+        _edit_state(d, 2, lambda s: s["software"].update(torch=torch_then))
+        capfd.readouterr()
+        assert train(model_dir, d, "max_steps=3", "resume=true") == 0
+        out, err = capfd.readouterr()
+        assert ("written under torch 2.0.0, this run has " + torch.__version__ in out + err) == warned, (out, err)
+        assert "resuming" in out + err
