@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import re
 import reprlib
@@ -148,12 +149,23 @@ class ServerState:
     async def load_weights(self, model_path: str) -> int:
         """Reads a HF checkpoint off the event loop, then swaps it into the engine between two steps.
 
-        The checkpoint is loaded in the served model's dtype; names and shapes must match the
-        served model. Returns the engine's new version.
+        The checkpoint is loaded in the served model's dtype; its configuration, names and shapes must
+        match the served model's. Returns the engine's new version.
         """
-        from exactrl.model import load_model
+        from exactrl.model import load_model, read_config
+
+        served = self.engine.model.config
 
         def read() -> dict:
+            # only weights are copied: a checkpoint of another configuration (the served shapes, another
+            # rope_theta) would be served as a model it is not, its trainer computing other logprobs.
+            # Checked before its weights are read (load_model names a path that is no directory)
+            cfg = read_config(model_path) if Path(model_path).is_dir() else served
+            diff = [f.name for f in dataclasses.fields(cfg)
+                    if f.name not in ("hf", "generation") and getattr(cfg, f.name) != getattr(served, f.name)]
+            if diff:
+                raise ValueError("its config.json does not match the model served: " + ", ".join(
+                    f"{k} is {getattr(cfg, k)!r} there, {getattr(served, k)!r} here" for k in diff[:4]))
             # (load_model refuses a weight that is NaN or inf in the served dtype: every request would fail)
             model = load_model(model_path, dtype=self.engine.model.dtype, kernels="fast")  # kernels unused
             return {k: v.detach() for k, v in model.named_parameters()}
