@@ -176,6 +176,9 @@ class ServerState:
         except ValueError as e:
             raise APIError(400, f"cannot load weights from model_path {model_path!r}: {e}",
                            param="model_path") from None
+        except OSError as e:  # a path the filesystem refuses (a name too long, no permission): not a 500
+            raise APIError(400, f"cannot read model_path {model_path!r:.300}: {e.strerror or e}",
+                           param="model_path") from None
         self.count("server/weight_updates")
         return version
 

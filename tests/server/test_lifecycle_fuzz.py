@@ -86,3 +86,9 @@ def test_a_checkpoint_of_another_architecture_is_refused_naming_what_differs(srv
     cfg = json.loads((model_dir() / "config.json").read_text())
     make_hf_model(tmp_path / "llama", "llama", vocab_size=cfg["vocab_size"])
     refused(srv, tmp_path / "llama", "model_type is 'llama' there, 'qwen3' here")
+
+
+def test_a_model_path_the_filesystem_refuses_is_a_400_naming_it(srv, tmp_path):
+    """An OSError (here a name too long for the filesystem) was a 500 quoting the whole path."""
+    err = refused(srv, tmp_path / ("a" * 300) / "b", "File name too long")
+    assert len(err["message"]) < 1000
