@@ -154,6 +154,8 @@ class ServerState:
         """
         from exactrl.model import load_model, read_config
 
+        if not model_path:  # Path("") is ".": whatever checkpoint the server's working directory holds
+            raise APIError(400, "model_path is empty: give the checkpoint's directory", param="model_path")
         served = self.engine.model.config
 
         def read() -> dict:

@@ -92,3 +92,9 @@ def test_a_model_path_the_filesystem_refuses_is_a_400_naming_it(srv, tmp_path):
     """An OSError (here a name too long for the filesystem) was a 500 quoting the whole path."""
     err = refused(srv, tmp_path / ("a" * 300) / "b", "File name too long")
     assert len(err["message"]) < 1000
+
+
+def test_an_empty_model_path_is_refused_not_read_as_the_servers_working_directory(srv, other, monkeypatch):
+    """Path("") is ".": the server loaded whatever checkpoint its working directory held."""
+    monkeypatch.chdir(other)
+    refused(srv, "", "empty")
