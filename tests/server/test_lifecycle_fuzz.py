@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
+import exactrl
 from conftest import make_hf_model
 from exactrl.server.app import ServerThread, build_state, create_app
-from serving import model_dir
+from serving import model_dir, trainer_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +101,133 @@ def test_an_empty_model_path_is_refused_not_read_as_the_servers_working_director
     """Path("") is ".": the server loaded whatever checkpoint its working directory held."""
     monkeypatch.chdir(other)
     refused(srv, "", "empty")
+
+
+# ---------------------------------------------------------------- updates while requests run
+class HeldEngine:
+    """Holds the engine thread inside its step number `at` until `release()`; meanwhile the test queues
+    commands (an update), which the engine applies after that step, before the next."""
+
+    def __init__(self, state, monkeypatch, at: int):
+        self.state, self.reached, self.go = state, threading.Event(), threading.Event()
+        real, n = state.engine.step, [0]
+
+        def step():
+            n[0] += 1
+            if n[0] == at:
+                self.reached.set()
+                assert self.go.wait(30)
+            return real()
+        monkeypatch.setattr(state.engine, "step", step)
+
+    def release_after_update(self, srv, path) -> dict:
+        """Posts an update while the engine is held, releases it once the update's command is queued."""
+        assert self.reached.wait(30), "the request never reached the engine"
+        got: dict = {}
+        queued = self.state.loop._commands.qsize()
+        t = threading.Thread(target=lambda: got.update(r=update(srv, path)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while self.state.loop._commands.qsize() == queued:  # the checkpoint is read off the engine thread first
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        self.go.set()
+        t.join(60)
+        return got["r"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_sampled_across_an_update_carry_the_version_and_logprobs_of_their_weights(
+        srv, other, monkeypatch, stream):
+    """A session's request (n=2) and a queued one run across an update: each token's recorded version is
+    that of the weights that sampled it, and its logprob is the trainer's under those weights, bitwise."""
+    old_model = exactrl.load_model(model_dir())
+    v0 = srv.state.engine.version
+    held = HeldEngine(srv.state, monkeypatch, at=4)
+    body = {"model": srv.model, "prompt": "hello", "max_tokens": 40, "ignore_eos": True, "n": 2, "seed": 9,
+            "stream": stream}
+    sid = f"across-{stream}"
+    results = []
+    clients = [threading.Thread(target=lambda p=p: results.append(httpx.post(srv.url + p, json=body, timeout=60)))
+               for p in (f"/sessions/{sid}/v1/completions", f"/sessions/{sid}-queued/v1/completions")]
+    clients[0].start()
+    assert held.reached.wait(30)
+    clients[1].start()  # queued behind the held step
+    while srv.state.loop._commands.empty():
+        time.sleep(0.005)
+    r = held.release_after_update(srv, other)
+    assert r.status_code == 200 and r.json()["version"] == v0 + 1, r.text
+    for c in clients:
+        c.join(60)
+    assert [x.status_code for x in results] == [200, 200]
+    new_model = exactrl.load_model(other)
+    for s in (sid, f"{sid}-queued"):
+        trajs = httpx.get(f"{srv.url}/sessions/{s}/trajectories").json()["trajectories"]
+        assert len(trajs) == 2
+        for t in trajs:
+            full, p = t["prompt_ids"] + t["completion_ids"], len(t["prompt_ids"])
+            versions = t["versions"]
+            assert set(versions) <= {v0, v0 + 1} and versions == sorted(versions) and versions[-1] == v0 + 1
+            if s == sid:
+                assert versions[0] == v0  # the first tokens were sampled before the update
+            else:
+                assert set(versions) == {v0 + 1}  # queued: nothing sampled before the update
+            lps = {v0: trainer_logprobs(full, model=old_model)[p - 1:],
+                   v0 + 1: trainer_logprobs(full, model=new_model)[p - 1:]}
+            assert t["behav_logprobs"] == [lps[v][i] for i, v in enumerate(versions)]  # bitwise
+        assert httpx.delete(f"{srv.url}/sessions/{s}").json()["deleted"]
+    assert update(srv, model_dir()).status_code == 200  # the served weights back, for the other tests
+
+
+def test_top_logprobs_across_an_update_are_409_and_the_session_records_nothing(srv, other, monkeypatch):
+    """The alternatives would come from other weights than the tokens: 409 weights_changed, no record of
+    the turn in its session, the session given back, and the same request answered once sent again."""
+    held = HeldEngine(srv.state, monkeypatch, at=3)
+    body = {"model": srv.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 3, "seed": 1}
+    got: dict = {}
+    client = threading.Thread(target=lambda: got.update(
+        r=httpx.post(srv.url + "/sessions/top-409/v1/chat/completions", json=body, timeout=60)))
+    client.start()
+    v0 = srv.state.engine.version
+    assert held.release_after_update(srv, other).status_code == 200
+    client.join(60)
+    assert got["r"].status_code == 409, got["r"].text
+    err = got["r"].json()["error"]
+    assert err["code"] == "weights_changed" and f"(version {v0})" in err["message"], err
+    assert httpx.get(srv.url + "/sessions/top-409/trajectories").json()["trajectories"] == []
+    assert srv.state.sessions["top-409"].busy == 0
+    again = httpx.post(srv.url + "/sessions/top-409/v1/chat/completions", json=body, timeout=60)
+    assert again.status_code == 200, again.text
+    (t,) = httpx.get(srv.url + "/sessions/top-409/trajectories").json()["trajectories"]
+    assert set(t["versions"]) - {-1} == {v0 + 1}
+    httpx.delete(srv.url + "/sessions/top-409")
+    assert update(srv, model_dir()).status_code == 200
+
+
+def test_concurrent_updates_each_get_their_own_version_and_the_last_one_serves(srv, other, tmp_path):
+    """Updates sent at once (some refused) are applied one at a time: distinct versions, one per loaded
+    checkpoint, and the weights served are those of the highest version's checkpoint, bitwise."""
+    ref = {}
+    for name, path in (("base", model_dir()), ("other", other)):
+        m = exactrl.load_model(path)
+        ref[name] = {k: v.detach().view(torch.int32) for k, v in m.named_parameters()}
+    missing = tmp_path / "missing"
+    plan = ["base", "other", "missing", "other", "base", "missing", "other"]
+    paths = {"base": model_dir(), "other": other, "missing": missing}
+    v0, count0 = srv.state.engine.version, srv.state.counters["server/weight_updates"]
+    answers: dict = {}
+    threads = [threading.Thread(target=lambda k=k, n=n: answers.update({k: update(srv, paths[n])}))
+               for k, n in enumerate(plan)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    ok = {k: r.json()["version"] for k, r in answers.items() if r.status_code == 200}
+    assert sorted(k for k in answers if k not in ok) == [k for k, n in enumerate(plan) if n == "missing"]
+    assert sorted(ok.values()) == list(range(v0 + 1, v0 + 1 + len(ok)))
+    last = max(ok, key=ok.get)
+    assert srv.state.engine.version == ok[last] and same_bits(bits(srv.state), ref[plan[last]])
+    metrics = httpx.get(srv.url + "/metrics").json()
+    assert metrics["server/weight_updates"] == count0 + len(ok) and metrics["engine/version"] == ok[last]
+    assert update(srv, model_dir()).status_code == 200
