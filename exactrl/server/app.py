@@ -15,8 +15,9 @@ token-level trajectories with loss masks (`exactrl.chat.trajectory`);
   GET    /sessions/{session_id}/trajectories
   DELETE /sessions/{session_id}     (drops its record, including requests still running)
 An agent only needs `base_url=<server>/sessions/<id>/v1`. A session exists
-from the start of its first valid request (one that is then cancelled or
-fails leaves it empty: its trajectories are `[]`) until it is deleted, or
+from the start of its first request whose fields are valid (one that then
+fails, on its history say, or is cancelled leaves it empty: its trajectories
+are `[]`) until it is deleted, or
 until no request has used it for `session_ttl_s` seconds (`--session-ttl`,
 default an hour; 0 keeps sessions forever): a trainer that crashed never
 deletes its sessions, and a long-running server would keep them all. A

@@ -231,3 +231,40 @@ def test_concurrent_updates_each_get_their_own_version_and_the_last_one_serves(s
     metrics = httpx.get(srv.url + "/metrics").json()
     assert metrics["server/weight_updates"] == count0 + len(ok) and metrics["engine/version"] == ok[last]
     assert update(srv, model_dir()).status_code == 200
+
+
+# ---------------------------------------------------------------- sessions while a request builds its prompt
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_session_deleted_while_a_request_builds_its_prompt_stays_deleted(srv, monkeypatch, path):
+    """The prompt is built off the event loop before the generation starts: a DELETE then drops the turn's
+    record too (the request took its session when it started), as one during the generation does; the late
+    record used to bring the deleted session back, holding that turn alone."""
+    from exactrl.server import completions
+
+    sid = "del-plan-chat" if "chat" in path else "del-plan-text"
+    body = {"model": srv.model, "max_tokens": 3} | (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hello"})
+    url = f"{srv.url}/sessions/{sid}{path}"
+    assert httpx.post(url, json=body, timeout=60).status_code == 200  # the session exists, one turn in it
+    building, go = threading.Event(), threading.Event()
+
+    def held(real):
+        def build(*a, **k):
+            building.set()
+            assert go.wait(30)
+            return real(*a, **k)
+        return build
+    if "chat" in path:
+        monkeypatch.setattr(srv.state.splicer, "build", held(srv.state.splicer.build))
+    else:
+        monkeypatch.setattr(completions, "_prompts", held(completions._prompts))
+    got: dict = {}
+    client = threading.Thread(target=lambda: got.update(r=httpx.post(url, json=body, timeout=60)))
+    client.start()
+    assert building.wait(30)
+    assert httpx.delete(f"{srv.url}/sessions/{sid}").json()["deleted"]
+    go.set()
+    client.join(60)
+    assert got["r"].status_code == 200, got["r"].text
+    assert httpx.get(f"{srv.url}/sessions/{sid}/trajectories").status_code == 404
+    assert sid not in srv.state.sessions
