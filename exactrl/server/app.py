@@ -15,8 +15,9 @@ token-level trajectories with loss masks (`exactrl.chat.trajectory`);
   GET    /sessions/{session_id}/trajectories
   DELETE /sessions/{session_id}     (drops its record, including requests still running)
 An agent only needs `base_url=<server>/sessions/<id>/v1`. A session exists
-from the start of its first valid request (one that is then cancelled or
-fails leaves it empty: its trajectories are `[]`) until it is deleted, or
+from the start of its first request whose fields are valid (one that then
+fails, on its history say, or is cancelled leaves it empty: its trajectories
+are `[]`) until it is deleted, or
 until no request has used it for `session_ttl_s` seconds (`--session-ttl`,
 default an hour; 0 keeps sessions forever): a trainer that crashed never
 deletes its sessions, and a long-running server would keep them all. A
@@ -37,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import re
 import reprlib
@@ -148,12 +150,25 @@ class ServerState:
     async def load_weights(self, model_path: str) -> int:
         """Reads a HF checkpoint off the event loop, then swaps it into the engine between two steps.
 
-        The checkpoint is loaded in the served model's dtype; names and shapes must match the
-        served model. Returns the engine's new version.
+        The checkpoint is loaded in the served model's dtype; its configuration, names and shapes must
+        match the served model's. Returns the engine's new version.
         """
-        from exactrl.model import load_model
+        from exactrl.model import load_model, read_config
+
+        if not model_path:  # Path("") is ".": whatever checkpoint the server's working directory holds
+            raise APIError(400, "model_path is empty: give the checkpoint's directory", param="model_path")
+        served = self.engine.model.config
 
         def read() -> dict:
+            # only weights are copied: a checkpoint of another configuration (the served shapes, another
+            # rope_theta) would be served as a model it is not, its trainer computing other logprobs.
+            # Checked before its weights are read (load_model names a path that is no directory)
+            cfg = read_config(model_path) if Path(model_path).is_dir() else served
+            diff = [f.name for f in dataclasses.fields(cfg)
+                    if f.name not in ("hf", "generation") and getattr(cfg, f.name) != getattr(served, f.name)]
+            if diff:
+                raise ValueError("its config.json does not match the model served: " + ", ".join(
+                    f"{k} is {getattr(cfg, k)!r} there, {getattr(served, k)!r} here" for k in diff[:4]))
             # (load_model refuses a weight that is NaN or inf in the served dtype: every request would fail)
             model = load_model(model_path, dtype=self.engine.model.dtype, kernels="fast")  # kernels unused
             return {k: v.detach() for k, v in model.named_parameters()}
@@ -163,6 +178,9 @@ class ServerState:
             version = await asyncio.wrap_future(self.loop.update_weights(weights))
         except ValueError as e:
             raise APIError(400, f"cannot load weights from model_path {model_path!r}: {e}",
+                           param="model_path") from None
+        except OSError as e:  # a path the filesystem refuses (a name too long, no permission): not a 500
+            raise APIError(400, f"cannot read model_path {model_path!r:.300}: {e.strerror or e}",
                            param="model_path") from None
         self.count("server/weight_updates")
         return version

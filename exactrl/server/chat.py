@@ -56,8 +56,15 @@ class _ChatJob:
     @classmethod
     async def create(cls, st, body: ChatCompletionRequest, session_id: str | None) -> "_ChatJob":
         job = cls(st, body, session_id)
-        plan = await asyncio.to_thread(job._plan)  # template renders and tokenization: off the event loop
-        job._start(plan)
+        # the session as it is now: a DELETE while this request runs (building its prompt included) drops
+        # its record too (see app.session)
+        job.session = st.session(session_id) if session_id is not None else None
+        try:
+            plan = await asyncio.to_thread(job._plan)  # template renders and tokenization: off the event loop
+            job._start(plan)
+        except BaseException:
+            st.release(job.session)
+            raise
         return job
 
     def _plan(self):
@@ -87,8 +94,6 @@ class _ChatJob:
         max_tokens = st.resolve_max_tokens(getattr(body, field), len(plan.prompt_ids), field=field)
         self.params = sampling_params(body, max_tokens, st.stop_token_ids)
         self.gen = Generation(st, plan.prompt_ids, self.params, self.stops, track_text=body.stream)
-        # the session as it is now: a DELETE while this request runs drops its record too (see app.session)
-        self.session = st.session(self.session_id) if self.session_id is not None else None
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     @staticmethod

@@ -71,6 +71,26 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
         raise APIError(400, "logprobs is not available with stream=true (alternatives are recomputed after "
                             "generation); the stream's last chunk of each choice carries generation_log_probs, "
                             "the sampled tokens' logprobs", param="logprobs")
+    # the session as it is now: a DELETE while this request runs (tokenizing its prompts included) drops its
+    # record too (see app.session)
+    session = st.session(session_id) if session_id is not None else None
+    try:
+        gens = await _generations(st, body, stops)
+    except BaseException:
+        st.release(session)
+        raise
+    st.count("server/completion_requests")
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:  # the stream gives the session back when it ends
+        return SessionStream(_completion_stream(st, body, gens, cid, created, request, session), st, session)
+    try:
+        return await _completion_answer(st, body, gens, cid, created, request, session)
+    finally:
+        st.release(session)
+
+
+async def _generations(st, body: CompletionRequest, stops: list[str]) -> list[Generation]:
+    """One Generation per prompt, its max_tokens resolved against the context."""
     prompts = await asyncio.to_thread(_prompts, st, body.prompt)
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences in one "
@@ -84,16 +104,7 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
                 e.message = f"prompt[{k}]: {e.message}"
             raise
         gens.append(Generation(st, p, sampling_params(body, max_tokens, st.stop_token_ids), stops, body.stream))
-    st.count("server/completion_requests")
-    # the session as it is now: a DELETE while this request runs drops its record too (see app.session)
-    session = st.session(session_id) if session_id is not None else None
-    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    if body.stream:  # the stream gives the session back when it ends
-        return SessionStream(_completion_stream(st, body, gens, cid, created, request, session), st, session)
-    try:
-        return await _completion_answer(st, body, gens, cid, created, request, session)
-    finally:
-        st.release(session)
+    return gens
 
 
 async def _completion_answer(st, body: CompletionRequest, gens: list[Generation], cid: str, created: int,
