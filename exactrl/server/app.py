@@ -5,7 +5,7 @@ Routes (OpenAI's schema, so the official `openai` client works unchanged):
   POST /v1/chat/completions          JSON or SSE (stream=true)
   POST /v1/completions               JSON or SSE
   GET  /metrics                      flat JSON counters (server/…, chat/…, engine/…)
-  GET  /health
+  GET  /health                       {"status": "ok"}; 503 naming the error if the engine thread stopped
   POST /update_weights_from_disk     {"model_path": DIR}: load a HF checkpoint into the engine between
                                      two steps (SGLang's endpoint; the external rollout backend's
                                      `weight_sync: disk`) -> {"success": true, "version": N}
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from exactrl.chat.splice import POLICIES, Splicer
 from exactrl.chat.trajectory import Session
@@ -283,6 +284,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.loop.error is not None:  # the engine thread is gone: a load balancer should stop sending
+            return JSONResponse({"status": "error", "error": str(state.loop.stopped_error())}, status_code=503)
         return {"status": "ok"}
 
     def model_card() -> dict:

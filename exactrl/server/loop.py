@@ -9,6 +9,11 @@ blocks on the command queue, so an idle server uses no CPU.
 
 Aborting a request (client gone, stop string reached) goes through the same
 queue: the engine frees its pages before the next step.
+
+Should the thread itself ever stop on an error no step or command catches,
+every waiting request fails with it, later ones fail at once, and /health
+answers 503 naming it (`EngineLoop.error`): the server never hangs on a
+thread that is gone.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
+        self.error: BaseException | None = None  # what stopped the thread, if anything did
         self._thread = threading.Thread(target=self._run, name="exactrl-engine", daemon=True)
         self._publish()  # before the thread starts, so /metrics is complete from the first request
 
@@ -87,6 +93,8 @@ class EngineLoop:
         request_id = f"req-{uuid.uuid4().hex}"
         stream = RequestStream(loop)
         self._commands.put(("add", request_id, prompt_ids, params, stream))
+        if self.error is not None:  # checked after the put: the dying thread fails what it drains after
+            stream.put(self.stopped_error())  # setting the error, this fails what came later (twice is harmless)
         return request_id, stream
 
     def abort(self, request_id: str, index: int | None = None) -> None:
@@ -97,6 +105,8 @@ class EngineLoop:
         """Runs fn(engine) on the engine thread between steps (scoring, weight updates)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", fn, fut))
+        if self.error is not None and fut.set_running_or_notify_cancel():  # (as in submit)
+            fut.set_exception(self.stopped_error())
         return fut
 
     def update_weights(self, state_dict: dict) -> concurrent.futures.Future:
@@ -108,12 +118,32 @@ class EngineLoop:
         return self.call(lambda engine: engine.update_weights(state_dict))
 
     # ------------------------------------------------------------ engine thread
+    def stopped_error(self) -> RuntimeError:
+        return RuntimeError(f"the engine thread stopped ({type(self.error).__name__}: {self.error}); "
+                            f"restart the server")
+
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            self._drain(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished():
-                self._step()
-            self._publish()
+        try:
+            while not self._stopped.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+                self._publish()
+        except BaseException as e:  # nothing caught it: fail every waiting request instead of leaving it hanging
+            log.exception("the engine thread stopped")
+            self.error = e
+            for stream in self._streams.values():
+                stream.put(self.stopped_error())
+            self._streams.clear()
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    cmd[4].put(self.stopped_error())
+                elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                    cmd[2].set_exception(self.stopped_error())
 
     def _drain(self, block: bool) -> None:
         try:
@@ -135,6 +165,10 @@ class EngineLoop:
                 self.engine.add_request(prompt, params, request_id=rid)
             except ValueError as e:
                 stream.put(e)
+                return
+            except Exception as e:  # not bad input: this request fails (a 500), the engine goes on
+                log.exception("engine refused request %s", rid)
+                stream.put(RuntimeError(f"the engine could not take the request: {type(e).__name__}: {e}"))
                 return
             self._streams[rid] = stream
         elif kind == "abort":

@@ -268,3 +268,40 @@ def test_a_session_deleted_while_a_request_builds_its_prompt_stays_deleted(srv, 
     assert got["r"].status_code == 200, got["r"].text
     assert httpx.get(f"{srv.url}/sessions/{sid}/trajectories").status_code == 404
     assert sid not in srv.state.sessions
+
+
+def test_a_request_the_engine_cannot_take_fails_alone_and_the_next_one_is_served(monkeypatch):
+    state = build_state(str(model_dir()), kv_budget_tokens=4096)
+    with ServerThread(create_app(state)) as t:
+        body = {"model": state.config.model_name, "prompt": "hello world", "max_tokens": 4}
+        real = state.engine.add_request
+        calls = []
+
+        def once_broken(*a, **kw):  # not a ValueError (bad input) but a fault of the engine's own
+            calls.append(1)
+            if len(calls) == 1:
+                raise TypeError("broken on purpose")
+            return real(*a, **kw)
+        monkeypatch.setattr(state.engine, "add_request", once_broken)
+        r = httpx.post(t.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "could not take the request" in r.text and "broken on purpose" in r.text
+        assert httpx.post(t.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.get(t.url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_if_the_engine_thread_stops_requests_fail_instead_of_hanging_and_health_says_so(monkeypatch, other):
+    state = build_state(str(model_dir()), kv_budget_tokens=4096)
+    with ServerThread(create_app(state)) as t:
+        body = {"model": state.config.model_name, "prompt": "hello world", "max_tokens": 4}
+        assert httpx.post(t.url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+        def broken():  # called by the thread after every step, outside any command's or step's guard
+            raise KeyError("broken on purpose")
+        monkeypatch.setattr(state.engine, "stats", broken)
+        r = httpx.post(t.url + "/v1/completions", json=body, timeout=60)  # the request in flight when it stops
+        assert r.status_code == 500 and "engine thread stopped" in r.text and "broken on purpose" in r.text, r.text
+        later = httpx.post(t.url + "/v1/completions", json=body, timeout=60)  # fails at once, no hang
+        assert later.status_code == 500 and "restart the server" in later.text
+        assert update(SimpleNamespace(url=t.url), other).status_code >= 500  # a weight update does not hang
+        h = httpx.get(t.url + "/health", timeout=10)
+        assert h.status_code == 503 and "broken on purpose" in h.json()["error"]
