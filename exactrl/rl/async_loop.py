@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ class RolloutBatch:
     # a task's reward may draw from them, and the next batch's draws start while this one is saved)
     rollout_s: float  # generation wall time
     engine_stats: dict[str, float]  # an external server's version and gauges when the batch was done (in process: {})
+
+
+STOP_WAIT_S = 10.0  # how long a stopping run waits for its rollout thread (a batch in flight stops at its next step)
 
 
 class _Stopped(Exception):
@@ -109,12 +113,20 @@ class RolloutWorker:
 
     def __exit__(self, exc_type, *exc) -> None:
         """Stops the rollout thread: the in-process engine drops the batch in flight at its next step. An
-        external or Ray backend cannot be stopped mid-batch: after an error or a Ctrl-C the run does not wait
-        for it (the thread is a daemon; it only ever hands batches to the trainer)."""
+        external or Ray backend cannot be stopped mid-batch, nor can a task's reward that does not return:
+        after an error or a Ctrl-C the run waits STOP_WAIT_S for the thread, then goes on without it, saying
+        so (the thread is a daemon; it only ever hands batches to the trainer, and steps no engine once
+        told to stop)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(None if exc_type is None or self._in_process else 5.0)
+        if exc_type is None:
+            self._thread.join()
+            return
+        self._thread.join(STOP_WAIT_S if self._in_process else 5.0)
+        if self._in_process and self._thread.is_alive():
+            print(f"exactrl: the rollout thread did not stop within {STOP_WAIT_S:g} s (a task's reward that does "
+                  f"not return?); the run stops without it", file=sys.stderr, flush=True)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Trainer thread: hands over the weights of `version` (copied: the trainer keeps updating its own)."""

@@ -78,6 +78,7 @@ def sigterm_self() -> None:
 TASK = """
 import os
 import signal
+import time
 from exactrl.envs import register_task
 from exactrl.envs.arithmetic import ArithmeticTask
 
@@ -95,6 +96,10 @@ class Judge(ArithmeticTask):
         if calls[0] == int(at):
             if what == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)  # the run's handler raises in the main thread
+            elif what.startswith("hang "):  # SIGTERM, then a reward that returns only once the file is gone
+                os.kill(os.getpid(), signal.SIGTERM)
+                while os.path.exists(what[5:]):
+                    time.sleep(0.02)
             else:
                 raise eval(what)
         return super().reward(problem, completion)
@@ -257,6 +262,33 @@ def test_sigterm_while_the_rollout_thread_samples(model_dir, tmp_path, judge, fu
     kept, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143, *ASYNC, *judge)
     assert kept in ("step_000001", "step_000002")
     same_metrics(full_async_run, rows)
+
+
+def test_a_reward_that_does_not_return_does_not_keep_a_stopped_run_waiting(model_dir, tmp_path, judge, monkeypatch,
+                                                                          capsys):
+    """SIGTERM while the rollout thread is stuck in the task's reward: the run waits STOP_WAIT_S for the
+    thread, says it goes on without it, and stops keeping what it saved; the thread ends once the reward
+    returns, handing the trainer nothing more."""
+    import exactrl.rl.async_loop as async_mod
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setattr(async_mod, "STOP_WAIT_S", 0.5)
+    monkeypatch.setenv("EXACTRL_TEST_STOP", f"40:hang {hold}")  # step 3's batch (16 rewards a step)
+    d = tmp_path / "run"
+    try:
+        assert cli_main(args_of(model_dir, d, *FULL, *ASYNC, *judge)) == 143
+        err = capsys.readouterr().err
+        assert "the rollout thread did not stop within 0.5 s (a task's reward that does not return?)" in err, err
+        assert "terminated (SIGTERM)" in err
+        assert not no_rollout_thread_left()  # still in the reward
+    finally:
+        hold.unlink()
+    for t in threading.enumerate():
+        if t.name == "exactrl-rollout":
+            t.join(30)
+    assert no_rollout_thread_left()
+    assert intact(d) in ("step_000001", "step_000002")
 
 
 def test_a_non_finite_engine_on_the_rollout_thread_is_named_as_divergence(model_dir, tmp_path, capsys, monkeypatch):
