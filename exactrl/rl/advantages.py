@@ -111,9 +111,15 @@ def reinforce_pp(rewards_PG: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def reinforce_pp_baseline(rewards_PG: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025): subtract the group mean (removes the
-    prompt's difficulty), then whiten over the whole batch."""
-    r = _check_rewards(rewards_PG)
-    return _whiten(_centre(r, 1), eps)
+    prompt's difficulty), then whiten over the whole batch.
+
+    Each group's centred rewards sum to 0, so their batch mean is 0 and the
+    whitening only divides by the batch std: centring again would turn that
+    mean's rounding error into a nonzero advantage for a group of equal rewards.
+    """
+    centred_PG = _centre(_check_rewards(rewards_PG), 1)
+    _check_eps(eps)
+    return centred_PG / (_std(centred_PG, None) + eps)
 
 
 ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {

@@ -28,7 +28,8 @@ difference can never round to zero.
                                them out of the loss and every figure above (trainer.py)
 
 χ² and k1 are sample estimates over the batch's tokens, so they can be
-slightly negative when the mismatch is tiny. w is the applied weight (`weights_BT`, e.g. from `corrections`) on the tokens
+slightly negative when the mismatch is tiny. Ratios go through kl.exp_ratio, so
+a sequence whose Σ_t log ρ_t passes ±20 counts in chi2_seq as e^±40, not ∞. w is the applied weight (`weights_BT`, e.g. from `corrections`) on the tokens
 that survived (`final_mask_BT`), or ρ_t itself when no weights are given. The
 χ² and KL figures always describe the raw, uncorrected mismatch. With no
 tokens at all every figure takes its on-policy value (0, or 1 for ess and

@@ -41,8 +41,10 @@ Numerics shared by the losses and corrections:
   which would poison a whole step. e^20 ≈ 4.9e8 is far beyond any clip or
   truncation bound in use, so the clamp never changes a clipped result; it
   changes a result only where a ratio beyond e^±20 meets no bound (PPO's
-  A < 0 side without a dual clip, a TIS bound left open), whose value then
-  stops at the clamp and whose gradient is 0.
+  A < 0 side without a dual clip, its A > 0 side below e^−20, a TIS bound left
+  open, the χ² and weight diagnostics), whose value then stops at the clamp
+  and whose gradient is 0; on GSPO's A < 0 side the detached sequence ratio
+  stops at e^20 and its gradient e^20·A·∇log π with it.
 
 Legend: B sequences, T tokens.
 """

@@ -177,3 +177,12 @@ def test_agent_batches_take_the_advantage_estimators_arguments():
     plain = agent_train_batch(groups, "grpo", {"normalize_std": False}).advantages
     assert plain == [-1.0, 1.0]
     assert agent_train_batch(groups, "grpo").advantages != plain  # divided by the std (√2)
+
+
+def test_reinforce_pp_baseline_keeps_an_equal_group_at_exactly_zero_beside_random_groups():
+    """The group-centred rewards have batch mean 0 in exact arithmetic; centring them again only turned
+    that mean's rounding error (~1e-17) into a nonzero advantage for a group of equal rewards (whose sign
+    decides, e.g., OPSM's and TOPR's negative branch)."""
+    rewards = torch.randn(3, 5, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    rewards[1] = 0.3
+    assert compute_advantages("reinforce_pp_baseline", rewards)[1].tolist() == [0.0] * 5
