@@ -207,6 +207,8 @@ def _check_turn(prompt: list[int], generated: list[int], logprobs: list[float], 
     """A ValueError naming the field of a completion that cannot be a turn: a record is kept for training, so
     a misaligned one would put logprobs on the wrong tokens (an assert vanishes under `python -O`)."""
     for name, ids in (("prompt", prompt), ("generated", generated)):
+        if set(map(type, ids)) <= {int} and (not ids or min(ids) >= 0):  # C loops: a long prompt, every turn
+            continue
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
         if bad is not None:
             raise ValueError(f"Session.record: {name} holds {bad!r}, not a token id (an integer >= 0)")
