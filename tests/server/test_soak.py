@@ -10,7 +10,7 @@ sessions used for several turns (token fields sent back) then deleted or left to
   * no session is left (each was deleted or expired) and the server's caches stay within the vocabulary;
   * no object of a request's life (Generation, Choice, RequestStream, a session's stream, a chat job,
     Session, Record) is still alive, nor any asyncio task.
-Structures, never RSS or time: `soak` is also what a longer run measures RSS with (see the module's end).
+Structures, never RSS or time (`soak` drives longer runs that measure RSS too; none is a threshold here).
 """
 from __future__ import annotations
 
