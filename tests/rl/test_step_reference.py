@@ -136,16 +136,16 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         return exactrl.sequence_logprobs(model, [seq], temp, top_k, top_p)[0][p - 1:].to(F64)
 
     # rewards -> shaped rewards -> advantages
-    rewards = []
+    rewards, kl_sums, penalties = [], [], []
     for r in flat:
         x, n = r.reward, len(r.completion_ids)
-        if a.kl.coef and a.kl.where == "reward" and n:  # β Σ_t k(μ, π_ref) over the completion
-            x -= a.kl.coef * float(kl_token(torch.tensor(r.behav_logprobs, dtype=F64), forward(r, True),
-                                            a.kl.kind).sum())
+        if a.kl.coef and a.kl.where == "reward":  # β Σ_t k(μ, π_ref) over the completion
+            kl_sums.append(float(kl_token(torch.tensor(r.behav_logprobs, dtype=F64), forward(r, True),
+                                          a.kl.kind).sum()) if n else 0.0)
+            x -= a.kl.coef * kl_sums[-1]
         L, Lb = rs.max_tokens, a.overlong.buffer_len
-        if Lb and n > L - Lb:  # DAPO eq. 13
-            x += a.overlong.penalty_factor * (L - Lb - n) / Lb
-        rewards.append(x)
+        penalties.append(a.overlong.penalty_factor * (L - Lb - n) / Lb if Lb and n > L - Lb else 0.0)  # DAPO eq. 13
+        rewards.append(x + penalties[-1])
     adv, at = [], 0
     for g in groups:
         adv += grpo_advantages(rewards[at:at + len(g)])
@@ -249,6 +249,11 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
                "loss/weight_mean": mean(flags["weight"])}
     if kw.get("dual_clip"):
         metrics["loss/dual_clip_frac"] = mean(flags["dual"])
+    if kl_sums:  # over every sequence, an empty one's 0 included
+        metrics |= {"rollout/kl_ref_per_seq": mean(kl_sums), "rollout/kl_penalty_mean": a.kl.coef * mean(kl_sums)}
+    if a.overlong.buffer_len:
+        metrics |= {"rollout/overlong_penalty_mean": mean(penalties),
+                    "rollout/overlong_penalised_frac": mean([x < 0 for x in penalties])}
     # DESIGN.md §3: per sequence the mean |π_old − μ| over its sampled tokens (those π_old covers; cut ones are
     # counted apart), then the mean over the sequences that have any; trained on or not (mask_truncated)
     diffs = [(s.old - s.mu).abs()[torch.isfinite(s.old)] for s in seqs]
@@ -331,17 +336,19 @@ def test_one_step_is_the_gradient_of_the_configured_objective(models, name):
     groups = make_groups(model, cfg.rollout.temperature)
     want, want_m = reference(model, ref_model, groups, cfg)
     got = {}
-    for mbs in (1, 64):
+    for mbs in (1, 5, 64):  # 5: micro-batches of 5, 5, 2, cutting groups apart
         model.zero_grad(set_to_none=True)
         m = train_on(components(model, ref_model, cfg, mbs), 1, groups)
         got[mbs] = step_grads(model), m
         assert_grads_close(got[mbs][0], want)
         for k, v in want_m.items():
             assert m[k] == pytest.approx(v, rel=2e-6, abs=1e-7), (k, mbs)
-    (g1, m1), (g64, m64) = got[1], got[64]
-    assert_grads_close(g1, [g.to(F64) for g in g64], rtol=1e-5)  # micro-batching reorders fp32 sums only
-    assert m1.pop("train/grad_norm") == pytest.approx(m64.pop("train/grad_norm"), rel=1e-5)
-    assert m1 == pytest.approx(m64, rel=1e-12, abs=1e-15)  # every other one is taken over the whole batch at once
+    g64, m64 = got[64]
+    for g, m in (got[1], got[5]):
+        assert_grads_close(g, [x.to(F64) for x in g64], rtol=1e-5)  # micro-batching reorders fp32 sums only
+        assert m.pop("train/grad_norm") == pytest.approx(m64["train/grad_norm"], rel=1e-5)
+        assert m == {k: v for k, v in m64.items() if k != "train/grad_norm"}  # taken over the whole batch at once
+    g1 = got[1][0]
     if cfg.optim.grad_clip < 1:  # the clip acted, and `train/grad_norm` is the norm before it
         assert want_m["train/grad_norm"] > cfg.optim.grad_clip
         assert math.sqrt(sum(float((g.double() ** 2).sum()) for g in g1)) == pytest.approx(cfg.optim.grad_clip,
