@@ -110,7 +110,10 @@ class AlgorithmSettings(BaseModel):
     loss_kwargs: PlainData = Field(default_factory=dict)
     """e.g. {eps_low: 0.2, eps_high: 0.28, dual_clip: 3.0} for PPO."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"] = "token-mean"
-    """How per-token losses become one number (and its denominator)."""
+    """How per-token losses become one number (rl/aggregation.py), over the step's whole batch: `token-mean`
+    divides by its loss-mask tokens, `seq-mean-token-mean` averages each sequence over its own tokens and
+    divides by its sequences, `seq-mean-token-sum` divides by its sequences, `constant-normalised` (Dr.GRPO)
+    by rollout.max_tokens x its sequences."""
     kl: KLSettings = Field(default_factory=KLSettings)
     entropy_coef: float = 0.0
     """Entropy bonus weight (subtracted from the loss)."""

@@ -1,0 +1,498 @@
+"""One optimizer step against a naive reference of the objective its config defines.
+
+The formula modules are checked alone in test_formulas_reference.py; this checks how the step feeds them
+and what it does with their outputs: rollouts -> (KL-in-reward and overlong shaping, mask_truncated) ->
+group advantages -> micro-batches -> LossNorm -> loss, entropy and KL terms -> backward -> data-parallel
+sum -> clip. `loop.train_on` (which calls `train_step`) runs on hand-made groups: ragged prompts and
+completions, completions cut at max_tokens, an empty completion, a group of equal rewards, μ off the
+trainer's π_old on some tokens. The reference does one forward per sequence alone
+(`exactrl.sequence_logprobs`), writes the objective out in float64 from the config's documented meaning
+(DESIGN.md §5, aggregation.py's table, the loss docstrings, config.py), and differentiates it with
+autograd.
+
+The model runs in fp32 only (fp32 and bf16 are its dtypes) and the step's loss arithmetic is fp32, so the
+gradients agree to fp32 rounding, not fp64: measured max |Δg| / max |g| per tensor ≈ 1e-7 to 1e-6; asserted
+at 2e-5. The forward logprobs are bitwise those of the reference (the exactness contract), so the loss,
+the fractions and the KL/entropy figures agree to fp32 rounding of their sums. Micro-batches of 1 and of
+the whole batch give gradients equal to the same rounding, not bitwise (the accumulation reorders fp32
+sums: max |Δg| / max |g| ≈ 3e-7 to 8e-7), and the same metrics bit for bit but `train/grad_norm`.
+
+Conventions the reference follows (documented in aggregation.py / trainer.py, not changed here): the
+denominators count the loss mask as sampled, fixed before the step, so a token a masking correction or the
+trainer's top-k/top-p drops stays in `total_tokens` and in its sequence's n_b; a completion left out by
+`overlong.mask_truncated` stays in `total_seqs` (the seq-mean modes average over every sequence, as TRL
+does) but not in `total_tokens`; the clip fractions and `loss/ratio_mean` are means over the tokens the
+loss keeps; `train/grad_norm` is the norm before clipping, and the clip is torch's (max / (norm + 1e-6)).
+
+Legend: B sequences, T tokens; P prompts, G samples per prompt.
+"""
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import exactrl
+from conftest import make_hf_model
+from exactrl.distributed import Ranks
+from exactrl.envs.base import Problem
+from exactrl.model.logprobs import token_logprobs
+from exactrl.rl.config import load_config
+from exactrl.rl.corrections import build_corrections
+from exactrl.rl.loop import train_on
+from exactrl.rl.losses import build_loss
+from exactrl.rl.rollout import Rollout, rollout_metrics, to_train_batch
+from exactrl.rl.setup import _step_settings
+from exactrl.rl.trainer import train_step
+
+F64 = torch.float64
+MAX_TOKENS = 8
+G_RTOL = 2e-5  # max |Δg| / max |g|, per parameter tensor (fp32 backward in another summation order)
+
+
+class _Keep(torch.optim.Optimizer):
+    """An optimizer that moves nothing: the step's (clipped) gradient stays in `p.grad` to be read."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})
+
+    def step(self, closure=None):
+        return None
+
+
+# ------------------------------------------------------------------ the batch
+# (prompt length, [(completion length, finish_reason, reward), ...]) per group; max_tokens = 8
+GROUPS = [(5, [(6, "stop", 1.0), (2, "stop", 0.0), (8, "length", 0.5)]),
+          (3, [(0, "stop", 0.0), (4, "stop", 1.0), (8, "length", 1.0)]),  # an empty completion
+          (7, [(3, "stop", 0.5), (5, "stop", 0.5), (1, "stop", 0.5)]),  # equal rewards: advantage 0
+          (2, [(7, "stop", 0.2), (8, "length", 0.0), (5, "stop", 0.9)])]
+
+
+def make_groups(model, temperature: float) -> list[list[Rollout]]:
+    """The groups above with random tokens; μ is the model's untruncated logprob, 0.3 nat off on every third
+    token of every other sequence (so bypass ratios, corrections and mismatch figures are not trivial)."""
+    rng = random.Random(5)
+    groups, k = [], 0
+    for plen, samples in GROUPS:
+        prompt = [rng.randrange(3, 200) for _ in range(plen)]
+        group = []
+        for n, finish, reward in samples:
+            comp = [rng.randrange(3, 200) for _ in range(n)]
+            with torch.no_grad():
+                lp = exactrl.sequence_logprobs(model, [prompt + comp], temperature)[0][plen - 1:]
+            behav = [x + (0.3 * (-1) ** t if k % 2 and t % 3 == 0 else 0.0) for t, x in enumerate(lp.tolist())]
+            group.append(Rollout(Problem("q", "a"), prompt, comp, behav, [0] * n, finish, "", reward))
+            k += 1
+        groups.append(group)
+    return groups
+
+
+@pytest.fixture(scope="module")
+def ref_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref_model")
+    make_hf_model(d, "qwen3", seed=1)
+    return d
+
+
+@pytest.fixture(scope="module")
+def models(qwen3_dir, ref_dir):
+    return exactrl.load_model(qwen3_dir), exactrl.load_model(ref_dir).requires_grad_(False)
+
+
+# ------------------------------------------------------------------ the reference
+def kl_token(lp, ref, kind):
+    """Schulman's estimators of KL(p‖q) from p's samples: k1 = log p − log q, k3 = q/p − 1 − log(q/p)."""
+    if kind == "k1":
+        return lp - ref
+    if kind == "k2":
+        return 0.5 * (lp - ref) ** 2
+    return torch.exp(ref - lp) - (ref - lp) - 1.0
+
+
+def grpo_advantages(rewards: list[float]) -> list[float]:
+    """(r − mean) / (Bessel std + 1e-6) within the group; a group of equal rewards: 0."""
+    if len(set(rewards)) == 1:
+        return [0.0] * len(rewards)
+    m = sum(rewards) / len(rewards)
+    sd = math.sqrt(sum((r - m) ** 2 for r in rewards) / (len(rewards) - 1))
+    return [(r - m) / (sd + 1e-6) for r in rewards]
+
+
+def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The step's clipped gradient and metrics from the config's meaning, one sequence at a time."""
+    a, rs = cfg.algorithm, cfg.rollout
+    kw = a.loss_kwargs
+    flat = [r for g in groups for r in g]
+    temp, top_k, top_p = rs.temperature, rs.top_k, rs.top_p
+
+    def forward(r, ref=False):
+        seq, p = r.prompt_ids + r.completion_ids, len(r.prompt_ids)
+        if ref:
+            with torch.no_grad():  # π_ref at the sampling temperature, untruncated
+                return exactrl.sequence_logprobs(ref_model, [seq], temp)[0][p - 1:].to(F64)
+        return exactrl.sequence_logprobs(model, [seq], temp, top_k, top_p)[0][p - 1:].to(F64)
+
+    # rewards -> shaped rewards -> advantages
+    rewards, kl_sums, penalties = [], [], []
+    for r in flat:
+        x, n = r.reward, len(r.completion_ids)
+        if a.kl.coef and a.kl.where == "reward":  # β Σ_t k(μ, π_ref) over the completion
+            kl_sums.append(float(kl_token(torch.tensor(r.behav_logprobs, dtype=F64), forward(r, True),
+                                          a.kl.kind).sum()) if n else 0.0)
+            x -= a.kl.coef * kl_sums[-1]
+        L, Lb = rs.max_tokens, a.overlong.buffer_len
+        penalties.append(a.overlong.penalty_factor * (L - Lb - n) / Lb if Lb and n > L - Lb else 0.0)  # DAPO eq. 13
+        rewards.append(x + penalties[-1])
+    adv, at = [], 0
+    for g in groups:
+        adv += grpo_advantages(rewards[at:at + len(g)])
+        at += len(g)
+
+    # per-sequence pieces
+    seqs = []
+    for r, A in zip(flat, adv):
+        lp = forward(r)
+        n = len(r.completion_ids)
+        trained = 0.0 if a.overlong.mask_truncated and r.finish_reason == "length" else 1.0
+        sampled = torch.full((n,), trained, dtype=F64)  # the loss mask, as sampled
+        live = sampled * torch.isfinite(lp)  # a token the trainer's top-k/top-p cuts cannot be trained
+        mu = torch.tensor(r.behav_logprobs, dtype=torch.float32).to(F64)
+        old = lp.detach()
+        lr_tok = torch.where(live > 0, old - mu, 0.0)
+        w, keep = torch.ones(n, dtype=F64), live.clone()
+        for c in a.corrections:
+            if c["name"] == "token_tis":
+                w = w * torch.exp(lr_tok).clamp(max=c["upper"])
+            elif c["name"] == "token_mask_is":
+                keep = keep * (lr_tok.exp() >= c.get("lower", 0)) * (lr_tok.exp() <= c["upper"])
+            elif c["name"] == "sequence_mask_is":
+                if not c.get("lower", 0) <= math.exp(float(lr_tok.sum())) <= c["upper"]:
+                    keep = keep * 0
+            else:
+                raise AssertionError(c)
+        ent = None
+        if a.entropy_coef:
+            _, (ent,) = token_logprobs(model, [r.prompt_ids + r.completion_ids], temp, top_k, top_p,
+                                       with_entropy=True, first=[len(r.prompt_ids)], entropy_grad=True)
+            ent = ent.to(F64)
+        seqs.append(SimpleNamespace(lp=lp, old=old, mu=mu, A=A, sampled=sampled, keep=keep, w=w, ent=ent,
+                                    ref=forward(r, True) if a.kl.coef and a.kl.where == "loss" else None))
+
+    n_tokens = sum(float(s.sampled.sum()) for s in seqs)  # LossNorm.total_tokens: the loss mask, whole batch
+    B = len(seqs)
+
+    def agg(values_of) -> torch.Tensor:
+        """aggregation.py's table, with n_b the sequence's loss-mask tokens and both totals the batch's."""
+        total = torch.zeros((), dtype=F64)
+        for s in seqs:
+            if not s.keep.any():
+                continue
+            v = torch.where(s.keep > 0, values_of(s), 0.0).sum()
+            total = total + (v / s.sampled.sum() if a.agg_mode == "seq-mean-token-mean" else v)
+        return total / {"token-mean": max(n_tokens, 1), "seq-mean-token-mean": B, "seq-mean-token-sum": B,
+                        "constant-normalised": rs.max_tokens * B}[a.agg_mode]
+
+    flags = {"low": [], "high": [], "ratio": [], "dual": [], "weight": []}
+
+    def policy_loss(s):
+        base = s.mu if a.bypass else s.old  # bypass: ratio against μ
+        lp = torch.where(s.keep > 0, s.lp, 0.0)
+        base = torch.where(s.keep > 0, base, 0.0)
+        A = torch.full_like(lp, s.A)
+        if a.loss == "ppo":
+            el, eh = kw.get("eps_low", 0.2), kw.get("eps_high", 0.2)
+            r = torch.exp(lp - base)
+            loss = torch.maximum(-A * r, -A * r.clamp(1 - el, 1 + eh))
+            if kw.get("dual_clip"):
+                loss = torch.where(A < 0, torch.minimum(loss, -kw["dual_clip"] * A), loss)
+                flags["dual"] += ((A < 0) & (r > kw["dual_clip"]))[s.keep > 0].tolist()
+            low, high = (A < 0) & (r < 1 - el), (A > 0) & (r > 1 + eh)
+        elif a.loss == "gspo":
+            el, eh = kw.get("eps_low", 3e-4), kw.get("eps_high", 4e-4)
+            m = s.keep > 0
+            s_i = torch.exp(((lp - base) * m).sum() / m.sum().clamp(min=1)).detach()
+            r = s_i * torch.exp(lp - lp.detach())  # value s_i, gradient s_i ∇log π_θ(y_t)
+            loss = torch.maximum(-A * r, -A * r.clamp(1 - el, 1 + eh))
+            low, high = (A < 0) & (r < 1 - el), (A > 0) & (r > 1 + eh)
+        else:
+            assert a.loss == "cispo"
+            el, eh = kw.get("eps_low_is", 1.0), kw.get("eps_high_is", 0.28)
+            r = torch.exp(lp - base).detach()
+            loss = -r.clamp(1 - el, 1 + eh) * A * lp
+            low, high = r < 1 - el, r > 1 + eh
+        m = s.keep > 0
+        flags["low"] += low[m].tolist()
+        flags["high"] += high[m].tolist()
+        flags["ratio"] += r.detach()[m].tolist()
+        flags["weight"] += s.w[m].tolist()
+        return loss * s.w
+
+    obj = agg(policy_loss)
+    if a.entropy_coef:
+        obj = obj - a.entropy_coef * agg(lambda s: s.ent)
+    if a.kl.coef and a.kl.where == "loss":
+        obj = obj + a.kl.coef * agg(lambda s: kl_token(torch.where(s.keep > 0, s.lp, s.ref), s.ref, a.kl.kind))
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(obj, params, allow_unused=True)
+    grads = [torch.zeros_like(p, dtype=F64) if g is None else g.to(F64) for p, g in zip(params, grads)]
+    norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
+    coef = min(1.0, cfg.optim.grad_clip / (norm + 1e-6))  # torch's clip_grad_norm_ (its 1e-6)
+
+    def mean(x):
+        return sum(x) / max(len(x), 1)
+
+    metrics = {"train/loss": float(obj.detach()), "train/grad_norm": norm, "loss/ratio_mean": mean(flags["ratio"]),
+               "loss/clip_frac_low": mean(flags["low"]), "loss/clip_frac_high": mean(flags["high"]),
+               "loss/weight_mean": mean(flags["weight"])}
+    if kw.get("dual_clip"):
+        metrics["loss/dual_clip_frac"] = mean(flags["dual"])
+    if kl_sums:  # over every sequence, an empty one's 0 included
+        metrics |= {"rollout/kl_ref_per_seq": mean(kl_sums), "rollout/kl_penalty_mean": a.kl.coef * mean(kl_sums)}
+    if a.overlong.buffer_len:
+        metrics |= {"rollout/overlong_penalty_mean": mean(penalties),
+                    "rollout/overlong_penalised_frac": mean([x < 0 for x in penalties])}
+    # DESIGN.md §3: per sequence the mean |π_old − μ| over its sampled tokens (those π_old covers; cut ones are
+    # counted apart), then the mean over the sequences that have any; trained on or not (mask_truncated)
+    diffs = [(s.old - s.mu).abs()[torch.isfinite(s.old)] for s in seqs]
+    metrics["train/train_rollout_logprob_abs_diff"] = mean([float(d.mean()) for d in diffs if len(d)])
+    metrics["train/train_rollout_logprob_abs_diff_max"] = max(float(d.max()) for d in diffs if len(d))
+    metrics["mismatch/out_of_support_frac"] = mean(sum((torch.isinf(s.old).tolist() for s in seqs), []))
+    if a.entropy_coef:  # the policy's entropy over every sampled token, trained on or not
+        metrics["train/entropy"] = mean(sum((s.ent.tolist() for s in seqs), []))
+    if a.kl.coef and a.kl.where == "loss":  # the estimator's token mean over the trained tokens
+        kls = [kl_token(s.lp, s.ref, a.kl.kind).detach()[s.keep > 0].tolist() for s in seqs]
+        metrics["train/kl_ref"] = mean(sum(kls, []))
+    return [g * coef for g in grads], metrics
+
+
+# ------------------------------------------------------------------ running the step
+def components(model, ref_model, cfg, micro_batch_size=None, ranks=Ranks()):
+    a = cfg.algorithm
+    s = _step_settings(cfg, build_corrections(a.corrections) if a.corrections else None)
+    if micro_batch_size is not None:
+        s.micro_batch_size = micro_batch_size
+    return SimpleNamespace(cfg=cfg, model=model, ref_model=ref_model if a.kl.coef else None,
+                           optimizer=_Keep(model.parameters()), loss_fn=build_loss(a.loss, **a.loss_kwargs),
+                           step_settings=s, ranks=ranks, set_lr=lambda step: 0.0)
+
+
+def step_grads(model) -> list[torch.Tensor]:
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def assert_grads_close(got, want, rtol=G_RTOL):
+    worst = 0.0
+    for k, (g, w) in enumerate(zip(got, want)):
+        scale = float(w.abs().max())
+        err = float((g.to(F64) - w).abs().max())
+        assert err <= rtol * scale + 1e-12, (k, err, scale)
+        worst = max(worst, err / scale if scale else err)
+    return worst
+
+
+BASE = ["progress=false", "tensorboard=false", f"rollout.max_tokens={MAX_TOKENS}", "rollout.samples_per_prompt=3",
+        "optim.grad_clip=1e9"]
+CONFIGS = {
+    "token-mean ppo": [],
+    "seq-mean-token-mean ppo bypass dual clip": [
+        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.1, eps_high: 0.15, dual_clip: 1.2}"],
+    "seq-mean-token-sum gspo bypass": [
+        "algorithm.agg_mode=seq-mean-token-sum", "algorithm.loss=gspo", "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}"],
+    "constant-normalised cispo bypass": [
+        "algorithm.agg_mode=constant-normalised", "algorithm.loss=cispo", "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low_is: 0.2, eps_high_is: 0.1}"],
+    "token-mean ppo with corrections": [
+        "algorithm.corrections=[{name: token_tis, upper: 1.2}, {name: sequence_mask_is, upper: 1.5, lower: 0.9}]"],
+    "seq-mean-token-mean kl k3 in the loss, entropy": [
+        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.kl.coef=0.3", "algorithm.kl.kind=k3",
+        "algorithm.entropy_coef=0.05", "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]"],
+    "token-mean kl k1 in the loss, temperature": [
+        "algorithm.kl.coef=0.3", "algorithm.kl.kind=k1", "rollout.temperature=0.7"],
+    "kl k1 in the reward, overlong shaping and masking": [
+        "algorithm.kl.coef=0.05", "algorithm.kl.kind=k1", "algorithm.kl.where=reward",
+        "algorithm.overlong.buffer_len=4", "algorithm.overlong.penalty_factor=0.5",
+        "algorithm.overlong.mask_truncated=true"],
+    "seq-mean-token-mean mask_truncated, k3 in the loss": [
+        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.overlong.mask_truncated=true",
+        "algorithm.kl.coef=0.2"],
+    "top-k cuts sampled tokens, grad clip": [
+        "rollout.top_k=100", "rollout.temperature=0.9", "algorithm.kl.coef=0.2", "algorithm.kl.kind=k2",
+        "optim.grad_clip=0.05"],
+    "gspo seq-mean-token-mean, grad clip": [
+        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.loss=gspo", "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}", "optim.grad_clip=0.02"],
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_step_is_the_gradient_of_the_configured_objective(models, name):
+    model, ref_model = models
+    cfg = load_config(None, BASE + CONFIGS[name])
+    groups = make_groups(model, cfg.rollout.temperature)
+    want, want_m = reference(model, ref_model, groups, cfg)
+    got = {}
+    for mbs in (1, 5, 64):  # 5: micro-batches of 5, 5, 2, cutting groups apart
+        model.zero_grad(set_to_none=True)
+        m = train_on(components(model, ref_model, cfg, mbs), 1, groups)
+        got[mbs] = step_grads(model), m
+        assert_grads_close(got[mbs][0], want)
+        for k, v in want_m.items():
+            assert m[k] == pytest.approx(v, rel=2e-6, abs=1e-7), (k, mbs)
+    g64, m64 = got[64]
+    for g, m in (got[1], got[5]):
+        assert_grads_close(g, [x.to(F64) for x in g64], rtol=1e-5)  # micro-batching reorders fp32 sums only
+        assert m.pop("train/grad_norm") == pytest.approx(m64["train/grad_norm"], rel=1e-5)
+        assert m == {k: v for k, v in m64.items() if k != "train/grad_norm"}  # taken over the whole batch at once
+    g1 = got[1][0]
+    if cfg.optim.grad_clip < 1:  # the clip acted, and `train/grad_norm` is the norm before it
+        assert want_m["train/grad_norm"] > cfg.optim.grad_clip
+        assert math.sqrt(sum(float((g.double() ** 2).sum()) for g in g1)) == pytest.approx(cfg.optim.grad_clip,
+                                                                                            rel=1e-4)
+
+
+def test_the_references_see_what_they_test(models):
+    """The batch makes every feature above act: clipping, dual clip, cut tokens, masks, shaping."""
+    model, ref_model = models
+    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
+        "seq-mean-token-mean ppo bypass dual clip"])), 1, make_groups(model, 1.0))
+    assert m["loss/clip_frac_low"] > 0 and m["loss/clip_frac_high"] > 0 and m["loss/dual_clip_frac"] > 0
+    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
+        "top-k cuts sampled tokens, grad clip"])), 1, make_groups(model, 0.9))
+    assert 0.1 < m["mismatch/out_of_support_frac"] < 0.9
+    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
+        "token-mean ppo with corrections"])), 1, make_groups(model, 1.0))
+    assert m["correction/token_tis/clip_frac"] > 0 and 0 < m["correction/sequence_mask_is/mask_frac"] < 1
+    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
+        "kl k1 in the reward, overlong shaping and masking"])), 1, make_groups(model, 1.0))
+    assert m["rollout/overlong_penalised_frac"] > 0 and m["rollout/kl_ref_per_seq"] != 0
+    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
+        "seq-mean-token-mean kl k3 in the loss, entropy"])), 1, make_groups(model, 1.0))
+    assert 0 < m["correction/token_mask_is/mask_frac"] < 0.5
+
+
+def test_rollout_metrics_are_those_of_the_task_rewards(models):
+    model, _ = models
+    groups = make_groups(model, 1.0)
+    flat = [r for g in groups for r in g]
+    lens = [len(r.completion_ids) for r in flat]
+    rewards = [r.reward for r in flat]
+    m = rollout_metrics(groups)
+    assert m["rollout/reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert m["rollout/response_len_mean"] == pytest.approx(sum(lens) / len(lens))
+    assert m["rollout/response_len_max"] == MAX_TOKENS
+    assert m["rollout/truncated_frac"] == pytest.approx(3 / 12)
+    assert m["rollout/zero_std_group_frac"] == pytest.approx(1 / 4)
+    assert m["rollout/pass_at_group"] == pytest.approx(2 / 4)
+
+
+class _SimulatedRanks(Ranks):
+    """Rank r of W in one process: ranks W-1..1 run first and leave their local gradient and per-token
+    tensors in `shared`; rank 0 then sums the gradients and gathers the tensors as the collectives would."""
+
+    shared: dict
+
+    def sum_grads(self, params):
+        ps = [p for p in params if p.requires_grad]
+        if self.rank:
+            self.shared.setdefault("grads", {})[self.rank] = [None if p.grad is None else p.grad.clone() for p in ps]
+            return
+        for other in self.shared["grads"].values():
+            for p, g in zip(ps, other):
+                if g is not None:
+                    p.grad = g.clone() if p.grad is None else p.grad + g
+
+    def check_same(self, what, tensors, why):
+        pass
+
+    def gather(self, obj):
+        if self.rank:
+            self.shared.setdefault("whole", {})[self.rank] = obj
+            raise _RankDone
+        return [dict(obj)] + [self.shared["whole"][r] for r in range(1, self.world)]  # a copy, as pickling gives
+
+
+class _RankDone(Exception):
+    pass
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["token-mean kl k1 in the loss, temperature",
+                                  "seq-mean-token-mean mask_truncated, k3 in the loss"])
+def test_data_parallel_shares_are_normalised_by_the_whole_batch(models, world, name):
+    """Each rank's loss is divided by the whole batch's token and sequence counts, so the ranks' summed
+    gradient is the one-process gradient (a rank's own count would scale its share up by ~W)."""
+    model, ref_model = models
+    cfg = load_config(None, BASE + CONFIGS[name])
+    groups = make_groups(model, cfg.rollout.temperature)
+    want, want_m = reference(model, ref_model, groups, cfg)
+    a = cfg.algorithm
+    batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
+    shared: dict = {}
+    for rank in [*range(1, world), 0]:
+        ranks = _SimulatedRanks(rank, world)
+        object.__setattr__(ranks, "shared", shared)
+        c = components(model, ref_model, cfg, micro_batch_size=2, ranks=ranks)
+        model.zero_grad(set_to_none=True)
+        try:
+            m = train_step(model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model, ranks)
+        except _RankDone:
+            assert rank
+            continue
+    assert_grads_close(step_grads(model), want)
+    for k, v in want_m.items():
+        assert m[k] == pytest.approx(v, rel=2e-6, abs=1e-7), k
+
+
+def _rank_step(rank: int, port: int, dirs, name: str, out) -> None:
+    """Rank `rank` of 2 over gloo (torch.multiprocessing): one `train_step` on its share of the batch."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    model, ref_model = exactrl.load_model(dirs[0]), exactrl.load_model(dirs[1]).requires_grad_(False)
+    cfg = load_config(None, BASE + CONFIGS[name])
+    groups = make_groups(model, cfg.rollout.temperature)
+    a = cfg.algorithm
+    batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
+    c = components(model, ref_model, cfg, micro_batch_size=2, ranks=Ranks(rank, 2))
+    m = train_step(model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model, c.ranks)
+    out.put((rank, [g.numpy() for g in step_grads(model)], m))  # numpy: a tensor would go by shared memory
+    dist.destroy_process_group()
+
+
+def test_two_real_ranks_give_the_one_process_gradient(models, qwen3_dir, ref_dir):
+    """`Ranks.sum_grads` and the metric gather over gloo, against the reference (the simulated ranks above
+    check the normalisation; this checks the collectives carry it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    name = "seq-mean-token-mean mask_truncated, k3 in the loss"
+    model, ref_model = models
+    cfg = load_config(None, BASE + CONFIGS[name])
+    want, want_m = reference(model, ref_model, make_groups(model, cfg.rollout.temperature), cfg)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    dirs = (str(qwen3_dir), str(ref_dir))
+    procs = [ctx.Process(target=_rank_step, args=(r, port, dirs, name, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {r: ([torch.from_numpy(x) for x in g], m) for r, g, m in (q.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(60)
+    for g, m in got.values():
+        assert_grads_close(g, want)
+        for k, v in want_m.items():
+            assert m[k] == pytest.approx(v, rel=2e-6, abs=1e-7), k
+    assert all(torch.equal(a, b) for a, b in zip(got[0][0], got[1][0]))  # every rank the same bits
