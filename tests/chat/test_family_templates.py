@@ -238,3 +238,24 @@ def test_live_qwen3_turns_and_branches():
         n1, n2 = len(m1["generation_token_ids"]), len(m2["generation_token_ids"])
         gap = len(m2["prompt_token_ids"]) - len(m1["prompt_token_ids"]) - n1
         assert t["loss_mask"] == [1] * n1 + [0] * gap + [1] * n2
+
+
+def test_live_a_generation_config_eos_ends_the_turn_as_a_stop_token():
+    """Llama 3.1's generation_config.json lists `<|eom_id|>` (and Qwen's `<|endoftext|>`) beside the
+    tokenizer's eos: the engine stops on it, so the server shows it as the stop token it is, not as text,
+    and the next turn splices after it (the template's `<|eot_id|>` closing the turn)."""
+    c, state, _ = client("llama3", force="<|eom_id|>")
+    tok = state.tokenizer
+    eom = tok.hf.convert_tokens_to_ids("<|eom_id|>")
+    msgs = [{"role": "user", "content": "hello"}]
+    r = c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=4)
+    m = as_dict(r.choices[0].message)
+    assert m["generation_token_ids"] == [eom] and r.choices[0].finish_reason == "stop"
+    assert m["content"] == ""
+    chunks = list(c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=4,
+                                            stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    msgs += [m, {"role": "user", "content": "again"}]
+    r2 = c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=4)
+    check_extends(tok, r2.choices[0].message.prompt_token_ids, m, user_part("llama3", "again"))
+    assert r2.choices[0].message.prompt_token_ids[len(m["prompt_token_ids"]):][:2] == [eom, tok.end_of_turn_id]
