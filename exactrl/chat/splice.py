@@ -109,13 +109,15 @@ def _ends(ids: list[int], eot: int) -> list[int]:
 class Splicer:
     """Builds chat prompts for one tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer, vocab_size: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids=()):
         self.tok = tokenizer
         # the model's vocabulary, which may exceed the tokenizer's (padded rows): any id it samples is valid
         self.vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
         self.eot = tokenizer.end_of_turn_id
         self.eot_text = tokenizer.decode([self.eot], skip_special_tokens=False)
-        self.stop_ids = frozenset(tokenizer.stop_token_ids) | {self.eot}
+        # `stop_token_ids`: what else the engine stops on (the model's generation_config eos ids): a generation
+        # ending with one is a stopped turn whose text does not show it
+        self.stop_ids = frozenset(tokenizer.stop_token_ids) | {self.eot} | frozenset(stop_token_ids)
         # texts the encoder turns into special tokens: refused in what a client wrote (messages.py)
         self.special_texts = tuple(t.content for t in tokenizer.hf.added_tokens_decoder.values()
                                    if t.special and t.content)
