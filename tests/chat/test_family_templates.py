@@ -259,3 +259,29 @@ def test_live_a_generation_config_eos_ends_the_turn_as_a_stop_token():
     r2 = c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=4)
     check_extends(tok, r2.choices[0].message.prompt_token_ids, m, user_part("llama3", "again"))
     assert r2.choices[0].message.prompt_token_ids[len(m["prompt_token_ids"]):][:2] == [eom, tok.end_of_turn_id]
+
+
+def test_llama_json_tool_calls_are_not_parsed_and_say_so():
+    """(v) The parser reads Hermes `<tool_call>` blocks (Qwen2.5, Qwen3, the project's template). Llama 3.1
+    writes a call as bare JSON: such a call would come back as content, so a request that asks for tool
+    calls to be parsed is refused with a 400 naming the reason; tool_choice='none' returns the text as
+    content, as asked."""
+    import openai
+
+    from chat_helpers import tokenizer
+
+    for family in QWEN:
+        assert Splicer(family_tokenizer(family)).parses_tool_calls
+    assert Splicer(tokenizer()).parses_tool_calls
+    sp = Splicer(family_tokenizer("llama3"))
+    assert not sp.parses_tool_calls
+    text = '{"name": "calculator", "parameters": {"expression": "2+2"}}'  # what a Llama 3.1 model writes
+    assert parse_assistant_text(text).tool_calls == []
+    c, state, _ = client("llama3", force="<|eom_id|>")
+    msgs = [{"role": "user", "content": "compute 2+2"}]
+    with pytest.raises(openai.BadRequestError, match="tool calls") as e:
+        c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], max_tokens=4)
+    assert e.value.body["param"] == "tools" and e.value.body["code"] == "unsupported_tool_call_format"
+    r = c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], tool_choice="none",
+                                  max_tokens=4)
+    assert "Given the following functions" in state.tokenizer.decode(r.choices[0].message.prompt_token_ids)
