@@ -50,6 +50,7 @@ possible prompt would exceed the context is refused before those renders.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
@@ -121,6 +122,26 @@ class Splicer:
         # texts the encoder turns into special tokens: refused in what a client wrote (messages.py)
         self.special_texts = tuple(t.content for t in tokenizer.hf.added_tokens_decoder.values()
                                    if t.special and t.content)
+
+    @functools.cached_property
+    def parses_tool_calls(self) -> bool:
+        """Whether the chat template writes a tool call in the format `parsing.py` reads (Hermes `<tool_call>`
+        blocks: Qwen2.5, Qwen3, ours), found by rendering one call and parsing it back. Llama 3's template
+        writes bare JSON (`{"name": ..., "parameters": ...}`): its calls would come back as content."""
+        tools = [{"type": "function", "function": {"name": "probe", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+        user = {"role": "user", "content": "probe"}
+        call = {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "id": "call_0", "function": {"name": "probe", "arguments": {"x": 1}}}]}
+        try:
+            prompt = self.tok.render_chat([user], tools)
+            turn = self.tok.render_chat([user, call], tools, add_generation_prompt=False)
+        except ValueError:  # the template refuses tools or tool calls
+            return False
+        if not turn.startswith(prompt):
+            return False
+        calls = parse_assistant_text(turn[len(prompt):].split(self.eot_text)[0]).tool_calls
+        return [(c.name, c.arguments) for c in calls] == [("probe", {"x": 1})]
 
     def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise",
               max_len: int | None = None) -> PromptPlan:

@@ -51,6 +51,12 @@ class _ChatJob:
             self.parse_tools = check_tool_choice(body.tool_choice, self.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
+        if self.parse_tools and not st.splicer.parses_tool_calls:
+            raise APIError(400, "this model's chat template does not write tool calls as <tool_call>{\"name\": ..., "
+                                "\"arguments\": ...}</tool_call> blocks (Hermes format: Qwen2.5, Qwen3), the only tool "
+                                "calls this server parses: the model's calls would come back as content. Send "
+                                "tool_choice='none' to get them as content", param="tools",
+                           code="unsupported_tool_call_format")
         self.top = self._check_logprobs(body)
 
     @classmethod
