@@ -285,3 +285,29 @@ def test_llama_json_tool_calls_are_not_parsed_and_say_so():
     r = c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], tool_choice="none",
                                   max_tokens=4)
     assert "Given the following functions" in state.tokenizer.decode(r.choices[0].message.prompt_token_ids)
+
+
+def test_live_qwen3_enable_thinking_false_reaches_the_template():
+    """`chat_template_kwargs` (vLLM's field: how Qwen3 users turn thinking off) is passed to the template: the
+    generation prompt ends with the empty think block, and the next turn with the same kwargs splices after
+    it. Kwargs that change the earlier generation prompt are a history the tokens do not show (400), and
+    kwargs naming the template's own variables are refused."""
+    import openai
+
+    c, state, _ = client("qwen3")
+    tok, name = state.tokenizer, state.config.model_name
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msgs = [{"role": "user", "content": "hello"}]
+    r = c.chat.completions.create(model=name, messages=msgs, max_tokens=4, seed=3, extra_body=off)
+    m = as_dict(r.choices[0].message)
+    assert tok.decode(m["prompt_token_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    msgs += [m, {"role": "user", "content": "again"}]
+    r2 = c.chat.completions.create(model=name, messages=msgs, max_tokens=4, extra_body=off)
+    check_extends(tok, r2.choices[0].message.prompt_token_ids, m,
+                  user_part("qwen3", "again") + "<think>\n\n</think>\n\n")
+    with pytest.raises(openai.BadRequestError, match="generation prompt"):
+        c.chat.completions.create(model=name, messages=msgs, max_tokens=4)
+    for bad in ({"messages": []}, {"add_generation_prompt": False}, ["enable_thinking"]):
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+            c.chat.completions.create(model=name, messages=msgs[:1], max_tokens=4,
+                                      extra_body={"chat_template_kwargs": bad})
