@@ -54,7 +54,7 @@ import functools
 from dataclasses import dataclass
 
 from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
-                                   token_fields)
+                                   token_fields, validate_template_kwargs)
 from exactrl.chat.parsing import parse_assistant_text
 
 POLICIES = ("raise", "split", "truncate")
@@ -144,8 +144,9 @@ class Splicer:
         return [(c.name, c.arguments) for c in calls] == [("probe", {"x": 1})]
 
     def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise",
-              max_len: int | None = None) -> PromptPlan:
-        """The prompt; with `max_len`, PromptTooLongError if no prompt of the conversation would be shorter."""
+              max_len: int | None = None, template_kwargs: dict | None = None) -> PromptPlan:
+        """The prompt; with `max_len`, PromptTooLongError if no prompt of the conversation would be shorter.
+        `template_kwargs`: more chat template variables (`validate_template_kwargs`), for every render."""
         if policy not in POLICIES:
             raise ValueError(f"monotonicity policy must be one of {list(POLICIES)}, got {policy!r}")
         if not isinstance(messages, list) or not messages:
@@ -154,16 +155,17 @@ class Splicer:
         fields = {i: f for i, m in enumerate(messages)
                   if (f := token_fields(m, i, self.vocab_size)) is not None}
         check_tool_replies(tmsgs)
-        check_rendered_text(tmsgs, tools, self.special_texts, set(fields))
+        kw = validate_template_kwargs(template_kwargs)
+        check_rendered_text(tmsgs, tools, self.special_texts, set(fields), kw)
         for i, f in fields.items():
             tmsgs[i] = self._closing_eot_as_template(tmsgs[i], f)
-        full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True)
+        full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True, **kw)
         # a generation may spell the end-of-turn marker in ordinary tokens: rendered, that text would become a
         # real end-of-turn token and shift every later turn. The turns are counted without it (those
         # messages' rendered tokens are never part of a spliced prompt: the history holds their tokens)
         rmsgs = [self._without_spelled_eots(m, fields[i]) if i in fields else m for i, m in enumerate(tmsgs)]
         counted = full if rmsgs == tmsgs else self.tok.apply_chat_template(rmsgs, tools=tools,
-                                                                           add_generation_prompt=True)
+                                                                           add_generation_prompt=True, **kw)
         hist = self.history(fields[max(fields)]) if fields else []
         if max_len is not None:  # every policy's prompt ends with R after its k-th end-of-turn token (or all of R)
             r_ends = _ends(full, self.eot)
@@ -173,7 +175,7 @@ class Splicer:
                 raise PromptTooLongError(shortest, max_len)
         if not fields:
             return PromptPlan(list(full), "fresh", 0)
-        bad = self._check(tmsgs, rmsgs, tools, fields, hist, counted)
+        bad = self._check(tmsgs, rmsgs, tools, fields, hist, counted, kw)
         if bad is None:
             k = len(_ends(hist, self.eot))
             cut = _ends(counted, self.eot)[k - 1] + 1
@@ -212,8 +214,8 @@ class Splicer:
         return h if h[-1] == self.eot else h + [self.eot]
 
     # ------------------------------------------------------------ monotonicity
-    def _check(self, tmsgs, rmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int]
-               ) -> _Mismatch | None:
+    def _check(self, tmsgs, rmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int],
+               kw: dict) -> _Mismatch | None:
         """The first mismatch of H against R (`full`, rendered from `rmsgs`); `tmsgs`: the messages as sent."""
         h_ends, r_ends = _ends(hist, self.eot), _ends(full, self.eot)
         h_start = [0] + [e + 1 for e in h_ends]
@@ -245,7 +247,8 @@ class Splicer:
         # which segment of R each token-carrying message ends in (one render per such message)
         gen_seg = {}
         for i, (first, last) in spans.items():
-            now = self.tok.render_chat(rmsgs[:i + 1], tools=tools, add_generation_prompt=False).count(self.eot_text) - 1
+            now = self.tok.render_chat(rmsgs[:i + 1], tools=tools, add_generation_prompt=False,
+                                       **kw).count(self.eot_text) - 1
             gen_seg |= {j: i for j in range(first, last + 1)}
             if last != now:
                 seg = max(0, min(first, now))
