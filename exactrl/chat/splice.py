@@ -10,10 +10,11 @@ The new prompt is
 
 where R is the tokenized render of the whole new conversation (generation
 prompt included) and `cut` is just after R's k-th end-of-turn token, k the
-number of end-of-turn tokens in H. Every message ends with exactly one
-end-of-turn token and special tokens split the text, so R[cut:] is exactly
-the tokenization of what is new (tool results, user turn, generation prompt),
-and no old text is ever re-tokenized.
+number of end-of-turn tokens in H. Every turn ends with exactly one
+end-of-turn token (Qwen's templates make a run of tool results one user
+turn; Llama's end a turn with `<|eot_id|>`) and special tokens split the
+text, so R[cut:] is exactly the tokenization of what is new (tool results,
+user turn, generation prompt), and no old text is ever re-tokenized.
 
 H is only used if the conversation still says what H says (monotonicity).
 H and R are cut into segments after each end-of-turn token; segment j of H
@@ -21,7 +22,11 @@ must match segment j of R:
   * a segment holding generated tokens matches if its assistant message is
     the one at that place of the conversation and still says what the tokens
     say (same reasoning, content and tool calls, `parsing.py`) — never by
-    comparing templates, which may re-render tool calls or drop old reasoning;
+    comparing templates, which may re-render tool calls or drop old reasoning
+    (Qwen3's drops it before the last user query: the spliced prompt keeps the
+    reasoning tokens the model generated, where a re-render would not show
+    them; a client that removes `reasoning_content` no longer matches, and the
+    policy decides);
   * any other segment matches if its text is the same (the token IDs may
     differ: that is the re-tokenization this module exists to avoid).
 A generation may itself hold end-of-turn tokens (ignore_eos): its message then

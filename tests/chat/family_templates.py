@@ -12,6 +12,7 @@ The Jinja below is written here. What it reproduces was read from the families' 
     turns end with `<|eot_id|>`; a dated system header; tools go into the first user message; a tool call is
     the bare JSON `{"name": ..., "parameters": ...}` (one per turn); tool results are role `ipython`, their
     text rendered through tojson (a string gets quotes, as the real template's `is iterable` test does).
+    The date is `date_string` (Llama 3.2's writes strftime_now's: the day the request is rendered).
     `<|eom_id|>` ends a turn that waits for a tool (generation_config lists it as an eos).
 """
 from __future__ import annotations
@@ -140,7 +141,8 @@ LLAMA3_TEMPLATE = r"""
 {%- if tools %}
     {{- 'Environment: ipython\n' }}
 {%- endif %}
-{{- 'Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n' + system + '<|eot_id|>' }}
+{{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + (date_string or '26 Jul 2024') + '\n\n' + system }}
+{{- '<|eot_id|>' }}
 {%- if tools and messages and messages[0].role == 'user' %}
     {{- '<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, respond with a JSON for a function call.\n\n' }}
     {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.\n\n' }}

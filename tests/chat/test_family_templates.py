@@ -311,3 +311,18 @@ def test_live_qwen3_enable_thinking_false_reaches_the_template():
         with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
             c.chat.completions.create(model=name, messages=msgs[:1], max_tokens=4,
                                       extra_body={"chat_template_kwargs": bad})
+
+
+def test_a_template_whose_text_changes_between_requests_is_non_monotonic():
+    """Llama 3.1/3.2 templates write today's date into the system header: a conversation that crosses
+    midnight re-renders its first turn differently, which the history's tokens do not say (README)."""
+    tok = family_tokenizer("llama3")
+    sp = Splicer(tok)
+    msgs = [{"role": "user", "content": "hello"}]
+    p1 = sp.build(msgs, template_kwargs={"date_string": "26 Jul 2024"}).prompt_ids
+    assert "Today Date: 26 Jul 2024" in tok.decode(p1)
+    msgs += [reply(tok, sp, p1, tok.encode("hi")), {"role": "user", "content": "more"}]
+    check_splice(tok, sp.build(msgs, template_kwargs={"date_string": "26 Jul 2024"}), msgs[1],
+                 user_part("llama3", "more"))
+    with pytest.raises(MonotonicityError, match="the text of turn 0 changed"):
+        sp.build(msgs, template_kwargs={"date_string": "27 Jul 2024"})
