@@ -28,6 +28,13 @@ from exactrl.chat.parsing import TOOL_NAME
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# variables a client may not set through chat_template_kwargs: those transformers' apply_chat_template sets or
+# takes itself (a clash is a TypeError there), and the special tokens it passes (`bos_token`, ...: a client's
+# value would be rendered as that token)
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                                      "tokenize", "chat_template", "padding", "truncation", "max_length",
+                                      "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                      "tokenizer_kwargs", "conversation"})
 # JSON nesting allowed in tool arguments and tool schemas: the chat template renders them recursively, and a
 # few hundred levels exhaust Python's recursion (a 500 for what is the request's fault)
 MAX_NESTING = 64
@@ -207,6 +214,22 @@ def validate_tools(tools: Any) -> list[dict] | None:
     return [{"type": "function", "function": dict(t["function"])} for t in tools]
 
 
+def validate_template_kwargs(kwargs: Any) -> dict:
+    """`chat_template_kwargs` (vLLM's field): more variables for the chat template, e.g. Qwen3's
+    `{"enable_thinking": false}`. Their strings are checked with the messages' (`check_rendered_text`)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be an object of template variables, got "
+                         f"{type(kwargs).__name__}")
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS or key.endswith("_token"):
+            raise ValueError(f"chat_template_kwargs may not set {reprlib.repr(key)}: the server sets the "
+                             f"template's messages, tools, generation prompt and special tokens itself")
+    _check_nesting(kwargs, "chat_template_kwargs")
+    return dict(kwargs)
+
+
 def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> bool:
     """Whether tool calls are parsed from the output. Only 'auto' and 'none' are honoured."""
     if tool_choice is None:
@@ -238,12 +261,13 @@ def _strings(obj: Any, where: str):
 
 
 def check_rendered_text(tmsgs: list[dict], tools: list[dict] | None, specials: tuple[str, ...],
-                        generated: set[int] = frozenset()) -> None:
+                        generated: set[int] = frozenset(), template_kwargs: dict | None = None) -> None:
     """Every string the template renders is valid Unicode, and none a client wrote spells a special token
     (`specials`, their texts); `generated`: indices of messages carrying token fields, whose text the model
     wrote (see the module docstring). Names the field, so the client knows what to escape."""
     fields = [(f"messages[{i}]", m, i not in generated) for i, m in enumerate(tmsgs)]
     fields += [(f"tools[{k}]", t, True) for k, t in enumerate(tools or [])]
+    fields += [("chat_template_kwargs", template_kwargs, True)] if template_kwargs else []
     for root, value, written in fields:
         for where, s in _strings(value, root):
             try:

@@ -10,10 +10,11 @@ The new prompt is
 
 where R is the tokenized render of the whole new conversation (generation
 prompt included) and `cut` is just after R's k-th end-of-turn token, k the
-number of end-of-turn tokens in H. Every message ends with exactly one
-end-of-turn token and special tokens split the text, so R[cut:] is exactly
-the tokenization of what is new (tool results, user turn, generation prompt),
-and no old text is ever re-tokenized.
+number of end-of-turn tokens in H. Every turn ends with exactly one
+end-of-turn token (Qwen's templates make a run of tool results one user
+turn; Llama's end a turn with `<|eot_id|>`) and special tokens split the
+text, so R[cut:] is exactly the tokenization of what is new (tool results,
+user turn, generation prompt), and no old text is ever re-tokenized.
 
 H is only used if the conversation still says what H says (monotonicity).
 H and R are cut into segments after each end-of-turn token; segment j of H
@@ -21,7 +22,11 @@ must match segment j of R:
   * a segment holding generated tokens matches if its assistant message is
     the one at that place of the conversation and still says what the tokens
     say (same reasoning, content and tool calls, `parsing.py`) — never by
-    comparing templates, which may re-render tool calls or drop old reasoning;
+    comparing templates, which may re-render tool calls or drop old reasoning
+    (Qwen3's drops it before the last user query: the spliced prompt keeps the
+    reasoning tokens the model generated, where a re-render would not show
+    them; a client that removes `reasoning_content` no longer matches, and the
+    policy decides);
   * any other segment matches if its text is the same (the token IDs may
     differ: that is the re-tokenization this module exists to avoid).
 A generation may itself hold end-of-turn tokens (ignore_eos): its message then
@@ -50,10 +55,11 @@ possible prompt would exceed the context is refused before those renders.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
-                                   token_fields)
+                                   token_fields, validate_template_kwargs)
 from exactrl.chat.parsing import parse_assistant_text
 
 POLICIES = ("raise", "split", "truncate")
@@ -109,20 +115,43 @@ def _ends(ids: list[int], eot: int) -> list[int]:
 class Splicer:
     """Builds chat prompts for one tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer, vocab_size: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids=()):
         self.tok = tokenizer
         # the model's vocabulary, which may exceed the tokenizer's (padded rows): any id it samples is valid
         self.vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
         self.eot = tokenizer.end_of_turn_id
         self.eot_text = tokenizer.decode([self.eot], skip_special_tokens=False)
-        self.stop_ids = frozenset(tokenizer.stop_token_ids) | {self.eot}
+        # `stop_token_ids`: what else the engine stops on (the model's generation_config eos ids): a generation
+        # ending with one is a stopped turn whose text does not show it
+        self.stop_ids = frozenset(tokenizer.stop_token_ids) | {self.eot} | frozenset(stop_token_ids)
         # texts the encoder turns into special tokens: refused in what a client wrote (messages.py)
         self.special_texts = tuple(t.content for t in tokenizer.hf.added_tokens_decoder.values()
                                    if t.special and t.content)
 
+    @functools.cached_property
+    def parses_tool_calls(self) -> bool:
+        """Whether the chat template writes a tool call in the format `parsing.py` reads (Hermes `<tool_call>`
+        blocks: Qwen2.5, Qwen3, ours), found by rendering one call and parsing it back. Llama 3's template
+        writes bare JSON (`{"name": ..., "parameters": ...}`): its calls would come back as content."""
+        tools = [{"type": "function", "function": {"name": "probe", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+        user = {"role": "user", "content": "probe"}
+        call = {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "id": "call_0", "function": {"name": "probe", "arguments": {"x": 1}}}]}
+        try:
+            prompt = self.tok.render_chat([user], tools)
+            turn = self.tok.render_chat([user, call], tools, add_generation_prompt=False)
+        except ValueError:  # the template refuses tools or tool calls
+            return False
+        if not turn.startswith(prompt):
+            return False
+        calls = parse_assistant_text(turn[len(prompt):].split(self.eot_text)[0]).tool_calls
+        return [(c.name, c.arguments) for c in calls] == [("probe", {"x": 1})]
+
     def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise",
-              max_len: int | None = None) -> PromptPlan:
-        """The prompt; with `max_len`, PromptTooLongError if no prompt of the conversation would be shorter."""
+              max_len: int | None = None, template_kwargs: dict | None = None) -> PromptPlan:
+        """The prompt; with `max_len`, PromptTooLongError if no prompt of the conversation would be shorter.
+        `template_kwargs`: more chat template variables (`validate_template_kwargs`), for every render."""
         if policy not in POLICIES:
             raise ValueError(f"monotonicity policy must be one of {list(POLICIES)}, got {policy!r}")
         if not isinstance(messages, list) or not messages:
@@ -131,16 +160,17 @@ class Splicer:
         fields = {i: f for i, m in enumerate(messages)
                   if (f := token_fields(m, i, self.vocab_size)) is not None}
         check_tool_replies(tmsgs)
-        check_rendered_text(tmsgs, tools, self.special_texts, set(fields))
+        kw = validate_template_kwargs(template_kwargs)
+        check_rendered_text(tmsgs, tools, self.special_texts, set(fields), kw)
         for i, f in fields.items():
             tmsgs[i] = self._closing_eot_as_template(tmsgs[i], f)
-        full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True)
+        full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True, **kw)
         # a generation may spell the end-of-turn marker in ordinary tokens: rendered, that text would become a
         # real end-of-turn token and shift every later turn. The turns are counted without it (those
         # messages' rendered tokens are never part of a spliced prompt: the history holds their tokens)
         rmsgs = [self._without_spelled_eots(m, fields[i]) if i in fields else m for i, m in enumerate(tmsgs)]
         counted = full if rmsgs == tmsgs else self.tok.apply_chat_template(rmsgs, tools=tools,
-                                                                           add_generation_prompt=True)
+                                                                           add_generation_prompt=True, **kw)
         hist = self.history(fields[max(fields)]) if fields else []
         if max_len is not None:  # every policy's prompt ends with R after its k-th end-of-turn token (or all of R)
             r_ends = _ends(full, self.eot)
@@ -150,7 +180,7 @@ class Splicer:
                 raise PromptTooLongError(shortest, max_len)
         if not fields:
             return PromptPlan(list(full), "fresh", 0)
-        bad = self._check(tmsgs, rmsgs, tools, fields, hist, counted)
+        bad = self._check(tmsgs, rmsgs, tools, fields, hist, counted, kw)
         if bad is None:
             k = len(_ends(hist, self.eot))
             cut = _ends(counted, self.eot)[k - 1] + 1
@@ -189,8 +219,8 @@ class Splicer:
         return h if h[-1] == self.eot else h + [self.eot]
 
     # ------------------------------------------------------------ monotonicity
-    def _check(self, tmsgs, rmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int]
-               ) -> _Mismatch | None:
+    def _check(self, tmsgs, rmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int],
+               kw: dict) -> _Mismatch | None:
         """The first mismatch of H against R (`full`, rendered from `rmsgs`); `tmsgs`: the messages as sent."""
         h_ends, r_ends = _ends(hist, self.eot), _ends(full, self.eot)
         h_start = [0] + [e + 1 for e in h_ends]
@@ -222,7 +252,8 @@ class Splicer:
         # which segment of R each token-carrying message ends in (one render per such message)
         gen_seg = {}
         for i, (first, last) in spans.items():
-            now = self.tok.render_chat(rmsgs[:i + 1], tools=tools, add_generation_prompt=False).count(self.eot_text) - 1
+            now = self.tok.render_chat(rmsgs[:i + 1], tools=tools, add_generation_prompt=False,
+                                       **kw).count(self.eot_text) - 1
             gen_seg |= {j: i for j in range(first, last + 1)}
             if last != now:
                 seg = max(0, min(first, now))

@@ -258,8 +258,9 @@ class Tokenizer:
         return {"input_ids": self.hf.encode(text, add_special_tokens=add_special_tokens)}
 
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages` (and `tools`, when the template supports them)."""
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        """The chat template's text for `messages` (and `tools`, when the template supports them);
+        `template_kwargs` are more variables for the template (Qwen3's `enable_thinking`), as in transformers."""
         if not self.hf.chat_template:
             raise ValueError(f"tokenizer at {self.path} has no chat template (tokenizer_config.json 'chat_template' "
                              f"or chat_template.jinja)")
@@ -267,15 +268,17 @@ class Tokenizer:
 
         try:
             return self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                               add_generation_prompt=add_generation_prompt, tokenize=False)
+                                               add_generation_prompt=add_generation_prompt, tokenize=False,
+                                               **template_kwargs)
         except TemplateError as e:  # raised by the template's own checks (roles, message order)
             raise ValueError(f"chat template of {self.path} rejected the messages: {e}") from None
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True, tokenize: bool = True) -> list[int] | str:
+                            add_generation_prompt: bool = True, tokenize: bool = True,
+                            **template_kwargs: Any) -> list[int] | str:
         """Token ids of `render_chat(...)`; with `tokenize=False` the rendered text itself, as in
         transformers (whose `add_generation_prompt` defaults to False, ours to True)."""
-        text = self.render_chat(messages, tools, add_generation_prompt)
+        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
         return self.encode(text) if tokenize else text
 
 

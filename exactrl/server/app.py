@@ -110,8 +110,11 @@ class ServerState:
         # ids are checked against the model's vocabulary: it may be larger than the tokenizer's (padded
         # rows, as Qwen's), and every id the engine can sample must come back in as history
         self.limits = EngineLimits(max_n=engine.scheduler.max_num_seqs, vocab_size=engine.vocab_size)
-        self.splicer = Splicer(tokenizer, vocab_size=engine.vocab_size)
-        self.stop_token_ids = sorted(set(tokenizer.stop_token_ids) | {tokenizer.end_of_turn_id})
+        # every id the engine stops on is a stop token, not text: the tokenizer's and the model's eos ids
+        # (generation_config.json lists more, e.g. Llama 3.1's <|eom_id|>, Qwen's <|endoftext|>)
+        self.stop_token_ids = sorted(set(tokenizer.stop_token_ids) | {tokenizer.end_of_turn_id}
+                                     | engine.stop_token_ids)
+        self.splicer = Splicer(tokenizer, vocab_size=engine.vocab_size, stop_token_ids=self.stop_token_ids)
         self.sessions: dict[str, Session] = {}
         self._next_sweep = 0.0  # time.monotonic() of the next look for idle sessions
         self.counters: collections.Counter = collections.Counter()

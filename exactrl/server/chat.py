@@ -26,7 +26,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from exactrl.chat.messages import InconsistentTokenFieldsError, check_tool_choice, validate_tools
+from exactrl.chat.messages import (InconsistentTokenFieldsError, check_tool_choice, validate_template_kwargs,
+                                   validate_tools)
 from exactrl.chat.parsing import StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError
 from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
@@ -51,6 +52,16 @@ class _ChatJob:
             self.parse_tools = check_tool_choice(body.tool_choice, self.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
+        if self.parse_tools and not st.splicer.parses_tool_calls:
+            raise APIError(400, "this model's chat template does not write tool calls as <tool_call>{\"name\": ..., "
+                                "\"arguments\": ...}</tool_call> blocks (Hermes format: Qwen2.5, Qwen3), the only tool "
+                                "calls this server parses: the model's calls would come back as content. Send "
+                                "tool_choice='none' to get them as content", param="tools",
+                           code="unsupported_tool_call_format")
+        try:
+            self.template_kwargs = validate_template_kwargs(body.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
         self.top = self._check_logprobs(body)
 
     @classmethod
@@ -71,7 +82,8 @@ class _ChatJob:
         st, body = self.st, self.body
         policy = body.monotonicity or st.config.monotonicity
         try:
-            return st.splicer.build(body.messages, self.tools, policy, max_len=st.context_limit)
+            return st.splicer.build(body.messages, self.tools, policy, max_len=st.context_limit,
+                                    template_kwargs=self.template_kwargs)
         except PromptTooLongError as e:
             raise context_error(e.limit, st.engine.max_model_len,
                                 f", but the prompt has at least {e.length} tokens", "messages") from None

@@ -17,6 +17,7 @@ Extras beyond OpenAI's schema:
   stop_token_ids   extra stop token ids, as vLLM
   ignore_eos       do not stop at the end-of-turn / eos tokens (benchmarks)
   monotonicity     per-request override of the server's policy: raise | split | truncate
+  chat_template_kwargs  more chat template variables, as vLLM (Qwen3: {"enable_thinking": false})
   return_token_ids accepted for vLLM's dialect; the token ids are always returned
                    (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`)
 """
@@ -103,6 +104,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     monotonicity: Literal["raise", "split", "truncate"] | None = None
+    chat_template_kwargs: Any = None  # vLLM's: more chat template variables (Qwen3's enable_thinking)
 
 
 class CompletionRequest(_Sampling):
