@@ -8,7 +8,9 @@ completions, completions cut at max_tokens, an empty completion, a group of equa
 trainer's π_old on some tokens. The reference does one forward per sequence alone
 (`exactrl.sequence_logprobs`), writes the objective out in float64 from the config's documented meaning
 (DESIGN.md §5, aggregation.py's table, the loss docstrings, config.py), and differentiates it with
-autograd.
+autograd. Every loss (ppo, gspo, cispo, reinforce, sapo, topr at sequence and token level) and every
+advantage estimator (grpo with and without the std, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)
+is written out from its docstring.
 
 The model runs in fp32 only (fp32 and bf16 are its dtypes) and the step's loss arithmetic is fp32, so the
 gradients agree to fp32 rounding, not fp64: measured max |Δg| / max |g| per tensor ≈ 1e-7 to 1e-6; asserted
@@ -22,7 +24,8 @@ denominators count the loss mask as sampled, fixed before the step, so a token a
 trainer's top-k/top-p drops stays in `total_tokens` and in its sequence's n_b; a completion left out by
 `overlong.mask_truncated` stays in `total_seqs` (the seq-mean modes average over every sequence, as TRL
 does) but not in `total_tokens`; the clip fractions and `loss/ratio_mean` are means over the tokens the
-loss keeps; `train/grad_norm` is the norm before clipping, and the clip is torch's (max / (norm + 1e-6)).
+loss keeps, and so are GSPO's sequence mean and TOPR's sequence ratio (a token a masking correction drops
+is not in them); `train/grad_norm` is the norm before clipping, and the clip is torch's (max / (norm + 1e-6)).
 
 Legend: B sequences, T tokens; P prompts, G samples per prompt.
 """
@@ -112,13 +115,38 @@ def kl_token(lp, ref, kind):
     return torch.exp(ref - lp) - (ref - lp) - 1.0
 
 
-def grpo_advantages(rewards: list[float]) -> list[float]:
-    """(r − mean) / (Bessel std + 1e-6) within the group; a group of equal rewards: 0."""
+def grpo_advantages(rewards: list[float], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """(r − mean) / (Bessel std + eps) within the group (without the std: Dr. GRPO); equal rewards: 0."""
     if len(set(rewards)) == 1:
         return [0.0] * len(rewards)
     m = sum(rewards) / len(rewards)
     sd = math.sqrt(sum((r - m) ** 2 for r in rewards) / (len(rewards) - 1))
-    return [(r - m) / (sd + 1e-6) for r in rewards]
+    return [(r - m) / (sd + eps if normalize_std else 1.0) for r in rewards]
+
+
+def _whitened(x: list[float], eps: float, centre: bool = True) -> list[float]:
+    m = sum(x) / len(x) if centre else 0.0
+    sd = math.sqrt(sum((v - sum(x) / len(x)) ** 2 for v in x) / (len(x) - 1))
+    return [(v - m) / (sd + eps) for v in x]
+
+
+def advantages(rewards: list[float], sizes: list[int], name: str, kw: dict) -> list[float]:
+    """advantages.py's estimators from their docstrings, group by group (sizes) or over the whole batch."""
+    groups, at = [], 0
+    for n in sizes:
+        groups.append(rewards[at:at + n])
+        at += n
+    if name == "grpo":
+        return sum((grpo_advantages(g, **kw) for g in groups), [])
+    if name == "dr_grpo":
+        return sum((grpo_advantages(g, normalize_std=False) for g in groups), [])
+    if name == "rloo":  # r_i − the mean of the others
+        return [0.0 if len(set(g)) == 1 else r - (sum(g) - r) / (len(g) - 1) for g in groups for r in g]
+    if name == "reinforce_pp":  # whitened over the batch, no group baseline
+        return _whitened(rewards, kw.get("eps", 1e-6))
+    assert name == "reinforce_pp_baseline", name  # the group mean off, then divided by the batch std
+    centred = sum((grpo_advantages(g, normalize_std=False) for g in groups), [])
+    return _whitened(centred, kw.get("eps", 1e-6), centre=False)
 
 
 def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[str, float]]:
@@ -146,10 +174,7 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         L, Lb = rs.max_tokens, a.overlong.buffer_len
         penalties.append(a.overlong.penalty_factor * (L - Lb - n) / Lb if Lb and n > L - Lb else 0.0)  # DAPO eq. 13
         rewards.append(x + penalties[-1])
-    adv, at = [], 0
-    for g in groups:
-        adv += grpo_advantages(rewards[at:at + len(g)])
-        at += len(g)
+    adv = advantages(rewards, [len(g) for g in groups], a.advantage, a.advantage_kwargs)
 
     # per-sequence pieces
     seqs = []
@@ -195,7 +220,7 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         return total / {"token-mean": max(n_tokens, 1), "seq-mean-token-mean": B, "seq-mean-token-sum": B,
                         "constant-normalised": rs.max_tokens * B}[a.agg_mode]
 
-    flags = {"low": [], "high": [], "ratio": [], "dual": [], "weight": []}
+    flags = {"low": [], "high": [], "ratio": [], "dual": [], "weight": [], "gate": []}
 
     def policy_loss(s):
         base = s.mu if a.bypass else s.old  # bypass: ratio against μ
@@ -217,15 +242,33 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
             r = s_i * torch.exp(lp - lp.detach())  # value s_i, gradient s_i ∇log π_θ(y_t)
             loss = torch.maximum(-A * r, -A * r.clamp(1 - el, 1 + eh))
             low, high = (A < 0) & (r < 1 - el), (A > 0) & (r > 1 + eh)
-        else:
-            assert a.loss == "cispo"
+        elif a.loss == "cispo":
             el, eh = kw.get("eps_low_is", 1.0), kw.get("eps_high_is", 0.28)
             r = torch.exp(lp - base).detach()
             loss = -r.clamp(1 - el, 1 + eh) * A * lp
             low, high = r < 1 - el, r > 1 + eh
+        elif a.loss == "reinforce":  # −A log π_θ; the ratio only measured
+            r, loss = torch.exp(lp - base), -A * lp
+            low = high = None
+        elif a.loss == "sapo":  # −(4/τ) σ(τ (r − 1)) A, τ_pos where A > 0, τ_neg elsewhere
+            r = torch.exp(lp - base)
+            tau = torch.where(A > 0, kw.get("tau_pos", 1.0), kw.get("tau_neg", 1.05))
+            sig = torch.sigmoid(tau * (r - 1))
+            loss = -(4 / tau) * sig * A
+            flags["gate"] += (4 * sig * (1 - sig)).detach()[s.keep > 0].tolist()
+            low = high = None
+        else:  # TOPR: A < 0 weighted by sg[clip(ρ, 0, upper)], ρ the sequence's (or the token's) ratio
+            assert a.loss == "topr", a.loss
+            upper, m = kw.get("upper", 1.0), s.keep > 0
+            log_rho = (lp - base).detach()
+            r = torch.exp(log_rho[m].sum() if kw.get("level", "sequence") == "sequence" else log_rho).expand_as(lp)
+            loss = -torch.where(A < 0, r.clamp(0, upper), 1.0) * A * lp
+            low, high = None, (A < 0) & (r > upper)
         m = s.keep > 0
-        flags["low"] += low[m].tolist()
-        flags["high"] += high[m].tolist()
+        if low is not None:
+            flags["low"] += low[m].tolist()
+        if high is not None:
+            flags["high"] += high[m].tolist()
         flags["ratio"] += r.detach()[m].tolist()
         flags["weight"] += s.w[m].tolist()
         return loss * s.w
@@ -245,8 +288,13 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         return sum(x) / max(len(x), 1)
 
     metrics = {"train/loss": float(obj.detach()), "train/grad_norm": norm, "loss/ratio_mean": mean(flags["ratio"]),
-               "loss/clip_frac_low": mean(flags["low"]), "loss/clip_frac_high": mean(flags["high"]),
                "loss/weight_mean": mean(flags["weight"])}
+    if a.loss in ("ppo", "gspo", "cispo", "topr"):  # TOPR's clip is its negatives' truncation: high only
+        metrics["loss/clip_frac_high"] = mean(flags["high"])
+    if a.loss in ("ppo", "gspo", "cispo"):
+        metrics["loss/clip_frac_low"] = mean(flags["low"])
+    if a.loss == "sapo":
+        metrics["loss/gate_mean"] = mean(flags["gate"])
     if kw.get("dual_clip"):
         metrics["loss/dual_clip_frac"] = mean(flags["dual"])
     if kl_sums:  # over every sequence, an empty one's 0 included
@@ -326,6 +374,26 @@ CONFIGS = {
     "gspo seq-mean-token-mean, grad clip": [
         "algorithm.agg_mode=seq-mean-token-mean", "algorithm.loss=gspo", "algorithm.bypass=true",
         "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}", "optim.grad_clip=0.02"],
+    "reinforce bypass, rloo, seq-mean-token-sum": [
+        "algorithm.loss=reinforce", "algorithm.bypass=true", "algorithm.advantage=rloo",
+        "algorithm.agg_mode=seq-mean-token-sum"],
+    "sapo bypass, dr_grpo, seq-mean-token-mean": [
+        "algorithm.loss=sapo", "algorithm.bypass=true", "algorithm.loss_kwargs={tau_pos: 2.0, tau_neg: 3.0}",
+        "algorithm.advantage=dr_grpo", "algorithm.agg_mode=seq-mean-token-mean"],
+    "sapo, grpo without std, kl k2 in the loss, entropy": [
+        "algorithm.loss=sapo", "algorithm.advantage_kwargs={normalize_std: false}", "algorithm.kl.coef=0.2",
+        "algorithm.kl.kind=k2", "algorithm.entropy_coef=0.05"],
+    "topr bypass, reinforce_pp, kl k1 in the reward": [
+        "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9}",
+        "algorithm.advantage=reinforce_pp",
+        "algorithm.kl.coef=0.05", "algorithm.kl.kind=k1", "algorithm.kl.where=reward"],
+    "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis": [
+        "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9, level: token}",
+        "algorithm.advantage=reinforce_pp_baseline", "algorithm.advantage_kwargs={eps: 0.01}",
+        "algorithm.agg_mode=constant-normalised", "algorithm.corrections=[{name: token_tis, upper: 1.2}]"],
+    "topr upper 0.5, grpo eps 0.1, mask_truncated": [
+        "algorithm.loss=topr", "algorithm.loss_kwargs={upper: 0.5}", "algorithm.advantage_kwargs={eps: 0.1}",
+        "algorithm.overlong.mask_truncated=true"],
 }
 
 
@@ -373,6 +441,19 @@ def test_the_references_see_what_they_test(models):
     m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
         "seq-mean-token-mean kl k3 in the loss, entropy"])), 1, make_groups(model, 1.0))
     assert 0 < m["correction/token_mask_is/mask_frac"] < 0.5
+    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
+        "sapo bypass, dr_grpo, seq-mean-token-mean"])), 1, make_groups(model, 1.0))
+    assert m["loss/gate_mean"] < 0.99  # the gate is off 1 where π_θ ≠ μ
+    for name in ("topr bypass, reinforce_pp, kl k1 in the reward",  # sequence ratios 1 (clipped) and e^-0.3
+                 "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis"):
+        m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[name])), 1, make_groups(model, 1.0))
+        assert 0 < m["loss/clip_frac_high"] < 0.5
+    # every estimator gives this batch other advantages (so each reference above checks its own)
+    rewards, sizes = [r for _, g in GROUPS for _, _, r in g], [len(g) for _, g in GROUPS]
+    adv = {name: advantages(rewards, sizes, name, {}) for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                                                   "reinforce_pp_baseline")}
+    assert len({tuple(round(x, 6) for x in v) for v in adv.values()}) == len(adv)
+    assert all(v[6:9] == [0.0] * 3 for k, v in adv.items() if k != "reinforce_pp")  # the equal-reward group
 
 
 def test_rollout_metrics_are_those_of_the_task_rewards(models):
