@@ -383,10 +383,11 @@ CONFIGS = {
     "sapo, grpo without std, kl k2 in the loss, entropy": [
         "algorithm.loss=sapo", "algorithm.advantage_kwargs={normalize_std: false}", "algorithm.kl.coef=0.2",
         "algorithm.kl.kind=k2", "algorithm.entropy_coef=0.05"],
-    "topr bypass, reinforce_pp, kl k1 in the reward": [
+    "topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is": [
         "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9}",
         "algorithm.advantage=reinforce_pp",
-        "algorithm.kl.coef=0.05", "algorithm.kl.kind=k1", "algorithm.kl.where=reward"],
+        "algorithm.kl.coef=0.05", "algorithm.kl.kind=k1", "algorithm.kl.where=reward",
+        "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]"],
     "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis": [
         "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9, level: token}",
         "algorithm.advantage=reinforce_pp_baseline", "algorithm.advantage_kwargs={eps: 0.01}",
@@ -444,7 +445,9 @@ def test_the_references_see_what_they_test(models):
     m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
         "sapo bypass, dr_grpo, seq-mean-token-mean"])), 1, make_groups(model, 1.0))
     assert m["loss/gate_mean"] < 0.99  # the gate is off 1 where π_θ ≠ μ
-    for name in ("topr bypass, reinforce_pp, kl k1 in the reward",  # sequence ratios 1 (clipped) and e^-0.3
+    # TOPR: sequence ratios 1 (clipped at 0.9), e^-0.3 and e^-0.6 (the mask drops the +0.3 tokens); token ratios
+    # 1, e^±0.3
+    for name in ("topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is",
                  "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis"):
         m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[name])), 1, make_groups(model, 1.0))
         assert 0 < m["loss/clip_frac_high"] < 0.5
