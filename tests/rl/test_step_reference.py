@@ -149,19 +149,22 @@ def advantages(rewards: list[float], sizes: list[int], name: str, kw: dict) -> l
     return _whitened(centred, kw.get("eps", 1e-6), centre=False)
 
 
+def _forward(model, ref_model, r, rs, ref=False):
+    """log π_θ (the sampling distribution) or log π_ref (its temperature, untruncated) of r's completion."""
+    seq, p = r.prompt_ids + r.completion_ids, len(r.prompt_ids)
+    if ref:
+        with torch.no_grad():
+            return exactrl.sequence_logprobs(ref_model, [seq], rs.temperature)[0][p - 1:].to(F64)
+    return exactrl.sequence_logprobs(model, [seq], rs.temperature, rs.top_k, rs.top_p)[0][p - 1:].to(F64)
+
+
 def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[str, float]]:
     """The step's clipped gradient and metrics from the config's meaning, one sequence at a time."""
     a, rs = cfg.algorithm, cfg.rollout
-    kw = a.loss_kwargs
     flat = [r for g in groups for r in g]
-    temp, top_k, top_p = rs.temperature, rs.top_k, rs.top_p
 
     def forward(r, ref=False):
-        seq, p = r.prompt_ids + r.completion_ids, len(r.prompt_ids)
-        if ref:
-            with torch.no_grad():  # π_ref at the sampling temperature, untruncated
-                return exactrl.sequence_logprobs(ref_model, [seq], temp)[0][p - 1:].to(F64)
-        return exactrl.sequence_logprobs(model, [seq], temp, top_k, top_p)[0][p - 1:].to(F64)
+        return _forward(model, ref_model, r, rs, ref)
 
     # rewards -> shaped rewards -> advantages
     rewards, kl_sums, penalties = [], [], []
@@ -175,16 +178,39 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         penalties.append(a.overlong.penalty_factor * (L - Lb - n) / Lb if Lb and n > L - Lb else 0.0)  # DAPO eq. 13
         rewards.append(x + penalties[-1])
     adv = advantages(rewards, [len(g) for g in groups], a.advantage, a.advantage_kwargs)
+    rows = [SimpleNamespace(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, behav_logprobs=r.behav_logprobs,
+                            A=A, generated=[1] * len(r.completion_ids),
+                            trained=[int(not (a.overlong.mask_truncated and r.finish_reason == "length"))]
+                            * len(r.completion_ids)) for r, A in zip(flat, adv)]
+    grads, metrics = reference_rows(model, ref_model, rows, cfg)
+    if kl_sums:  # over every sequence, an empty one's 0 included
+        metrics |= {"rollout/kl_ref_per_seq": sum(kl_sums) / len(kl_sums),
+                    "rollout/kl_penalty_mean": a.kl.coef * sum(kl_sums) / len(kl_sums)}
+    if a.overlong.buffer_len:
+        metrics |= {"rollout/overlong_penalty_mean": sum(penalties) / len(penalties),
+                    "rollout/overlong_penalised_frac": sum(x < 0 for x in penalties) / len(penalties)}
+    return grads, metrics
+
+
+def reference_rows(model, ref_model, rows, cfg) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The step on rows (prompt_ids, completion_ids, behav_logprobs, advantage A, and per completion token
+    `generated`: sampled by the engine, `trained`: the loss mask), from the config's meaning."""
+    a, rs = cfg.algorithm, cfg.rollout
+    kw = a.loss_kwargs
+    temp, top_k, top_p = rs.temperature, rs.top_k, rs.top_p
+
+    def forward(r, ref=False):
+        return _forward(model, ref_model, r, rs, ref)
 
     # per-sequence pieces
     seqs = []
-    for r, A in zip(flat, adv):
-        lp = forward(r)
+    for r in rows:
+        lp, A = forward(r), r.A
         n = len(r.completion_ids)
-        trained = 0.0 if a.overlong.mask_truncated and r.finish_reason == "length" else 1.0
-        sampled = torch.full((n,), trained, dtype=F64)  # the loss mask, as sampled
+        sampled = torch.tensor(r.trained, dtype=F64).reshape(n)  # the loss mask, as sampled
+        gen = torch.tensor(r.generated, dtype=F64).reshape(n)
         live = sampled * torch.isfinite(lp)  # a token the trainer's top-k/top-p cuts cannot be trained
-        mu = torch.tensor(r.behav_logprobs, dtype=torch.float32).to(F64)
+        mu = torch.where(gen > 0, torch.tensor(r.behav_logprobs, dtype=torch.float32).to(F64), 0.0)
         old = lp.detach()
         lr_tok = torch.where(live > 0, old - mu, 0.0)
         w, keep = torch.ones(n, dtype=F64), live.clone()
@@ -203,7 +229,7 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
             _, (ent,) = token_logprobs(model, [r.prompt_ids + r.completion_ids], temp, top_k, top_p,
                                        with_entropy=True, first=[len(r.prompt_ids)], entropy_grad=True)
             ent = ent.to(F64)
-        seqs.append(SimpleNamespace(lp=lp, old=old, mu=mu, A=A, sampled=sampled, keep=keep, w=w, ent=ent,
+        seqs.append(SimpleNamespace(lp=lp, old=old, mu=mu, A=A, sampled=sampled, gen=gen, keep=keep, w=w, ent=ent,
                                     ref=forward(r, True) if a.kl.coef and a.kl.where == "loss" else None))
 
     n_tokens = sum(float(s.sampled.sum()) for s in seqs)  # LossNorm.total_tokens: the loss mask, whole batch
@@ -297,19 +323,14 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         metrics["loss/gate_mean"] = mean(flags["gate"])
     if kw.get("dual_clip"):
         metrics["loss/dual_clip_frac"] = mean(flags["dual"])
-    if kl_sums:  # over every sequence, an empty one's 0 included
-        metrics |= {"rollout/kl_ref_per_seq": mean(kl_sums), "rollout/kl_penalty_mean": a.kl.coef * mean(kl_sums)}
-    if a.overlong.buffer_len:
-        metrics |= {"rollout/overlong_penalty_mean": mean(penalties),
-                    "rollout/overlong_penalised_frac": mean([x < 0 for x in penalties])}
     # DESIGN.md §3: per sequence the mean |π_old − μ| over its sampled tokens (those π_old covers; cut ones are
     # counted apart), then the mean over the sequences that have any; trained on or not (mask_truncated)
-    diffs = [(s.old - s.mu).abs()[torch.isfinite(s.old)] for s in seqs]
+    diffs = [(s.old - s.mu).abs()[torch.isfinite(s.old) & (s.gen > 0)] for s in seqs]
     metrics["train/train_rollout_logprob_abs_diff"] = mean([float(d.mean()) for d in diffs if len(d)])
     metrics["train/train_rollout_logprob_abs_diff_max"] = max(float(d.max()) for d in diffs if len(d))
-    metrics["mismatch/out_of_support_frac"] = mean(sum((torch.isinf(s.old).tolist() for s in seqs), []))
+    metrics["mismatch/out_of_support_frac"] = mean(sum((torch.isinf(s.old)[s.gen > 0].tolist() for s in seqs), []))
     if a.entropy_coef:  # the policy's entropy over every sampled token, trained on or not
-        metrics["train/entropy"] = mean(sum((s.ent.tolist() for s in seqs), []))
+        metrics["train/entropy"] = mean(sum((s.ent[s.gen > 0].tolist() for s in seqs), []))
     if a.kl.coef and a.kl.where == "loss":  # the estimator's token mean over the trained tokens
         kls = [kl_token(s.lp, s.ref, a.kl.kind).detach()[s.keep > 0].tolist() for s in seqs]
         metrics["train/kl_ref"] = mean(sum(kls, []))
