@@ -166,3 +166,23 @@ def test_the_agent_reference_sees_what_it_tests(models):
     rows = agent_rows(groups, "grpo", {})
     assert len({round(r.A, 6) for r in rows}) >= 4  # advantages of several values, shared by branches
 
+
+def test_a_kl_term_without_its_reference_model_is_refused(models):
+    """StepSettings with kl_coef > 0 and the KL in the loss asks for that term: a step without the reference
+    model trained without it, silently (and `agent_train_step` passed none)."""
+    from exactrl.rl.agent_rollout import agent_train_step
+
+    model, ref_model = models
+    cfg = load_config(None, AGENT_BASE + AGENT_CONFIGS["token-mean ppo bypass, kl k3 in the loss, entropy"])
+    c = components(model, ref_model, cfg)
+    batch = agent_train_batch(agent_groups(model), "grpo")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="kl_coef=0.3 .* no ref_model"):
+        train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), c.loss_fn, batch, c.step_settings)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="kl_coef=0.3 .* no ref_model"):  # before any episode runs
+        agent_train_step(model, c.optimizer, c.loss_fn, c.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1)
+    c.step_settings.kl_in_loss = False  # the KL in the reward: the agent path shapes no reward
+    with pytest.raises(ValueError, match="KL in the reward"):
+        agent_train_step(model, c.optimizer, c.loss_fn, c.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1,
+                         ref_model=ref_model)
