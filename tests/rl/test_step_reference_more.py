@@ -6,7 +6,8 @@
    with μ on the token it belongs to (exact μ: the mismatch is 0.0 bit for bit), the episode's advantage on
    each of its trajectories, every denominator, KL and entropy figure over the generated tokens; its
    gradient is the reference's, computed from the trajectories directly. Once through a live server too: a
-   2-turn episode with a tool result between the turns, via `agent_train_step`.
+   2-turn episode with a tool result between the turns, via `agent_train_step`. A KL term in the settings
+   with no reference model is refused (it was left out silently).
 2. The asynchronous loop's `drop_stale` before `train_on`: the step is the reference step of the kept groups
    alone (advantages within each, denominators over the kept batch), and the staleness metrics count the
    kept tokens' ages and the dropped samples.
@@ -17,9 +18,9 @@ Legend: P problems, G episodes per problem.
 """
 from __future__ import annotations
 
-import asyncio
 import copy
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -33,10 +34,8 @@ from exactrl.rl.async_loop import drop_stale
 from exactrl.rl.config import load_config
 from exactrl.rl.loop import train_on
 from exactrl.rl.trainer import train_step
-from test_step_reference import (BASE, CONFIGS, F64, advantages, assert_grads_close, components, make_groups,  # noqa: F401
+from test_step_reference import (BASE, CONFIGS, advantages, assert_grads_close, components, make_groups,  # noqa: F401
                                  models, ref_dir, reference, reference_rows, step_grads)  # (models, ref_dir: fixtures)
-
-G = 3
 
 
 # ------------------------------------------------------------------ 1. agent trajectories
@@ -76,7 +75,7 @@ def agent_groups(model, exact: bool = False) -> list[list[AgentRollout]]:
                     behav.append(x + off if m else 0.0)
                     at += m
                 out.append(Trajectory(prompt, comp, mask, behav, [0 if m else -1 for m in mask],
-                                      num_turns=sum(1 for j, (_, g) in enumerate(layout) if g), sampling=[[1.0, -1, 1.0]]))
+                                      num_turns=sum(g for _, g in layout), sampling=[[1.0, -1, 1.0]]))
                 k += 1
             group.append(AgentRollout(Problem("q", "a"), reward, out, None))
         groups.append(group)
@@ -186,3 +185,199 @@ def test_a_kl_term_without_its_reference_model_is_refused(models):
     with pytest.raises(ValueError, match="KL in the reward"):
         agent_train_step(model, c.optimizer, c.loss_fn, c.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1,
                          ref_model=ref_model)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """A tiny model with the project's tokenizer and chat template, served in process, and a trainer copy."""
+    from conftest import make_hf_model
+    from exactrl.engine import Engine
+    from exactrl.envs.tool_use import CalculatorTask
+    from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus
+    from exactrl.server.app import ServerConfig, ServerState, ServerThread, create_app
+
+    d = tmp_path_factory.mktemp("agent_model")
+    build_tokenizer(d, default_tokenizer_corpus([CalculatorTask()], 50, 0), vocab_size=400)
+    tok = exactrl.load_tokenizer(d)
+    make_hf_model(d, "qwen3", seed=0, vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id,
+                  pad_token_id=tok.pad_token_id)
+    model = exactrl.load_model(d)
+    rng = random.Random(3)
+    problems = [CalculatorTask().generate(rng) for _ in range(2)]
+    sft(model, tok, problems, steps=100)  # it calls the tool at temperature 0.7, then answers
+    ref_model = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids),
+                    kv_budget_tokens=4096)
+    state = ServerState(engine, tok, ServerConfig("agent"))
+    with ServerThread(create_app(state)) as srv:
+        yield SimpleNamespace(model=model, ref_model=ref_model, tok=tok, state=state, url=srv.url, problems=problems)
+
+
+def sft(model, tok, problems, steps: int) -> None:
+    """Supervised steps on the ideal calculator transcripts (tests/server/serving.py's warm start)."""
+    from exactrl.envs.tool_use import ideal_transcript, sft_example
+    from exactrl.model.logprobs import token_logprobs
+
+    examples = [sft_example(tok, ideal_transcript(p)) for p in problems]
+    masks = [torch.tensor(m[1:], dtype=torch.float32) for _, m in examples]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        lps, _ = token_logprobs(model, [ids for ids, _ in examples])
+        loss = -sum((lp * m).sum() for lp, m in zip(lps, masks)) / sum(m.sum() for m in masks)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+async def tool_episode(base_url, problem, *, seed, seen):
+    """Two turns with a tool result between them; keeps the session's trajectories in `seen[seed]`. The reward
+    is the episode's index in its group (seed: agent_rollout's episode seeds), so every group learns."""
+    import httpx
+    import openai
+
+    from exactrl.envs.tool_use import CALCULATOR_TOOL, first_messages
+    from exactrl.rl.agent_rollout import TURN_SEEDS
+
+    kw = dict(model="agent", tools=[CALCULATOR_TOOL], temperature=0.7, max_tokens=48)
+    messages = first_messages(problem)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="t", max_retries=0) as client:
+        m1 = (await client.chat.completions.create(messages=messages, seed=seed, **kw)).choices[0].message
+        (call,) = m1.tool_calls
+        messages += [m1.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+        await client.chat.completions.create(messages=messages, seed=seed + 1, **kw)
+    async with httpx.AsyncClient() as http:
+        r = await http.get(base_url.removesuffix("/v1") + "/trajectories")
+    seen[seed] = [Trajectory(**t) for t in r.json()["trajectories"]]
+    return float(seed // TURN_SEEDS % 2)
+
+
+def test_a_live_tool_episode_step_is_the_reference_step(live):
+    """`agent_train_step` over a live server: the recorded 2-turn trajectories (tool and template tokens
+    masked between the turns) train as the reference computed from them says, with μ the trainer's bitwise."""
+    from exactrl.rl.agent_rollout import TURN_SEEDS, agent_train_step
+    from exactrl.rl.rollout import sampling_seed
+
+    cfg = load_config(None, AGENT_BASE + AGENT_CONFIGS["token-mean ppo bypass, kl k3 in the loss, entropy"]
+                      + ["rollout.temperature=0.7"])
+    c = components(live.model, live.ref_model, cfg, micro_batch_size=3)
+    problems, seen = live.problems, {}
+    live.model.zero_grad(set_to_none=True)
+    m = agent_train_step(live.model, c.optimizer, c.loss_fn, c.step_settings, live.state, live.url, tool_episode,
+                         problems, group_size=2, seed=0, step=1, env_kwargs=dict(seen=seen), ref_model=live.ref_model)
+    groups = [[AgentRollout(p, float(j), seen[(sampling_seed(0, 1, k) * 2 + j) * TURN_SEEDS], None) for j in range(2)]
+              for k, p in enumerate(problems)]
+    for g in groups:
+        for r in g:
+            (t,) = r.trajectories
+            runs = "".join(map(str, t.loss_mask)).split("0")
+            assert t.num_turns == 2 and len([x for x in runs if x]) == 2 and t.loss_mask[0] == 1  # gen, tool, gen
+            tool = [x for x, k in zip(t.completion_ids, t.loss_mask) if not k]
+            assert "<tool_response>\n42\n</tool_response>" in live.tok.decode(tool)
+            assert all(lp == 0.0 for lp, k in zip(t.behav_logprobs, t.loss_mask) if not k)
+    want, want_m = reference_rows(live.model, live.ref_model, agent_rows(groups, "grpo", {}), cfg)
+    assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/train_rollout_logprob_abs_diff_max"] == 0.0
+    # a tensor of the warm-started model (layer 1's q_norm) gets a gradient of ~2.5e-6, its fp32 rounding (6e-11)
+    # is 3e-5 of that
+    assert_grads_close(step_grads(live.model), want, floor=1e-7)
+    for k, v in want_m.items():
+        assert m[k] == pytest.approx(v, rel=2e-6, abs=1e-7), k
+    assert m["rollout/turns_mean"] == 2.0 and m["rollout/masked_tokens_mean"] > 10
+
+
+# ------------------------------------------------------------------ 2. the asynchronous loop's stale groups
+@pytest.mark.parametrize("name", ["kl k1 in the reward, overlong shaping and masking",
+                                  "topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is",
+                                  "seq-mean-token-mean kl k3 in the loss, entropy"])
+def test_stale_groups_leave_the_step_whole(models, name):
+    """As the trainer thread of `train_async` does at step 6 with max_staleness 2: `drop_stale` at version 5,
+    then `train_on`. Groups 1 and 2 hold a token 3 and 4 versions old: the step is the reference step of
+    groups 0 and 3 alone (their shaping, their advantages, reinforce_pp's batch whitening over them only, the
+    denominators of their 6 sequences)."""
+    model, ref_model = models
+    cfg = load_config(None, BASE + CONFIGS[name])
+    groups = make_groups(model, cfg.rollout.temperature)
+    versions = [lambda t: 5 - t % 3, lambda t: 2 if t == 1 else 5, lambda t: 1 if t == 0 else 5, lambda t: 4]
+    groups = [[replace(r, versions=[v(t) for t in range(len(r.completion_ids))]) for r in g]
+              for g, v in zip(groups, versions)]
+    kept, m = drop_stale(groups, version=5, max_staleness=2)
+    assert kept == [groups[0], groups[3]]
+    ages = [5 - v for g in kept for r in g for v in r.versions]
+    assert m == {"async/staleness_mean": pytest.approx(sum(ages) / len(ages), rel=1e-15),
+                 "async/staleness_max": 2.0, "async/dropped_samples": 6.0}
+    want, want_m = reference(model, ref_model, kept, cfg)
+    model.zero_grad(set_to_none=True)
+    got = train_on(components(model, ref_model, cfg, micro_batch_size=4), 6, kept)
+    assert_grads_close(step_grads(model), want)
+    for k, v in want_m.items():
+        assert got[k] == pytest.approx(v, rel=2e-6, abs=1e-7), k
+    want_all, _ = reference(model, ref_model, groups, cfg)  # (the dropped groups would have changed the step)
+    assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in zip(want, want_all))
+
+
+# ------------------------------------------------------------------ 3. bf16
+@pytest.fixture(scope="module")
+def bf16_models(qwen3_dir, ref_dir):
+    """The policy and reference in bf16, and fp32 copies of the same (bf16-rounded) weights."""
+    m16, ref16 = exactrl.load_model(qwen3_dir, dtype="bfloat16"), exactrl.load_model(ref_dir, dtype="bfloat16")
+    m32, ref32 = exactrl.load_model(qwen3_dir), exactrl.load_model(ref_dir)
+    with torch.no_grad():
+        for a, b in zip([*m32.parameters(), *ref32.parameters()], [*m16.parameters(), *ref16.parameters()]):
+            a.copy_(b.float())
+    return m16, ref16.requires_grad_(False), m32, ref32.requires_grad_(False)
+
+
+class _Seen:
+    """A loss that notes the dtypes of what it is given."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.dtypes = loss_fn, set()
+
+    def __call__(self, inp, agg_mode, norm):
+        self.dtypes |= {(k, v.dtype) for k, v in inp._named().items()}
+        return self.loss_fn(inp, agg_mode, norm)
+
+
+@pytest.mark.parametrize("name", ["token-mean ppo", "seq-mean-token-mean kl k3 in the loss, entropy",
+                                  "sapo bypass, dr_grpo, seq-mean-token-mean",
+                                  "kl k1 in the reward, overlong shaping and masking"])
+def test_a_bf16_step_is_the_reference_step_to_bf16_rounding(bf16_models, name):
+    """bf16 weights and activations (`model.dtype`), logprobs and loss arithmetic in fp32, gradients in bf16.
+
+    The forward's logprobs are bitwise those of one sequence alone in bf16 (the exactness contract holds in
+    bf16), so every metric but `train/grad_norm` agrees with the bf16 reference to fp32 rounding (measured
+    ≤ 5e-6 relative; asserted 2e-5). `train/grad_norm` is torch's clip_grad_norm_ over bf16 gradients: a
+    bf16 number (measured ≤ 2.7e-3 off; asserted 8e-3). The gradients carry bf16's rounding of the backward:
+    max |Δg| / max |g| per tensor ≤ 1.9e-2 against the bf16 reference and ≤ 3.4e-2 against the fp32 model
+    on the same weights (measured over every CONFIGS entry, micro-batches of 1 and 64; asserted 4e-2 and
+    6e-2), where fp32 gives 1e-6."""
+    m16, ref16, m32, ref32 = bf16_models
+    cfg = load_config(None, BASE + CONFIGS[name])
+    groups = make_groups(m16, cfg.rollout.temperature)
+    want16, want_m = reference(m16, ref16, groups, cfg)
+    want32, _ = reference(m32, ref32, groups, cfg)
+    for mbs in (1, 64):
+        c = components(m16, ref16, cfg, mbs)
+        c.loss_fn = _Seen(c.loss_fn)
+        m16.zero_grad(set_to_none=True)
+        m = train_on(c, 1, groups)
+        assert {d for _, d in c.loss_fn.dtypes} == {torch.float32}  # no loss input left in bf16
+        got = step_grads(m16)
+        assert {g.dtype for g in got} == {torch.bfloat16}
+        assert_grads_close(got, want16, rtol=4e-2)
+        assert_grads_close(got, want32, rtol=6e-2)
+        assert m.pop("train/grad_norm") == pytest.approx(want_m["train/grad_norm"], rel=8e-3)
+        for k, v in want_m.items():
+            if k != "train/grad_norm":
+                assert m[k] == pytest.approx(v, rel=2e-5, abs=1e-7), (k, mbs)
+
+
+def test_bf16_behaviour_logprobs_are_the_trainers_bitwise(bf16_models):
+    m16, ref16, _, _ = bf16_models
+    cfg = load_config(None, BASE)
+    groups = [[replace(r, behav_logprobs=exactrl.sequence_logprobs(m16, [r.prompt_ids + r.completion_ids])[0][
+        len(r.prompt_ids) - 1:].tolist()) for r in g] for g in make_groups(m16, 1.0)]
+    m = train_on(components(m16, ref16, cfg, 5), 1, groups)
+    assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/train_rollout_logprob_abs_diff_max"] == 0.0
