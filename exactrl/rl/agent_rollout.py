@@ -182,15 +182,22 @@ def sync_weights(server_state, model) -> int:
 def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_url: str, env: EnvFn,
                      problems: list[Problem], group_size: int, seed: int, step: int, env_kwargs: dict | None = None,
                      advantage: str = "grpo", advantage_kwargs: dict | None = None,
-                     episode_timeout_s: float | None = None) -> dict[str, float]:
+                     episode_timeout_s: float | None = None, ref_model=None) -> dict[str, float]:
     """Collect episodes -> train on their trajectories -> sync the server's engine. Returns flat metrics.
 
     `settings.temperature/top_k/top_p` must be the ones the environment samples with, so that the
     trainer's π_old is the distribution the engine sampled from. `episode_timeout_s`: see
-    `collect_agent_groups`.
+    `collect_agent_groups`. `ref_model`: the reference policy of `settings.kl_coef`'s KL term, which
+    goes in the loss (the episodes' rewards are the environment's own: no KL in the reward).
     """
     from exactrl.rl.trainer import train_step
 
+    if settings.kl_coef and not settings.kl_in_loss:  # checked before any episode runs
+        raise ValueError("agent_train_step puts no KL in the reward (settings.kl_in_loss=False): the rewards are "
+                         "the environment's own; put the KL term in the loss (kl_in_loss=True)")
+    if settings.kl_coef and ref_model is None:
+        raise ValueError(f"settings.kl_coef={settings.kl_coef} puts a KL term in the loss but there is no ref_model: "
+                         f"pass the reference policy (ref_model=...), or set kl_coef=0")
     groups, failed = complete_groups(asyncio.run(collect_agent_groups(server_url, env, problems, group_size, seed,
                                                                       step, env_kwargs,
                                                                       episode_timeout_s=episode_timeout_s)))
@@ -200,7 +207,7 @@ def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_u
         raise ValueError(f"episodes sampled with (temperature, top_k, top_p) {sorted(used)} but the trainer uses "
                          f"{tuple(want)}: its logprobs would not be the behaviour distribution")
     batch = agent_train_batch(groups, advantage, advantage_kwargs)
-    metrics = train_step(model, optimizer, loss_fn, batch, settings)
+    metrics = train_step(model, optimizer, loss_fn, batch, settings, ref_model)
     metrics |= agent_rollout_metrics(groups) | {"rollout/failed_episodes": failed}
     metrics["engine/version"] = sync_weights(server_state, model)
     metrics["step"] = step

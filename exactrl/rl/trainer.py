@@ -193,6 +193,9 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
         bad = next(((k, t) for k, ids in enumerate(getattr(batch, name)) for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"TrainBatch.{name}[{bad[0]}] holds token id {bad[1]}, outside the vocabulary [0, {vocab})")
+    if s.kl_coef and s.kl_in_loss and ref_model is None:  # the term would be left out, silently
+        raise ValueError(f"StepSettings.kl_coef={s.kl_coef} puts a KL term in the loss but there is no ref_model: "
+                         f"pass the reference policy (ref_model=...), or set kl_coef=0")
     if len(batch) < ranks.world:
         raise ValueError(f"a batch of {len(batch)} sequences cannot be shared by {ranks.world} ranks: raise "
                          f"rollout.prompts_per_step or rollout.samples_per_prompt, or run fewer ranks")

@@ -8,7 +8,9 @@ completions, completions cut at max_tokens, an empty completion, a group of equa
 trainer's π_old on some tokens. The reference does one forward per sequence alone
 (`exactrl.sequence_logprobs`), writes the objective out in float64 from the config's documented meaning
 (DESIGN.md §5, aggregation.py's table, the loss docstrings, config.py), and differentiates it with
-autograd.
+autograd. Every loss (ppo, gspo, cispo, reinforce, sapo, topr at sequence and token level) and every
+advantage estimator (grpo with and without the std, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)
+is written out from its docstring.
 
 The model runs in fp32 only (fp32 and bf16 are its dtypes) and the step's loss arithmetic is fp32, so the
 gradients agree to fp32 rounding, not fp64: measured max |Δg| / max |g| per tensor ≈ 1e-7 to 1e-6; asserted
@@ -22,7 +24,8 @@ denominators count the loss mask as sampled, fixed before the step, so a token a
 trainer's top-k/top-p drops stays in `total_tokens` and in its sequence's n_b; a completion left out by
 `overlong.mask_truncated` stays in `total_seqs` (the seq-mean modes average over every sequence, as TRL
 does) but not in `total_tokens`; the clip fractions and `loss/ratio_mean` are means over the tokens the
-loss keeps; `train/grad_norm` is the norm before clipping, and the clip is torch's (max / (norm + 1e-6)).
+loss keeps, and so are GSPO's sequence mean and TOPR's sequence ratio (a token a masking correction drops
+is not in them); `train/grad_norm` is the norm before clipping, and the clip is torch's (max / (norm + 1e-6)).
 
 Legend: B sequences, T tokens; P prompts, G samples per prompt.
 """
@@ -112,28 +115,56 @@ def kl_token(lp, ref, kind):
     return torch.exp(ref - lp) - (ref - lp) - 1.0
 
 
-def grpo_advantages(rewards: list[float]) -> list[float]:
-    """(r − mean) / (Bessel std + 1e-6) within the group; a group of equal rewards: 0."""
+def grpo_advantages(rewards: list[float], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """(r − mean) / (Bessel std + eps) within the group (without the std: Dr. GRPO); equal rewards: 0."""
     if len(set(rewards)) == 1:
         return [0.0] * len(rewards)
     m = sum(rewards) / len(rewards)
     sd = math.sqrt(sum((r - m) ** 2 for r in rewards) / (len(rewards) - 1))
-    return [(r - m) / (sd + 1e-6) for r in rewards]
+    return [(r - m) / (sd + eps if normalize_std else 1.0) for r in rewards]
+
+
+def _whitened(x: list[float], eps: float, centre: bool = True) -> list[float]:
+    m = sum(x) / len(x) if centre else 0.0
+    sd = math.sqrt(sum((v - sum(x) / len(x)) ** 2 for v in x) / (len(x) - 1))
+    return [(v - m) / (sd + eps) for v in x]
+
+
+def advantages(rewards: list[float], sizes: list[int], name: str, kw: dict) -> list[float]:
+    """advantages.py's estimators from their docstrings, group by group (sizes) or over the whole batch."""
+    groups, at = [], 0
+    for n in sizes:
+        groups.append(rewards[at:at + n])
+        at += n
+    if name == "grpo":
+        return sum((grpo_advantages(g, **kw) for g in groups), [])
+    if name == "dr_grpo":
+        return sum((grpo_advantages(g, normalize_std=False) for g in groups), [])
+    if name == "rloo":  # r_i − the mean of the others
+        return [0.0 if len(set(g)) == 1 else r - (sum(g) - r) / (len(g) - 1) for g in groups for r in g]
+    if name == "reinforce_pp":  # whitened over the batch, no group baseline
+        return _whitened(rewards, kw.get("eps", 1e-6))
+    assert name == "reinforce_pp_baseline", name  # the group mean off, then divided by the batch std
+    centred = sum((grpo_advantages(g, normalize_std=False) for g in groups), [])
+    return _whitened(centred, kw.get("eps", 1e-6), centre=False)
+
+
+def _forward(model, ref_model, r, rs, ref=False):
+    """log π_θ (the sampling distribution) or log π_ref (its temperature, untruncated) of r's completion."""
+    seq, p = r.prompt_ids + r.completion_ids, len(r.prompt_ids)
+    if ref:
+        with torch.no_grad():
+            return exactrl.sequence_logprobs(ref_model, [seq], rs.temperature)[0][p - 1:].to(F64)
+    return exactrl.sequence_logprobs(model, [seq], rs.temperature, rs.top_k, rs.top_p)[0][p - 1:].to(F64)
 
 
 def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[str, float]]:
     """The step's clipped gradient and metrics from the config's meaning, one sequence at a time."""
     a, rs = cfg.algorithm, cfg.rollout
-    kw = a.loss_kwargs
     flat = [r for g in groups for r in g]
-    temp, top_k, top_p = rs.temperature, rs.top_k, rs.top_p
 
     def forward(r, ref=False):
-        seq, p = r.prompt_ids + r.completion_ids, len(r.prompt_ids)
-        if ref:
-            with torch.no_grad():  # π_ref at the sampling temperature, untruncated
-                return exactrl.sequence_logprobs(ref_model, [seq], temp)[0][p - 1:].to(F64)
-        return exactrl.sequence_logprobs(model, [seq], temp, top_k, top_p)[0][p - 1:].to(F64)
+        return _forward(model, ref_model, r, rs, ref)
 
     # rewards -> shaped rewards -> advantages
     rewards, kl_sums, penalties = [], [], []
@@ -146,20 +177,40 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         L, Lb = rs.max_tokens, a.overlong.buffer_len
         penalties.append(a.overlong.penalty_factor * (L - Lb - n) / Lb if Lb and n > L - Lb else 0.0)  # DAPO eq. 13
         rewards.append(x + penalties[-1])
-    adv, at = [], 0
-    for g in groups:
-        adv += grpo_advantages(rewards[at:at + len(g)])
-        at += len(g)
+    adv = advantages(rewards, [len(g) for g in groups], a.advantage, a.advantage_kwargs)
+    rows = [SimpleNamespace(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, behav_logprobs=r.behav_logprobs,
+                            A=A, generated=[1] * len(r.completion_ids),
+                            trained=[int(not (a.overlong.mask_truncated and r.finish_reason == "length"))]
+                            * len(r.completion_ids)) for r, A in zip(flat, adv)]
+    grads, metrics = reference_rows(model, ref_model, rows, cfg)
+    if kl_sums:  # over every sequence, an empty one's 0 included
+        metrics |= {"rollout/kl_ref_per_seq": sum(kl_sums) / len(kl_sums),
+                    "rollout/kl_penalty_mean": a.kl.coef * sum(kl_sums) / len(kl_sums)}
+    if a.overlong.buffer_len:
+        metrics |= {"rollout/overlong_penalty_mean": sum(penalties) / len(penalties),
+                    "rollout/overlong_penalised_frac": sum(x < 0 for x in penalties) / len(penalties)}
+    return grads, metrics
+
+
+def reference_rows(model, ref_model, rows, cfg) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The step on rows (prompt_ids, completion_ids, behav_logprobs, advantage A, and per completion token
+    `generated`: sampled by the engine, `trained`: the loss mask), from the config's meaning."""
+    a, rs = cfg.algorithm, cfg.rollout
+    kw = a.loss_kwargs
+    temp, top_k, top_p = rs.temperature, rs.top_k, rs.top_p
+
+    def forward(r, ref=False):
+        return _forward(model, ref_model, r, rs, ref)
 
     # per-sequence pieces
     seqs = []
-    for r, A in zip(flat, adv):
-        lp = forward(r)
+    for r in rows:
+        lp, A = forward(r), r.A
         n = len(r.completion_ids)
-        trained = 0.0 if a.overlong.mask_truncated and r.finish_reason == "length" else 1.0
-        sampled = torch.full((n,), trained, dtype=F64)  # the loss mask, as sampled
+        sampled = torch.tensor(r.trained, dtype=F64).reshape(n)  # the loss mask, as sampled
+        gen = torch.tensor(r.generated, dtype=F64).reshape(n)
         live = sampled * torch.isfinite(lp)  # a token the trainer's top-k/top-p cuts cannot be trained
-        mu = torch.tensor(r.behav_logprobs, dtype=torch.float32).to(F64)
+        mu = torch.where(gen > 0, torch.tensor(r.behav_logprobs, dtype=torch.float32).to(F64), 0.0)
         old = lp.detach()
         lr_tok = torch.where(live > 0, old - mu, 0.0)
         w, keep = torch.ones(n, dtype=F64), live.clone()
@@ -178,7 +229,7 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
             _, (ent,) = token_logprobs(model, [r.prompt_ids + r.completion_ids], temp, top_k, top_p,
                                        with_entropy=True, first=[len(r.prompt_ids)], entropy_grad=True)
             ent = ent.to(F64)
-        seqs.append(SimpleNamespace(lp=lp, old=old, mu=mu, A=A, sampled=sampled, keep=keep, w=w, ent=ent,
+        seqs.append(SimpleNamespace(lp=lp, old=old, mu=mu, A=A, sampled=sampled, gen=gen, keep=keep, w=w, ent=ent,
                                     ref=forward(r, True) if a.kl.coef and a.kl.where == "loss" else None))
 
     n_tokens = sum(float(s.sampled.sum()) for s in seqs)  # LossNorm.total_tokens: the loss mask, whole batch
@@ -195,7 +246,7 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         return total / {"token-mean": max(n_tokens, 1), "seq-mean-token-mean": B, "seq-mean-token-sum": B,
                         "constant-normalised": rs.max_tokens * B}[a.agg_mode]
 
-    flags = {"low": [], "high": [], "ratio": [], "dual": [], "weight": []}
+    flags = {"low": [], "high": [], "ratio": [], "dual": [], "weight": [], "gate": []}
 
     def policy_loss(s):
         base = s.mu if a.bypass else s.old  # bypass: ratio against μ
@@ -217,15 +268,33 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
             r = s_i * torch.exp(lp - lp.detach())  # value s_i, gradient s_i ∇log π_θ(y_t)
             loss = torch.maximum(-A * r, -A * r.clamp(1 - el, 1 + eh))
             low, high = (A < 0) & (r < 1 - el), (A > 0) & (r > 1 + eh)
-        else:
-            assert a.loss == "cispo"
+        elif a.loss == "cispo":
             el, eh = kw.get("eps_low_is", 1.0), kw.get("eps_high_is", 0.28)
             r = torch.exp(lp - base).detach()
             loss = -r.clamp(1 - el, 1 + eh) * A * lp
             low, high = r < 1 - el, r > 1 + eh
+        elif a.loss == "reinforce":  # −A log π_θ; the ratio only measured
+            r, loss = torch.exp(lp - base), -A * lp
+            low = high = None
+        elif a.loss == "sapo":  # −(4/τ) σ(τ (r − 1)) A, τ_pos where A > 0, τ_neg elsewhere
+            r = torch.exp(lp - base)
+            tau = torch.where(A > 0, kw.get("tau_pos", 1.0), kw.get("tau_neg", 1.05))
+            sig = torch.sigmoid(tau * (r - 1))
+            loss = -(4 / tau) * sig * A
+            flags["gate"] += (4 * sig * (1 - sig)).detach()[s.keep > 0].tolist()
+            low = high = None
+        else:  # TOPR: A < 0 weighted by sg[clip(ρ, 0, upper)], ρ the sequence's (or the token's) ratio
+            assert a.loss == "topr", a.loss
+            upper, m = kw.get("upper", 1.0), s.keep > 0
+            log_rho = (lp - base).detach()
+            r = torch.exp(log_rho[m].sum() if kw.get("level", "sequence") == "sequence" else log_rho).expand_as(lp)
+            loss = -torch.where(A < 0, r.clamp(0, upper), 1.0) * A * lp
+            low, high = None, (A < 0) & (r > upper)
         m = s.keep > 0
-        flags["low"] += low[m].tolist()
-        flags["high"] += high[m].tolist()
+        if low is not None:
+            flags["low"] += low[m].tolist()
+        if high is not None:
+            flags["high"] += high[m].tolist()
         flags["ratio"] += r.detach()[m].tolist()
         flags["weight"] += s.w[m].tolist()
         return loss * s.w
@@ -245,23 +314,23 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
         return sum(x) / max(len(x), 1)
 
     metrics = {"train/loss": float(obj.detach()), "train/grad_norm": norm, "loss/ratio_mean": mean(flags["ratio"]),
-               "loss/clip_frac_low": mean(flags["low"]), "loss/clip_frac_high": mean(flags["high"]),
                "loss/weight_mean": mean(flags["weight"])}
+    if a.loss in ("ppo", "gspo", "cispo", "topr"):  # TOPR's clip is its negatives' truncation: high only
+        metrics["loss/clip_frac_high"] = mean(flags["high"])
+    if a.loss in ("ppo", "gspo", "cispo"):
+        metrics["loss/clip_frac_low"] = mean(flags["low"])
+    if a.loss == "sapo":
+        metrics["loss/gate_mean"] = mean(flags["gate"])
     if kw.get("dual_clip"):
         metrics["loss/dual_clip_frac"] = mean(flags["dual"])
-    if kl_sums:  # over every sequence, an empty one's 0 included
-        metrics |= {"rollout/kl_ref_per_seq": mean(kl_sums), "rollout/kl_penalty_mean": a.kl.coef * mean(kl_sums)}
-    if a.overlong.buffer_len:
-        metrics |= {"rollout/overlong_penalty_mean": mean(penalties),
-                    "rollout/overlong_penalised_frac": mean([x < 0 for x in penalties])}
     # DESIGN.md §3: per sequence the mean |π_old − μ| over its sampled tokens (those π_old covers; cut ones are
     # counted apart), then the mean over the sequences that have any; trained on or not (mask_truncated)
-    diffs = [(s.old - s.mu).abs()[torch.isfinite(s.old)] for s in seqs]
+    diffs = [(s.old - s.mu).abs()[torch.isfinite(s.old) & (s.gen > 0)] for s in seqs]
     metrics["train/train_rollout_logprob_abs_diff"] = mean([float(d.mean()) for d in diffs if len(d)])
     metrics["train/train_rollout_logprob_abs_diff_max"] = max(float(d.max()) for d in diffs if len(d))
-    metrics["mismatch/out_of_support_frac"] = mean(sum((torch.isinf(s.old).tolist() for s in seqs), []))
+    metrics["mismatch/out_of_support_frac"] = mean(sum((torch.isinf(s.old)[s.gen > 0].tolist() for s in seqs), []))
     if a.entropy_coef:  # the policy's entropy over every sampled token, trained on or not
-        metrics["train/entropy"] = mean(sum((s.ent.tolist() for s in seqs), []))
+        metrics["train/entropy"] = mean(sum((s.ent[s.gen > 0].tolist() for s in seqs), []))
     if a.kl.coef and a.kl.where == "loss":  # the estimator's token mean over the trained tokens
         kls = [kl_token(s.lp, s.ref, a.kl.kind).detach()[s.keep > 0].tolist() for s in seqs]
         metrics["train/kl_ref"] = mean(sum(kls, []))
@@ -283,12 +352,14 @@ def step_grads(model) -> list[torch.Tensor]:
     return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
-def assert_grads_close(got, want, rtol=G_RTOL):
-    worst = 0.0
+def assert_grads_close(got, want, rtol=G_RTOL, floor=0.0):
+    """max |Δg| <= rtol · max |g| per tensor, + floor · max |g| over every tensor (for a tensor whose
+    gradient almost cancels, where fp32 rounding of its larger terms is all that is left)."""
+    worst, top = 0.0, max(float(w.abs().max()) for w in want)
     for k, (g, w) in enumerate(zip(got, want)):
         scale = float(w.abs().max())
         err = float((g.to(F64) - w).abs().max())
-        assert err <= rtol * scale + 1e-12, (k, err, scale)
+        assert err <= rtol * scale + floor * top + 1e-12, (k, err, scale, top)
         worst = max(worst, err / scale if scale else err)
     return worst
 
@@ -326,6 +397,27 @@ CONFIGS = {
     "gspo seq-mean-token-mean, grad clip": [
         "algorithm.agg_mode=seq-mean-token-mean", "algorithm.loss=gspo", "algorithm.bypass=true",
         "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}", "optim.grad_clip=0.02"],
+    "reinforce bypass, rloo, seq-mean-token-sum": [
+        "algorithm.loss=reinforce", "algorithm.bypass=true", "algorithm.advantage=rloo",
+        "algorithm.agg_mode=seq-mean-token-sum"],
+    "sapo bypass, dr_grpo, seq-mean-token-mean": [
+        "algorithm.loss=sapo", "algorithm.bypass=true", "algorithm.loss_kwargs={tau_pos: 2.0, tau_neg: 3.0}",
+        "algorithm.advantage=dr_grpo", "algorithm.agg_mode=seq-mean-token-mean"],
+    "sapo, grpo without std, kl k2 in the loss, entropy": [
+        "algorithm.loss=sapo", "algorithm.advantage_kwargs={normalize_std: false}", "algorithm.kl.coef=0.2",
+        "algorithm.kl.kind=k2", "algorithm.entropy_coef=0.05"],
+    "topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is": [
+        "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9}",
+        "algorithm.advantage=reinforce_pp",
+        "algorithm.kl.coef=0.05", "algorithm.kl.kind=k1", "algorithm.kl.where=reward",
+        "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]"],
+    "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis": [
+        "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9, level: token}",
+        "algorithm.advantage=reinforce_pp_baseline", "algorithm.advantage_kwargs={eps: 0.01}",
+        "algorithm.agg_mode=constant-normalised", "algorithm.corrections=[{name: token_tis, upper: 1.2}]"],
+    "topr upper 0.5, grpo eps 0.1, mask_truncated": [
+        "algorithm.loss=topr", "algorithm.loss_kwargs={upper: 0.5}", "algorithm.advantage_kwargs={eps: 0.1}",
+        "algorithm.overlong.mask_truncated=true"],
 }
 
 
@@ -373,6 +465,21 @@ def test_the_references_see_what_they_test(models):
     m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
         "seq-mean-token-mean kl k3 in the loss, entropy"])), 1, make_groups(model, 1.0))
     assert 0 < m["correction/token_mask_is/mask_frac"] < 0.5
+    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
+        "sapo bypass, dr_grpo, seq-mean-token-mean"])), 1, make_groups(model, 1.0))
+    assert m["loss/gate_mean"] < 0.99  # the gate is off 1 where π_θ ≠ μ
+    # TOPR: sequence ratios 1 (clipped at 0.9), e^-0.3 and e^-0.6 (the mask drops the +0.3 tokens); token ratios
+    # 1, e^±0.3
+    for name in ("topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is",
+                 "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis"):
+        m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[name])), 1, make_groups(model, 1.0))
+        assert 0 < m["loss/clip_frac_high"] < 0.5
+    # every estimator gives this batch other advantages (so each reference above checks its own)
+    rewards, sizes = [r for _, g in GROUPS for _, _, r in g], [len(g) for _, g in GROUPS]
+    adv = {name: advantages(rewards, sizes, name, {}) for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                                                   "reinforce_pp_baseline")}
+    assert len({tuple(round(x, 6) for x in v) for v in adv.values()}) == len(adv)
+    assert all(v[6:9] == [0.0] * 3 for k, v in adv.items() if k != "reinforce_pp")  # the equal-reward group
 
 
 def test_rollout_metrics_are_those_of_the_task_rewards(models):
