@@ -163,11 +163,11 @@ def whole_optimizer_state(optimizer: torch.optim.Optimizer):
     if not _sharded(optimizer):
         yield
         return
-    optimizer.consolidate_state_dict(to=0)
+    _inner(optimizer).consolidate_state_dict(to=0)
     try:
         yield
     finally:
-        optimizer._all_state_dicts = []  # torch's gathered copy (no public call clears it)
+        _inner(optimizer)._all_state_dicts = []  # torch's gathered copy (no public call clears it)
 
 
 def optimizer_share(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -175,13 +175,18 @@ def optimizer_share(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     total = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     if not _sharded(optimizer):
         return total, total
-    return sum(p.numel() for g in optimizer.optim.param_groups for p in g["params"]), total
+    return sum(p.numel() for g in _inner(optimizer).optim.param_groups for p in g["params"]), total
 
 
 def _sharded(optimizer: torch.optim.Optimizer) -> bool:
     """A ZeroRedundancyOptimizer? (its module is not imported for a plain run: the import is slow and noisy)"""
     zero = sys.modules.get("torch.distributed.optim")
-    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
+    return zero is not None and isinstance(_inner(optimizer), zero.ZeroRedundancyOptimizer)
+
+
+def _inner(optimizer):
+    """The optimizer that holds the moments: the inner one of fp32 master weights (rl/master_weights.py)."""
+    return getattr(optimizer, "inner", optimizer)
 
 
 def init_from_env() -> Ranks:

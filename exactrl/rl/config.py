@@ -143,6 +143,11 @@ class OptimSettings(BaseModel):
     whole KV pages; `model/logprobs.py` `pack_shared`): the same logprob bits, fewer rows to compute."""
     warmup_steps: int = Field(0, ge=0)
     """Steps of linear learning-rate warm-up from 0 (0 = none)."""
+    fp32_master_weights: bool = True
+    """With `model.dtype: bfloat16`: AdamW steps fp32 copies of the weights and rounds them into the bf16
+    model after each step (rl/master_weights.py; the engine and trainer still share the bf16 bits). false
+    steps the bf16 weights themselves, where an update under half a bf16 spacing is lost (most of them
+    at RL's learning rates). No effect in float32."""
     shard_state: bool = False
     """Data-parallel runs (`--nproc N`): each rank keeps the AdamW moments of its share of the
     parameters only (ZeRO stage 1; 2x the parameters' memory split over the ranks). The weights are

@@ -27,6 +27,7 @@ from exactrl.rl.config import RunConfig, dotted
 from exactrl.rl.corrections import build_corrections
 from exactrl.rl.external import ExternalEngine
 from exactrl.rl.logger import MetricsLogger, NullLogger
+from exactrl.rl.master_weights import MasterWeights
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings
 from exactrl.rl.warmstart import module_sha256
@@ -271,6 +272,11 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         sha = None
     new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)
     old, new = dotted(saved), dotted(new)
+    # a key added since the checkpoint was written: it ran as the value that behaves as before the key was
+    # there (in float32 the key has no effect)
+    if "optim.fp32_master_weights" not in old:
+        old["optim.fp32_master_weights"] = new["optim.fp32_master_weights"] if old.get("model.dtype") != "bfloat16" \
+            else False
     # the weights come from the checkpoint, so model.path may move; but with KL on, the reference model
     # is read from model.path (the starting weights): another path would be another reference
     resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")
@@ -481,8 +487,10 @@ def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
 
 def _optimizer(cfg: RunConfig, model: CausalLM, ranks: Ranks) -> torch.optim.Optimizer:
     o = cfg.optim
-    return make_optimizer(model.parameters(), ranks, o.shard_state, lr=o.lr, betas=o.betas,
-                          weight_decay=o.weight_decay)
+    adamw = dict(lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    if cfg.model.dtype == "bfloat16" and o.fp32_master_weights:
+        return MasterWeights(model.parameters(), lambda params: make_optimizer(params, ranks, o.shard_state, **adamw))
+    return make_optimizer(model.parameters(), ranks, o.shard_state, **adamw)
 
 
 def _step_settings(cfg: RunConfig, corrections) -> StepSettings:
