@@ -16,9 +16,9 @@ class ModelSettings(BaseModel):
     tokenizer: PathText | None = None
     """Tokenizer directory; None uses `path` (or the default job's own tokenizer)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and activation dtype for both trainer and engine. `bfloat16` trains the bf16 weights
-    themselves, with no fp32 master copy (logprobs and loss in fp32, gradients in bf16): an optimizer
-    update under half a bf16 spacing of its weight is lost (one AdamW step at lr 5e-5 left half of a
-    tiny Qwen3's weights unchanged)."""
+    """Parameter and activation dtype for both trainer and engine. With `bfloat16` the logprobs and the
+    loss are fp32 and the gradients bf16; the optimizer steps fp32 master copies of the weights
+    (`optim.fp32_master_weights`), without which an update under half a bf16 spacing of its weight is
+    lost (one AdamW step at lr 5e-5 left half of a tiny Qwen3's weights unchanged)."""
     kernels: Literal["exact", "fast"] = "exact"
     """`exact` makes train/rollout logprobs bitwise equal; `fast` shows the mismatch it removes."""
