@@ -1,0 +1,135 @@
+"""Llama 3.x JSON tool calls (`parsing.LLAMA3_JSON`): the whole assistant text is `{"name": ..., "parameters":
+{...}}` (or "arguments", or several such objects separated by `;`, as vLLM's llama3_json parser reads them),
+optionally after `<|python_tag|>`; anything else is content. Streamed deltas add up to the same parse, a call
+only at the end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exactrl.chat.parsing import HERMES, LLAMA3_JSON, StreamParser, parse_assistant_text
+
+
+def calls_of(text: str, fmt: str = LLAMA3_JSON) -> tuple[str, list]:
+    p = parse_assistant_text(text, tool_format=fmt)
+    json.dumps(p.to_message(), ensure_ascii=False).encode("utf-8")  # what the server sends
+    return p.content, [(c.name, c.arguments) for c in p.tool_calls]
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('{"name": "calculator", "parameters": {"expression": "2+2"}}', [("calculator", {"expression": "2+2"})]),
+    ('{"name": "calculator", "arguments": {"expression": "2+2"}}', [("calculator", {"expression": "2+2"})]),
+    ('\n  {"name": "f", "parameters": {}}\n\n', [("f", {})]),  # whitespace around
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
+    (' <|python_tag|> {"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
+    ('{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {"b": [1, 2]}}',
+     [("f", {"a": 1}), ("g", {"b": [1, 2]})]),
+    ('{"name": "f", "parameters": {"a": 1}};{"name": "f", "parameters": {"a": 2}}', [("f", {"a": 1}), ("f", {"a": 2})]),
+    # nested arguments, unicode (escaped or not), arguments as a JSON string
+    ('{"name": "search", "parameters": {"q": {"text": "naïve", "tags": ["a", {"b": null}]}, "n": 3.5}}',
+     [("search", {"q": {"text": "naïve", "tags": ["a", {"b": None}]}, "n": 3.5})]),
+    ('{"name": "echo", "parameters": {"s": "\\u00e9\\ud83d\\ude00 日本"}}', [("echo", {"s": "é😀 日本"})]),
+    ('{"name": "f", "parameters": "{\\"a\\": 1}"}', [("f", {"a": 1})]),
+])
+def test_valid_calls(text, calls):
+    content, got = calls_of(text)
+    assert got == calls and content == ""
+    assert parse_assistant_text(text, tool_format=LLAMA3_JSON).to_message()["content"] is None
+
+
+@pytest.mark.parametrize("text", [
+    "The answer is 4.",
+    "",
+    "{not json}",
+    '{"name": "f", "parameters": {"a": 1}',  # unclosed
+    '{"name": "f", "parameters": {"a": 1}} and more',  # text after the call
+    'Sure: {"name": "f", "parameters": {"a": 1}}',  # text before it (vLLM would take the call)
+    '{"name": "f", "parameters": {}};',  # a `;` with no call after it
+    '{"name": "f", "parameters": {}}; hello',
+    '{"a": 1}',  # JSON that is not a call
+    '[{"name": "f", "parameters": {}}]',
+    '"f"',
+    '{"name": "f"}',  # no arguments: JSON data, not a call
+    '{"name": "f", "parameters": {}, "arguments": {}}',  # both
+    '{"name": "f", "parameters": {}, "id": 1}',  # a key the call has no place for
+    '{"name": "f", "name": "g", "parameters": {}}',  # a key twice
+    '{"name": "f", "parameters": {"a": 1, "a": 2}}',
+    '{"name": "bad name!", "parameters": {}}',
+    '{"name": 5, "parameters": {}}',
+    '{"name": "f", "parameters": [1]}',  # arguments not an object
+    '{"name": "f", "parameters": {"a": NaN}}',  # not strict JSON
+    '{"name": "f", "parameters": {"a": 1e999}}',
+    '{"name": "f", "parameters": {"x": "\\ud800"}}',  # a lone surrogate: not UTF-8
+    '{"name": "f", "parameters": {"x": ' + "1" * 4301 + '}}',  # past Python's digit limit
+    '{"name": "f", "parameters": {"x": ' + "[" * 100_000 + "]" * 100_000 + '}}',  # nesting too deep
+    '<|python_tag|>',
+    '<|python_tag|>brave_search.call(query="x")',  # a built-in tool call (pythonic): not JSON
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',  # Hermes is not this format
+])
+def test_everything_else_is_content(text):
+    content, calls = calls_of(text)
+    assert calls == [] and content == text.strip()
+
+
+def test_the_formats_do_not_read_each_other():
+    hermes = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    llama = '{"name": "f", "parameters": {"a": 1}}'
+    assert calls_of(hermes, HERMES)[1] == calls_of(llama, LLAMA3_JSON)[1] == [("f", {"a": 1})]
+    assert calls_of(llama, HERMES) == (llama, []) and calls_of(hermes, LLAMA3_JSON) == (hermes, [])
+    assert parse_assistant_text(llama, parse_tools=False, tool_format=LLAMA3_JSON).content == llama
+    with pytest.raises(ValueError, match="tool_format"):
+        parse_assistant_text(llama, tool_format="pythonic")
+    with pytest.raises(ValueError, match="tool_format"):
+        StreamParser(True, "pythonic")
+
+
+def test_reasoning_before_a_call():
+    p = parse_assistant_text('<think>\nadd\n</think>\n\n{"name": "f", "parameters": {}}', tool_format=LLAMA3_JSON)
+    assert p.reasoning == "add" and [c.name for c in p.tool_calls] == ["f"] and p.content == ""
+
+
+def stream(text: str, cuts: list[int], tools: bool = True) -> tuple[list, str, list]:
+    """(per-feed deltas, content, calls) of `text` streamed in pieces of the `cuts` sizes."""
+    sp, deltas, i, k = StreamParser(tools, LLAMA3_JSON), [], 0, 0
+    while i < len(text):
+        j = i + cuts[k % len(cuts)]
+        deltas.append(sp.feed(text[i:j]))
+        i, k = j, k + 1
+    deltas.append(sp.finish())
+    return (deltas, "".join(d.reasoning + d.content for d in deltas),
+            [(c.name, c.arguments) for d in deltas for c in d.tool_calls])
+
+
+def test_stream_holds_what_could_still_be_a_call():
+    call = '<|python_tag|>{"name": "f", "parameters": {"a": "é"}}'
+    deltas, content, calls = stream(call, [3])
+    assert all(not d for d in deltas[:-1]) and content == "" and calls == [("f", {"a": "é"})]
+    # a call, then more text: held until the text shows it is not a call, then all of it is content
+    deltas, content, calls = stream('{"name": "f", "parameters": {}}  ok', [1])
+    n = len('{"name": "f", "parameters": {}}  o')
+    assert all(not d for d in deltas[:n - 1]) and deltas[n - 1].content == '{"name": "f", "parameters": {}}  o'
+    assert content == '{"name": "f", "parameters": {}}  ok' and calls == []
+    # plain text is sent as it comes (trailing whitespace held)
+    deltas, content, calls = stream("Hello there", [1])
+    assert [d.content for d in deltas[:6]] == ["H", "e", "l", "l", "o", ""] and content == "Hello there"
+
+
+atoms = st.sampled_from(['{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "arguments": {}}', "{", "}", ";",
+                         " ", "\n", "<|python_tag|>", "<|python", "_tag|>", '"name"', ": ", '"f"', ", ",
+                         '"parameters"', '{"a": [1, {"b": "é"}]}', "x", "<think>", "</think>", "[", "]", "\ufffd"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(atoms, max_size=12), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=40),
+       tools=st.booleans())
+def test_stream_deltas_equal_the_parse(parts, cuts, tools):
+    text = "".join(parts)
+    full = parse_assistant_text(text, tools, LLAMA3_JSON)
+    deltas, _, calls = stream(text, cuts, tools)
+    assert "".join(d.reasoning for d in deltas) == (full.reasoning or "")
+    assert "".join(d.content for d in deltas) == full.content
+    assert calls == [(c.name, c.arguments) for c in full.tool_calls]
+    assert all(not d.tool_calls for d in deltas[:-1])  # a call only when the text is complete
