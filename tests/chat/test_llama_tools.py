@@ -10,7 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from family_templates import family_tokenizer
+from test_family_templates import TOOL, char_tokens, check_splice, check_trajectory, record, reply, user_part
 from exactrl.chat.parsing import HERMES, LLAMA3_JSON, StreamParser, parse_assistant_text
+from exactrl.chat.splice import MonotonicityError, Splicer
+from exactrl.chat.trajectory import Session
 
 
 def calls_of(text: str, fmt: str = LLAMA3_JSON) -> tuple[str, list]:
@@ -133,3 +137,84 @@ def test_stream_deltas_equal_the_parse(parts, cuts, tools):
     assert "".join(d.content for d in deltas) == full.content
     assert calls == [(c.name, c.arguments) for c in full.tool_calls]
     assert all(not d.tool_calls for d in deltas[:-1])  # a call only when the text is complete
+
+
+# --------------------------------------------------------------------------- the splice, Llama 3.1-like template
+
+
+def llama_call(expr: str, key: str = "parameters") -> str:
+    return f'{{"name": "calculator", "{key}": {{"expression": "{expr}"}}}}'
+
+
+# what the template renders for a tool result (role `ipython`, a string through tojson) + the generation prompt
+TOOL_RESULT = ('<|start_header_id|>ipython<|end_header_id|>\n\n"{}"<|eot_id|>'
+               '<|start_header_id|>assistant<|end_header_id|>\n\n')
+
+
+@pytest.mark.parametrize("key, tag, char", [("parameters", "", False), ("arguments", "", True),
+                                            ("parameters", "<|python_tag|>", True)])
+def test_llama_call_result_and_answer_keep_exact_ids(key, tag, char):
+    """user -> a JSON call (ended by `<|eom_id|>`, as Llama 3.1 ends a turn that waits for a tool) -> the tool
+    result, which the template renders as an `ipython` turn (its text through tojson) -> the answer -> a user
+    turn. Each prompt is the earlier turns' exact ids (also a non-canonical tokenization, a `<|python_tag|>`
+    and "arguments" where the template would write "parameters") + the tokenization of the new turns; one
+    trajectory masked on the generated tokens."""
+    tok = family_tokenizer("llama3")
+    eom = tok.hf.convert_tokens_to_ids("<|eom_id|>")
+    sp, session = Splicer(tok, stop_token_ids=[eom]), Session()  # the server's: generation_config's eos ids
+    msgs = [{"role": "user", "content": "compute 2+2"}]
+    p1 = sp.build(msgs, [TOOL]).prompt_ids
+    text = llama_call("2+2", key)
+    gen = (tok.encode(tag) if tag else []) + (char_tokens(tok, text) if char else tok.encode(text))
+    a1 = reply(tok, sp, p1, gen, stop=eom)
+    assert a1["content"] is None and [(c["function"]["name"], c["function"]["arguments"])
+                                      for c in a1["tool_calls"]] == [("calculator", '{"expression": "2+2"}')]
+    record(session, a1, "fresh")
+    msgs += [a1, {"role": "tool", "tool_call_id": a1["tool_calls"][0]["id"], "content": "4"}]
+    plan = sp.build(msgs, [TOOL])
+    check_splice(tok, plan, a1, TOOL_RESULT.format(4))
+    a2 = reply(tok, sp, plan.prompt_ids, tok.encode("2+2 is 4"))
+    assert a2["content"] == "2+2 is 4" and "tool_calls" not in a2
+    record(session, a2)
+    msgs += [a2, {"role": "user", "content": "thanks"}]
+    plan = sp.build(msgs, [TOOL])
+    check_splice(tok, plan, a2, user_part("llama3", "thanks"))
+    a3 = reply(tok, sp, plan.prompt_ids, tok.encode("welcome"))
+    record(session, a3)
+    check_trajectory(session, [a1, a2, a3])
+
+
+def test_llama_a_changed_call_no_longer_matches_its_tokens():
+    """The call is checked by parsing the tokens' text as the template's format: other arguments, or the call
+    turned into content, are a history the tokens do not say; the call's text as content (what
+    tool_choice='none' returned) still is."""
+    tok = family_tokenizer("llama3")
+    sp = Splicer(tok)
+    msgs = [{"role": "user", "content": "compute 2+2"}]
+    p1 = sp.build(msgs, [TOOL]).prompt_ids
+    a1 = reply(tok, sp, p1, tok.encode(llama_call("2+2")))
+    result = {"role": "tool", "tool_call_id": a1["tool_calls"][0]["id"], "content": "4"}
+    edited = json.loads(json.dumps(a1))
+    edited["tool_calls"][0]["function"]["arguments"] = '{"expression": "3+3"}'
+    with pytest.raises(MonotonicityError, match="no longer says what its generation_token_ids say"):
+        sp.build(msgs + [edited, result], [TOOL])
+    as_content = {k: v for k, v in a1.items() if k != "tool_calls"} | {"content": llama_call("2+2")}
+    plan = sp.build(msgs + [as_content, {"role": "user", "content": "go on"}], [TOOL])
+    check_splice(tok, plan, as_content, user_part("llama3", "go on"))
+    with pytest.raises(MonotonicityError):
+        sp.build(msgs + [as_content | {"content": "something else"}, {"role": "user", "content": "go on"}], [TOOL])
+
+
+def test_llama_two_calls_parse_but_the_template_takes_one():
+    """Two `;`-separated calls are two tool calls (vLLM's reading); Llama 3.1's template refuses to render a turn
+    with more than one, so the next request is a 400 (ValueError) naming the template's reason."""
+    tok = family_tokenizer("llama3")
+    sp = Splicer(tok)
+    msgs = [{"role": "user", "content": "compute 2+2 and 3*3"}]
+    a1 = reply(tok, sp, sp.build(msgs, [TOOL]).prompt_ids,
+               tok.encode(llama_call("2+2") + "; " + llama_call("3*3")))
+    assert [c["function"]["arguments"] for c in a1["tool_calls"]] == ['{"expression": "2+2"}',
+                                                                       '{"expression": "3*3"}']
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(a1["tool_calls"], "49")]
+    with pytest.raises(ValueError, match="single tool-calls"):
+        sp.build(msgs + [a1] + results, [TOOL])
