@@ -4,6 +4,7 @@ optionally after `<|python_tag|>`; anything else is content. Streamed deltas add
 only at the end."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -11,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from family_templates import family_tokenizer
-from test_family_templates import TOOL, char_tokens, check_splice, check_trajectory, record, reply, user_part
+from test_family_templates import (TOOL, char_tokens, check_extends, check_splice, check_trajectory, record, reply,
+                                   user_part)
 from exactrl.chat.parsing import HERMES, LLAMA3_JSON, StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, Splicer
 from exactrl.chat.trajectory import Session
@@ -218,3 +220,115 @@ def test_llama_two_calls_parse_but_the_template_takes_one():
     results = [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(a1["tool_calls"], "49")]
     with pytest.raises(ValueError, match="single tool-calls"):
         sp.build(msgs + [a1] + results, [TOOL])
+
+
+# --------------------------------------------------------------------------- through a live server
+
+QUESTION = {"role": "user", "content": "compute 2+2"}
+ANSWER = "2+2 is 4"
+
+
+@functools.lru_cache(maxsize=None)
+def taught_llama():
+    """(ServerThread, ServerState, model dir, transcript ids) serving a tiny Llama-3.1-like model taught (a few
+    hundred Adam steps on two sequences) to answer QUESTION greedily with `llama_call("2+2")` + `<|eom_id|>`,
+    and the tool result "4" with ANSWER + `<|eot_id|>`."""
+    import atexit
+
+    import torch
+    import transformers
+
+    from family_templates import _model_dir
+    from exactrl.model.tokenizer import load_tokenizer
+    from exactrl.server.app import ServerThread, build_state, create_app
+
+    d = _model_dir("llama3", None)
+    tok = load_tokenizer(d)
+    eom = tok.hf.convert_tokens_to_ids("<|eom_id|>")
+    sp = Splicer(tok, stop_token_ids=[eom])
+    p1 = sp.build([QUESTION], [TOOL]).prompt_ids
+    g1 = tok.encode(llama_call("2+2")) + [eom]
+    a1 = reply(tok, sp, p1, g1[:-1], stop=eom)
+    p2 = sp.build([QUESTION, a1, {"role": "tool", "tool_call_id": a1["tool_calls"][0]["id"], "content": "4"}],
+                  [TOOL]).prompt_ids
+    g2 = tok.encode(ANSWER) + [tok.end_of_turn_id]
+    # the tools in the first user turn make a ~500-token prompt: a longer context than the tiny default
+    model = transformers.LlamaForCausalLM.from_pretrained(d, max_position_embeddings=1024).train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(600):
+        loss = 0.0
+        greedy = True
+        for p, g in ((p1, g1), (p2, g2)):
+            out = model(torch.tensor([p + g]), labels=torch.tensor([[-100] * len(p) + g]))
+            loss = loss + out.loss
+            top2 = out.logits[0, len(p) - 1:-1].topk(2, dim=-1)
+            greedy &= top2.indices[:, 0].tolist() == g and bool((top2.values[:, 0] - top2.values[:, 1] > 1.0).all())
+        if greedy:  # every generated token wins by more than one logit: no rounding can change the argmax
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert greedy, f"not taught after {step} steps (loss {loss.item():.3f})"
+    model.eval().save_pretrained(d)
+    state = build_state(str(d), kv_budget_tokens=4096)
+    thread = ServerThread(create_app(state)).start()
+    atexit.register(thread.stop)
+    return thread, state, d, (p1, g1, p2, g2)
+
+
+def tool_calls_of(calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls or []]
+
+
+def test_live_llama_tool_episode_keeps_exact_ids():
+    """Through the server, a Llama-3.1-like template: the call comes back as a tool call (finish_reason
+    'tool_calls', no content), the same streamed; the tool result, the answer and a user turn are spliced after
+    the exact ids; the session holds one trajectory masked on the generated tokens, whose logprobs equal the
+    trainer's bitwise."""
+    import httpx
+    import openai
+
+    import exactrl
+
+    thread, state, d, (p1, g1, p2, g2) = taught_llama()
+    tok, name = state.tokenizer, state.config.model_name
+    c = openai.OpenAI(base_url=f"{thread.url}/sessions/llama-tools/v1", api_key="test", max_retries=0)
+    r1 = c.chat.completions.create(model=name, messages=[QUESTION], tools=[TOOL], temperature=0, max_tokens=40)
+    ch = r1.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert tool_calls_of(ch.message.tool_calls) == [("calculator", {"expression": "2+2"})]
+    assert (ch.message.prompt_token_ids, ch.message.generation_token_ids) == (p1, g1)
+    # streamed (outside the session): the call arrives once, whole, with the closing delta
+    plain = openai.OpenAI(base_url=f"{thread.url}/v1", api_key="test", max_retries=0)
+    chunks = [x for x in plain.chat.completions.create(model=name, messages=[QUESTION], tools=[TOOL], temperature=0,
+                                                       max_tokens=40, stream=True) if x.choices]
+    deltas = [x.choices[0].delta for x in chunks]
+    assert "".join(dl.content or "" for dl in deltas) == ""
+    assert [dl.tool_calls is not None for dl in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert tool_calls_of(deltas[-1].tool_calls) == tool_calls_of(ch.message.tool_calls)
+    assert deltas[-1].tool_calls[0].index == 0 and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    m1 = ch.message.model_dump(exclude_none=True)
+    msgs = [QUESTION, m1, {"role": "tool", "tool_call_id": m1["tool_calls"][0]["id"], "content": "4"}]
+    ch2 = c.chat.completions.create(model=name, messages=msgs, tools=[TOOL], temperature=0, max_tokens=20).choices[0]
+    m2 = ch2.model_dump(exclude_none=True)["message"]
+    check_extends(tok, m2["prompt_token_ids"], m1, TOOL_RESULT.format(4))
+    assert (m2["prompt_token_ids"], m2["generation_token_ids"]) == (p2, g2)
+    assert m2["content"] == ANSWER and "tool_calls" not in m2 and ch2.finish_reason == "stop"
+    msgs += [m2, {"role": "user", "content": "thanks"}]
+    r3 = c.chat.completions.create(model=name, messages=msgs, tools=[TOOL], max_tokens=4, seed=0)
+    m3 = r3.choices[0].message.model_dump(exclude_none=True)
+    check_extends(tok, m3["prompt_token_ids"], m2, user_part("llama3", "thanks"))
+
+    (t,) = httpx.get(f"{thread.url}/sessions/llama-tools/trajectories", timeout=30).json()["trajectories"]
+    full = m3["prompt_token_ids"] + m3["generation_token_ids"]
+    assert t["prompt_ids"] == p1 and t["prompt_ids"] + t["completion_ids"] == full
+    want = [0] * len(full)
+    for m in (m1, m2, m3):
+        a = len(m["prompt_token_ids"])
+        want[a:a + len(m["generation_token_ids"])] = [1] * len(m["generation_token_ids"])
+    assert t["loss_mask"] == want[len(p1):] and t["num_turns"] == 3
+    lps = exactrl.sequence_logprobs(exactrl.load_model(d), [full], 1.0)[0].tolist()
+    for m in (m1, m2, m3):  # temperature 0 reports the T = 1 logprobs
+        a = len(m["prompt_token_ids"])
+        assert lps[a - 1:a - 1 + len(m["generation_token_ids"])] == m["generation_log_probs"]  # bitwise
