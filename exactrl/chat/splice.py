@@ -21,7 +21,8 @@ H and R are cut into segments after each end-of-turn token; segment j of H
 must match segment j of R:
   * a segment holding generated tokens matches if its assistant message is
     the one at that place of the conversation and still says what the tokens
-    say (same reasoning, content and tool calls, `parsing.py`) — never by
+    say (same reasoning, content and tool calls, `parsing.py`, the calls read
+    in the template's format, `tool_call_format`) — never by
     comparing templates, which may re-render tool calls or drop old reasoning
     (Qwen3's drops it before the last user query: the spliced prompt keeps the
     reasoning tokens the model generated, where a re-render would not show
