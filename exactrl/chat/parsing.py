@@ -5,17 +5,33 @@ training tokens (those are the generated IDs, DESIGN.md §4). The same function
 also checks, on the next turn, that an assistant message sent back still says
 what its tokens say (see splice.py).
 
-Format (Qwen / Hermes): an optional leading `<think>…</think>` block is the
-reasoning (`</think>` missing = the generation stopped inside it; a template
-that writes `<think>` into the generation prompt itself, as some "thinking"
-checkpoints' do, leaves reasoning and `</think>` in the content); every
-`<tool_call>{"name": …, "arguments": {…}}</tool_call>` block whose body is a
-valid call becomes a tool call; everything else is content. A block with an
-invalid body stays in the content as text, so nothing the model wrote is lost.
+An optional leading `<think>…</think>` block is the reasoning (`</think>`
+missing = the generation stopped inside it; a template that writes `<think>`
+into the generation prompt itself, as some "thinking" checkpoints' do, leaves
+reasoning and `</think>` in the content). The rest is read in one of two tool
+call formats, a property of the chat template (`Splicer.tool_call_format`
+finds it by rendering a call and parsing it back):
+
+  * `HERMES` (Qwen2.5, Qwen3, the project's template): every
+    `<tool_call>{"name": …, "arguments": {…}}</tool_call>` block whose body is
+    a valid call becomes a tool call; everything else is content. A block with
+    an invalid body stays in the content as text.
+  * `LLAMA3_JSON` (Llama 3.1 / 3.2 custom tools): the whole text after the
+    reasoning is the call, a bare JSON object `{"name": …, "parameters": {…}}`
+    (leading whitespace and a `<|python_tag|>` prefix allowed). As in vLLM's
+    `llama3_json` parser (vllm/entrypoints/openai/tool_parsers/
+    llama_tool_parser.py), the arguments may be under "arguments" instead, and
+    several objects separated by `;` are several calls. Stricter than vLLM's:
+    text around the JSON, malformed JSON, or any object that is not a valid
+    call makes the whole text content (vLLM picks a JSON object out of
+    surrounding text), so nothing the model wrote is lost.
 
 `StreamParser` emits the same result as append-only deltas: text that might
 still turn into a tag, an open tool call, or trailing whitespace is held back
 until it is decided, so the concatenated deltas equal `parse_assistant_text`.
+In `LLAMA3_JSON` the calls are known only when the text is complete (one more
+`;` or word would change them): text that could still be calls is held until
+then, text that no longer can is content at once.
 """
 from __future__ import annotations
 
@@ -26,6 +42,9 @@ from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"  # tool call formats (vLLM's --tool-call-parser names)
+TOOL_FORMATS = (HERMES, LLAMA3_JSON)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: may open a tool call (vLLM's bot_token)
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: `$` would let a trailing newline through
 
 
@@ -70,11 +89,21 @@ def parse_tool_call_body(body: str) -> ToolCall | None:
     key twice, and arguments that strict JSON can carry (no NaN or Infinity) in UTF-8."""
     try:  # ValueError: also a number past Python's digit limit; RecursionError: nesting too deep
         obj = json.loads(body, object_pairs_hook=_unique_keys)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not TOOL_NAME.fullmatch(obj["name"]):
-            return None
-        if set(obj) - {"name", "arguments"}:
-            return None
-        args = obj.get("arguments", {})
+    except (ValueError, RecursionError):
+        return None
+    return _call_of(obj, ("arguments",), required=False)
+
+
+def _call_of(obj, arg_keys: tuple[str, ...], required: bool) -> ToolCall | None:
+    """A decoded JSON value as a call: an object of `name` and at most one of `arg_keys` (exactly one if
+    `required`), nothing else; arguments an object (or a JSON string of one) that strict JSON carries in UTF-8."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not TOOL_NAME.fullmatch(obj["name"]):
+        return None
+    keys = set(obj) - {"name"}
+    if keys - set(arg_keys) or len(keys) > 1 or (required and not keys):
+        return None
+    args = obj[keys.pop()] if keys else {}
+    try:
         if isinstance(args, str):  # some models emit the arguments as a JSON string
             args = json.loads(args, object_pairs_hook=_unique_keys)
         # what a client is sent must be strict JSON in UTF-8: not 1e999 (inf), NaN, or a lone
@@ -117,11 +146,65 @@ def split_tool_calls(text: str) -> tuple[list[str], list[ToolCall]]:
         i = end + len(CALL_CLOSE)
 
 
-def parse_assistant_text(text: str, parse_tools: bool = True) -> ParsedAssistant:
-    reasoning, rest = split_reasoning(text)
+_JSON = json.JSONDecoder(object_pairs_hook=_unique_keys)
+_UNDECIDED = object()
+
+
+def _json_calls(text: str, partial: bool = False):
+    """`text` (after the reasoning) read as Llama 3 JSON calls: the list of calls if the whole text is
+    `[<|python_tag|>] call (; call)*` with whitespace around; None if it is not. With `partial`, `_UNDECIDED`
+    if some continuation of `text` could still be such calls (or is: the calls are final only at the end)."""
+    t = text.lstrip()
+    if partial and PYTHON_TAG.startswith(t):
+        return _UNDECIDED
+    if t.startswith(PYTHON_TAG):
+        t = t[len(PYTHON_TAG):]
+    calls = []
+    while True:
+        t = t.lstrip()
+        if not t:
+            return _UNDECIDED if partial else None  # nothing, or a `;` with no call after it
+        if t[0] != "{":
+            return None
+        try:
+            obj, end = _JSON.raw_decode(t)
+        except json.JSONDecodeError:  # malformed, or (mid-stream) not yet complete: held to the end
+            return _UNDECIDED if partial else None
+        except (ValueError, RecursionError):  # a key twice, a number past the digit limit, nesting too deep
+            return None
+        call = _call_of(obj, ("arguments", "parameters"), required=True)
+        if call is None:
+            return None
+        calls.append(call)
+        t = t[end:].lstrip()
+        if not t:
+            return _UNDECIDED if partial else calls
+        if t[0] != ";":
+            return None
+        t = t[1:]
+
+
+def split_json_calls(text: str) -> tuple[list[str], list[ToolCall]]:
+    """(content pieces, tool calls) of text after the reasoning, in the Llama 3 JSON format: all calls or
+    all content."""
+    calls = _json_calls(text)
+    return ([""], calls) if calls else ([text], [])
+
+
+def _split(text: str, parse_tools: bool, tool_format: str) -> tuple[list[str], list[ToolCall]]:
     if not parse_tools:
-        return ParsedAssistant(reasoning, rest.strip(), [])
-    pieces, calls = split_tool_calls(rest)
+        return [text], []
+    if tool_format == HERMES:
+        return split_tool_calls(text)
+    if tool_format == LLAMA3_JSON:
+        return split_json_calls(text)
+    raise ValueError(f"tool_format must be one of {list(TOOL_FORMATS)}, got {tool_format!r}")
+
+
+def parse_assistant_text(text: str, parse_tools: bool = True, tool_format: str = HERMES) -> ParsedAssistant:
+    """`text` as reasoning, content and tool calls (`tool_format`: HERMES or LLAMA3_JSON, module docstring)."""
+    reasoning, rest = split_reasoning(text)
+    pieces, calls = _split(rest, parse_tools, tool_format)
     return ParsedAssistant(reasoning, "".join(pieces).strip(), calls)
 
 
@@ -149,8 +232,9 @@ class Delta:
 class StreamParser:
     """Incremental `parse_assistant_text`: feed text chunks, get append-only deltas."""
 
-    def __init__(self, parse_tools: bool = True):
-        self.parse_tools = parse_tools
+    def __init__(self, parse_tools: bool = True, tool_format: str = HERMES):
+        _split("", parse_tools, tool_format)  # checks the format
+        self.parse_tools, self.tool_format = parse_tools, tool_format
         self.text = ""
         self._sent_reasoning = 0  # characters of the final reasoning already sent
         self._sent_content = 0  # characters of the stripped content already sent
@@ -180,7 +264,7 @@ class StreamParser:
                 return d
         if not final:
             rest = self._decided_prefix(rest)
-        pieces, calls = split_tool_calls(rest) if self.parse_tools else ([rest], [])
+        pieces, calls = _split(rest, self.parse_tools, self.tool_format)
         content = "".join(pieces).lstrip()
         content = content.rstrip() if final else content[:len(content.rstrip())]
         d.content = content[self._sent_content:]
@@ -191,6 +275,8 @@ class StreamParser:
 
     def _decided_prefix(self, rest: str) -> str:
         """The part of `rest` whose parse can no longer change."""
+        if self.parse_tools and self.tool_format == LLAMA3_JSON:
+            return "" if _json_calls(rest, partial=True) is _UNDECIDED else rest
         if self.parse_tools:
             open_at = rest.rfind(CALL_OPEN)
             if open_at >= 0 and rest.find(CALL_CLOSE, open_at) < 0:

@@ -21,7 +21,8 @@ H and R are cut into segments after each end-of-turn token; segment j of H
 must match segment j of R:
   * a segment holding generated tokens matches if its assistant message is
     the one at that place of the conversation and still says what the tokens
-    say (same reasoning, content and tool calls, `parsing.py`) — never by
+    say (same reasoning, content and tool calls, `parsing.py`, the calls read
+    in the template's format, `tool_call_format`) — never by
     comparing templates, which may re-render tool calls or drop old reasoning
     (Qwen3's drops it before the last user query: the spliced prompt keeps the
     reasoning tokens the model generated, where a re-render would not show
@@ -55,12 +56,11 @@ possible prompt would exceed the context is refused before those renders.
 from __future__ import annotations
 
 import bisect
-import functools
 from dataclasses import dataclass
 
 from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
                                    token_fields, validate_template_kwargs)
-from exactrl.chat.parsing import parse_assistant_text
+from exactrl.chat.parsing import TOOL_FORMATS, parse_assistant_text
 
 POLICIES = ("raise", "split", "truncate")
 CUT_WINDOW = 16  # characters past a cut answer's last field where the cut may lie (a tag and its whitespace)
@@ -127,12 +127,15 @@ class Splicer:
         # texts the encoder turns into special tokens: refused in what a client wrote (messages.py)
         self.special_texts = tuple(t.content for t in tokenizer.hf.added_tokens_decoder.values()
                                    if t.special and t.content)
+        # how the template writes a tool call, so how generated text is read (here, not on first use: the
+        # probe's renders are not the cost of whichever request comes first)
+        self.tool_call_format = self._tool_call_format()
 
-    @functools.cached_property
-    def parses_tool_calls(self) -> bool:
-        """Whether the chat template writes a tool call in the format `parsing.py` reads (Hermes `<tool_call>`
-        blocks: Qwen2.5, Qwen3, ours), found by rendering one call and parsing it back. Llama 3's template
-        writes bare JSON (`{"name": ..., "parameters": ...}`): its calls would come back as content."""
+    def _tool_call_format(self) -> str | None:
+        """The format the chat template writes a tool call in (`parsing.py`): HERMES (`<tool_call>` blocks:
+        Qwen2.5, Qwen3, ours) or LLAMA3_JSON (bare `{"name": ..., "parameters": ...}`: Llama 3.1, 3.2), found
+        by rendering one call and parsing it back; None if neither reads it back (the template refuses tools,
+        or writes calls some other way: its calls would come back as content)."""
         tools = [{"type": "function", "function": {"name": "probe", "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}}}}}]
         user = {"role": "user", "content": "probe"}
@@ -142,11 +145,15 @@ class Splicer:
             prompt = self.tok.render_chat([user], tools)
             turn = self.tok.render_chat([user, call], tools, add_generation_prompt=False)
         except ValueError:  # the template refuses tools or tool calls
-            return False
+            return None
         if not turn.startswith(prompt):
-            return False
-        calls = parse_assistant_text(turn[len(prompt):].split(self.eot_text)[0]).tool_calls
-        return [(c.name, c.arguments) for c in calls] == [("probe", {"x": 1})]
+            return None
+        text = turn[len(prompt):].split(self.eot_text)[0]
+        for fmt in TOOL_FORMATS:
+            calls = parse_assistant_text(text, tool_format=fmt).tool_calls
+            if [(c.name, c.arguments) for c in calls] == [("probe", {"x": 1})]:
+                return fmt
+        return None
 
     def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise",
               max_len: int | None = None, template_kwargs: dict | None = None) -> PromptPlan:
@@ -290,24 +297,29 @@ class Splicer:
         return self._text(gen[:-1] if gen and gen[-1] in self.stop_ids else gen)
 
     def matches(self, msg: dict, f: TokenFields) -> bool:
-        """Does the assistant message still say what its generated tokens say?"""
+        """Does the assistant message still say what its generated tokens say? The text is parsed as the
+        server parsed it: tool calls in the template's format (`tool_call_format`) or, if the request had no
+        tools (or a template with no format, which only answers tool_choice 'none'), none."""
         text = self.generation_text(f.generation_token_ids)
         stopped = f.generation_token_ids[-1] in self.stop_ids
         want_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
         want_content = (msg.get("content") or "").strip()
         want_reasoning = (msg.get("reasoning_content") or "").strip()
-        def same(p, content_prefix: bool) -> bool:
-            return ((p.reasoning or "").strip() == want_reasoning
-                    and [(c.name, c.arguments) for c in p.tool_calls] == want_calls
-                    and (p.content == want_content or (content_prefix and p.content.startswith(want_content))))
+        fmt = self.tool_call_format
+        parses = [(True, fmt), (False, fmt)] if fmt else [(False, TOOL_FORMATS[0])]
 
-        for parse_tools in (True, False):  # the response parsed calls only if tools were enabled
-            # a stop string ends the content early without a stop token: its text is cut from the content
-            if same(parse_assistant_text(text, parse_tools), not stopped):
-                return True
+        def same(t: str, content_prefix: bool) -> bool:
+            return any(((p := parse_assistant_text(t, tools, f)).reasoning or "").strip() == want_reasoning
+                       and [(c.name, c.arguments) for c in p.tool_calls] == want_calls
+                       and (p.content == want_content or (content_prefix and p.content.startswith(want_content)))
+                       for tools, f in parses)
+
+        # the response parsed calls only if tools were enabled; a stop string ends the content early without
+        # a stop token: its text is cut from the content
+        if same(text, not stopped):
+            return True
         if stopped:  # or, under ignore_eos, a run to max_tokens whose last sampled token is the stop
-            full = self._text(f.generation_token_ids)  # token: finish "length", and its text is content
-            return any(same(parse_assistant_text(full, parse_tools), False) for parse_tools in (True, False))
+            return same(self._text(f.generation_token_ids), False)  # token: finish "length", its text is content
         # a stop string may have cut the text anywhere: in the reasoning, or in a tag. The answer was the
         # parse of a prefix of the text, which ends just after the last field it shows (or a tag's few
         # characters later)
@@ -316,5 +328,4 @@ class Splicer:
         if at < 0:
             return False
         at += len(anchor)
-        return any(same(parse_assistant_text(text[:k], parse_tools), False)
-                   for k in range(at, min(len(text), at + CUT_WINDOW) + 1) for parse_tools in (True, False))
+        return any(same(text[:k], False) for k in range(at, min(len(text), at + CUT_WINDOW) + 1))

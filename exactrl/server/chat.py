@@ -7,11 +7,18 @@ response, where every assistant message also carries `prompt_token_ids`,
 `generation_token_ids` and `generation_log_probs`. Inside a session
 (`/sessions/{id}/v1/...`) every choice is also recorded for training.
 
+Tool calls are read in the format the chat template writes them in
+(`Splicer.tool_call_format`: Hermes `<tool_call>` blocks or Llama 3's bare
+JSON); a request that asks for them with a template of neither format is
+refused (400 `unsupported_tool_call_format`).
+
 Streaming sends one chunk per engine update: a role chunk, then content /
-reasoning / tool-call deltas (`StreamParser`); the delta that finishes a
-choice also carries the three token fields and its `finish_reason`;
-optionally a usage chunk, then `data: [DONE]`. An error after the status line
-went out is an in-stream `{"error": ...}` event followed by `[DONE]`.
+reasoning / tool-call deltas (`StreamParser`; a Llama 3 JSON call is sent
+when the choice ends, and text that could still become one is held until
+then); the delta that finishes a choice also carries the three token
+fields and its `finish_reason`; optionally a usage chunk, then
+`data: [DONE]`. An error after the status line went out is an in-stream
+`{"error": ...}` event followed by `[DONE]`.
 
 Building the prompt (chat template renders, tokenization) is CPU work that
 grows with the conversation: it runs in a worker thread, so one long
@@ -28,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from exactrl.chat.messages import (InconsistentTokenFieldsError, check_tool_choice, validate_template_kwargs,
                                    validate_tools)
-from exactrl.chat.parsing import StreamParser, parse_assistant_text
+from exactrl.chat.parsing import HERMES, StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError
 from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
                                        stream_error, token_fields, until_done, usage)
@@ -52,10 +59,13 @@ class _ChatJob:
             self.parse_tools = check_tool_choice(body.tool_choice, self.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
-        if self.parse_tools and not st.splicer.parses_tool_calls:
-            raise APIError(400, "this model's chat template does not write tool calls as <tool_call>{\"name\": ..., "
-                                "\"arguments\": ...}</tool_call> blocks (Hermes format: Qwen2.5, Qwen3), the only tool "
-                                "calls this server parses: the model's calls would come back as content. Send "
+        # the template's tool call format: how the model was shown calls, so how its text is read
+        self.tool_format = st.splicer.tool_call_format or HERMES
+        if self.parse_tools and st.splicer.tool_call_format is None:
+            raise APIError(400, "this model's chat template writes tool calls in neither format this server parses "
+                                "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks: Hermes, Qwen2.5, "
+                                "Qwen3; a bare {\"name\": ..., \"parameters\": ...} object: Llama 3.1, 3.2), or "
+                                "refuses tools: the model's calls would come back as content. Send "
                                 "tool_choice='none' to get them as content", param="tools",
                            code="unsupported_tool_call_format")
         try:
@@ -121,7 +131,7 @@ class _ChatJob:
         return top or 0
 
     def message(self, c) -> dict:
-        msg = parse_assistant_text(c.text, self.parse_tools).to_message()
+        msg = parse_assistant_text(c.text, self.parse_tools, self.tool_format).to_message()
         return msg | token_fields(self.plan.prompt_ids, c)
 
     def finish_reason(self, c, has_calls: bool) -> str:
@@ -207,7 +217,7 @@ async def _chat_stream(job: _ChatJob, request: Request):
 async def _chat_deltas(job: _ChatJob):
     """One chunk per engine update: reasoning / content / tool-call deltas, token fields when a choice ends."""
     gen, st = job.gen, job.st
-    parsers = [StreamParser(job.parse_tools) for _ in gen.choices]
+    parsers = [StreamParser(job.parse_tools, job.tool_format) for _ in gen.choices]
     n_calls = [0] * len(gen.choices)
     async for changed in gen.updates():
         out = []

@@ -14,6 +14,9 @@ The Jinja below is written here. What it reproduces was read from the families' 
     text rendered through tojson (a string gets quotes, as the real template's `is iterable` test does).
     The date is `date_string` (Llama 3.2's writes strftime_now's: the day the request is rendered).
     `<|eom_id|>` ends a turn that waits for a tool (generation_config lists it as an eos).
+  * "llama3-fn": the Llama 3.1 template writing a call as `<function=NAME>{args}</function>`, the other
+    custom-tool format Meta's Llama 3.1 prompt-format page describes (a system-prompt instruction, not its
+    template's): a template whose calls neither parser reads back.
 """
 from __future__ import annotations
 
@@ -177,6 +180,12 @@ LLAMA3_TEMPLATE = r"""
 {%- endif %}
 """.strip()
 
+LLAMA3_FN_TEMPLATE = (
+    LLAMA3_TEMPLATE
+    .replace(r"""\n\n{"name": "' + call.name + '", "parameters": '""", r"""\n\n<function=' + call.name + '>'""")
+    .replace("""(call.arguments | tojson) + '}<|eot_id|>'""", """(call.arguments | tojson) + '</function><|eot_id|>'"""))
+assert LLAMA3_FN_TEMPLATE.count("<function=") == 1 and "</function>" in LLAMA3_FN_TEMPLATE
+
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 LLAMA_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -192,11 +201,14 @@ FAMILIES = {
     # writes it too: chat ids are encoded without added special tokens, or the bos would be doubled)
     "llama3": (LLAMA3_TEMPLATE, LLAMA_SPECIAL, (),
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": None}, True),
+    "llama3-fn": (LLAMA3_FN_TEMPLATE, LLAMA_SPECIAL, (),
+                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": None}, True),
 }
 # eos ids a checkpoint's generation_config.json lists beyond the tokenizer's eos (Qwen: <|endoftext|>;
 # Llama 3.1: <|end_of_text|> and <|eom_id|>)
 GENERATION_EOS = {"qwen3": ("<|im_end|>", "<|endoftext|>"), "qwen2.5": ("<|im_end|>", "<|endoftext|>"),
-                  "llama3": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")}
+                  "llama3": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+                  "llama3-fn": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")}
 
 
 def corpus() -> list[str]:
@@ -261,7 +273,7 @@ def _model_dir(family: str, force: str | None) -> Path:
     d = Path(tempfile.mkdtemp(prefix=f"exactrl-{family}-model-"))
     build_family_tokenizer(d, family)
     tok = load_tokenizer(d)
-    arch = "llama" if family == "llama3" else "qwen3" if family == "qwen3" else "qwen2"
+    arch = "llama" if family.startswith("llama3") else "qwen3" if family == "qwen3" else "qwen2"
     model = make_hf_model(d, arch, seed=0, vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id)
     if force is not None:
         with torch.no_grad():

@@ -1,15 +1,15 @@
 """Token-exact multi-turn with chat templates that behave like real families' (family_templates.py): Qwen3
 (reasoning dropped from turns before the last user query, grouped tool results), Qwen2.5 (Hermes tools,
-default system prompt) and Llama 3.1 (bos written by the template, `<|eot_id|>` / `<|eom_id|>`, JSON tool
-calls, `ipython` tool results). Every spliced prompt holds the earlier turns' exact ids followed by the
-tokenization of what the template renders for the new messages; the trajectories mask exactly the
-generated tokens."""
+default system prompt) and Llama 3.1 (bos written by the template, `<|eot_id|>` / `<|eom_id|>`; its JSON
+tool calls and `ipython` tool results: test_llama_tools.py). Every spliced prompt holds the earlier turns'
+exact ids followed by the tokenization of what the template renders for the new messages; the trajectories
+mask exactly the generated tokens."""
 from __future__ import annotations
 
 import pytest
 
 from family_templates import family_server, family_tokenizer
-from exactrl.chat.parsing import parse_assistant_text
+from exactrl.chat.parsing import HERMES, LLAMA3_JSON, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, Splicer
 from exactrl.chat.trajectory import Session
 
@@ -35,9 +35,10 @@ def char_tokens(tok, text: str) -> list[int]:
 
 
 def reply(tok, sp: Splicer, prompt: list[int], gen: list[int], stop: int | None = None) -> dict:
-    """The assistant message the server returns for `gen` (+ the stop token `stop`, default end of turn)."""
+    """The assistant message the server returns for `gen` (+ the stop token `stop`, default end of turn), tool
+    calls read in the template's format."""
     gen = gen + [tok.end_of_turn_id if stop is None else stop]
-    msg = parse_assistant_text(sp.generation_text(gen)).to_message()
+    msg = parse_assistant_text(sp.generation_text(gen), tool_format=sp.tool_call_format or HERMES).to_message()
     return msg | {"prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-0.25] * len(gen)}
 
 
@@ -261,27 +262,32 @@ def test_live_a_generation_config_eos_ends_the_turn_as_a_stop_token():
     assert r2.choices[0].message.prompt_token_ids[len(m["prompt_token_ids"]):][:2] == [eom, tok.end_of_turn_id]
 
 
-def test_llama_json_tool_calls_are_not_parsed_and_say_so():
-    """(v) The parser reads Hermes `<tool_call>` blocks (Qwen2.5, Qwen3, the project's template). Llama 3.1
-    writes a call as bare JSON: such a call would come back as content, so a request that asks for tool
-    calls to be parsed is refused with a 400 naming the reason; tool_choice='none' returns the text as
-    content, as asked."""
-    import openai
-
+def test_the_tool_call_format_is_the_templates():
+    """The format is found by rendering a call and parsing it back: Hermes `<tool_call>` blocks for Qwen2.5,
+    Qwen3 and the project's template, bare JSON for Llama 3.1; a template that writes calls otherwise
+    (`<function=...>`) has none."""
     from chat_helpers import tokenizer
 
     for family in QWEN:
-        assert Splicer(family_tokenizer(family)).parses_tool_calls
-    assert Splicer(tokenizer()).parses_tool_calls
-    sp = Splicer(family_tokenizer("llama3"))
-    assert not sp.parses_tool_calls
-    text = '{"name": "calculator", "parameters": {"expression": "2+2"}}'  # what a Llama 3.1 model writes
-    assert parse_assistant_text(text).tool_calls == []
-    c, state, _ = client("llama3", force="<|eom_id|>")
+        assert Splicer(family_tokenizer(family)).tool_call_format == HERMES
+    assert Splicer(tokenizer()).tool_call_format == HERMES
+    assert Splicer(family_tokenizer("llama3")).tool_call_format == LLAMA3_JSON
+    assert Splicer(family_tokenizer("llama3-fn")).tool_call_format is None
+
+
+def test_live_a_template_of_neither_format_refuses_tool_parsing():
+    """A template whose calls neither parser reads back (`<function=NAME>{...}</function>`): the model's calls
+    would come back as content, so a request that asks for tool calls to be parsed is refused with a 400
+    naming the reason; tool_choice='none' returns the text as content, as asked."""
+    import openai
+
+    c, state, _ = client("llama3-fn", force="<|eom_id|>")
     msgs = [{"role": "user", "content": "compute 2+2"}]
-    with pytest.raises(openai.BadRequestError, match="tool calls") as e:
-        c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], max_tokens=4)
-    assert e.value.body["param"] == "tools" and e.value.body["code"] == "unsupported_tool_call_format"
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="neither format") as e:
+            c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], max_tokens=4,
+                                      stream=stream)
+        assert e.value.body["param"] == "tools" and e.value.body["code"] == "unsupported_tool_call_format"
     r = c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], tool_choice="none",
                                   max_tokens=4)
     assert "Given the following functions" in state.tokenizer.decode(r.choices[0].message.prompt_token_ids)
