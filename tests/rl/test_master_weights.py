@@ -138,3 +138,25 @@ def test_a_bf16_run_from_before_the_key_resumes_as_it_ran_and_is_told_what_chang
     assert "optim.fp32_master_weights: False -> True" in capsys.readouterr().err
     rows = run(model_dir, d, "max_steps=2", "resume=true", "optim.fp32_master_weights=false")
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_in_float32_the_key_changes_nothing_not_even_what_a_resume_accepts(model_dir, tmp_path):
+    """No effect in float32: the checkpoint is a plain AdamW state, and a run resumes with either value (as
+    the uninterrupted run, bitwise), as it does from a checkpoint written before the key existed."""
+    fp32 = [o for o in SMALL if not o.startswith("model.dtype")]
+
+    def run32(run_dir, *overrides):
+        args = ["train"] + [x for o in fp32 + [f"model.path={model_dir}", f"run_dir={run_dir}", "save_every=1",
+                                                *overrides] for x in ("--set", o)]
+        assert cli_main(args) == 0
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    full = run32(tmp_path / "full", "max_steps=2", "optim.fp32_master_weights=false")
+    d = tmp_path / "part"
+    run32(d, "max_steps=1")
+    opt_state = torch.load(latest_checkpoint(d) / "optimizer.pt", weights_only=False)
+    assert set(opt_state) == {"state", "param_groups"}
+    resumed = run32(d, "max_steps=2", "resume=true", "optim.fp32_master_weights=false")
+    for x, y in zip(full, resumed):
+        assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == \
+            {k: v for k, v in y.items() if not k.startswith(TIMING)}
