@@ -272,11 +272,12 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         sha = None
     new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)
     old, new = dotted(saved), dotted(new)
-    # a key added since the checkpoint was written: it ran as the value that behaves as before the key was
-    # there (in float32 the key has no effect)
-    if "optim.fp32_master_weights" not in old:
-        old["optim.fp32_master_weights"] = new["optim.fp32_master_weights"] if old.get("model.dtype") != "bfloat16" \
-            else False
+    # in float32 the key has no effect (the same weights and checkpoints): either value resumes; a bf16
+    # checkpoint written before the key existed ran as false (the bf16 weights stepped themselves)
+    if old.get("model.dtype") != "bfloat16":
+        old["optim.fp32_master_weights"] = new["optim.fp32_master_weights"]
+    elif "optim.fp32_master_weights" not in old:
+        old["optim.fp32_master_weights"] = False
     # the weights come from the checkpoint, so model.path may move; but with KL on, the reference model
     # is read from model.path (the starting weights): another path would be another reference
     resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")
