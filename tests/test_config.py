@@ -84,16 +84,18 @@ def test_settings_switched_off_by_others_are_named():
     from exactrl.rl.config import ignored_settings
 
     cfg = load_config(None, ["async.max_staleness=2", "algorithm.kl.kind=k1", "model.path=/m", "sft.steps=3",
-                             "algorithm.overlong.penalty_factor=0.5"])
+                             "algorithm.overlong.penalty_factor=0.5", "optim.fp32_master_weights=false"])
     assert ignored_settings(cfg) == [
         "async.max_staleness has no effect: async.enabled is false",
         "algorithm.kl.kind has no effect: algorithm.kl.coef is 0",
         "algorithm.overlong.penalty_factor has no effect: algorithm.overlong.buffer_len is 0",
+        "optim.fp32_master_weights has no effect: model.dtype is float32",
         "sft.steps has no effect: model.path is set, and the SFT warm start is the default model's"]
     # the same keys with their features on, and the defaults: nothing to say
     on = load_config(None, ["async.enabled=true", "async.max_staleness=2", "algorithm.kl.coef=0.1",
                             "algorithm.kl.kind=k1", "sft.steps=3", "algorithm.overlong.buffer_len=4",
-                            "algorithm.overlong.penalty_factor=0.5"])
+                            "algorithm.overlong.penalty_factor=0.5", "model.dtype=bfloat16",
+                            "optim.fp32_master_weights=false"])
     assert ignored_settings(on) == [] and ignored_settings(load_config()) == []
 
 

@@ -112,11 +112,11 @@ class RolloutWorker:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        """Stops the rollout thread: the in-process engine drops the batch in flight at its next step. An
-        external or Ray backend cannot be stopped mid-batch, nor can a task's reward that does not return:
-        after an error or a Ctrl-C the run waits STOP_WAIT_S for the thread, then goes on without it, saying
-        so (the thread is a daemon; it only ever hands batches to the trainer, and steps no engine once
-        told to stop)."""
+        """Stops the rollout thread: the in-process engine drops the batch in flight at its next step. A
+        task's reward that does not return cannot be stopped: after an error or a Ctrl-C the run waits
+        STOP_WAIT_S for the thread, then goes on without it, saying so. An external or Ray backend's batch
+        in flight cannot be stopped either, and is normal there: the run waits 5 s, silently (the thread is
+        a daemon; it only ever hands batches to the trainer, and steps no engine once told to stop)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()

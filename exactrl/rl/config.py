@@ -435,6 +435,8 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
     if cfg.algorithm.overlong.buffer_len == 0:
         out += given(cfg.algorithm.overlong, "algorithm.overlong", ("penalty_factor",),
                      "algorithm.overlong.buffer_len is 0")
+    if cfg.model.dtype == "float32":
+        out += given(cfg.optim, "optim", ("fp32_master_weights",), "model.dtype is float32")
     if cfg.model.path is not None:
         out += given(cfg.sft, "sft", ("steps", "batch_size", "lr", "echo_frac"),
                      "model.path is set, and the SFT warm start is the default model's")
