@@ -1,0 +1,65 @@
+"""Review of the chat template kwargs, the tool call format probe, Llama 3 JSON calls and the sorted session
+index: edge cases and property tests (what a response says, the next turn's splice must read back the same)."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from family_templates import family_dir, family_tokenizer
+from exactrl.chat.splice import Splicer
+from exactrl.model.tokenizer import load_tokenizer
+
+
+def with_template(family: str, template: str):
+    """The family's tokenizer with another chat template."""
+    d = Path(tempfile.mkdtemp(prefix="exactrl-review-tok-"))
+    shutil.copytree(family_dir(family), d, dirs_exist_ok=True)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": template}))
+    return load_tokenizer(d)
+
+
+# a plain ChatML template that writes a call's arguments as they come (OpenAI's JSON string): `+` on the dict the
+# probe passes is a TypeError, not a TemplateError
+STRING_ARGS_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{{ '<tool_call>{\"name\": \"' + c.function.name + '\", \"arguments\": ' "
+    "+ c.function.arguments + '}</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_whose_probe_render_raises_a_type_error_still_serves_plain_chat():
+    tok = with_template("qwen2.5", STRING_ARGS_TEMPLATE)
+    sp = Splicer(tok)  # was: TypeError, so the server did not start
+    assert sp.tool_call_format is None
+    plan = sp.build([{"role": "user", "content": "hi"}])
+    assert tok.decode(plan.prompt_ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("family, kwargs", [
+    ("llama3", {"date_string": 5}),  # `'Today Date: ' + date_string`: str + int
+    ("llama3", {"date_string": ["26 Jul 2024"]}),
+    ("qwen3", {"namespace": 1}),  # the template's own Jinja function, replaced
+    ("qwen3", {"conversations": []}),  # a parameter name of transformers' render
+])
+def test_template_kwargs_the_template_cannot_take_are_a_value_error(family, kwargs):
+    """The server answers a ValueError with a 400 (server/chat.py); a TypeError was a 500."""
+    sp = Splicer(family_tokenizer(family))
+    with pytest.raises(ValueError):
+        sp.build([{"role": "user", "content": "hi"}], template_kwargs=kwargs)
+
+
+def test_live_template_kwargs_of_the_wrong_type_are_a_400():
+    import openai
+
+    from test_family_templates import client
+
+    c, state, _ = client("qwen3")
+    for bad in ({"namespace": 1}, {"conversations": []}):
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=state.config.model_name, messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=2, extra_body={"chat_template_kwargs": bad})
