@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from family_templates import family_dir, family_tokenizer
+from exactrl.chat.messages import validate_template_kwargs
 from exactrl.chat.splice import Splicer
 from exactrl.model.tokenizer import load_tokenizer
 
@@ -45,6 +46,7 @@ def test_a_template_whose_probe_render_raises_a_type_error_still_serves_plain_ch
     ("llama3", {"date_string": ["26 Jul 2024"]}),
     ("qwen3", {"namespace": 1}),  # the template's own Jinja function, replaced
     ("qwen3", {"conversations": []}),  # a parameter name of transformers' render
+    ("qwen3", {"self": 1}),  # of apply_chat_template's
 ])
 def test_template_kwargs_the_template_cannot_take_are_a_value_error(family, kwargs):
     """The server answers a ValueError with a 400 (server/chat.py); a TypeError was a 500."""
@@ -53,13 +55,24 @@ def test_template_kwargs_the_template_cannot_take_are_a_value_error(family, kwar
         sp.build([{"role": "user", "content": "hi"}], template_kwargs=kwargs)
 
 
-def test_live_template_kwargs_of_the_wrong_type_are_a_400():
+@pytest.mark.parametrize("name", ["self", "conversations", "sanitize_control_tokens", "raise_exception",
+                                  "strftime_now", "namespace"])
+def test_template_kwargs_naming_transformers_own_parameters_and_functions_are_refused(name):
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        validate_template_kwargs({name: 1})
+
+
+def test_live_template_kwargs_of_the_wrong_type_or_reserved_are_a_400():
     import openai
 
     from test_family_templates import client
 
-    c, state, _ = client("qwen3")
-    for bad in ({"namespace": 1}, {"conversations": []}):
-        with pytest.raises(openai.BadRequestError):
-            c.chat.completions.create(model=state.config.model_name, messages=[{"role": "user", "content": "hi"}],
-                                      max_tokens=2, extra_body={"chat_template_kwargs": bad})
+    msgs = [{"role": "user", "content": "hi"}]
+    for family, bad, why in (("llama3", {"date_string": 5}, "cannot render"),
+                             ("qwen3", {"namespace": 1}, "chat_template_kwargs may not set"),
+                             ("qwen3", {"self": 1}, "chat_template_kwargs may not set"),
+                             ("qwen3", {"sanitize_control_tokens": True}, "chat_template_kwargs may not set")):
+        c, state, _ = client(family)
+        with pytest.raises(openai.BadRequestError, match=why):
+            c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=2,
+                                      extra_body={"chat_template_kwargs": bad})
