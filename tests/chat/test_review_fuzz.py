@@ -8,9 +8,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from family_templates import family_dir, family_tokenizer
-from exactrl.chat.messages import validate_template_kwargs
+from exactrl.chat.messages import template_message, token_fields, validate_template_kwargs
+from exactrl.chat.parsing import LLAMA3_JSON, parse_assistant_text
 from exactrl.chat.splice import Splicer
 from exactrl.model.tokenizer import load_tokenizer
 
@@ -76,3 +79,47 @@ def test_live_template_kwargs_of_the_wrong_type_or_reserved_are_a_400():
         with pytest.raises(openai.BadRequestError, match=why):
             c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=2,
                                       extra_body={"chat_template_kwargs": bad})
+
+
+# --------------------------------------------------------------------------- response vs splice
+
+def matched(sp: Splicer, gen: list[int], shown: str) -> bool:
+    """Does the splice read back the message the server answered for `gen` whose visible text was `shown`?"""
+    msg = parse_assistant_text(shown, True, sp.tool_call_format).to_message()
+    msg |= {"prompt_token_ids": [1], "generation_token_ids": gen, "generation_log_probs": [-0.5] * len(gen)}
+    return sp.matches(template_message(msg, 1), token_fields(msg, 1, sp.vocab_size))
+
+
+CALL = '{"name": "calculator", "parameters": {"expression": "2+2"}}'
+
+
+@pytest.mark.parametrize("text", [CALL + "END", CALL + "\nObservation:", "<|python_tag|>" + CALL + ";x",
+                                  '<think>\nadd\n</think>\n\n' + CALL + " END",
+                                  CALL + "; " + CALL + "\n\nEND"])
+def test_llama_a_call_ended_by_a_stop_string_is_read_back(text):
+    """A stop string ends the text the response parses (a call) but its tokens are in the generation: the next
+    turn found the call followed by more text, which is content, and refused the unchanged message."""
+    tok = family_tokenizer("llama3")
+    sp = Splicer(tok)
+    cut = max(text.rfind("END"), text.rfind("\nObservation:"), text.rfind(";x"))
+    assert parse_assistant_text(text[:cut], tool_format=LLAMA3_JSON).tool_calls
+    assert matched(sp, tok.encode(text), text[:cut])
+
+
+ATOMS = ['{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "arguments": {}}', "{", "}", ";", " ", "\n",
+         "<|python_tag|>", "<think>", "</think>", "x", "END", '"', ": ", "ab", "<tool_call>", "</tool_call>",
+         '<tool_call>\n{"name": "f", "arguments": {"a": [1]}}\n</tool_call>']
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.sampled_from(ATOMS), max_size=8), stop=st.sampled_from(["END", ";", "x", "\n", "}"]),
+       family=st.sampled_from(["llama3", "qwen3"]))
+def test_a_stop_string_cut_answer_is_read_back(parts, stop, family):
+    """Whatever the model wrote before a stop string, the message the server answered is the tokens' message."""
+    tok = family_tokenizer(family)
+    sp = Splicer(tok)
+    text = "".join(parts) + stop
+    gen = tok.encode(text)
+    if tok.decode(gen) != text or stop in tok.decode(gen[:-1]):  # the server stops at the token completing it
+        return
+    assert matched(sp, gen, text[:text.find(stop)])
