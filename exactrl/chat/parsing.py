@@ -170,8 +170,8 @@ def _json_calls(text: str, partial: bool = False):
             obj, end = _JSON.raw_decode(t)
         except json.JSONDecodeError:  # malformed, or (mid-stream) not yet complete: held to the end
             return _UNDECIDED if partial else None
-        except (ValueError, RecursionError):  # a key twice, a number past the digit limit, nesting too deep
-            return None
+        except (ValueError, RecursionError):  # a key twice, a number past the digit limit, nesting too deep:
+            return _UNDECIDED if partial else None  # (mid-stream, the number's exponent may be still to come)
         call = _call_of(obj, ("arguments", "parameters"), required=True)
         if call is None:
             return None

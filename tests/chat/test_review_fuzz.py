@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from family_templates import family_dir, family_tokenizer
 from exactrl.chat.messages import template_message, token_fields, validate_template_kwargs
-from exactrl.chat.parsing import LLAMA3_JSON, parse_assistant_text
+from exactrl.chat.parsing import LLAMA3_JSON, StreamParser, parse_assistant_text
 from exactrl.chat.splice import Splicer
 from exactrl.model.tokenizer import load_tokenizer
 
@@ -123,3 +123,14 @@ def test_a_stop_string_cut_answer_is_read_back(parts, stop, family):
     if tok.decode(gen) != text or stop in tok.decode(gen[:-1]):  # the server stops at the token completing it
         return
     assert matched(sp, gen, text[:text.find(stop)])
+
+
+def test_a_stream_mid_number_past_the_digit_limit_is_held():
+    """A number of 4301 digits is past Python's int limit but, with an exponent to come, a float: the stream
+    sent the call's text as content and then the call too; the answer is only the call."""
+    text = '{"name": "f", "parameters": {"x": ' + "1" * 4301 + 'e-4290}}'
+    full = parse_assistant_text(text, tool_format=LLAMA3_JSON)
+    assert full.content == "" and len(full.tool_calls) == 1
+    sp = StreamParser(True, LLAMA3_JSON)
+    deltas = [sp.feed(text[:-8]), sp.feed(text[-8:]), sp.finish()]
+    assert "".join(d.content for d in deltas) == "" and sum(len(d.tool_calls) for d in deltas) == 1
