@@ -3,6 +3,7 @@ index: edge cases and property tests (what a response says, the next turn's spli
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from family_templates import family_dir, family_tokenizer
+from test_trajectory_index import Quadratic
 from exactrl.chat.messages import template_message, token_fields, validate_template_kwargs
 from exactrl.chat.parsing import LLAMA3_JSON, StreamParser, parse_assistant_text
 from exactrl.chat.splice import Splicer
+from exactrl.chat.trajectory import Session
 from exactrl.model.tokenizer import load_tokenizer
 
 
@@ -134,3 +137,41 @@ def test_a_stream_mid_number_past_the_digit_limit_is_held():
     sp = StreamParser(True, LLAMA3_JSON)
     deltas = [sp.feed(text[:-8]), sp.feed(text[-8:]), sp.finish()]
     assert "".join(d.content for d in deltas) == "" and sum(len(d.tool_calls) for d in deltas) == 1
+
+
+# --------------------------------------------------------------------------- the sorted index
+
+tokens = st.lists(st.integers(0, 3), max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 6), tokens, tokens,
+                              st.sampled_from(["spliced", "fresh", "split", "truncate"]), tokens, st.booleans()),
+                    max_size=25))
+def test_the_index_answers_as_the_quadratic_definitions_hypothesis(ops):
+    """Prompts taken from (parts of) recorded sequences, equal records, empty prompts and generations, cut
+    histories from records or from nowhere (sharing nothing with any record)."""
+    new, old, seqs = Session(), Quadratic(), []
+    for pick, keep, extra, gen, kind, cut_extra, cut_from_record in ops:
+        base = seqs[pick % len(seqs)] if seqs else []
+        prompt = base[:keep] + extra
+        turn = dict(prompt=prompt, generated=gen, logprobs=[-0.5] * len(gen), versions=[0] * len(gen), kind=kind)
+        if kind == "truncate":
+            turn["cut_history"] = (seqs[(pick + 1) % len(seqs)] if seqs and cut_from_record else []) + cut_extra
+        new.record(**turn)
+        old.record(**turn)
+        seqs.append(prompt + gen)
+        assert new.records == old.records
+        assert [t.to_json() for t in new.trajectories()] == [t.to_json() for t in old.trajectories()]
+    assert new.index == sorted((r.tokens_T, i) for i, r in enumerate(new.records))
+
+
+def test_many_identical_records_and_a_long_session():
+    rng = random.Random(0)
+    new, old = Session(), Quadratic()
+    for k in range(300):
+        p = [1, 2] * rng.randint(0, 3)
+        for s in (new, old):
+            s.record(p, [3], [-0.1], [0], kind=rng.choice(["spliced", "truncate"]), cut_history=[1, 2, 1, 2, 9])
+    assert new.records == old.records
+    assert [t.to_json() for t in new.trajectories()] == [t.to_json() for t in old.trajectories()]
