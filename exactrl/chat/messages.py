@@ -29,12 +29,15 @@ from exactrl.chat.parsing import TOOL_NAME
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # variables a client may not set through chat_template_kwargs: those transformers' apply_chat_template sets or
-# takes itself (a clash is a TypeError there), and the special tokens it passes (`bos_token`, ...: a client's
-# value would be rendered as that token)
+# takes itself (a clash is a TypeError there), the functions a template calls (transformers' and Jinja's globals:
+# a value would replace them), and the special tokens it passes (`bos_token`, ...: a client's value would be
+# rendered as that token)
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                                       "tokenize", "chat_template", "padding", "truncation", "max_length",
                                       "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                                      "tokenizer_kwargs", "conversation"})
+                                      "tokenizer_kwargs", "conversation", "conversations", "self",
+                                      "sanitize_control_tokens", "raise_exception", "strftime_now", "range", "dict",
+                                      "lipsum", "cycler", "joiner", "namespace"})
 # JSON nesting allowed in tool arguments and tool schemas: the chat template renders them recursively, and a
 # few hundred levels exhaust Python's recursion (a 500 for what is the request's fault)
 MAX_NESTING = 64
@@ -225,7 +228,7 @@ def validate_template_kwargs(kwargs: Any) -> dict:
     for key in kwargs:
         if not isinstance(key, str) or not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS or key.endswith("_token"):
             raise ValueError(f"chat_template_kwargs may not set {reprlib.repr(key)}: the server sets the "
-                             f"template's messages, tools, generation prompt and special tokens itself")
+                             f"template's messages, tools, generation prompt, special tokens and functions itself")
     _check_nesting(kwargs, "chat_template_kwargs")
     return dict(kwargs)
 

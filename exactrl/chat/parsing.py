@@ -170,8 +170,8 @@ def _json_calls(text: str, partial: bool = False):
             obj, end = _JSON.raw_decode(t)
         except json.JSONDecodeError:  # malformed, or (mid-stream) not yet complete: held to the end
             return _UNDECIDED if partial else None
-        except (ValueError, RecursionError):  # a key twice, a number past the digit limit, nesting too deep
-            return None
+        except (ValueError, RecursionError):  # a key twice, a number past the digit limit, nesting too deep:
+            return _UNDECIDED if partial else None  # (mid-stream, the number's exponent may be still to come)
         call = _call_of(obj, ("arguments", "parameters"), required=True)
         if call is None:
             return None
@@ -182,6 +182,28 @@ def _json_calls(text: str, partial: bool = False):
         if t[0] != ";":
             return None
         t = t[1:]
+
+
+def json_call_ends(text: str) -> list[int]:
+    """Where Llama 3 JSON calls at the start of `text` (after the reasoning) may end: the offset just past each
+    JSON object of its leading `[<|python_tag|>] {...} (; {...})*`. A stop string that cut calls from the text
+    after them cut it at one of these (and whitespace)."""
+    t = text.lstrip()
+    if t.startswith(PYTHON_TAG):
+        t = t[len(PYTHON_TAG):]
+    ends = []
+    while (t := t.lstrip()).startswith("{"):
+        try:
+            _, end = _JSON.raw_decode(t)
+        except (ValueError, RecursionError):
+            break
+        t = t[end:]
+        ends.append(len(text) - len(t))
+        t = t.lstrip()
+        if not t.startswith(";"):
+            break
+        t = t[1:]
+    return ends
 
 
 def split_json_calls(text: str) -> tuple[list[str], list[ToolCall]]:

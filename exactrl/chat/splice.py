@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
                                    token_fields, validate_template_kwargs)
-from exactrl.chat.parsing import TOOL_FORMATS, parse_assistant_text
+from exactrl.chat.parsing import LLAMA3_JSON, TOOL_FORMATS, json_call_ends, parse_assistant_text, split_reasoning
 
 POLICIES = ("raise", "split", "truncate")
 CUT_WINDOW = 16  # characters past a cut answer's last field where the cut may lie (a tag and its whitespace)
@@ -323,6 +323,9 @@ class Splicer:
         # a stop string may have cut the text anywhere: in the reasoning, or in a tag. The answer was the
         # parse of a prefix of the text, which ends just after the last field it shows (or a tag's few
         # characters later)
+        if want_calls and fmt == LLAMA3_JSON:  # calls, and only calls, after the reasoning: cut just past one
+            rest = split_reasoning(text)[1]
+            return any(same(text[:len(text) - len(rest) + k], False) for k in json_call_ends(rest))
         anchor = want_content or want_reasoning
         at = text.find(anchor) if anchor else 0
         if at < 0:

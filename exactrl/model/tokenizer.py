@@ -272,6 +272,9 @@ class Tokenizer:
                                                **template_kwargs)
         except TemplateError as e:  # raised by the template's own checks (roles, message order)
             raise ValueError(f"chat template of {self.path} rejected the messages: {e}") from None
+        except TypeError as e:  # a value of a type the template cannot use (`'text' + 5`, a variable it calls)
+            raise ValueError(f"chat template of {self.path} cannot render these messages, tools or template "
+                             f"variables: {e}") from None
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = True, tokenize: bool = True,

@@ -76,6 +76,7 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
         self.error: BaseException | None = None  # what stopped the thread, if anything did
+        self._failing = threading.Lock()  # the dying thread and a call's caller may both fail its future
         self._thread = threading.Thread(target=self._run, name="exactrl-engine", daemon=True)
         self._publish()  # before the thread starts, so /metrics is complete from the first request
 
@@ -105,8 +106,8 @@ class EngineLoop:
         """Runs fn(engine) on the engine thread between steps (scoring, weight updates)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", fn, fut))
-        if self.error is not None and fut.set_running_or_notify_cancel():  # (as in submit)
-            fut.set_exception(self.stopped_error())
+        if self.error is not None:  # (as in submit)
+            self._fail_call(fut)
         return fut
 
     def update_weights(self, state_dict: dict) -> concurrent.futures.Future:
@@ -142,8 +143,15 @@ class EngineLoop:
                     break
                 if cmd[0] == "add":
                     cmd[4].put(self.stopped_error())
-                elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
-                    cmd[2].set_exception(self.stopped_error())
+                elif cmd[0] == "call":
+                    self._fail_call(cmd[2])
+
+    def _fail_call(self, fut: concurrent.futures.Future) -> None:
+        """Fails a call's future with the stopped error unless it is settled (a future settles once: a second
+        try is a RuntimeError, which in the thread's handler left the commands after it waiting)."""
+        with self._failing:
+            if not fut.done() and fut.set_running_or_notify_cancel():
+                fut.set_exception(self.stopped_error())
 
     def _drain(self, block: bool) -> None:
         try:
