@@ -31,7 +31,8 @@ still turn into a tag, an open tool call, or trailing whitespace is held back
 until it is decided, so the concatenated deltas equal `parse_assistant_text`.
 In `LLAMA3_JSON` the calls are known only when the text is complete (one more
 `;` or word would change them): text that could still be calls is held until
-then, text that no longer can is content at once.
+then, text that no longer can is content at once (but a value that does not
+decode yet, such as a number past Python's digit limit, is held to the end too).
 """
 from __future__ import annotations
 
