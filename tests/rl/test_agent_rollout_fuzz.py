@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from fastapi import FastAPI, HTTPException
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from exactrl.envs.base import Problem
 from exactrl.envs.tool_use import calculate
@@ -92,6 +92,7 @@ async def _play(base_url: str, outcome, tools: list[str]):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(episodes=st.lists(st.lists(st.tuples(OUTCOMES, st.lists(TOOLS, max_size=2)), min_size=2, max_size=2),
                          min_size=1, max_size=3))
+@example(episodes=[[("no_request", []), ("no_request", [])]])  # a kept group with no trajectory at all
 def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_loss(url, episodes):
     problems = [Problem(prompt=f"p{k}", answer="5") for k in range(len(episodes))]
     calls = {}  # problem -> episodes started: episode j of the plan is the j-th call (any order is fine)
@@ -119,8 +120,12 @@ def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_l
         return
     kept, failed = complete_groups(groups)
     assert failed == n_failed and len(kept) == sum(not any(o in bad for o, _ in g) for g in episodes)
-    batch = agent_train_batch(kept)
     trajs = [t for g in kept for r in g for t in r.trajectories]
+    if not any(any(t.loss_mask) for t in trajs):  # the kept episodes made no request: nothing to train on
+        with pytest.raises(ValueError, match="no episode produced a trajectory with generated tokens"):
+            agent_train_batch(kept)
+        return
+    batch = agent_train_batch(kept)
     assert batch.loss_mask == [t.loss_mask for t in trajs if any(t.loss_mask)]
     for c, m, lp in zip(batch.completion_ids, batch.loss_mask, batch.behav_logprobs):
         assert all((x == 1) == (tok < 20) for tok, x in zip(c, m))  # generated ids are < 20 in _trajectory
