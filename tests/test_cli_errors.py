@@ -356,7 +356,7 @@ def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):
 def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tmp_path):
     """A model directory given as run_dir (its config.json was overwritten by the run's), a path under a file,
     a dangling link: each is named before anything is loaded."""
-    from exactrl.rl.setup import _make_dir, _run_dir
+    from exactrl.rl.run_dir import check_run_dir as _run_dir, make_dir as _make_dir
 
     model = tmp_path / "model"
     model.mkdir()

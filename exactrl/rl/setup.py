@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import platform
 import random
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,8 @@ from exactrl.rl.corrections import build_corrections
 from exactrl.rl.external import ExternalEngine
 from exactrl.rl.logger import MetricsLogger, NullLogger
 from exactrl.rl.master_weights import MasterWeights
+from exactrl.rl.run_dir import check_run_dir, default_run_dir
+from exactrl.rl.run_dir import claim_run_dir as _claim_run_dir  # (a test replaces it here)
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings
 from exactrl.rl.warmstart import module_sha256
@@ -51,7 +50,7 @@ class Components:
     start_step: int
     new_run_dir: bool = False  # build created run_dir (a run that fails before its first step removes it)
     ranks: Ranks = Ranks()  # this process's rank in a data-parallel run (exactrl/distributed); one by default
-    run_lock: Any = None  # the open run_dir/.lock that rank 0 holds for the run (`_lock_run_dir`)
+    run_lock: Any = None  # the open run_dir/.lock that rank 0 holds for the run (`run_dir.lock_run_dir`)
     module_sha256: str | None = None  # the source of task.module as the run imported it (resume checks it)
 
     def close(self) -> None:
@@ -119,35 +118,6 @@ def _restore_rng(state: dict[str, Any], ranks: Ranks) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-def _run_dir(cfg: RunConfig, locked: bool = False) -> Path:
-    """The run directory, checked but not created (build creates it once nothing else can fail); `locked`:
-    this process holds its lock."""
-    if cfg.run_dir is None:
-        cfg.run_dir = _default_run_dir()
-    d = Path(cfg.run_dir)
-    if d.exists() and not d.is_dir():
-        raise ValueError(f"run_dir {d} is a file: choose another run_dir")
-    clash = [f for f in RUN_WRITES if (d / f).exists()] if d.is_dir() else []
-    if clash and not any((d / f).exists() for f in RUN_MARKERS):
-        raise ValueError(f"run_dir {d} holds {clash[0]} but no exactrl run (a model directory?): a run would "
-                         f"overwrite it; choose a new or empty directory")
-    if not d.exists():
-        _check_creatable(d)
-    if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
-        raise ValueError(f"run_dir {d}: checkpoints is a file, where the run keeps its checkpoint directories")
-    if not locked and (d / ".lock").is_file():  # a live run first: no advice that taking its dir over would then refuse
-        _lock_run_dir(d, probe=True).close()
-    ckpt = latest_checkpoint(d) if d.exists() else None
-    if ckpt is not None and not cfg.resume:
-        raise ValueError(f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, "
-                         f"or choose another run_dir")
-    if ckpt is None and (d / "metrics.jsonl").exists() and not cfg.resume:
-        # resume=true restarts it from step 0: it stopped before its first checkpoint, its rows are redone
-        raise ValueError(f"run_dir {d} already holds a run (with no checkpoint yet): pass --set resume=true to "
-                         f"start it again from step 0, or choose another run_dir")
-    return d
-
-
 # keys a resumed run may change: where and how long it runs, what it shows, how fast the engine
 # batches (results do not depend on it), held-out evaluation; everything else defines the run
 RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
@@ -155,94 +125,6 @@ RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_
              "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls",
              "rollout_backend.ray.",  # Ray engines sample what the in-process engine does, bitwise
              "optim.shard_state")  # the same weights and checkpoints, sharded or not
-
-
-RUN_MARKERS = (".lock", "metrics.jsonl", "checkpoints")  # a directory with one of them holds a run
-RUN_WRITES = ("config.json", "report", "tensorboard")  # what else a run writes in its dir
-
-
-def _check_creatable(d: Path) -> None:
-    """A run dir that does not exist yet can be made: no dangling link on the way, and its nearest existing
-    ancestor is a writable directory that takes a new one (a probe made and removed at once: /proc passes
-    os.access for root and refuses every mkdir, which a run found only after its warm start)."""
-    p = d
-    while not p.exists():
-        if p.is_symlink():
-            raise ValueError(f"run_dir {d} cannot be created: {p} is a symbolic link to nothing")
-        p = p.parent
-    if not p.is_dir():
-        raise ValueError(f"run_dir {d} cannot be created: {p} is not a directory")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"run_dir {d} cannot be created: {p} is not writable")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".exactrl-probe-", dir=p))
-    except OSError as e:
-        raise ValueError(f"run_dir {d} cannot be created: a directory cannot be made in {p} ({e.strerror})") from None
-
-
-def _default_run_dir() -> str:
-    """runs/<date>-<time>, with _2, _3, ... if runs started in the same second."""
-    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    d, n = base, 1
-    while d.exists():
-        n += 1
-        d = base.with_name(f"{base.name}_{n}")
-    return str(d)
-
-
-def _claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None, start: int):
-    """(run dir, whether this run created it, its lock, the logger): rank 0 creates the dir (a default name
-    taken meanwhile moves to the next free one), locks it and checks it again under the lock."""
-    new_run_dir = _make_dir(run_dir)
-    while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
-        cfg.run_dir = _default_run_dir()
-        run_dir = Path(cfg.run_dir)
-        new_run_dir = _make_dir(run_dir)
-    run_lock = _lock_run_dir(run_dir)
-    try:  # the checks again, under the lock: a run that ended meanwhile may have written the dir
-        _run_dir(cfg, locked=True)
-        if latest_checkpoint(run_dir) != ckpt:
-            raise ValueError(f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
-                             f"wrote it): start again to resume from it, or choose another run_dir")
-        logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
-    except BaseException:
-        run_lock.close()
-        raise
-    return run_dir, new_run_dir, run_lock, logger
-
-
-def _lock_run_dir(d: Path, probe: bool = False):
-    """An exclusive lock on d/.lock, held while the returned file is open (the OS drops it if the process
-    dies): two runs never write one run dir. A ValueError if another run holds it. `probe`: a shared lock,
-    only to ask whether a run holds it; the ranks of one run probe at the same moment, and two exclusive
-    probes refused one of them as "in use"."""
-    import fcntl
-
-    try:
-        f = open(d / ".lock", "a")
-    except OSError as e:
-        raise ValueError(f"run_dir {d}: cannot write its lock file ({e.strerror or e})") from None
-    try:
-        fcntl.flock(f, (fcntl.LOCK_SH if probe else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise ValueError(f"run_dir {d} is in use by another run: wait for it to end, or choose another run_dir") \
-            from None
-    return f
-
-
-def _make_dir(d: Path) -> bool:
-    """Creates d (and its parents); True if this call created it (atomic: of two runs, one gets True)."""
-    try:
-        d.parent.mkdir(parents=True, exist_ok=True)
-        d.mkdir()
-        return True
-    except FileExistsError:
-        if d.is_dir():
-            return False
-        raise ValueError(f"run_dir {d} cannot be created: a file or link is in the way") from None
-    except OSError as e:
-        raise ValueError(f"run_dir {d} cannot be created: {e.strerror or e}") from None
 
 
 def _check_resume_early(cfg: RunConfig, run_dir: Path) -> None:
@@ -345,8 +227,8 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     np.random.seed(cfg.seed % 2**32)
     named = cfg.run_dir is not None or ranks.world > 1
     if ranks.world > 1:  # one run dir for every rank: rank 0's choice
-        cfg.run_dir = ranks.broadcast(cfg.run_dir if cfg.run_dir is not None else _default_run_dir())
-    run_dir = _run_dir(cfg)
+        cfg.run_dir = ranks.broadcast(cfg.run_dir if cfg.run_dir is not None else default_run_dir())
+    run_dir = check_run_dir(cfg)
     _check_resume_early(cfg, run_dir)
     _check_paths(cfg)
     if cfg.task.module:

@@ -319,7 +319,7 @@ def test_resume_after_a_crash_between_checkpoints_has_no_duplicate_rows(model_di
 
 def test_a_run_dir_in_use_by_another_run_is_refused(model_dir, tmp_path, capsys):
     """Another run holds the dir (its lock): a second start on it fails before writing anything."""
-    from exactrl.rl.setup import _lock_run_dir
+    from exactrl.rl.run_dir import lock_run_dir as _lock_run_dir
 
     d = tmp_path / "busy"
     run(model_dir, d, "max_steps=1")
@@ -344,7 +344,7 @@ def test_the_ranks_of_one_run_may_probe_its_lock_at_once_and_a_held_lock_still_r
     """Every rank of a data-parallel resume asks whether a run holds the dir's lock, at the same moment: two
     exclusive probes refused one rank as "in use by another run" (seen in CI). Probes share the lock; a run
     holding it still refuses them, and holds it against the next run."""
-    from exactrl.rl.setup import _lock_run_dir
+    from exactrl.rl.run_dir import lock_run_dir as _lock_run_dir
 
     d = tmp_path / "run"
     d.mkdir()
@@ -512,15 +512,15 @@ def test_failure_before_the_first_step_leaves_no_run_dir(model_dir, tmp_path, ca
 def test_runs_started_in_the_same_second_get_their_own_default_dirs(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from exactrl.rl import setup
+    from exactrl.rl import run_dir
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(setup.time, "strftime", lambda fmt: "20260101-000000")
-    first = setup._default_run_dir()
-    assert first == str(Path("runs") / "20260101-000000") and setup._make_dir(Path(first))
-    second = setup._default_run_dir()  # the first exists now
-    assert second == str(Path("runs") / "20260101-000000_2") and setup._make_dir(Path(second))
-    assert not setup._make_dir(Path(first))  # creating is atomic: only its creator may remove it
+    monkeypatch.setattr(run_dir.time, "strftime", lambda fmt: "20260101-000000")
+    first = run_dir.default_run_dir()
+    assert first == str(Path("runs") / "20260101-000000") and run_dir.make_dir(Path(first))
+    second = run_dir.default_run_dir()  # the first exists now
+    assert second == str(Path("runs") / "20260101-000000_2") and run_dir.make_dir(Path(second))
+    assert not run_dir.make_dir(Path(first))  # creating is atomic: only its creator may remove it
 
 
 def test_overlong_settings_reach_the_step(model_dir, tmp_path):
