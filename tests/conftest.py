@@ -52,6 +52,22 @@ def default_job_model(tmp_path_factory, sft_steps: int):
         warmstart.ARTIFACTS = saved
 
 
+def train_args(settings: list[str], model_dir, run_dir, *overrides: str) -> list[str]:
+    """`exactrl train` argv: a test's settings, the model and the run dir, then `overrides`, each a --set."""
+    return ["train"] + [x for o in [*settings, f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
+                        for x in ("--set", o)]
+
+
+def train_rows(settings: list[str], model_dir, run_dir, *overrides: str) -> list[dict]:
+    """Runs `exactrl train` in this process (it must succeed); the rows of its metrics.jsonl."""
+    import json
+
+    from exactrl.cli import main
+
+    assert main(train_args(settings, model_dir, run_dir, *overrides)) == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def random_sequences(rng: random.Random, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 

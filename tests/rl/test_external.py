@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import exactrl
-from conftest import default_job_model
+from conftest import default_job_model, train_rows
 from exactrl.cli import main as cli_main
 from exactrl.engine import Engine, SamplingParams
 from exactrl.envs import get_task
@@ -77,11 +77,7 @@ def trainer_lps(model, prompt: list[int], comp, sp: SamplingParams) -> list[floa
 
 
 def run(model_dir, run_dir, *overrides) -> list[dict]:
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
-                        for x in ("--set", o)]
-    assert cli_main(args) == 0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["step"] > 0]
+    return [r for r in train_rows(SMALL, model_dir, run_dir, *overrides) if r["step"] > 0]
 
 
 def external(url: str, state, *extra: str) -> list[str]:

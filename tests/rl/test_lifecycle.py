@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import default_job_model
+from conftest import default_job_model, train_args
 from exactrl.cli import main as cli_main
 from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -31,8 +31,7 @@ def model_dir(tmp_path_factory):
 
 
 def args_of(model_dir, run_dir, *overrides) -> list[str]:
-    return ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
-                        for x in ("--set", o)]
+    return train_args(SMALL, model_dir, run_dir, *overrides)
 
 
 def rows_of(run_dir) -> list[dict]:

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from conftest import default_job_model
+from conftest import default_job_model, train_rows
 from exactrl.cli import main as cli_main
 from exactrl.rl.async_loop import drop_stale
 from exactrl.rl.config import load_config
@@ -28,10 +28,7 @@ def model_dir(tmp_path_factory):
 
 
 def run(model_dir, run_dir, *overrides) -> list[dict]:
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
-                        for x in ("--set", o)]
-    assert cli_main(args) == 0
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_rows(SMALL, model_dir, run_dir, *overrides)
 
 
 def training_rows(rows: list[dict]) -> list[dict]:

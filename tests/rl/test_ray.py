@@ -7,15 +7,13 @@ over them logs the in-process run's metrics bitwise. The inverse twin: with
 """
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
 
 import exactrl
-from conftest import default_job_model
-from exactrl.cli import main as cli_main
+from conftest import default_job_model, train_rows
 from exactrl.distributed import Ranks
 from exactrl.engine import Engine, SamplingParams
 from exactrl.rl.config import load_config
@@ -47,10 +45,7 @@ def cluster():
 
 
 def run(model_dir, run_dir, *overrides) -> list[dict]:
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
-                        for x in ("--set", o)]
-    assert cli_main(args) == 0
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_rows(SMALL, model_dir, run_dir, *overrides)
 
 
 def results(rows: list[dict]) -> list[dict]:

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from conftest import default_job_model
+from conftest import default_job_model, train_args
 from exactrl.cli import main as cli_main
 
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -32,8 +32,7 @@ def model_dir(tmp_path_factory):
 
 
 def train(model_dir, run_dir, *overrides) -> int:
-    return cli_main(["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
-                                 for x in ("--set", o)])
+    return cli_main(train_args(SMALL, model_dir, run_dir, *overrides))
 
 
 @pytest.fixture(scope="module")
