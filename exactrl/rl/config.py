@@ -147,7 +147,7 @@ class OptimSettings(BaseModel):
     """With `model.dtype: bfloat16`: AdamW steps fp32 copies of the weights and rounds them into the bf16
     model after each step (rl/master_weights.py; the engine and trainer still share the bf16 bits). false
     steps the bf16 weights themselves, where an update under half a bf16 spacing is lost (most of them
-    at RL's learning rates). No effect in float32."""
+    at RL's learning rates). The default job's SFT warm start follows it too. No effect in float32."""
     shard_state: bool = False
     """Data-parallel runs (`--nproc N`): each rank keeps the AdamW moments of its share of the
     parameters only (ZeRO stage 1; 2x the parameters' memory split over the ranks). The weights are

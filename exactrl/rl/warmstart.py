@@ -28,6 +28,7 @@ from exactrl.envs import get_task
 from exactrl.model import ModelConfig, build_model, save_model
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer
+from exactrl.rl.master_weights import MasterWeights
 
 # the cache of warm-started default models: ./artifacts, or where EXACTRL_ARTIFACTS points (one cache for
 # runs started from any directory)
@@ -79,6 +80,8 @@ def _hash(cfg) -> str:
              "dtype": cfg.model.dtype, "tiny": TINY_QWEN3, "v": 1}
     if cfg.task.module:
         parts["module_sha256"] = module_sha256(cfg.task.module)
+    if cfg.model.dtype != "float32":  # fp32 keys stay as they were: the flag changes nothing there
+        parts["fp32_master_weights"] = cfg.optim.fp32_master_weights
     key = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
@@ -140,15 +143,21 @@ def _build(cfg, tmp: Path, log) -> None:
     log(f"warm start: tokenizer ({tok.vocab_size} tokens) and a {sum(p.numel() for p in model.parameters()):,}"
         f"-parameter Qwen3; {cfg.sft.steps} SFT steps")
     supervised_finetune(model, tok, task, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, log,
-                        echo_frac=cfg.sft.echo_frac)
+                        echo_frac=cfg.sft.echo_frac, fp32_master_weights=cfg.optim.fp32_master_weights)
     save_model(model, tmp)
 
 
 def supervised_finetune(model, tok, task, steps: int, batch_size: int, lr: float, seed: int, log=print,
-                        echo_frac: float = 0.0) -> None:
+                        echo_frac: float = 0.0, fp32_master_weights: bool = True) -> None:
+    """AdamW on the answer tokens' mean NLL, the learning rate decaying linearly to 0. A bf16 model's steps
+    go through fp32 master weights (`optim.fp32_master_weights`, as RL's do): without them the decaying
+    steps round away (the default bf16 warm start ended at NLL 0.278 without them, 0.249 with them, fp32 at 0.224)."""
     rng = random.Random(seed + 1)
     echo_rng = random.Random(seed + 2)  # its own stream: echo_frac does not change which problems are drawn
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    adamw = lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)  # noqa: E731
+    low_precision = next(model.parameters()).dtype != torch.float32
+    opt = MasterWeights(model.parameters(), adamw) if low_precision and fp32_master_weights else \
+        adamw(model.parameters())
     for step in range(steps):
         probs = [task.generate(rng) for _ in range(batch_size)]
         prompts = [prompt_ids(tok, task, p) for p in probs]

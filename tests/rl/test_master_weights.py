@@ -156,3 +156,30 @@ def test_in_float32_the_key_changes_nothing_not_even_what_a_resume_accepts(model
         assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == \
             {k: v for k, v in y.items() if not k.startswith(TIMING)}
 
+
+
+def test_the_bf16_warm_start_steps_through_master_weights_and_its_cache_key_says_so(model_dir):
+    """The default job's supervised warm start in bf16 (rl/warmstart.py) uses the same fp32 master copies:
+    at a small learning rate most bf16 weights move with them and few without, and the flag enters the
+    bf16 warm start's cache key (not the fp32 one, whose cached models stay valid)."""
+    from exactrl.envs import get_task
+    from exactrl.model import load_model
+    from exactrl.model.tokenizer import load_tokenizer
+    from exactrl.rl import warmstart
+    from exactrl.rl.config import load_config
+
+    tok, task = load_tokenizer(model_dir), get_task("arithmetic")
+    moved = {}
+    for master in (True, False):
+        model = load_model(model_dir, dtype="bfloat16")
+        before = [p.detach().clone() for p in model.parameters()]
+        warmstart.supervised_finetune(model, tok, task, steps=8, batch_size=4, lr=5e-6, seed=0, log=lambda *a: None,
+                                      fp32_master_weights=master)
+        changed = sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+        moved[master] = changed / sum(b.numel() for b in before)
+    assert moved[True] > 0.15 and moved[False] < 0.5 * moved[True], moved  # 0.197 and 0.074 here
+
+    def key(*sets):
+        return warmstart._hash(load_config(None, list(sets)))
+    assert key("model.dtype=bfloat16") != key("model.dtype=bfloat16", "optim.fp32_master_weights=false")
+    assert key() == key("optim.fp32_master_weights=false")
