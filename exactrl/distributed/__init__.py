@@ -243,7 +243,12 @@ def launch(argv: list[str], nproc: int) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // nproc))
+    cores = len(os.sched_getaffinity(0))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
+    if nproc > cores:  # correct, but the ranks take turns on the cores and every collective waits for the last
+        print(f"exactrl train: warning: --nproc {nproc} on {cores} core{'s' * (cores > 1)}: the ranks take turns "
+              f"on the cores, so the run is slower than with at most {cores} rank{'s' * (cores > 1)}",
+              file=sys.stderr)
     procs: list[subprocess.Popen] = []
 
     def stop(signum, frame):  # the launcher is told to stop (a job manager, `timeout`): so are the ranks

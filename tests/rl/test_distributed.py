@@ -394,3 +394,19 @@ def test_the_settings_check_passes_equal_settings_and_names_each_difference():
     with pytest.raises(ValueError, match=re.escape("(rank 1: algorithm.loss_kwargs.eps_high (unset vs rank 0's 0.3)); "
                                                    "start every rank")):
         _check_same_settings(load_config(), Rank1(1, 2, rank0))
+
+
+def test_more_ranks_than_cores_is_run_with_a_warning(tmp_path, monkeypatch, capsys):
+    """--nproc above the cores this process may use runs (each rank one thread) but says it will be slow;
+    at or below them nothing is said."""
+    import exactrl.distributed as dist_mod
+
+    started = []
+    real = subprocess.Popen
+    monkeypatch.setattr(dist_mod.subprocess, "Popen", lambda cmd, env, **kw: (
+        started.append(env["OMP_NUM_THREADS"]), real([sys.executable, "-c", "pass"], env=env, **kw))[1])
+    monkeypatch.setattr(dist_mod.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert dist_mod.launch(["train"], 3) == 0
+    assert "warning: --nproc 3 on 2 cores" in capsys.readouterr().err and started == ["1"] * 3
+    assert dist_mod.launch(["train"], 2) == 0
+    assert "warning" not in capsys.readouterr().err
