@@ -206,7 +206,8 @@ class RunConfig(BaseModel):
     eval_every: int = Field(10, ge=1)
     """Score the held-out problems every this many steps, at the last, and once before the first."""
     progress: bool = True
-    """Live progress display on the terminal."""
+    """A live progress bar on a terminal; with stdout a pipe or a file, one plain line of figures per step.
+    false: each step's figures as one line of JSON."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events in run_dir."""
     model: ModelSettings = Field(default_factory=ModelSettings)

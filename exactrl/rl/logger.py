@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,10 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(tb_dir), purge_step=start_step + 1 if start_step or tb_dir.exists() else None)
         self.progress = None
         self.last: dict[str, Any] = {}
-        if progress:
+        # a terminal gets rich's live bar; a pipe or a file (`make run | tee`, CI logs) one plain line a step,
+        # where rich would print only its last frame, squeezed to 80 columns
+        self.lines = f"/{total_steps}" if progress and not sys.stdout.isatty() else None
+        if progress and self.lines is None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(),
@@ -57,9 +61,10 @@ class MetricsLogger:
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, metrics["step"])
         self.last.update(metrics)
-        if self.progress is not None:
-            desc = "  ".join(f"{label} {fmt.format(self.last[k])}" for k, label, fmt in DISPLAY if k in self.last)
-            self.progress.update(self.task, completed=metrics["step"], description=desc)
+        if self.progress is not None:  # the latest of each figure (eval/* comes every eval_every steps)
+            self.progress.update(self.task, completed=metrics["step"], description=_shown(self.last))
+        elif self.lines is not None:  # this step's figures
+            print(f"step {metrics['step']}{self.lines}  {_shown(metrics)}", flush=True)
         else:
             print(json.dumps({k: metrics[k] for k, _, _ in DISPLAY if k in metrics} | {"step": metrics["step"]}),
                   flush=True)
@@ -81,6 +86,10 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def _shown(metrics: dict[str, Any]) -> str:
+    return "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in DISPLAY if k in metrics)
 
 
 def _keep_steps_up_to(path: Path, step: int) -> None:

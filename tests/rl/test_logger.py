@@ -102,3 +102,31 @@ def test_a_metrics_file_that_is_a_directory_or_not_utf8_is_named(tmp_path):
         _keep_steps_up_to(tmp_path / "metrics.jsonl", 1)
     with pytest.raises(ValueError, match="is not UTF-8 text"):
         read_metrics(tmp_path)
+
+
+def test_progress_is_a_live_bar_on_a_terminal_and_a_plain_line_a_step_in_a_pipe(tmp_path, monkeypatch, capsys):
+    """`progress: true` with stdout a pipe or a file (`make run | tee`, CI): one line per step with that
+    step's figures (rich would print only its last frame, squeezed); on a terminal rich's bar, which prints
+    no such lines; `progress: false` prints the figures as JSON."""
+    import sys
+
+    from exactrl.rl.logger import MetricsLogger
+
+    row = {"step": 2, "rollout/reward_mean": 0.5, "train/train_rollout_logprob_abs_diff": 0.0}
+    for d in ("pipe", "tty", "quiet"):
+        (tmp_path / d).mkdir()
+    log = MetricsLogger(tmp_path / "pipe", False, True, 3, 0)
+    log.log({"step": 1, "rollout/reward_mean": 0.25, "eval/accuracy": 0.75})
+    log.log(row)
+    log.close()
+    assert capsys.readouterr().out.splitlines() == ["step 1/3  reward 0.250  eval acc 0.750",
+                                                    "step 2/3  reward 0.500  |Δlogp| 0.00e+00"]
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    log = MetricsLogger(tmp_path / "tty", False, True, 3, 0)
+    assert log.progress is not None
+    log.log(row)
+    log.close()
+    assert "step 2/3" not in capsys.readouterr().out
+    MetricsLogger(tmp_path / "quiet", False, False, 3, 0).log(row)
+    assert json.loads(capsys.readouterr().out) == {"rollout/reward_mean": 0.5,
+                                                   "train/train_rollout_logprob_abs_diff": 0.0, "step": 2}
