@@ -195,6 +195,22 @@ def test_bench_without_a_name_lists_them(capsys):
     assert "unknown benchmark 'nosuch'; available: [" in error_of(capsys, "bench")
 
 
+def test_bench_serve_names_why_its_server_did_not_start(qwen3_dir, capsys):
+    """A model dir without a tokenizer: the server's own error was a RuntimeError's traceback."""
+    assert main(["bench", "serve", "--quick", "--model", str(qwen3_dir)]) == 2
+    err = error_of(capsys, "bench")
+    assert f"the server did not start (exactrl serve --model {qwen3_dir}): exactrl serve: error: " in err
+    assert "holds no tokenizer files" in err
+
+
+def test_bench_serve_refuses_a_size_beside_its_model(capsys):
+    """--size was ignored with --model: the figures were the other model's."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--model", "m", "--size", "tiny"])
+    assert e.value.code == 2
+    assert "argument --size: not allowed with argument --model" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- 11. small ones
 
 
