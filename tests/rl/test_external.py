@@ -520,6 +520,16 @@ def test_parity_against_a_server_measures_its_mismatch(model_dir, kernels, capsy
         assert m["train/train_rollout_logprob_abs_diff_max"] > 0.0
 
 
+@pytest.mark.parametrize("seed", [10**13, -10**13, 2**70])
+def test_parity_against_a_server_takes_any_seed(model_dir, exact_server, seed, capsys):
+    """Prompt k's seed, seed * 1_000_003 + k, left the sampler's 64 bits from --seed 10**13 on: refused after
+    the model loaded, naming a seed that was not --seed's."""
+    url, state = exact_server
+    assert cli_main(["parity", "--model", str(model_dir), "--server", url, "--served-model", state.config.model_name,
+                     "--prompts", "2", "--length", "4", "--max-tokens", "3", "--seed", str(seed)]) == 0
+    assert "BITWISE EXACT" in capsys.readouterr().out
+
+
 def test_parity_against_an_unreachable_server_names_it(model_dir, capsys):
     assert cli_main(["parity", "--model", str(model_dir), "--server", "http://127.0.0.1:9"]) == 2
     assert "cannot reach the rollout server at http://127.0.0.1:9" in capsys.readouterr().err
