@@ -307,10 +307,16 @@ def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
         load_config(None, ["task.name=null"])
 
 
-def test_serve_help_describes_every_option():
+@pytest.mark.parametrize("command", ["serve", "parity", "report"])
+def test_help_describes_every_option(command):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
+
+
+def test_serve_help_describes_monotonicity():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
-    assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
     mono = next(a for a in sub._actions if a.dest == "monotonicity").help
     assert all(w in mono for w in ("raise", "split", "truncate"))
 
