@@ -69,7 +69,10 @@ def _server_parity(args, model) -> int:
         m = server_mismatch(model, args.server, args.served_model or args.model, prompts=args.prompts,
                             length=length, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     except ExternalEngineError as e:  # down, or answered an error: its message names the URL
-        return _fail(args.command, ValueError(str(e).replace("rollout_backend.base_url / base_urls", "--server")))
+        # in the training loop's words, which name config keys: here --server, and a timeout no flag sets
+        text = str(e).replace("rollout_backend.base_url / base_urls", "--server")
+        text = text.replace("rollout_backend.timeout_s=", "")
+        return _fail(args.command, ValueError(text))
     diff, worst = m["train/train_rollout_logprob_abs_diff"], m["train/train_rollout_logprob_abs_diff_max"]
     print(f"server {args.server}: {int(m['parity/tokens'])} tokens of {args.prompts} prompts ({length} prompt "
           f"tokens, T={args.temperature})")

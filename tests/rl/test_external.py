@@ -535,6 +535,21 @@ def test_parity_against_an_unreachable_server_names_it(model_dir, capsys):
     assert "cannot reach the rollout server at http://127.0.0.1:9" in capsys.readouterr().err
 
 
+def test_parity_names_a_server_that_does_not_answer_without_a_config_key(model_dir, monkeypatch, capsys):
+    """The timeout's message named rollout_backend.timeout_s, which parity has no way to set."""
+    from exactrl.debug import parity
+
+    real = parity.server_settings
+    monkeypatch.setattr(parity, "server_settings", lambda *a: real(*a).model_copy(update={"timeout_s": 0.5}))
+    with socket.socket() as s:  # listens, never answers
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        assert cli_main(["parity", "--model", str(model_dir), "--server", url, "--prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{url}/v1/completions: no answer within 0.5s" in err and "rollout_backend" not in err
+
+
 @pytest.mark.parametrize("url, words", [("notaurl", "--server 'notaurl': it must be a server root"),
                                          ("http://[::1", "--server 'http://[::1': it is not a valid URL")])
 def test_parity_against_a_malformed_server_url_names_the_flag(model_dir, capsys, url, words):
