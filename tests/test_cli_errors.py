@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import default_job_model
 from exactrl import cli
@@ -250,6 +251,23 @@ def test_run_parity_refuses_a_length_below_one(model_dir):
 
     with pytest.raises(ValueError, match="parity length must be >= 1, got 0"):
         run_parity(exactrl.load_model(model_dir), length=0)
+
+
+def test_parity_names_a_model_whose_logits_are_not_finite(tmp_path, capsys):
+    """Finite weights whose logits overflow: NaN != NaN, and every check said DIFFERS (max|Δlogit|=nan), naming
+    `logits` as the first divergent op, with exit code 1 as for a kernel that breaks the contract."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import make_hf_model
+
+    make_hf_model(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], 3e38)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # transformers' progress bar
+    assert main(["parity", "--model", str(tmp_path), "--length", "5"]) == 2
+    assert "the model's logits are not finite (" in error_of(capsys, "parity")
+    assert capsys.readouterr().out == ""
 
 
 def test_report_names_file_and_line_of_a_bad_metrics_row(tmp_path, capsys):

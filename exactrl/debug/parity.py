@@ -149,6 +149,12 @@ def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckRe
     others = [[rng.randrange(V) for _ in range(rng.randint(1, longer))] for _ in range(3)]
     short = target[:3]
     longest = max(len(o) for o in others + [target])
+    with torch.no_grad():
+        bad = int((~full_path(model, target).isfinite()).sum())
+    if bad:  # NaN != NaN: every check said DIFFERS (max |Δ| nan), naming the first op that made a NaN
+        raise ValueError(f"the model's logits are not finite ({bad} of {length * V} NaN or infinite on a random "
+                         f"sequence, in {str(model.dtype).removeprefix('torch.')}): its weights overflow, and "
+                         f"parity compares finite numbers")
     checks = [
         ("batch", lambda r: full_path(model, target, rec=r), lambda r: full_path(model, target, others, 2, rec=r)),
         ("batch_short", lambda r: full_path(model, short, rec=r), lambda r: full_path(model, short, others, 1, rec=r)),
