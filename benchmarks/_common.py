@@ -50,6 +50,18 @@ def positive_int(text: str) -> int:
     return v
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a seed in 0..2**32-1, numpy's range (TRL seeds it): `--seed -1` failed in TRL's setup,
+    after the model was built, naming no flag."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= v < 2**32:
+        raise argparse.ArgumentTypeError(f"must be in 0..{2**32 - 1}, got {v}")
+    return v
+
+
 def positive_ints(text: str) -> list[int]:
     """argparse type: comma-separated ints >= 1 ("1,32")."""
     return [positive_int(x) for x in text.split(",")]

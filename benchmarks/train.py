@@ -88,7 +88,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (CONTEXT, SIZES, apply_quick, check_context, linear_weights, matmul_peak_gflops,  # noqa: E402
-                     positive_float, positive_int)
+                     positive_float, positive_int, seed_int)
 
 TRL_MISSING = "not installed (pip install 'exactrl[bench]')"
 DIFF, DIFF_MAX = "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"
@@ -442,7 +442,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--new", type=positive_int, default=128, help="completion tokens per sequence (N, eos ignored)")
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps, after one warm-up step")
     p.add_argument("--lr", type=positive_float, default=5e-5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="0..2**32-1 (TRL's seeding of numpy takes no other)")
     p.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer")
     p.add_argument("--fast", action="store_true", help="also run exactrl with fast kernels (non-zero diff)")
     p.add_argument("--sequential", action="store_true",

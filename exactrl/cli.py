@@ -69,7 +69,10 @@ def _server_parity(args, model) -> int:
         m = server_mismatch(model, args.server, args.served_model or args.model, prompts=args.prompts,
                             length=length, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     except ExternalEngineError as e:  # down, or answered an error: its message names the URL
-        return _fail(args.command, ValueError(str(e).replace("rollout_backend.base_url / base_urls", "--server")))
+        # in the training loop's words, which name config keys: here --server, and a timeout no flag sets
+        text = str(e).replace("rollout_backend.base_url / base_urls", "--server")
+        text = text.replace("rollout_backend.timeout_s=", "")
+        return _fail(args.command, ValueError(text))
     diff, worst = m["train/train_rollout_logprob_abs_diff"], m["train/train_rollout_logprob_abs_diff_max"]
     print(f"server {args.server}: {int(m['parity/tokens'])} tokens of {args.prompts} prompts ({length} prompt "
           f"tokens, T={args.temperature})")
@@ -212,13 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop a /sessions/{id} record no request has used for this long (a crashed trainer never "
                         "deletes its own), >= 0; 0 keeps sessions until they are deleted")
     s.set_defaults(fn=_serve)
-    q = sub.add_parser("parity", help="check the exactness contract on a model")
+    q = sub.add_parser("parity", help="check the exactness contract on a model",
+                       epilog="exit code: 0 bitwise exact, 1 not exact (or, with --server, no token returned), "
+                              "2 an error")
     q.add_argument("--model", required=True, type=_path, help="Hugging Face model directory")
-    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    q.add_argument("--kernels", default="exact", choices=["exact", "fast"])
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="parameter and activation dtype")
+    q.add_argument("--kernels", default="exact", choices=["exact", "fast"],
+                   help="exact: the kernels the contract is for; fast: plain torch, which must differ")
     q.add_argument("--length", type=_int_in(1), default=80,
                    help="target sequence length, >= 1 (capped at the model's context)")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=int, default=0, help="seed of the random token sequences (and, with --server, "
+                                                       "of the server's sampling)")
     q.add_argument("--json", action="store_true", help="also print the results as JSON")
     q.add_argument("--server", default=None, metavar="URL", type=_path,
                    help="instead: compare a rollout server's logprobs (exactrl serve, vLLM, SGLang; its root URL, "
@@ -228,14 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prompts", type=_int_in(1, 100_000), default=8,  # all are built before the first is sent
                    help="--server: random prompts to send, 1..100000")
     q.add_argument("--max-tokens", type=_int_in(1), default=32, help="--server: tokens generated per prompt, >= 1")
-    q.add_argument("--temperature", type=float, default=1.0, help="--server: sampling temperature")
+    q.add_argument("--temperature", type=float, default=1.0,
+                   help="--server: sampling temperature (0: greedy)")
     q.set_defaults(fn=_parity)
     b = sub.add_parser("bench", help="benchmarks (prints JSON): kernels | engine | train | serve")
     b.add_argument("name", nargs="?", help="benchmark to run; none lists them")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
     b.set_defaults(fn=_bench)
     r = sub.add_parser("report", help="PNG plots of a run directory")
-    r.add_argument("run_dir", type=_path)
+    r.add_argument("run_dir", type=_path, help="the run directory (it holds metrics.jsonl); the plots go to "
+                                               "RUN_DIR/report/")
     r.set_defaults(fn=_report)
     return p
 

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import default_job_model
 from exactrl import cli
@@ -195,6 +196,22 @@ def test_bench_without_a_name_lists_them(capsys):
     assert "unknown benchmark 'nosuch'; available: [" in error_of(capsys, "bench")
 
 
+def test_bench_serve_names_why_its_server_did_not_start(qwen3_dir, capsys):
+    """A model dir without a tokenizer: the server's own error was a RuntimeError's traceback."""
+    assert main(["bench", "serve", "--quick", "--model", str(qwen3_dir)]) == 2
+    err = error_of(capsys, "bench")
+    assert f"the server did not start (exactrl serve --model {qwen3_dir}): exactrl serve: error: " in err
+    assert "holds no tokenizer files" in err
+
+
+def test_bench_serve_refuses_a_size_beside_its_model(capsys):
+    """--size was ignored with --model: the figures were the other model's."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--model", "m", "--size", "tiny"])
+    assert e.value.code == 2
+    assert "argument --size: not allowed with argument --model" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- 11. small ones
 
 
@@ -234,6 +251,23 @@ def test_run_parity_refuses_a_length_below_one(model_dir):
 
     with pytest.raises(ValueError, match="parity length must be >= 1, got 0"):
         run_parity(exactrl.load_model(model_dir), length=0)
+
+
+def test_parity_names_a_model_whose_logits_are_not_finite(tmp_path, capsys):
+    """Finite weights whose logits overflow: NaN != NaN, and every check said DIFFERS (max|Δlogit|=nan), naming
+    `logits` as the first divergent op, with exit code 1 as for a kernel that breaks the contract."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import make_hf_model
+
+    make_hf_model(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], 3e38)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # transformers' progress bar
+    assert main(["parity", "--model", str(tmp_path), "--length", "5"]) == 2
+    assert "the model's logits are not finite (" in error_of(capsys, "parity")
+    assert capsys.readouterr().out == ""
 
 
 def test_report_names_file_and_line_of_a_bad_metrics_row(tmp_path, capsys):
@@ -291,10 +325,16 @@ def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
         load_config(None, ["task.name=null"])
 
 
-def test_serve_help_describes_every_option():
+@pytest.mark.parametrize("command", ["serve", "parity", "report"])
+def test_help_describes_every_option(command):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
+
+
+def test_serve_help_describes_monotonicity():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
-    assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
     mono = next(a for a in sub._actions if a.dest == "monotonicity").help
     assert all(w in mono for w in ("raise", "split", "truncate"))
 

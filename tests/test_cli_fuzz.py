@@ -277,6 +277,15 @@ def test_bench_lengths_beyond_the_context_are_named_before_a_model_is_built(argv
 
 
 @FUZZ
+@given(seed=st.one_of(st.integers(max_value=-1), st.integers(min_value=2**32)).map(str) | not_an_int)
+def test_bench_train_seed_is_one_numpy_takes(seed, nothing_expensive):
+    """`--seed -1` (or 2**32) failed in TRL's setup, after the model was built: `Seed must be between 0 and
+    2**32 - 1`, naming no flag."""
+    assert "argument --seed: " in failed(["bench", "train", f"--seed={seed}"], "bench" if seed == "--" else
+                                         "bench train")
+
+
+@FUZZ
 @given(lr=st.sampled_from(["nan", "inf", "-inf", "0", "-1", "1e400", "x", ""]))
 def test_bench_train_lr_must_be_a_finite_positive_number(lr, nothing_expensive):
     """--lr nan was refused by torch's AdamW only after the model was built (`Invalid learning rate: nan`)."""

@@ -149,6 +149,12 @@ def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckRe
     others = [[rng.randrange(V) for _ in range(rng.randint(1, longer))] for _ in range(3)]
     short = target[:3]
     longest = max(len(o) for o in others + [target])
+    with torch.no_grad():
+        bad = int((~full_path(model, target).isfinite()).sum())
+    if bad:  # NaN != NaN: every check said DIFFERS (max |Δ| nan), naming the first op that made a NaN
+        raise ValueError(f"the model's logits are not finite ({bad} of {length * V} NaN or infinite on a random "
+                         f"sequence, in {str(model.dtype).removeprefix('torch.')}): its weights overflow, and "
+                         f"parity compares finite numbers")
     checks = [
         ("batch", lambda r: full_path(model, target, rec=r), lambda r: full_path(model, target, others, 2, rec=r)),
         ("batch_short", lambda r: full_path(model, short, rec=r), lambda r: full_path(model, short, others, 1, rec=r)),
@@ -204,8 +210,11 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     rng = random.Random(seed)
     V = model.config.vocab_size
     batch = [[rng.randrange(V) for _ in range(length)] for _ in range(prompts)]
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed * 1_000_003 + k,
-                             ignore_eos=True) for k in range(prompts)]
+    # prompt k samples with seed · 1,000,003 + k, wrapped into the sampler's 64 bits: `--seed 10**13` was
+    # refused after the model loaded, naming a seed the user never gave
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                             seed=(seed * 1_000_003 + k + 2**63) % 2**64 - 2**63, ignore_eos=True)
+              for k in range(prompts)]
     engine = ExternalEngine(server_settings(base_url, served_model))
     try:
         outs = [o[0] for o in engine.generate(batch, params)]

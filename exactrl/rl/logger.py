@@ -132,6 +132,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if Path(run_dir).is_file():
         raise ValueError(f"{run_dir} is a file: give the run directory that holds metrics.jsonl")
+    if not Path(run_dir).exists():  # a typo: "has no metrics.jsonl" read as if the directory were there
+        raise ValueError(f"run directory {run_dir} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not the run's metrics file")
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,23 @@ def test_bench_engine_names_a_missing_vllm_python(tmp_path, capsys):
         load_bench().main(["--quick", "--vllm-python", str(tmp_path / "nope")])
     assert e.value.code == 2
     assert "error: --vllm-python" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="this interpreter has vllm")
+@pytest.mark.parametrize("kind, words", [("no vllm", "has no vllm module"), ("text", "cannot be run"),
+                                         ("not python", "is not a Python interpreter")])
+def test_bench_engine_names_a_vllm_python_that_cannot_run_vllm_before_measuring(kind, words, tmp_path, capsys):
+    """A file that was no vLLM interpreter passed, and failed with a traceback as vLLM's server started: after
+    every other side's runs, their figures never printed."""
+    path = {"no vllm": Path(sys.executable), "text": tmp_path / "python", "not python": tmp_path / "script"}[kind]
+    if kind == "text":
+        path.write_text("not a program")
+    elif kind == "not python":
+        path.write_text("#!/bin/sh\nexit 0\n")
+        path.chmod(0o755)
+    bench = load_bench()
+    bench.bench_size = lambda *a, **k: pytest.fail("the benchmark ran before --vllm-python was checked")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--vllm-python", str(path)])
+    assert e.value.code == 2
+    assert f"error: --vllm-python {str(path)!r} {words}" in capsys.readouterr().err

@@ -520,9 +520,34 @@ def test_parity_against_a_server_measures_its_mismatch(model_dir, kernels, capsy
         assert m["train/train_rollout_logprob_abs_diff_max"] > 0.0
 
 
+@pytest.mark.parametrize("seed", [10**13, -10**13, 2**70])
+def test_parity_against_a_server_takes_any_seed(model_dir, exact_server, seed, capsys):
+    """Prompt k's seed, seed * 1_000_003 + k, left the sampler's 64 bits from --seed 10**13 on: refused after
+    the model loaded, naming a seed that was not --seed's."""
+    url, state = exact_server
+    assert cli_main(["parity", "--model", str(model_dir), "--server", url, "--served-model", state.config.model_name,
+                     "--prompts", "2", "--length", "4", "--max-tokens", "3", "--seed", str(seed)]) == 0
+    assert "BITWISE EXACT" in capsys.readouterr().out
+
+
 def test_parity_against_an_unreachable_server_names_it(model_dir, capsys):
     assert cli_main(["parity", "--model", str(model_dir), "--server", "http://127.0.0.1:9"]) == 2
     assert "cannot reach the rollout server at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_parity_names_a_server_that_does_not_answer_without_a_config_key(model_dir, monkeypatch, capsys):
+    """The timeout's message named rollout_backend.timeout_s, which parity has no way to set."""
+    from exactrl.debug import parity
+
+    real = parity.server_settings
+    monkeypatch.setattr(parity, "server_settings", lambda *a: real(*a).model_copy(update={"timeout_s": 0.5}))
+    with socket.socket() as s:  # listens, never answers
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        assert cli_main(["parity", "--model", str(model_dir), "--server", url, "--prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{url}/v1/completions: no answer within 0.5s" in err and "rollout_backend" not in err
 
 
 @pytest.mark.parametrize("url, words", [("notaurl", "--server 'notaurl': it must be a server root"),

@@ -118,10 +118,11 @@ def test_a_step_too_large_to_plot_is_named(tmp_path, capsys):
 
 
 def test_run_dirs_without_metrics_are_clean_errors(tmp_path, capsys):
-    cases = {tmp_path / "missing": "has no metrics.jsonl", tmp_path: "has no metrics.jsonl"}
+    cases = {tmp_path / "missing": f"run directory {tmp_path / 'missing'} does not exist",
+             tmp_path: "has no metrics.jsonl"}
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "metrics.jsonl").mkdir()  # a directory where the file should be
-    cases[tmp_path / "d"] = "has no metrics.jsonl"
+    cases[tmp_path / "d"] = f"{tmp_path / 'd' / 'metrics.jsonl'} is a directory, not the run's metrics file"
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "metrics.jsonl").write_text("\n\n  \n")
     cases[tmp_path / "e"] = "has no metrics yet"
