@@ -164,3 +164,26 @@ def test_a_damaged_state_json_is_named(qwen3_dir, tmp_path, state):
     (path / "state.json").write_text(state)
     with pytest.raises(ValueError, match="state.json is damaged"):
         ck.load_checkpoint(path, "float32", "exact")
+
+
+def test_a_checkpoint_past_the_saved_step_is_set_aside_not_kept_as_the_newest(qwen3_dir, tmp_path, caplog):
+    """A complete step_5 the pointer never named (killed between its rename and the pointer's: the run
+    resumed from step_3) would, kept, count as the newest when pruning pushed step_3 out, and a lost
+    pointer would resume from it. The next save moves it to abandoned_step_000005, deleting nothing."""
+    model = exactrl.load_model(qwen3_dir)
+    opt = _opt(model)
+    for step in (3, 5):
+        ck.save_checkpoint(tmp_path, step, model, opt, {"prompts": {"pos": step}}, keep=2)
+    root = tmp_path / "checkpoints"
+    (root / "latest").write_text("step_000003\n")  # as a crash before step 5's pointer leaves it
+    assert ck.latest_checkpoint(tmp_path).name == "step_000003"
+    with caplog.at_level("WARNING", logger="exactrl.checkpoint"):
+        ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {"pos": 4}}, keep=2)
+    assert "step_000005 is past the step this run saved (4): moved to abandoned_step_000005" in caplog.text
+    assert [p.name for p in ck._step_dirs(root)] == ["step_000003", "step_000004"]
+    assert ck.load_checkpoint(root / "abandoned_step_000005", "float32", "exact")[2]["prompts"] == {"pos": 5}
+    (root / "latest").unlink()
+    assert ck.latest_checkpoint(tmp_path).name == "step_000004"
+    ck.save_checkpoint(tmp_path, 5, model, opt, {"prompts": {"pos": 5}}, keep=2)  # the run goes on past it
+    assert [p.name for p in ck._step_dirs(root)] == ["step_000004", "step_000005"]
+    assert (root / "abandoned_step_000005").is_dir()

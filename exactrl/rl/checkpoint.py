@@ -7,7 +7,9 @@ place, and only then does `latest` move (os.replace is atomic on POSIX): a
 crash at any point leaves the previous checkpoint and pointer intact. Each
 rename is fsynced before the next step (the directory too), old checkpoints
 are pruned only after the pointer is on disk, and a pointer that names no
-complete checkpoint falls back to the newest complete one. The model part is
+complete checkpoint falls back to the newest complete one (checkpoints past the
+step being saved, a history the run left, are moved aside to abandoned_step_N
+so neither pruning nor that fallback mistakes them for the newest). The model part is
 a normal Hugging Face directory that `load_model` and transformers read.
 """
 from __future__ import annotations
@@ -96,6 +98,7 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
     os.replace(tmp, final)
     _fsync(root)  # the rename is on disk before the pointer names it
     replace_durably(root / "latest", final.name + "\n")  # on disk before an older checkpoint goes
+    _set_aside_later_steps(root, step)
     # only complete ones count: an empty or half-copied step_ directory never pushes an intact one out
     for old in [p for p in _step_dirs(root) if p != final and (p / "state.json").is_file()][:-(keep - 1) or None]:
         gone = root / f".old_{old.name}"  # renamed first: one cut short never looks like a checkpoint
@@ -105,6 +108,26 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         except OSError as e:  # the new checkpoint is safe: an old one left over stops no run
             log.warning("could not remove the old checkpoint %s (%s); it stays", old, e)
     return final
+
+
+def _set_aside_later_steps(root: Path, step: int) -> None:
+    """Complete checkpoints past `step` belong to a history this run left: a crash after one's rename but
+    before its pointer's (the run resumed from the one before), or a `latest` rewound by hand. Kept among
+    the step_ directories they would count as the newest when pruning and, were the pointer lost, be
+    resumed from. They are renamed to abandoned_step_N (nothing is deleted) and named in a warning."""
+    for later in [p for p in _step_dirs(root) if int(p.name[5:]) > step and (p / "state.json").is_file()]:
+        aside = root / f"abandoned_{later.name}"
+        n = 1
+        while aside.exists():
+            aside, n = root / f"abandoned_{later.name}.{n}", n + 1
+        try:
+            os.replace(later, aside)
+            log.warning("checkpoint %s is past the step this run saved (%d): moved to %s", later.name, step,
+                        aside.name)
+        except OSError as e:
+            log.warning("checkpoint %s is past the step this run saved (%d) and could not be moved aside (%s)",
+                        later.name, step, e)
+    _fsync(root)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
