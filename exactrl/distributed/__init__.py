@@ -189,6 +189,17 @@ def _inner(optimizer):
     return getattr(optimizer, "inner", optimizer)
 
 
+def lost_rank(e: BaseException) -> str | None:
+    """gloo's reason, when `e` is a collective that failed because another rank is gone (it crashed, was
+    killed, or stopped on an error of its own: its output says why), e.g. "Connection closed by peer
+    [127.0.0.1]:18635"; None for any other error."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or "gloo" not in text:
+        return None
+    reason = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text  # gloo's source file
+    return reason.split(". This is typically")[0].strip()
+
+
 def init_from_env() -> Ranks:
     """The job's ranks from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); one rank
     if WORLD_SIZE is unset or 1. Joins the gloo process group."""
@@ -272,12 +283,16 @@ def launch(argv: list[str], nproc: int) -> int:
                 if rc is None:
                     continue
                 live.remove(p)
-                if rc != 0 and code == 0:
+                if rc == 0:
+                    continue
+                how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
+                if code == 0:  # the first to fail: the others follow (the order is a race: each is named)
                     code = rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
-                    how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
                     print(f"exactrl train: rank {procs.index(p)} {how}; the other ranks stop at their next "
                           f"collective (or in {FAILED_RANK_GRACE_S} s)", file=sys.stderr)
                     stop_at = time.monotonic() + FAILED_RANK_GRACE_S
+                else:
+                    print(f"exactrl train: rank {procs.index(p)} {how}", file=sys.stderr)
             if stop_at is not None and time.monotonic() > stop_at:  # one stuck: it would wait out TIMEOUT_S
                 for q in live:
                     q.send_signal(signal.SIGTERM)

@@ -79,7 +79,7 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def _train(cfg, ranks, say) -> int:
-    from exactrl.distributed import optimizer_share
+    from exactrl.distributed import lost_rank, optimizer_share
     from exactrl.rl.async_loop import train_async
     from exactrl.rl.checkpoint import CheckpointWriteError, latest_checkpoint, replace_durably
     from exactrl.rl.loop import train
@@ -124,11 +124,18 @@ def _train(cfg, ranks, say) -> int:
                   file=sys.stderr)
         if interrupted:
             return stop_code
+        lost = lost_rank(e) if ranks.world > 1 else None
+        if lost:  # one line, not gloo's traceback: the rank that left (its output, the launcher's) says why
+            e = ConnectionError(f"another rank left the run ({lost}); its own output says why")
         if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and ranks.main and not removed:
             ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
+            nproc = f"--nproc {ranks.world} " if ranks.world > 1 else ""
             raise OSError(f"{e}; run {c.run_dir} is kept and "
                           f"{f'its last checkpoint {ckpt.name} is intact' if ckpt else 'it has no checkpoint yet'}: "
-                          f"fix that and continue it with --set run_dir={c.run_dir} --set resume=true") from e
+                          f"fix that and continue it with exactrl train {nproc}--set run_dir={c.run_dir} "
+                          f"--set resume=true") from e
+        if lost:
+            raise e from None
         raise
     finally:
         c.close()

@@ -410,3 +410,34 @@ def test_more_ranks_than_cores_is_run_with_a_warning(tmp_path, monkeypatch, caps
     assert "warning: --nproc 3 on 2 cores" in capsys.readouterr().err and started == ["1"] * 3
     assert dist_mod.launch(["train"], 2) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_rank_that_dies_mid_run_leaves_one_line_on_the_others_not_a_gloo_traceback(model_dir, tmp_path):
+    """Rank 1 is killed at step 2 (a sitecustomize hook in the ranks' path): the launcher names it, and rank
+    0, whose next collective fails, says in one line that a rank left, what is kept and how to resume
+    (it printed gloo's traceback); the run dir keeps step 1's checkpoint."""
+    import os
+
+    from exactrl.distributed import lost_rank
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.rl.loop as loop\n"
+        "    real = loop.train_on\n    def dying(c, step, groups):\n        if step == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n        return real(c, step, groups)\n"
+        "    loop.train_on = dying\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2", *sets(model_dir, run, "max_steps=4",
+                                                                         "save_every=1")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    # the launcher's code is the first failure it sees, a race between rank 1's death and rank 0's error
+    assert done.returncode in (2, 137) and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "exactrl train: rank 1 was killed by signal 9" in done.stderr and \
+        "exactrl train: rank 0 exited with code 2" in done.stderr, done.stderr[-3000:]
+    assert re.search(r"\(rank 0\): error: another rank left the run \(Connection closed by peer [^)]*\); its own "
+                     r"output says why; run .* is kept and its last checkpoint step_000001 is intact: fix that and "
+                     rf"continue it with exactrl train --nproc 2 --set run_dir={re.escape(str(run))} --set "
+                     r"resume=true", done.stderr), done.stderr[-3000:]
+    assert lost_rank(ValueError("gloo")) is None and lost_rank(RuntimeError("an error of ours")) is None
