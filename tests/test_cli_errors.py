@@ -375,7 +375,7 @@ def test_a_failed_write_says_what_the_run_kept_and_how_to_go_on(model_dir, tmp_p
     assert train(*TINY, f"model.path={model_dir}", f"run_dir={run}", "max_steps=3", "save_every=1") == 2
     err = error_of(capsys, "train")
     assert f"No space left on device; run {run} is kept and its last checkpoint step_000001 is intact" in err
-    assert f"continue it with --set run_dir={run} --set resume=true" in err
+    assert f"continue it with exactrl train --set run_dir={run} --set resume=true" in err
 
 
 def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):

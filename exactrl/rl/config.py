@@ -143,6 +143,12 @@ class OptimSettings(BaseModel):
     whole KV pages; `model/logprobs.py` `pack_shared`): the same logprob bits, fewer rows to compute."""
     warmup_steps: int = Field(0, ge=0)
     """Steps of linear learning-rate warm-up from 0 (0 = none)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after the warm-up: `constant`, or decaying from `lr` towards `min_lr_ratio` x
+    `lr` at `max_steps` (rl/setup.py `scheduled_lr`; as Hugging Face's schedulers, the last step's is
+    still above it). A resume with another `max_steps` decays the remaining steps over the new length."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where `linear` and `cosine` decay to, as a fraction of `lr` (verl's `min_lr_ratio`)."""
     fp32_master_weights: bool = True
     """With `model.dtype: bfloat16`: AdamW steps fp32 copies of the weights and rounds them into the bf16
     model after each step (rl/master_weights.py; the engine and trainer still share the bf16 bits). false
@@ -438,6 +444,8 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
                      "algorithm.overlong.buffer_len is 0")
     if cfg.model.dtype == "float32":
         out += given(cfg.optim, "optim", ("fp32_master_weights",), "model.dtype is float32")
+    if cfg.optim.lr_schedule == "constant":
+        out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
     if cfg.model.path is not None:
         out += given(cfg.sft, "sft", ("steps", "batch_size", "lr", "echo_frac"),
                      "model.path is set, and the SFT warm start is the default model's")

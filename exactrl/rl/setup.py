@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import platform
 import random
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from exactrl.model.tokenizer import load_tokenizer
 from exactrl.model.transformer import CausalLM
 from exactrl.rl.advantages import compute_advantages
 from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
-from exactrl.rl.config import RunConfig, dotted
+from exactrl.rl.config import OptimSettings, RunConfig, dotted
 from exactrl.rl.corrections import build_corrections
 from exactrl.rl.external import ExternalEngine
 from exactrl.rl.logger import MetricsLogger, NullLogger
@@ -66,9 +67,8 @@ class Components:
                     self.run_lock.close()
 
     def set_lr(self, step: int) -> float:
-        """Linear warm-up, then constant; a pure function of the step (resume-safe)."""
-        o = self.cfg.optim
-        lr = o.lr * min(1.0, step / o.warmup_steps) if o.warmup_steps else o.lr
+        """The learning rate of `step` (`scheduled_lr`) into the optimizer."""
+        lr = scheduled_lr(self.cfg.optim, step, self.cfg.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
@@ -118,6 +118,24 @@ def _restore_rng(state: dict[str, Any], ranks: Ranks) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
+def scheduled_lr(o: OptimSettings, step: int, max_steps: int) -> float:
+    """The learning rate of training step `step` (1, 2, ...), a pure function of it (resume-safe). Over the
+    W = warmup_steps first steps lr·step/W; after them, with T = max_steps, r = min_lr_ratio and
+    p = (step − 1 − W) / (T − W), the fraction of the decay done before the step (as Hugging Face's
+    schedulers count it, 0-based):
+
+        constant: lr     linear: lr·(r + (1 − r)(1 − p))     cosine: lr·(r + (1 − r)·½(1 + cos πp))
+    """
+    W, T = o.warmup_steps, max_steps
+    if step <= W:
+        return o.lr * step / W
+    if o.lr_schedule == "constant":
+        return o.lr
+    p = min(1.0, (step - 1 - W) / max(1, T - W))
+    f = 1 - p if o.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * p))
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * f)
+
+
 # keys a resumed run may change: where and how long it runs, what it shows, how fast the engine
 # batches (results do not depend on it), held-out evaluation; everything else defines the run
 RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
@@ -156,6 +174,8 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     old, new = dotted(saved), dotted(new)
     # in float32 the key has no effect (the same weights and checkpoints): either value resumes; a bf16
     # checkpoint written before the key existed ran as false (the bf16 weights stepped themselves)
+    old.setdefault("optim.lr_schedule", "constant")  # checkpoints from before the schedules ran constant
+    old.setdefault("optim.min_lr_ratio", 0.0)
     if old.get("model.dtype") != "bfloat16":
         old["optim.fp32_master_weights"] = new["optim.fp32_master_weights"]
     elif "optim.fp32_master_weights" not in old:
