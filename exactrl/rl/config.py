@@ -42,6 +42,14 @@ class RolloutSettings(BaseModel):
     """Nucleus cut-off in (0, 1] (1 = off); logprobs are those of the truncated, renormalised distribution."""
     top_k: int = -1
     """top-k cut-off (-1 = off); logprobs are those of the truncated, renormalised distribution."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2): a group whose task rewards are all equal has zero
+    advantage under every group baseline and only dilutes the batch, so it is set aside and another
+    batch of `prompts_per_step` prompts is sampled, up to `max_sampling_rounds` batches in a step, until
+    `prompts_per_step` groups with differing rewards are found; a step that runs out of rounds fills up
+    with the set-aside groups. Synchronous loop only."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """With `filter_groups`: the most batches sampled in one step (verl's `max_num_gen_batches`)."""
 
     @field_validator("top_k")
     @classmethod
@@ -252,6 +260,12 @@ class RunConfig(BaseModel):
                              f"async.max_staleness={a.max_staleness} and the run would stop there, short of "
                              f"max_steps={self.max_steps}; use rollout_backend.weight_sync=disk, or the synchronous "
                              f"loop (async.enabled=false)")
+        if self.rollout.filter_groups and self.rollout.samples_per_prompt == 1:
+            raise ValueError("rollout.filter_groups with rollout.samples_per_prompt=1: a group of one sample has "
+                             "no rewards to differ, so every group would be set aside; raise samples_per_prompt")
+        if self.rollout.filter_groups and a.enabled:
+            raise ValueError("rollout.filter_groups with async.enabled: the asynchronous loop's rollout thread "
+                             "samples fixed batches ahead; use the synchronous loop (async.enabled=false)")
         if self.algorithm.overlong.buffer_len > self.rollout.max_tokens:
             raise ValueError(f"algorithm.overlong.buffer_len={self.algorithm.overlong.buffer_len} exceeds "
                              f"rollout.max_tokens={self.rollout.max_tokens}: the buffer is the last tokens before it")
@@ -444,6 +458,8 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
                      "algorithm.overlong.buffer_len is 0")
     if cfg.model.dtype == "float32":
         out += given(cfg.optim, "optim", ("fp32_master_weights",), "model.dtype is float32")
+    if not cfg.rollout.filter_groups:
+        out += given(cfg.rollout, "rollout", ("max_sampling_rounds",), "rollout.filter_groups is false")
     if cfg.optim.lr_schedule == "constant":
         out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
     if cfg.model.path is not None:

@@ -42,16 +42,38 @@ def train(c: Components) -> dict[str, float]:
     initial = initial_eval(c, c.engine)
     t_prev = time.perf_counter()
     for step in range(c.start_step + 1, cfg.max_steps + 1):
-        problems = c.prompts.take(cfg.rollout.prompts_per_step)
-        groups = sample_groups(c.engine, c.tokenizer, c.task, problems, cfg.rollout, cfg.seed, step, c.ranks)
+        groups, sampled, filtered = sample_step(c, step)
         t1 = time.perf_counter()
         metrics = train_on(c, step, groups)
         c.engine.update_weights(c.model.state_dict(), version=step)
         t2 = time.perf_counter()
         metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1} | engine_metrics(c.engine) | initial
-        last = end_step(c, step, groups, metrics, t2 - t_prev, c.engine, c.prompts.state_dict())
+        last = end_step(c, step, sampled, metrics | filtered, t2 - t_prev, c.engine, c.prompts.state_dict())
         initial, t_prev = {}, time.perf_counter()
     return last
+
+
+def sample_step(c: Components, step: int) -> tuple[list[list[Rollout]], list[list[Rollout]], dict[str, float]]:
+    """(the groups to train on, every group sampled, the filter's metrics). One batch of P =
+    prompts_per_step prompts; with `rollout.filter_groups` (DAPO's dynamic sampling) groups whose task
+    rewards are all equal are set aside and more batches sampled, up to `max_sampling_rounds`, until P
+    groups differ; the first P of those are trained on, filled up with set-aside groups if the rounds ran
+    out. The rollout metrics cover every group sampled."""
+    rs, P = c.cfg.rollout, c.cfg.rollout.prompts_per_step
+    sampled, varied = [], []
+    for r in range(rs.max_sampling_rounds if rs.filter_groups else 1):
+        new = sample_groups(c.engine, c.tokenizer, c.task, c.prompts.take(P), rs, c.cfg.seed, step, c.ranks,
+                            offset=r * P)
+        sampled += new
+        varied += [g for g in new if len({x.reward for x in g}) > 1]
+        if len(varied) >= P:
+            break
+    if not rs.filter_groups:
+        return sampled, sampled, {}
+    uniform = [g for g in sampled if len({x.reward for x in g}) == 1]
+    train = (varied + uniform)[:P]
+    return train, sampled, {"rollout/sampling_rounds": r + 1, "rollout/filtered_groups": len(uniform),
+                            "rollout/uniform_groups_trained": max(0, P - len(varied))}
 
 
 def initial_eval(c: Components, eval_engine) -> dict[str, float]:

@@ -75,12 +75,13 @@ def _reward(task, problem: Problem, text: str) -> float:
 
 
 def sample_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int, ranks: Ranks,
-                  greedy: bool = False) -> list[list[Rollout]]:
+                  greedy: bool = False, offset: int = 0) -> list[list[Rollout]]:
     """`generate_groups` over this rank's share of the problems, gathered: every rank gets every group,
-    in batch order (exactrl/distributed). One process: simply `generate_groups`."""
+    in batch order (exactrl/distributed). One process: simply `generate_groups`. `offset`: the index of
+    the first problem in the step (a step's later batches, `rollout.filter_groups`, seed on from there)."""
     mine = ranks.shard(len(problems))
     local = generate_groups(engine, tokenizer, task, [problems[k] for k in mine], rs, seed, step, greedy,
-                            indices=mine)
+                            indices=[offset + k for k in mine])
     return ranks.gather_sharded(len(problems), local)
 
 

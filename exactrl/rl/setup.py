@@ -174,8 +174,10 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     old, new = dotted(saved), dotted(new)
     # in float32 the key has no effect (the same weights and checkpoints): either value resumes; a bf16
     # checkpoint written before the key existed ran as false (the bf16 weights stepped themselves)
-    old.setdefault("optim.lr_schedule", "constant")  # checkpoints from before the schedules ran constant
-    old.setdefault("optim.min_lr_ratio", 0.0)
+    # keys added since: a checkpoint from before them ran as their defaults
+    for key, default in (("optim.lr_schedule", "constant"), ("optim.min_lr_ratio", 0.0),
+                         ("rollout.filter_groups", False), ("rollout.max_sampling_rounds", 3)):
+        old.setdefault(key, default)
     if old.get("model.dtype") != "bfloat16":
         old["optim.fp32_master_weights"] = new["optim.fp32_master_weights"]
     elif "optim.fp32_master_weights" not in old:
