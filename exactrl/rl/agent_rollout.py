@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import httpx
+import numpy as np
 import torch
 
 from exactrl.chat.trajectory import Trajectory
@@ -80,13 +81,21 @@ def _reward(result: Any) -> float:
     group lost, under a misleading 'scale the rewards down'), and float() read a string "1" as 1.0."""
     r = result.reward if hasattr(result, "reward") else result
     try:  # a number, a numpy scalar or a one-element tensor; not text, nor a bool meant as a verdict
-        value = None if isinstance(r, (str, bytes, bool)) else float(r)
+        value = None if isinstance(r, (str, bytes)) or _is_bool(r) else float(r)
     except (TypeError, ValueError, RuntimeError, OverflowError):  # a tensor of several elements; an int past float
         value = None
     if value is None or not math.isfinite(value):
         raise ValueError(f"the environment's reward must be a finite number (returned, or its .reward), got "
                          f"{reprlib.repr(r)} ({type(r).__name__})")
     return value
+
+
+def _is_bool(r: Any) -> bool:
+    """Python's, numpy's or torch's bool (`np.isclose(...)`, `pred == answer` on tensors): a verdict, which
+    float() read as 1.0 or 0.0 where Python's own bool was refused."""
+    if isinstance(r, torch.Tensor):
+        return r.dtype == torch.bool
+    return isinstance(r, (bool, np.bool_)) or (isinstance(r, np.ndarray) and r.dtype == np.bool_)
 
 
 async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,

@@ -134,10 +134,12 @@ def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_l
 
 @pytest.mark.parametrize("reward, shown", [(math.nan, "nan"), (math.inf, "inf"), (None, "None"), ("1.0", "'1.0'"),
                                            (True, "True"), (torch.tensor([1.0, 0.0]), "tensor"),
+                                           (np.True_, "True"), (np.array(False), "array"),
+                                           (torch.tensor(True), "tensor"), (torch.tensor([True]), "tensor"),
                                            pytest.param(10**400, "1000", id="int_beyond_float")])
 def test_a_reward_that_is_not_a_finite_number_fails_its_episode_only(url, reward, shown):
     """Before: NaN or inf reached the advantages and failed every group of the step ("scale the rewards
-    down"); a string "1.0" was read as 1.0."""
+    down"); a string "1.0" was read as 1.0, and numpy's and torch's bools as 1.0 or 0.0."""
     async def env(base_url, problem, *, seed):
         return reward if problem.prompt == "bad" else 1.0 if seed % 2 else 0.0
 
