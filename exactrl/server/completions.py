@@ -63,8 +63,6 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
     stops = check_common(body, st.limits)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if body.best_of not in (None, body.n):
-        raise APIError(400, "best_of other than n is not supported", param="best_of")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs")
     if body.logprobs is not None and body.stream:  # (0 used to stream null logprobs without a word)

@@ -85,6 +85,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     response_format: dict[str, Any] | None = None  # only {"type": "text"}: the rest needs constrained decoding
+    best_of: Int | None = None  # only n: the best of more samples is not a sample the trainer can weigh (vLLM
+    # takes it on both routes; chat ignored it, answering plain samples to a client that asked for the best)
 
     @model_validator(mode="before")
     @classmethod
@@ -112,7 +114,6 @@ class CompletionRequest(_Sampling):
     logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Int | None = None
     return_token_ids: bool | None = None  # vLLM's flag; exactrl returns the token ids in any case
 
 
@@ -190,6 +191,9 @@ def check_common(req: _Sampling, limits: EngineLimits) -> list[str]:
                             f"got {req.top_k}")
     if not 1 <= req.n <= limits.max_n:
         raise _bad("n", f"n must be in [1, {limits.max_n}] (the engine's max_num_seqs), got {req.n}")
+    if req.best_of not in (None, req.n):
+        raise _bad("best_of", f"best_of={req.best_of} other than n={req.n} is not supported: the best of more "
+                              f"samples is not a sample of the policy, which the trainer could not weigh")
     if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
         raise _bad("seed", f"seed must be a 64-bit signed integer in [-2**63, 2**63), got {req.seed}")
     bad = [t for t in req.stop_token_ids or [] if not 0 <= t < limits.vocab_size]

@@ -275,6 +275,7 @@ def test_completion_stream_echo_and_usage_match_the_json_answer():
     ("repetition_penalty", 2.0), ("min_p", 0.9), ("min_tokens", 50), ("allowed_token_ids", [5]),
     ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("use_beam_search", True),
     ("structured_outputs", {"json": {}}), ("typical_p", 0.5), ("min_p", True),
+    ("best_of", 3),  # chat ignored it: plain samples answered to a client that asked for the best of 3
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_distribution_changing_extras_are_400_naming_the_field(field, value, path):
@@ -286,8 +287,11 @@ def test_distribution_changing_extras_are_400_naming_the_field(field, value, pat
 
 def test_neutral_extras_are_accepted():
     r = post("/v1/chat/completions", json=chat(max_tokens=1, repetition_penalty=1.0, min_p=0, min_tokens=0,
-                                              allowed_token_ids=None, bad_words=[], use_beam_search=False))
+                                              allowed_token_ids=None, bad_words=[], use_beam_search=False,
+                                              best_of=1))
     assert r.status_code == 200, r.text
+    r = post("/v1/chat/completions", json=chat(max_tokens=1, n=2, best_of=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
 
 
 # ---------------------------------------------------------------- 9. seeds, messages, bools
