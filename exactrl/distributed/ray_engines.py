@@ -52,7 +52,7 @@ class RayEngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     num_engines: int = Field(2, ge=1)
-    """Engine actors; each samples every E-th prompt of a batch."""
+    """Engine actors; each samples every E-th prompt of a batch (so at most rollout.prompts_per_step of them)."""
     address: str | None = None
     """None: start a private Ray instance on this machine for the run (or join RAY_ADDRESS if set);
     `auto` or HOST:PORT: join a running Ray cluster (`ray start`), whose machines then host the engines."""

@@ -71,6 +71,9 @@ def test_config_section_and_errors():
     assert cfg.rollout_backend.ray == RayEngineSettings(num_engines=2, threads_per_engine=1)
     with pytest.raises(ValueError, match="num_engines"):
         load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=0"])
+    with pytest.raises(ValueError, match=r"rollout_backend.ray.num_engines=5 exceeds rollout.prompts_per_step=4: "
+                                         r"each engine samples whole prompts, so 1 would never sample"):
+        load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=5", "rollout.prompts_per_step=4"])
     with pytest.raises(ValueError, match=r"rollout_backend.ray.\* needs rollout_backend.kind=ray"):
         load_config(None, ["rollout_backend.ray.num_engines=3"])
     with pytest.raises(ValueError, match="samples_per_prompt=8 exceeds engine.max_num_seqs=4"):
