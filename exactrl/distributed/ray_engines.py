@@ -35,6 +35,7 @@ Legend: E engines.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -70,6 +71,34 @@ class RayEngineError(RuntimeError):
     """An engine actor died, did not start in time, or failed while sampling or loading weights."""
 
 
+# how long a HOST:PORT address may take to accept a TCP connection before it is called unreachable; a live
+# cluster answers in milliseconds
+PROBE_TIMEOUT_S = 10.0
+
+
+def _init_ray(ray, s: RayEngineSettings) -> None:
+    """Joins the cluster at `s.address` (else RAY_ADDRESS), or starts a private instance ("local": a new one,
+    never a `ray start` cluster of this machine, maybe stale). An address without a cluster, or one Ray
+    cannot parse, is a ValueError naming where it came from. A HOST:PORT is first probed over TCP: where
+    nothing listens, ray.init would retry for many minutes (over 5 measured, Ray 2.60), saying nothing
+    but warnings."""
+    address = s.address or os.environ.get("RAY_ADDRESS") or "local"
+    key = "rollout_backend.ray.address" if s.address else "the environment variable RAY_ADDRESS"
+    fix = (f"start one (ray start --head) or "
+           f"{'leave the address unset for a private instance' if s.address else 'unset RAY_ADDRESS'}")
+    host, colon, port = address.rpartition(":")
+    if colon and host and port.isdigit() and "://" not in address:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as e:
+            raise ValueError(f"no Ray cluster at {key}={address!r} (nothing accepts a connection there: {e}): "
+                             f"{fix}") from None
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, ValueError) as e:  # ValueError: an address Ray cannot parse
+        raise ValueError(f"no Ray cluster at {key}={address!r} ({e}): {fix}") from None
+
+
 class EngineActor:
     """One exactrl.Engine in a Ray worker process (wrapped by `ray.remote` in RayEngines)."""
 
@@ -89,8 +118,6 @@ class EngineActor:
         self.desc = f"{dtype}, {kernels} kernels, {threads} thread(s)"
 
     def where(self) -> str:
-        import socket
-
         if self.error is not None:
             raise self.error
         return f"{socket.gethostname()} pid {os.getpid()}: {self.desc}"
@@ -126,13 +153,8 @@ class RayEngines:
             raise ValueError(f"Ray engines need a model whose parameters share one dtype, got {dtypes}")
         self._ray, self.s, self.actors, self.places = ray, s, [], []
         self._started = not ray.is_initialized()
-        if self._started:  # "local": a new instance, never a `ray start` cluster of this machine (maybe stale)
-            address = s.address or os.environ.get("RAY_ADDRESS") or "local"
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-            except ConnectionError as e:
-                raise ValueError(f"no Ray cluster at rollout_backend.ray.address={address!r} ({e}): start one "
-                                 f"(ray start --head) or leave the address unset for a private instance") from None
+        if self._started:
+            _init_ray(ray, s)
         try:
             threads = self._threads()
             log(f"starting {s.num_engines} Ray engine(s) of {threads} thread(s) each ...")

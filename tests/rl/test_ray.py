@@ -8,6 +8,7 @@ over them logs the in-process run's metrics bitwise. The inverse twin: with
 from __future__ import annotations
 
 import random
+import socket
 
 import pytest
 import torch
@@ -95,6 +96,18 @@ def test_ray_missing_or_no_cluster_at_the_address_is_a_value_error(qwen3_dir, mo
         pytest.skip("a Ray instance already runs in this process: the address is not used")
     with pytest.raises(ValueError, match=r"no Ray cluster at rollout_backend.ray.address='auto'"):
         RayEngines(RayEngineSettings(num_engines=1, address="auto"), model, {}, log=lambda *a: None)
+    # a port where nothing listens: refused at once (ray.init alone retried it for over 5 minutes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ValueError, match=rf"no Ray cluster at rollout_backend.ray.address='{free}' \(nothing "
+                                         r"accepts a connection there.*leave the address unset"):
+        RayEngines(RayEngineSettings(num_engines=1, address=free), model, {}, log=lambda *a: None)
+    with pytest.raises(ValueError, match=r"no Ray cluster at rollout_backend.ray.address='h:p:q' \(Invalid address"):
+        RayEngines(RayEngineSettings(num_engines=1, address="h:p:q"), model, {}, log=lambda *a: None)
+    monkeypatch.setenv("RAY_ADDRESS", free)  # the address came from the environment: the message says so
+    with pytest.raises(ValueError, match=r"at the environment variable RAY_ADDRESS='127.*unset RAY_ADDRESS"):
+        RayEngines(RayEngineSettings(num_engines=1), model, {}, log=lambda *a: None)
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
     with pytest.raises(ValueError, match=r"needs Ray: pip install 'exactrl\[ray\]'"):
         RayEngines(RayEngineSettings(num_engines=1), model, {}, log=lambda *a: None)
