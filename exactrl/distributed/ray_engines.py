@@ -38,6 +38,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -151,7 +152,7 @@ class RayEngines:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         if len(dtypes) != 1:  # an actor builds the model in one dtype; loading another would cast the weights
             raise ValueError(f"Ray engines need a model whose parameters share one dtype, got {dtypes}")
-        self._ray, self.s, self.actors, self.places = ray, s, [], []
+        self._ray, self.s, self.actors, self.places, self._closed = ray, s, [], [], False
         self._started = not ray.is_initialized()
         if self._started:
             _init_ray(ray, s)
@@ -191,12 +192,20 @@ class RayEngines:
         return threads
 
     def close(self) -> None:
-        """Stops the engines, and the Ray instance if this object started it."""
-        for a in self.actors:
-            self._ray.kill(a)
-        self.actors = []
+        """Stops the engines, and the Ray instance if this object started it; idempotent. After it, `generate`
+        and `update_weights` are refused (with no engine they would return nothing or load nowhere). If Ray
+        was already shut down (by the caller who started it), its actors went with it: nothing to kill, and a
+        stale handle would raise."""
+        if self._ray.is_initialized():
+            for a in self.actors:
+                self._ray.kill(a)
+        self.actors, self._closed = [], True
         if self._started and self._ray.is_initialized():
             self._ray.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RayEngineError("the Ray engines are closed (RayEngines.close): start new ones")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  on_step=None) -> list[list[Completion]]:
@@ -204,6 +213,9 @@ class RayEngines:
         if on_step is not None:
             raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: a Ray "
                              "engine runs a whole batch before it takes new weights")
+        if not isinstance(prompts, (list, tuple, torch.Tensor)):  # as Engine.generate: before len() fails on it
+            raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+        self._check_open()
         plist = params_per_prompt(params, len(prompts))
         E = len(self.actors)
         shares = [list(range(e, len(prompts), E)) for e in range(E)]
@@ -223,12 +235,18 @@ class RayEngines:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Every engine copies the weights bit for bit; returns the new version (as `Engine.update_weights`)."""
+        self._check_open()
         with self._lock:
-            if version is not None and not (isinstance(version, int) and version > self.version):
+            if version is not None and not (isinstance(version, int) and not isinstance(version, bool)
+                                            and version > self.version):
                 raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
             version = self.version + 1 if version is None else version
             t0 = time.perf_counter()
-            ref = self._ray.put({k: v.detach() for k, v in state_dict.items()})  # once, for every engine
+            # tensors go detached (no autograd history to pickle); anything else goes as it is, for the engines'
+            # own checks to name it as the in-process engine does (not a mapping, not a tensor, a wrong shape)
+            if isinstance(state_dict, Mapping):
+                state_dict = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+            ref = self._ray.put(state_dict)  # once, for every engine
             self._get([a.update_weights.remote(ref, version) for a in self.actors], "loading weights")
             self.version = version
             self._stats["ray/weight_syncs"] += 1

@@ -117,16 +117,27 @@ def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwe
     if ray.is_initialized():  # runs before the module's `cluster` in file order; in another order it cannot
         pytest.skip("a Ray instance already runs in this process (the module's cluster): no private one to see")
     model = exactrl.load_model(qwen3_dir)
-    engines = RayEngines(RayEngineSettings(num_engines=2, threads_per_engine=1), model, {"kv_budget_tokens": 2048},
-                         log=lambda *a: None)
+    engines = RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1), model, {"kv_budget_tokens": 2048},
+                         log=lambda *a: None)  # one of the instance's 2 CPUs: `joined` takes the other
+    joined = None
     try:
         assert ray.is_initialized() and all("float32, exact kernels, 1 thread(s)" in p for p in engines.places)
         prompts, params = workload(model.config.vocab_size)
         assert fields(engines.generate(prompts, params)) == fields(Engine(model, kv_budget_tokens=2048).generate(
             prompts, params))
+        joined = RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1), model, {},
+                            log=lambda *a: None)  # the engines' instance is running: these join it
     finally:
         engines.close()
     assert not ray.is_initialized()
+    joined.close()  # its actors went with the instance: nothing to stop (their stale handles used to raise)
+    engines.close()  # again: nothing to do
+    for e in (engines, joined):  # no engine left: refused, not an empty answer or a version bumped for nothing
+        with pytest.raises(RayEngineError, match=r"the Ray engines are closed"):
+            e.generate(prompts, params)
+        with pytest.raises(RayEngineError, match=r"the Ray engines are closed"):
+            e.update_weights(model.state_dict())
+        assert e.version == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -159,7 +170,19 @@ def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwe
             engines.generate([prompts[0], [], []], params[:3])
         with pytest.raises(ValueError, match="version must be an int above the current version 7"):
             engines.update_weights(new, version=7)
-        assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving
+        with pytest.raises(ValueError, match="version must be an int above the current version 7, got True"):
+            engines.update_weights(new, version=True)
+        # what the in-process engine says of a bad state dict, not an AttributeError of the wrapper
+        with pytest.raises(ValueError, match="state_dict must be a mapping of parameter name -> tensor, got list"):
+            engines.update_weights(list(new.values()))
+        with pytest.raises(ValueError, match=r"state_dict\['model.norm.weight'\] is a float, not a tensor"):
+            engines.update_weights({**new, "model.norm.weight": 1.0})
+        with pytest.raises(ValueError, match=r"state_dict\['model.norm.weight'\] has shape \(3,\), expected"):
+            engines.update_weights({**new, "model.norm.weight": torch.zeros(3, dtype=new["model.norm.weight"].dtype)})
+        with pytest.raises(ValueError, match="prompts must be a list of prompts"):
+            engines.generate(None, params[:1])
+        assert engines.version == 7
+        assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving, old weights
 
         ray.kill(engines.actors[1])
         with pytest.raises(RayEngineError, match=r"(?s)Ray engine 1 \(.*\) died while sampling.*resume=true"):
