@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from exactrl.engine.engine import Completion, Engine
+from exactrl.engine.engine import Completion, Engine, NonFiniteLogitsError
 from exactrl.engine.sampling import SamplingParams, params_per_prompt
 from exactrl.model.checkpoint import build_model
 from exactrl.model.config import ModelConfig
@@ -259,7 +259,8 @@ class RayEngines:
 
     def _get(self, refs: list, doing: str, engines: list[int] | None = None) -> list:
         """ray.get of one call per engine (`engines`: whose, default all in order), with the engines' errors
-        as this module's: a ValueError (bad input) stays a ValueError; a failure names the engine and its place."""
+        as this module's: a ValueError (bad input) stays a ValueError, as does a NonFiniteLogitsError (the weights
+        diverged); any other failure names the engine and its place."""
         exc, out = self._ray.exceptions, []
         deadline = time.monotonic() + self.s.call_timeout_s
         for e, ref in zip(range(len(refs)) if engines is None else engines, refs):
@@ -273,6 +274,8 @@ class RayEngines:
             except exc.RayTaskError as err:
                 if isinstance(err.cause, ValueError):
                     raise ValueError(str(err.cause)) from None
+                if isinstance(err.cause, NonFiniteLogitsError):  # diverged weights, not a broken engine: the
+                    raise err.cause from None  # trainer names it as it does the in-process engine's (cli.py)
                 raise RayEngineError(f"{where} failed while {doing}: {err.cause!r}") from None
             except exc.RayActorError as err:
                 hint = "" if doing == "starting" else \

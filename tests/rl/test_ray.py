@@ -16,7 +16,7 @@ import torch
 import exactrl
 from conftest import default_job_model, train_rows
 from exactrl.distributed import Ranks
-from exactrl.engine import Engine, SamplingParams
+from exactrl.engine import Engine, NonFiniteLogitsError, SamplingParams
 from exactrl.rl.config import load_config
 from exactrl.rl.setup import build, check_ranks
 
@@ -183,6 +183,13 @@ def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwe
             engines.generate(None, params[:1])
         assert engines.version == 7
         assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving, old weights
+
+        # diverged weights: the engine's own error (named as divergence by `exactrl train`), its message once
+        engines.update_weights({k: v * float("nan") for k, v in new.items()})
+        with pytest.raises(NonFiniteLogitsError, match=r"^non-finite logits \(NaN or inf\) for request\(s\) "
+                                                       r"\['req-\d+'.*\]: the model's weights .* were aborted$"):
+            engines.generate(prompts, params)
+        engines.update_weights(new)
 
         ray.kill(engines.actors[1])
         with pytest.raises(RayEngineError, match=r"(?s)Ray engine 1 \(.*\) died while sampling.*resume=true"):
