@@ -258,27 +258,39 @@ class RayEngines:
         return {"engine/version": self.version, **self._stats}
 
     def _get(self, refs: list, doing: str, engines: list[int] | None = None) -> list:
-        """ray.get of one call per engine (`engines`: whose, default all in order), with the engines' errors
-        as this module's: a ValueError (bad input) stays a ValueError, as does a NonFiniteLogitsError (the weights
-        diverged); any other failure names the engine and its place."""
-        exc, out = self._ray.exceptions, []
+        """The results of one call per engine (`engines`: whose, default all in order), taken as the calls
+        finish: the first engine to fail ends the wait, so an engine that died is named at once, not after
+        the other engines' batches (which may take minutes on a slow machine)."""
+        engines = list(range(len(refs))) if engines is None else engines
+        waiting, out = dict(zip(refs, engines)), {}
         deadline = time.monotonic() + self.s.call_timeout_s
-        for e, ref in zip(range(len(refs)) if engines is None else engines, refs):
-            where = f"Ray engine {e}" + (f" ({self.places[e]})" if self.places else "")
-            try:
-                out.append(self._ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-            except exc.GetTimeoutError:
-                raise RayEngineError(f"{where} did not finish {doing} within rollout_backend.ray.call_timeout_s="
-                                     f"{self.s.call_timeout_s:g} s (a training run keeps its checkpoints: resume "
-                                     f"it with --set resume=true)") from None
-            except exc.RayTaskError as err:
-                if isinstance(err.cause, ValueError):
-                    raise ValueError(str(err.cause)) from None
-                if isinstance(err.cause, NonFiniteLogitsError):  # diverged weights, not a broken engine: the
-                    raise err.cause from None  # trainer names it as it does the in-process engine's (cli.py)
-                raise RayEngineError(f"{where} failed while {doing}: {err.cause!r}") from None
-            except exc.RayActorError as err:
-                hint = "" if doing == "starting" else \
-                    " (a training run keeps its checkpoints: resume it with --set resume=true)"
-                raise RayEngineError(f"{where} died while {doing}: {err}{hint}") from None
-        return out
+        while waiting:
+            done, _ = self._ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise RayEngineError(f"{self._where(min(waiting.values()))} did not finish {doing} within "
+                                     f"rollout_backend.ray.call_timeout_s={self.s.call_timeout_s:g} s (a training "
+                                     f"run keeps its checkpoints: resume it with --set resume=true)")
+            e = waiting.pop(done[0])
+            out[e] = self._result(done[0], e, doing)
+        return [out[e] for e in engines]
+
+    def _result(self, ref, e: int, doing: str):
+        """A finished call's result, with engine e's errors as this module's: a ValueError (bad input) stays a
+        ValueError, as does a NonFiniteLogitsError (the weights diverged); any other failure names the engine
+        and its place."""
+        exc = self._ray.exceptions
+        try:
+            return self._ray.get(ref)
+        except exc.RayTaskError as err:
+            if isinstance(err.cause, ValueError):
+                raise ValueError(str(err.cause)) from None
+            if isinstance(err.cause, NonFiniteLogitsError):  # diverged weights, not a broken engine: the
+                raise err.cause from None  # trainer names it as it does the in-process engine's (cli.py)
+            raise RayEngineError(f"{self._where(e)} failed while {doing}: {err.cause!r}") from None
+        except exc.RayActorError as err:
+            hint = "" if doing == "starting" else \
+                " (a training run keeps its checkpoints: resume it with --set resume=true)"
+            raise RayEngineError(f"{self._where(e)} died while {doing}: {err}{hint}") from None
+
+    def _where(self, e: int) -> str:
+        return f"Ray engine {e}" + (f" ({self.places[e]})" if self.places else "")

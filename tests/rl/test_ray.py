@@ -7,7 +7,10 @@ over them logs the in-process run's metrics bitwise. The inverse twin: with
 """
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
 import socket
 
 import pytest
@@ -238,6 +241,24 @@ def test_a_call_that_outlasts_its_timeout_is_an_error_naming_the_engine(cluster,
                                                  r"rollout_backend.ray.call_timeout_s=0.001 s"):
             engines.generate(prompts, SamplingParams(max_tokens=64, n=4, seed=0))
     finally:
+        engines.close()
+
+
+def test_an_engine_that_dies_is_named_at_once_while_another_still_works(cluster, qwen3_dir):
+    """The first engine to fail ends the wait: engine 1's death is not reported only once engine 0 (here
+    stopped, so it never answers) has finished, which without this took up to call_timeout_s."""
+    model = exactrl.load_model(qwen3_dir)
+    engines = RayEngines(RayEngineSettings(num_engines=2, threads_per_engine=1, call_timeout_s=120), model, {},
+                         log=lambda *a: None)
+    stopped = int(re.search(r"pid (\d+)", engines.places[0]).group(1))  # this machine's process
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        ray.kill(engines.actors[1])
+        with pytest.raises(RayEngineError, match=r"Ray engine 1 \(.*\) died while loading weights"):
+            engines.update_weights(model.state_dict())
+        assert engines.version == 0
+    finally:
+        os.kill(stopped, signal.SIGCONT)
         engines.close()
 
 
