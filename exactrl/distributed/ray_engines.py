@@ -35,14 +35,16 @@ Legend: E engines.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from exactrl.engine.engine import Completion, Engine
+from exactrl.engine.engine import Completion, Engine, NonFiniteLogitsError
 from exactrl.engine.sampling import SamplingParams, params_per_prompt
 from exactrl.model.checkpoint import build_model
 from exactrl.model.config import ModelConfig
@@ -52,7 +54,7 @@ class RayEngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     num_engines: int = Field(2, ge=1)
-    """Engine actors; each samples every E-th prompt of a batch."""
+    """Engine actors; each samples every E-th prompt of a batch (so at most rollout.prompts_per_step of them)."""
     address: str | None = None
     """None: start a private Ray instance on this machine for the run (or join RAY_ADDRESS if set);
     `auto` or HOST:PORT: join a running Ray cluster (`ray start`), whose machines then host the engines."""
@@ -68,6 +70,34 @@ class RayEngineSettings(BaseModel):
 
 class RayEngineError(RuntimeError):
     """An engine actor died, did not start in time, or failed while sampling or loading weights."""
+
+
+# how long a HOST:PORT address may take to accept a TCP connection before it is called unreachable; a live
+# cluster answers in milliseconds
+PROBE_TIMEOUT_S = 10.0
+
+
+def _init_ray(ray, s: RayEngineSettings) -> None:
+    """Joins the cluster at `s.address` (else RAY_ADDRESS), or starts a private instance ("local": a new one,
+    never a `ray start` cluster of this machine, maybe stale). An address without a cluster, or one Ray
+    cannot parse, is a ValueError naming where it came from. A HOST:PORT is first probed over TCP: where
+    nothing listens, ray.init would retry for many minutes (over 5 measured, Ray 2.60), saying nothing
+    but warnings."""
+    address = s.address or os.environ.get("RAY_ADDRESS") or "local"
+    key = "rollout_backend.ray.address" if s.address else "the environment variable RAY_ADDRESS"
+    fix = (f"start one (ray start --head) or "
+           f"{'leave the address unset for a private instance' if s.address else 'unset RAY_ADDRESS'}")
+    host, colon, port = address.rpartition(":")
+    if colon and host and port.isdigit() and "://" not in address:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as e:
+            raise ValueError(f"no Ray cluster at {key}={address!r} (nothing accepts a connection there: {e}): "
+                             f"{fix}") from None
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, ValueError) as e:  # ValueError: an address Ray cannot parse
+        raise ValueError(f"no Ray cluster at {key}={address!r} ({e}): {fix}") from None
 
 
 class EngineActor:
@@ -89,8 +119,6 @@ class EngineActor:
         self.desc = f"{dtype}, {kernels} kernels, {threads} thread(s)"
 
     def where(self) -> str:
-        import socket
-
         if self.error is not None:
             raise self.error
         return f"{socket.gethostname()} pid {os.getpid()}: {self.desc}"
@@ -124,15 +152,10 @@ class RayEngines:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         if len(dtypes) != 1:  # an actor builds the model in one dtype; loading another would cast the weights
             raise ValueError(f"Ray engines need a model whose parameters share one dtype, got {dtypes}")
-        self._ray, self.s, self.actors, self.places = ray, s, [], []
+        self._ray, self.s, self.actors, self.places, self._closed = ray, s, [], [], False
         self._started = not ray.is_initialized()
-        if self._started:  # "local": a new instance, never a `ray start` cluster of this machine (maybe stale)
-            address = s.address or os.environ.get("RAY_ADDRESS") or "local"
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-            except ConnectionError as e:
-                raise ValueError(f"no Ray cluster at rollout_backend.ray.address={address!r} ({e}): start one "
-                                 f"(ray start --head) or leave the address unset for a private instance") from None
+        if self._started:
+            _init_ray(ray, s)
         try:
             threads = self._threads()
             log(f"starting {s.num_engines} Ray engine(s) of {threads} thread(s) each ...")
@@ -169,12 +192,20 @@ class RayEngines:
         return threads
 
     def close(self) -> None:
-        """Stops the engines, and the Ray instance if this object started it."""
-        for a in self.actors:
-            self._ray.kill(a)
-        self.actors = []
+        """Stops the engines, and the Ray instance if this object started it; idempotent. After it, `generate`
+        and `update_weights` are refused (with no engine they would return nothing or load nowhere). If Ray
+        was already shut down (by the caller who started it), its actors went with it: nothing to kill, and a
+        stale handle would raise."""
+        if self._ray.is_initialized():
+            for a in self.actors:
+                self._ray.kill(a)
+        self.actors, self._closed = [], True
         if self._started and self._ray.is_initialized():
             self._ray.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RayEngineError("the Ray engines are closed (RayEngines.close): start new ones")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  on_step=None) -> list[list[Completion]]:
@@ -182,6 +213,9 @@ class RayEngines:
         if on_step is not None:
             raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: a Ray "
                              "engine runs a whole batch before it takes new weights")
+        if not isinstance(prompts, (list, tuple, torch.Tensor)):  # as Engine.generate: before len() fails on it
+            raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+        self._check_open()
         plist = params_per_prompt(params, len(prompts))
         E = len(self.actors)
         shares = [list(range(e, len(prompts), E)) for e in range(E)]
@@ -201,12 +235,18 @@ class RayEngines:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Every engine copies the weights bit for bit; returns the new version (as `Engine.update_weights`)."""
+        self._check_open()
         with self._lock:
-            if version is not None and not (isinstance(version, int) and version > self.version):
+            if version is not None and not (isinstance(version, int) and not isinstance(version, bool)
+                                            and version > self.version):
                 raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
             version = self.version + 1 if version is None else version
             t0 = time.perf_counter()
-            ref = self._ray.put({k: v.detach() for k, v in state_dict.items()})  # once, for every engine
+            # tensors go detached (no autograd history to pickle); anything else goes as it is, for the engines'
+            # own checks to name it as the in-process engine does (not a mapping, not a tensor, a wrong shape)
+            if isinstance(state_dict, Mapping):
+                state_dict = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+            ref = self._ray.put(state_dict)  # once, for every engine
             self._get([a.update_weights.remote(ref, version) for a in self.actors], "loading weights")
             self.version = version
             self._stats["ray/weight_syncs"] += 1
@@ -218,24 +258,39 @@ class RayEngines:
         return {"engine/version": self.version, **self._stats}
 
     def _get(self, refs: list, doing: str, engines: list[int] | None = None) -> list:
-        """ray.get of one call per engine (`engines`: whose, default all in order), with the engines' errors
-        as this module's: a ValueError (bad input) stays a ValueError; a failure names the engine and its place."""
-        exc, out = self._ray.exceptions, []
+        """The results of one call per engine (`engines`: whose, default all in order), taken as the calls
+        finish: the first engine to fail ends the wait, so an engine that died is named at once, not after
+        the other engines' batches (which may take minutes on a slow machine)."""
+        engines = list(range(len(refs))) if engines is None else engines
+        waiting, out = dict(zip(refs, engines)), {}
         deadline = time.monotonic() + self.s.call_timeout_s
-        for e, ref in zip(range(len(refs)) if engines is None else engines, refs):
-            where = f"Ray engine {e}" + (f" ({self.places[e]})" if self.places else "")
-            try:
-                out.append(self._ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-            except exc.GetTimeoutError:
-                raise RayEngineError(f"{where} did not finish {doing} within rollout_backend.ray.call_timeout_s="
-                                     f"{self.s.call_timeout_s:g} s (a training run keeps its checkpoints: resume "
-                                     f"it with --set resume=true)") from None
-            except exc.RayTaskError as err:
-                if isinstance(err.cause, ValueError):
-                    raise ValueError(str(err.cause)) from None
-                raise RayEngineError(f"{where} failed while {doing}: {err.cause!r}") from None
-            except exc.RayActorError as err:
-                hint = "" if doing == "starting" else \
-                    " (a training run keeps its checkpoints: resume it with --set resume=true)"
-                raise RayEngineError(f"{where} died while {doing}: {err}{hint}") from None
-        return out
+        while waiting:
+            done, _ = self._ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise RayEngineError(f"{self._where(min(waiting.values()))} did not finish {doing} within "
+                                     f"rollout_backend.ray.call_timeout_s={self.s.call_timeout_s:g} s (a training "
+                                     f"run keeps its checkpoints: resume it with --set resume=true)")
+            e = waiting.pop(done[0])
+            out[e] = self._result(done[0], e, doing)
+        return [out[e] for e in engines]
+
+    def _result(self, ref, e: int, doing: str):
+        """A finished call's result, with engine e's errors as this module's: a ValueError (bad input) stays a
+        ValueError, as does a NonFiniteLogitsError (the weights diverged); any other failure names the engine
+        and its place."""
+        exc = self._ray.exceptions
+        try:
+            return self._ray.get(ref)
+        except exc.RayTaskError as err:
+            if isinstance(err.cause, ValueError):
+                raise ValueError(str(err.cause)) from None
+            if isinstance(err.cause, NonFiniteLogitsError):  # diverged weights, not a broken engine: the
+                raise err.cause from None  # trainer names it as it does the in-process engine's (cli.py)
+            raise RayEngineError(f"{self._where(e)} failed while {doing}: {err.cause!r}") from None
+        except exc.RayActorError as err:
+            hint = "" if doing == "starting" else \
+                " (a training run keeps its checkpoints: resume it with --set resume=true)"
+            raise RayEngineError(f"{self._where(e)} died while {doing}: {err}{hint}") from None
+
+    def _where(self, e: int) -> str:
+        return f"Ray engine {e}" + (f" ({self.places[e]})" if self.places else "")

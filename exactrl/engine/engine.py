@@ -44,8 +44,14 @@ class NonFiniteLogitsError(RuntimeError):
     """
 
     def __init__(self, request_ids: list[str]):
+        self.request_ids = request_ids
         super().__init__(f"non-finite logits (NaN or inf) for request(s) {request_ids}: the model's weights or "
                          f"activations are not finite (a diverged update?); those requests were aborted")
+
+    def __reduce__(self):
+        """Pickled as its request ids (a Ray engine's error reaching the trainer): the default, its message,
+        would be taken for the ids and the message said twice."""
+        return type(self), (self.request_ids,)
         self.request_ids = request_ids
 
 

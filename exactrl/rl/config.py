@@ -248,6 +248,13 @@ class RunConfig(BaseModel):
             raise ValueError(f"engine.kv_budget_tokens={self.engine.kv_budget_tokens} ({pages * DEFAULT_BLOCK_SIZE} "
                              f"tokens in pages of {DEFAULT_BLOCK_SIZE}) cannot hold a prompt and "
                              f"rollout.max_tokens={self.rollout.max_tokens} answer tokens: raise engine.kv_budget_tokens")
+        ray = self.rollout_backend.ray
+        if self.rollout_backend.kind == "ray" and ray.num_engines > self.rollout.prompts_per_step:
+            # an engine samples whole prompts (all n samples of one): the extra engines would hold CPUs, idle
+            raise ValueError(f"rollout_backend.ray.num_engines={ray.num_engines} exceeds rollout.prompts_per_step="
+                             f"{self.rollout.prompts_per_step}: each engine samples whole prompts, so "
+                             f"{ray.num_engines - self.rollout.prompts_per_step} would never sample; lower "
+                             f"num_engines or raise prompts_per_step")
         if self.resume and self.run_dir is None:
             raise ValueError("resume=true needs run_dir: the directory of the run to continue "
                              "(--set run_dir=runs/<its name>)")

@@ -7,7 +7,11 @@ over them logs the in-process run's metrics bitwise. The inverse twin: with
 """
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
+import socket
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ import torch
 import exactrl
 from conftest import default_job_model, train_rows
 from exactrl.distributed import Ranks
-from exactrl.engine import Engine, SamplingParams
+from exactrl.engine import Engine, NonFiniteLogitsError, SamplingParams
 from exactrl.rl.config import load_config
 from exactrl.rl.setup import build, check_ranks
 
@@ -71,6 +75,9 @@ def test_config_section_and_errors():
     assert cfg.rollout_backend.ray == RayEngineSettings(num_engines=2, threads_per_engine=1)
     with pytest.raises(ValueError, match="num_engines"):
         load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=0"])
+    with pytest.raises(ValueError, match=r"rollout_backend.ray.num_engines=5 exceeds rollout.prompts_per_step=4: "
+                                         r"each engine samples whole prompts, so 1 would never sample"):
+        load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=5", "rollout.prompts_per_step=4"])
     with pytest.raises(ValueError, match=r"rollout_backend.ray.\* needs rollout_backend.kind=ray"):
         load_config(None, ["rollout_backend.ray.num_engines=3"])
     with pytest.raises(ValueError, match="samples_per_prompt=8 exceeds engine.max_num_seqs=4"):
@@ -92,6 +99,18 @@ def test_ray_missing_or_no_cluster_at_the_address_is_a_value_error(qwen3_dir, mo
         pytest.skip("a Ray instance already runs in this process: the address is not used")
     with pytest.raises(ValueError, match=r"no Ray cluster at rollout_backend.ray.address='auto'"):
         RayEngines(RayEngineSettings(num_engines=1, address="auto"), model, {}, log=lambda *a: None)
+    # a port where nothing listens: refused at once (ray.init alone retried it for over 5 minutes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ValueError, match=rf"no Ray cluster at rollout_backend.ray.address='{free}' \(nothing "
+                                         r"accepts a connection there.*leave the address unset"):
+        RayEngines(RayEngineSettings(num_engines=1, address=free), model, {}, log=lambda *a: None)
+    with pytest.raises(ValueError, match=r"no Ray cluster at rollout_backend.ray.address='h:p:q' \(Invalid address"):
+        RayEngines(RayEngineSettings(num_engines=1, address="h:p:q"), model, {}, log=lambda *a: None)
+    monkeypatch.setenv("RAY_ADDRESS", free)  # the address came from the environment: the message says so
+    with pytest.raises(ValueError, match=r"at the environment variable RAY_ADDRESS='127.*unset RAY_ADDRESS"):
+        RayEngines(RayEngineSettings(num_engines=1), model, {}, log=lambda *a: None)
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
     with pytest.raises(ValueError, match=r"needs Ray: pip install 'exactrl\[ray\]'"):
         RayEngines(RayEngineSettings(num_engines=1), model, {}, log=lambda *a: None)
@@ -101,16 +120,27 @@ def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwe
     if ray.is_initialized():  # runs before the module's `cluster` in file order; in another order it cannot
         pytest.skip("a Ray instance already runs in this process (the module's cluster): no private one to see")
     model = exactrl.load_model(qwen3_dir)
-    engines = RayEngines(RayEngineSettings(num_engines=2, threads_per_engine=1), model, {"kv_budget_tokens": 2048},
-                         log=lambda *a: None)
+    engines = RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1), model, {"kv_budget_tokens": 2048},
+                         log=lambda *a: None)  # one of the instance's 2 CPUs: `joined` takes the other
+    joined = None
     try:
         assert ray.is_initialized() and all("float32, exact kernels, 1 thread(s)" in p for p in engines.places)
         prompts, params = workload(model.config.vocab_size)
         assert fields(engines.generate(prompts, params)) == fields(Engine(model, kv_budget_tokens=2048).generate(
             prompts, params))
+        joined = RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1), model, {},
+                            log=lambda *a: None)  # the engines' instance is running: these join it
     finally:
         engines.close()
     assert not ray.is_initialized()
+    joined.close()  # its actors went with the instance: nothing to stop (their stale handles used to raise)
+    engines.close()  # again: nothing to do
+    for e in (engines, joined):  # no engine left: refused, not an empty answer or a version bumped for nothing
+        with pytest.raises(RayEngineError, match=r"the Ray engines are closed"):
+            e.generate(prompts, params)
+        with pytest.raises(RayEngineError, match=r"the Ray engines are closed"):
+            e.update_weights(model.state_dict())
+        assert e.version == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -143,7 +173,26 @@ def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwe
             engines.generate([prompts[0], [], []], params[:3])
         with pytest.raises(ValueError, match="version must be an int above the current version 7"):
             engines.update_weights(new, version=7)
-        assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving
+        with pytest.raises(ValueError, match="version must be an int above the current version 7, got True"):
+            engines.update_weights(new, version=True)
+        # what the in-process engine says of a bad state dict, not an AttributeError of the wrapper
+        with pytest.raises(ValueError, match="state_dict must be a mapping of parameter name -> tensor, got list"):
+            engines.update_weights(list(new.values()))
+        with pytest.raises(ValueError, match=r"state_dict\['model.norm.weight'\] is a float, not a tensor"):
+            engines.update_weights({**new, "model.norm.weight": 1.0})
+        with pytest.raises(ValueError, match=r"state_dict\['model.norm.weight'\] has shape \(3,\), expected"):
+            engines.update_weights({**new, "model.norm.weight": torch.zeros(3, dtype=new["model.norm.weight"].dtype)})
+        with pytest.raises(ValueError, match="prompts must be a list of prompts"):
+            engines.generate(None, params[:1])
+        assert engines.version == 7
+        assert fields(engines.generate(prompts[:2], params[:2])) == fields(got[:2])  # still serving, old weights
+
+        # diverged weights: the engine's own error (named as divergence by `exactrl train`), its message once
+        engines.update_weights({k: v * float("nan") for k, v in new.items()})
+        with pytest.raises(NonFiniteLogitsError, match=r"^non-finite logits \(NaN or inf\) for request\(s\) "
+                                                       r"\['req-\d+'.*\]: the model's weights .* were aborted$"):
+            engines.generate(prompts, params)
+        engines.update_weights(new)
 
         ray.kill(engines.actors[1])
         with pytest.raises(RayEngineError, match=r"(?s)Ray engine 1 \(.*\) died while sampling.*resume=true"):
@@ -192,6 +241,24 @@ def test_a_call_that_outlasts_its_timeout_is_an_error_naming_the_engine(cluster,
                                                  r"rollout_backend.ray.call_timeout_s=0.001 s"):
             engines.generate(prompts, SamplingParams(max_tokens=64, n=4, seed=0))
     finally:
+        engines.close()
+
+
+def test_an_engine_that_dies_is_named_at_once_while_another_still_works(cluster, qwen3_dir):
+    """The first engine to fail ends the wait: engine 1's death is not reported only once engine 0 (here
+    stopped, so it never answers) has finished, which without this took up to call_timeout_s."""
+    model = exactrl.load_model(qwen3_dir)
+    engines = RayEngines(RayEngineSettings(num_engines=2, threads_per_engine=1, call_timeout_s=120), model, {},
+                         log=lambda *a: None)
+    stopped = int(re.search(r"pid (\d+)", engines.places[0]).group(1))  # this machine's process
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        ray.kill(engines.actors[1])
+        with pytest.raises(RayEngineError, match=r"Ray engine 1 \(.*\) died while loading weights"):
+            engines.update_weights(model.state_dict())
+        assert engines.version == 0
+    finally:
+        os.kill(stopped, signal.SIGCONT)
         engines.close()
 
 
