@@ -52,7 +52,6 @@ class NonFiniteLogitsError(RuntimeError):
         """Pickled as its request ids (a Ray engine's error reaching the trainer): the default, its message,
         would be taken for the ids and the message said twice."""
         return type(self), (self.request_ids,)
-        self.request_ids = request_ids
 
 
 @dataclass
