@@ -44,8 +44,9 @@ class RolloutSettings(BaseModel):
     """top-k cut-off (-1 = off); logprobs are those of the truncated, renormalised distribution."""
     filter_groups: bool = False
     """DAPO's dynamic sampling (Yu et al. 2025, §3.2): a group whose task rewards are all equal has zero
-    advantage under every group baseline and only dilutes the batch, so it is set aside and another
-    batch of `prompts_per_step` prompts is sampled, up to `max_sampling_rounds` batches in a step, until
+    advantage under a group baseline (not `reinforce_pp`'s batch one; the KL and overlong shaping come
+    after the filter) and only dilutes the batch, so it is set aside and another batch of
+    `prompts_per_step` prompts is sampled, up to `max_sampling_rounds` batches in a step, until
     `prompts_per_step` groups with differing rewards are found; a step that runs out of rounds fills up
     with the set-aside groups. Synchronous loop only."""
     max_sampling_rounds: int = Field(3, ge=1)
@@ -154,7 +155,8 @@ class OptimSettings(BaseModel):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """The learning rate after the warm-up: `constant`, or decaying from `lr` towards `min_lr_ratio` x
     `lr` at `max_steps` (rl/setup.py `scheduled_lr`; as Hugging Face's schedulers, the last step's is
-    still above it). A resume with another `max_steps` decays the remaining steps over the new length."""
+    still above it). A resume with another `max_steps` takes the new length's schedule from its next
+    step on (the rate jumps to it)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Where `linear` and `cosine` decay to, as a fraction of `lr` (verl's `min_lr_ratio`)."""
     fp32_master_weights: bool = True

@@ -28,7 +28,7 @@ def stopped_by(e: KeyboardInterrupt) -> tuple[str, int]:
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
-    from exactrl.distributed import init_from_env
+    from exactrl.distributed import init_from_env, lost_rank
 
     cfg = load_config(config_path, overrides)
     ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
@@ -40,6 +40,11 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
         if code not in (130, 143):  # an interrupted rank may have left the others in another collective: no barrier
             ranks.barrier()  # every rank is done before any tears the group down
         return code
+    except RuntimeError as e:  # outside the training loop (setting up, the last barrier): one line as in it
+        lost = lost_rank(e) if ranks.world > 1 else None
+        if lost:
+            raise ConnectionError(f"another rank left the run ({lost}); its own output says why") from None
+        raise
     finally:
         if graceful:
             signal.signal(signal.SIGTERM, previous)

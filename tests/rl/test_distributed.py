@@ -441,3 +441,22 @@ def test_a_rank_that_dies_mid_run_leaves_one_line_on_the_others_not_a_gloo_trace
                      rf"continue it with exactrl train --nproc 2 --set run_dir={re.escape(str(run))} --set "
                      r"resume=true", done.stderr), done.stderr[-3000:]
     assert lost_rank(ValueError("gloo")) is None and lost_rank(RuntimeError("an error of ours")) is None
+
+
+def test_a_rank_that_dies_while_setting_up_leaves_one_line_on_the_others(model_dir, tmp_path):
+    """Rank 1 is killed before the training loop (as it builds the run): rank 0, waiting in setup's first
+    collective, says in one line that a rank left (it printed gloo's traceback, exit code 1)."""
+    import os
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.rl.setup as setup\n"
+        "    def dying(*args, **kwargs):\n        os.kill(os.getpid(), signal.SIGKILL)\n    setup.build = dying\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2", *sets(model_dir, tmp_path / "run", "max_steps=2")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode in (2, 137) and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "exactrl train: rank 1 was killed by signal 9" in done.stderr, done.stderr[-3000:]
+    assert re.search(r"\(rank 0\): error: another rank left the run \(Connection (closed|reset) by peer[^)]*\); its "
+                     r"own output says why\n", done.stderr), done.stderr[-3000:]
