@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from exactrl.kernels import TokenLayout, native, sampling_logprobs
-from exactrl.kernels.linear import PackedWeights, using_packed
+from exactrl.kernels.linear import PackedWeights, input_grad, transposed_panels, using_packed
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.transformer import CausalLM
 
@@ -205,8 +205,8 @@ class _HeadLogprobs(torch.autograd.Function):
     top-k/top-p cut-offs constant (as autograd treats them):
         ∂lp_t/∂z'_j = 1[j = t] − p_j          (no 1[j = t] when t itself was cut off)
         ∂H/∂z'_j    = −p_j (lp_j + H)          (0 where p_j = 0)
-    then ∂/∂h = ∂z·W and ∂/∂W = ∂zᵀ·h with plain matmuls (only forward values
-    must be batch-invariant). Chunking changes no forward bit: the exact
+    then ∂/∂h = ∂z·W (the native linear over Wᵀ, `input_grad`) and ∂/∂W = ∂zᵀ·h
+    (torch's matmul): only forward values must be batch-invariant. Chunking changes no forward bit: the exact
     projection is row-invariant and every op after it row-wise (tested against
     the unchunked path).
     """
@@ -251,6 +251,7 @@ class _HeadLogprobs(torch.autograd.Function):
         g_hit_N = g_lp_N * torch.isfinite(lp_N)  # a cut-off target's own logit is a constant (-inf)
         g_ent_N = g_ent_N.float() if ctx.entropy_grad and g_ent_N is not None else None
         w_f = w_VD.float()
+        w_t = transposed_panels(w_f) if gh_ND is not None else None  # packed once for every chunk
         for c, lp_cV in enumerate(ctx.chunks):
             sl = slice(c * HEAD_CHUNK_ROWS, c * HEAD_CHUNK_ROWS + lp_cV.shape[0])
             # the formula above, one pass, over the chunk's own memory (this backward is its last reader)
@@ -259,7 +260,7 @@ class _HeadLogprobs(torch.autograd.Function):
                                      inplace=lp_cV.is_contiguous())
             ctx.chunks[c] = None
             if gh_ND is not None:
-                gh_ND[sl] = (gz_cV @ w_f).to(h_ND.dtype)
+                gh_ND[sl] = input_grad(gz_cV, w_t).to(h_ND.dtype)
             if gw_VD is not None:  # accumulated in place: a [V, D] product and sum per chunk took 1.7x as long
                 gw_VD.addmm_(gz_cV.t(), h_ND[sl].float())
         ctx.chunks = None
