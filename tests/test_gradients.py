@@ -217,3 +217,40 @@ def test_exact_rms_norm_gradient_is_the_rms_norm_gradient(dtype, shape):
     assert dw.abs().sum() > 0
     (only_dx,) = torch.autograd.grad(exact_rms_norm(x, w.detach(), 1e-6), (x,), gy)
     assert torch.equal(only_dx, dx)
+
+
+@pytest.mark.parametrize("N, K", [(5, 7), (40, 33), (33, 40), (130, 64)])  # both orientations, ragged panels
+def test_linear_gradients_through_the_native_kernel_are_the_products_and_thread_independent(N, K):
+    """`input_grad` (g W) and `weight_grad` (gᵀ x), the exact linear's backward in fp32: the products to fp32
+    rounding (against float64), the same bits at 1 and 2 threads, from non-contiguous inputs too; with no
+    rows the weight gradient is zeros; the exact linear's autograd gives them."""
+    from exactrl.kernels.linear import exact_linear, input_grad, weight_grad
+
+    gen = torch.Generator().manual_seed(N * 100 + K)
+    M = 300
+    x = torch.randn(M, K, generator=gen)
+    g = torch.randn(N, M, generator=gen).t()  # a transposed view: not contiguous
+    w = torch.randn(N, K, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        got = {}
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got[t] = input_grad(g, w), weight_grad(g, x)
+    finally:
+        torch.set_num_threads(threads)
+    gx, gw = got[1]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], got[2]))
+    assert gx.shape == (M, K) and gw.shape == (N, K)
+    torch.testing.assert_close(gx.double(), g.double() @ w.double(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(gw.double(), g.double().t() @ x.double(), rtol=0, atol=1e-3)
+    assert torch.equal(weight_grad(g[:0], x[:0]), torch.zeros(N, K))
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    exact_linear(xr, wr).backward(g)
+    assert torch.equal(xr.grad, gx) and torch.equal(wr.grad, gw)
+
+
+def test_panels_packed_from_the_transpose_are_the_transposes_panels():
+    for K, N in ((7, 5), (300, 33), (64, 130)):
+        s = torch.randn(K, N)
+        assert torch.equal(native.packed_transpose(s).panels, native.PackedLinearWeight(s.t().contiguous()).panels)

@@ -82,7 +82,7 @@ Backward: only the forward values must be batch-invariant. The gradients use
 plain products (a custom autograd function), which avoids materialising the
 (n_tiles, K, N) gradient that autograd of the broadcast weight would create:
 the input's gradient through the native linear over Wᵀ in fp32 (`input_grad`,
-faster than torch's GEMM there), the weight's through torch's matmul.
+faster than torch's GEMM there) and the weight's too (`weight_grad`).
 
 Legend: M rows, K input features, N output features, P padded rows.
 """
@@ -374,8 +374,28 @@ class _ExactLinear(torch.autograd.Function):
     def backward(ctx, g_MN):  # type: ignore[override]
         x_MK, w_NK = ctx.saved_tensors
         gx = input_grad(g_MN, w_NK) if ctx.needs_input_grad[0] else None
-        gw = (g_MN.t() @ x_MK) if ctx.needs_input_grad[1] else None
+        gw = weight_grad(g_MN, x_MK) if ctx.needs_input_grad[1] else None
         return gx, gw
+
+
+def weight_grad(g_MN: torch.Tensor, x_MK: torch.Tensor) -> torch.Tensor:
+    """∂L/∂W = gᵀ x for y = x Wᵀ: [N, K], a sum over the M rows. In fp32 the native linear, with the
+    narrower of g and x transposed into rows (a copy of M x min(N, K)) and the wider packed straight from
+    its rows (`native.packed_transpose`):
+
+        N <= K:  gᵀ · (xᵀ)ᵀ                 N > K:  (xᵀ · (gᵀ)ᵀ)ᵀ
+
+    On Zen 5 the kernel runs these at 450-490 GFLOP/s against torch's 190-210 (8448 rows, the 20M
+    model's layers); packing xᵀ as a weight from a transposed copy cost more than the product. Other
+    dtypes: a plain matmul."""
+    if not _uses_native(g_MN, x_MK):
+        return g_MN.t() @ x_MK
+    (m, n), k = g_MN.shape, x_MK.shape[1]
+    if m == 0:
+        return g_MN.new_zeros(n, k)
+    if n <= k:
+        return native.linear(g_MN.t().contiguous(), native.packed_transpose(x_MK))
+    return native.linear(x_MK.t().contiguous(), native.packed_transpose(g_MN)).t()
 
 
 def input_grad(g_MN: torch.Tensor, w_NK: torch.Tensor | native.PackedLinearWeight) -> torch.Tensor:

@@ -148,6 +148,7 @@ def _library(build: str) -> ctypes.CDLL:
     lib.exactrl_gemm_panel_width.argtypes, lib.exactrl_gemm_panel_width.restype = [], i64
     lib.exactrl_pack_weight.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     lib.exactrl_pack_weight.restype = None
+    lib.exactrl_pack_weight_t.argtypes, lib.exactrl_pack_weight_t.restype = [ptr, i64, i64, ptr, ctypes.c_int], None
     lib.exactrl_linear.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.exactrl_linear.restype = None
     lib.exactrl_linear_multi.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
@@ -329,6 +330,21 @@ class PackedLinearWeight:
             self.lib.exactrl_pack_weight(w.data_ptr(), w.shape[0], self.K, self.panels[at:].data_ptr(),
                                          torch.get_num_threads())
             at += -(-w.shape[0] // nr) * nr * self.K
+
+
+def packed_transpose(s_KN: torch.Tensor, build: str = "") -> PackedLinearWeight:
+    """The panels of sᵀ [N, K] for `linear`, packed straight from s [K, N] (no transposed copy): the same
+    panels as PackedLinearWeight(s.t().contiguous())."""
+    assert s_KN.dim() == 2 and s_KN.dtype == torch.float32, (s_KN.shape, s_KN.dtype)
+    s = s_KN.detach().contiguous()
+    w = PackedLinearWeight.__new__(PackedLinearWeight)
+    w.build, w.lib = build, _library(build)
+    w.K, w.N = s.shape
+    w.Ns, w._Ns = (w.N,), (ctypes.c_int64 * 1)(w.N)
+    nr = w.lib.exactrl_gemm_panel_width()
+    w.panels = torch.empty(-(-w.N // nr) * nr * w.K, dtype=torch.float32)
+    w.lib.exactrl_pack_weight_t(s.data_ptr(), w.K, w.N, w.panels.data_ptr(), torch.get_num_threads())
+    return w
 
 
 def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:

@@ -113,6 +113,24 @@ void exactrl_pack_weight(const float *w, int64_t N, int64_t K, float *out, int t
     }
 }
 
+/* The panels `exactrl_pack_weight` makes of w = sᵀ, read straight from s [K, N] (row-major): panel p's
+ * row k is s[k, p·NR ..], contiguous, so no transposed copy of s is made (the trainer's weight gradient
+ * gᵀx packs the transpose of an activation of thousands of rows). */
+void exactrl_pack_weight_t(const float *s, int64_t K, int64_t N, float *out, int threads) {
+    const int64_t panels = (N + NR - 1) / NR;
+    /* by rows of s (each read once, in order), every panel's row k written from it */
+#pragma omp parallel for schedule(static) num_threads(threads) if (N * K >= (1 << 18))
+    for (int64_t k = 0; k < K; k++) {
+        const float *sk = s + k * N;
+        for (int64_t p = 0; p < panels; p++) {
+            float *o = out + p * K * NR + k * NR;
+            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+            for (int64_t j = 0; j < cols; j++) o[j] = sk[p * NR + j];
+            for (int64_t j = cols; j < NR; j++) o[j] = 0.0f;
+        }
+    }
+}
+
 /* The mr x NR outputs at c (row stride ldc) of k's [k0, k1): stored (first block) or added to c. */
 static inline __attribute__((always_inline)) void block(const int mr, const float *x, int64_t ldx, const float *b,
                                                         int64_t k0, int64_t k1, float *c, int64_t ldc, int first,
