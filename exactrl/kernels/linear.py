@@ -385,9 +385,9 @@ def weight_grad(g_MN: torch.Tensor, x_MK: torch.Tensor) -> torch.Tensor:
 
         N <= K:  gᵀ · (xᵀ)ᵀ                 N > K:  (xᵀ · (gᵀ)ᵀ)ᵀ
 
-    On Zen 5 the kernel runs these at 450-490 GFLOP/s against torch's 190-210 (8448 rows, the 20M
-    model's layers); packing xᵀ as a weight from a transposed copy cost more than the product. Other
-    dtypes: a plain matmul."""
+    On Zen 5, for 8448 rows of the 20M model's layers, the product alone runs at 450-490 GFLOP/s, with
+    the copy and the packing 245-280, against torch's 180-210 (packing xᵀ from a transposed copy cost
+    more than it saved); a bench-train backward went 2.68 -> 2.23 s. Other dtypes: a plain matmul."""
     if not _uses_native(g_MN, x_MK):
         return g_MN.t() @ x_MK
     (m, n), k = g_MN.shape, x_MK.shape[1]
