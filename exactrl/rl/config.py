@@ -7,7 +7,6 @@ unknown key or a bad value is an error naming the dotted key.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Hashable
 from datetime import date
 from pathlib import Path
@@ -477,42 +476,4 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
     return out
 
 
-def config_reference() -> str:
-    """Every config key with its type, default and docstring, as Markdown (`docs/config.md` is this text;
-    a test keeps the two the same)."""
-    lines = ["# Run config keys", "",
-             "Generated from `exactrl/rl/config.py` (`config_reference()`); set any key in a YAML file or with",
-             "`exactrl train --set key=value`. `exactrl train` with no file runs these defaults: the default job.", ""]
-
-    def section(model: type[BaseModel], prefix: str) -> None:
-        rows, subs = [], []
-        for name, f in model.model_fields.items():
-            key = prefix + (f.alias or name)
-            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
-                subs.append((f.annotation, key, f.description))
-                continue
-            default = f.default_factory() if f.default_factory is not None else f.default
-            text = " ".join((f.description or "").split()).replace("|", "\\|")
-            rows.append(f"| `{key}` | {_type_text(f.annotation)} | `{json.dumps(default)}` | {text} |")
-        if rows:
-            lines.extend(["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
-        for sub, key, doc in subs:
-            lines.extend([f"## `{key}`", ""] + ([" ".join(doc.split()), ""] if doc else []))
-            section(sub, key + ".")
-
-    section(RunConfig, "")
-    return "\n".join(lines)
-
-
-def _type_text(ann: Any) -> str:
-    origin, args = get_origin(ann), get_args(ann)
-    if origin is Literal:
-        return " \\| ".join(f"`{a}`" for a in args)
-    if origin is Annotated:
-        return _type_text(args[0])
-    if origin in (Union, tuple, list, dict) or type(ann).__name__ == "UnionType":
-        parts = [_type_text(a) for a in args if a is not Ellipsis]
-        if origin in (Union, None) or type(ann).__name__ == "UnionType":
-            return " or ".join("null" if p == "NoneType" else p for p in parts)
-        return f"{origin.__name__}[{', '.join(parts)}]"
-    return getattr(ann, "__name__", str(ann))
+from exactrl.rl.config_docs import config_reference  # noqa: E402,F401  (docs/config.md's generator)

@@ -6,6 +6,7 @@ gradient, the engine's token draw, the LM head's entropy and logit gradient,
 each one pass over memory where torch took several. `fpmode.h`: every thread of a
 parallel region computes in its caller's flush-to-zero / denormal mode.
 `exp_f.h`: the kernels' own float32 exp (vectorisable, the same bits on every CPU).
+`gemm.py` is the Python side of `gemm.c` (its packed weights and calls).
 `graph.c` (with `graph.py`): replays recorded kernel calls in one C loop (the engine's decode graphs).
 
 Why C: the exact attention computes each query row on its own with a fixed
@@ -36,7 +37,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -302,75 +302,6 @@ def write_rows(dst_RD: torch.Tensor, rows_N: torch.Tensor, src_ND: torch.Tensor,
                                      dst_RD.data_ptr())
 
 
-class PackedLinearWeight:
-    """An fp32 weight [N, K] laid out for `linear` (gemm.c's panels), or several weights [N_s, K] of one
-    input laid out one after another for `linears`. Holds its own copy: a later change to a weight is not
-    seen, so whoever keeps one must drop it when a weight changes."""
-
-    def __init__(self, w_NK: torch.Tensor | Sequence[torch.Tensor], build: str = ""):
-        ws = [w_NK] if isinstance(w_NK, torch.Tensor) else list(w_NK)
-        assert ws and all(w.dim() == 2 and w.dtype == torch.float32 and w.shape[1] == ws[0].shape[1] for w in ws), \
-            [(w.shape, w.dtype) for w in ws]
-        self.build, self.lib = build, _library(build)
-        self.Ns = tuple(w.shape[0] for w in ws)
-        self.N, self.K = sum(self.Ns), ws[0].shape[1]
-        nr = self.lib.exactrl_gemm_panel_width()
-        self.panels = torch.empty(sum(-(-n // nr) for n in self.Ns) * nr * self.K, dtype=torch.float32)
-        self._Ns = (ctypes.c_int64 * len(ws))(*self.Ns)
-        self.repack(ws)
-
-    def repack(self, w_NK: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Packs the weights' current values into these panels (the same shapes): whoever holds their address
-        (a decode graph) reads the new values."""
-        ws = [w_NK] if isinstance(w_NK, torch.Tensor) else list(w_NK)
-        assert tuple(w.shape for w in ws) == tuple((n, self.K) for n in self.Ns), [w.shape for w in ws]
-        nr, at = self.lib.exactrl_gemm_panel_width(), 0
-        for w in ws:  # each weight's panels, its last one zero-padded
-            w = w.detach().contiguous()
-            self.lib.exactrl_pack_weight(w.data_ptr(), w.shape[0], self.K, self.panels[at:].data_ptr(),
-                                         torch.get_num_threads())
-            at += -(-w.shape[0] // nr) * nr * self.K
-
-
-def packed_transpose(s_KN: torch.Tensor, build: str = "") -> PackedLinearWeight:
-    """The panels of sᵀ [N, K] for `linear`, packed straight from s [K, N] (no transposed copy): the same
-    panels as PackedLinearWeight(s.t().contiguous())."""
-    assert s_KN.dim() == 2 and s_KN.dtype == torch.float32, (s_KN.shape, s_KN.dtype)
-    s = s_KN.detach().contiguous()
-    w = PackedLinearWeight.__new__(PackedLinearWeight)
-    w.build, w.lib = build, _library(build)
-    w.K, w.N = s.shape
-    w.Ns, w._Ns = (w.N,), (ctypes.c_int64 * 1)(w.N)
-    nr = w.lib.exactrl_gemm_panel_width()
-    w.panels = torch.empty(-(-w.N // nr) * nr * w.K, dtype=torch.float32)
-    w.lib.exactrl_pack_weight_t(s.data_ptr(), w.K, w.N, w.panels.data_ptr(), torch.get_num_threads())
-    return w
-
-
-def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:
-    """y = x . W^T in fp32, each output summed in an order fixed by K alone (gemm.c): [M, N]."""
-    M, K = x_MK.shape
-    assert x_MK.dtype == torch.float32 and K == w.K and len(w.Ns) == 1, (x_MK.dtype, x_MK.shape, w.K, w.Ns)
-    x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
-    y = torch.empty(M, w.N, dtype=torch.float32)
-    if M and w.N:
-        library(w.build).exactrl_linear(x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(),
-                                        torch.get_num_threads())
-    return y
-
-
-def linears(x_MK: torch.Tensor, w: PackedLinearWeight) -> list[torch.Tensor]:
-    """[x . W_s^T for each weight s of w], in one call: each the same bits as `linear` with W_s alone."""
-    M, K = x_MK.shape
-    assert x_MK.dtype == torch.float32 and K == w.K, (x_MK.dtype, x_MK.shape, w.K)
-    x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
-    y = torch.empty(M * w.N, dtype=torch.float32)  # the outputs one after another, each contiguous
-    if M:
-        library(w.build).exactrl_linear_multi(x.data_ptr(), w.panels.data_ptr(), M, K, len(w.Ns), w._Ns, y.data_ptr(),
-                                   torch.get_num_threads())
-    return [part.view(M, n) for part, n in zip(y.split([M * n for n in w.Ns]), w.Ns)]
-
-
 def _f32(*ts: torch.Tensor) -> list[torch.Tensor]:
     assert all(t.dtype == torch.float32 for t in ts), [t.dtype for t in ts]
     return [t if t.is_contiguous() else t.contiguous() for t in ts]
@@ -503,3 +434,7 @@ def head_grad(lp_RV: torch.Tensor, g_lp_R: torch.Tensor, g_hit_R: torch.Tensor, 
                                          None if ge is None else ge.data_ptr(), ent.data_ptr(), float(temperature),
                                          gz.data_ptr(), torch.get_num_threads())
     return gz
+
+
+# the Python side of gemm.c (it needs `library` and `_library` above)
+from exactrl.kernels.native.gemm import PackedLinearWeight, linear, linears, packed_transpose  # noqa: E402,F401
