@@ -28,7 +28,7 @@ def stopped_by(e: KeyboardInterrupt) -> tuple[str, int]:
 
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
-    from exactrl.distributed import init_from_env, lost_rank
+    from exactrl.distributed import init_from_env
 
     cfg = load_config(config_path, overrides)
     ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
@@ -41,9 +41,9 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
             ranks.barrier()  # every rank is done before any tears the group down
         return code
     except RuntimeError as e:  # outside the training loop (setting up, the last barrier): one line as in it
-        lost = lost_rank(e) if ranks.world > 1 else None
-        if lost:
-            raise ConnectionError(f"another rank left the run ({lost}); its own output says why") from None
+        left = rank_left(e, ranks)
+        if left is not None:
+            raise left from None
         raise
     finally:
         if graceful:
@@ -79,12 +79,20 @@ def settings_leaves(cfg) -> dict:
     return {k: v for k, v in dotted(cfg.model_dump(by_alias=True)).items() if v != {}}
 
 
+def rank_left(e: BaseException, ranks) -> ConnectionError | None:
+    """The one-line error for a collective that failed because another rank is gone; None for any other."""
+    from exactrl.distributed import lost_rank
+
+    lost = lost_rank(e) if ranks.world > 1 else None
+    return ConnectionError(f"another rank left the run ({lost}); its own output says why") if lost else None
+
+
 def _quiet(*args, **kwargs) -> None:
     """`print` on ranks other than 0: rank 0 speaks for the run."""
 
 
 def _train(cfg, ranks, say) -> int:
-    from exactrl.distributed import lost_rank, optimizer_share
+    from exactrl.distributed import optimizer_share
     from exactrl.rl.async_loop import train_async
     from exactrl.rl.checkpoint import CheckpointWriteError, latest_checkpoint, replace_durably
     from exactrl.rl.loop import train
@@ -129,9 +137,9 @@ def _train(cfg, ranks, say) -> int:
                   file=sys.stderr)
         if interrupted:
             return stop_code
-        lost = lost_rank(e) if ranks.world > 1 else None
-        if lost:  # one line, not gloo's traceback: the rank that left (its output, the launcher's) says why
-            e = ConnectionError(f"another rank left the run ({lost}); its own output says why")
+        left = rank_left(e, ranks)
+        if left is not None:  # one line, not gloo's traceback: the rank that left (its output, the launcher's) says why
+            e = left
         if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and ranks.main and not removed:
             ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
             nproc = f"--nproc {ranks.world} " if ranks.world > 1 else ""
@@ -139,7 +147,7 @@ def _train(cfg, ranks, say) -> int:
                           f"{f'its last checkpoint {ckpt.name} is intact' if ckpt else 'it has no checkpoint yet'}: "
                           f"fix that and continue it with exactrl train {nproc}--set run_dir={c.run_dir} "
                           f"--set resume=true") from e
-        if lost:
+        if left is not None:
             raise e from None
         raise
     finally:
