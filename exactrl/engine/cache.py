@@ -30,10 +30,14 @@ class PagePool:
         self.block_size = model.block_size
         # per layer [k_pages, v_pages], each [P + 1, Hk, B, Dh]: the last page is scratch, never handed out
         # (the padding rows of a decode graph write there: engine/graph.py)
-        need, ram = model.kv_bytes(num_pages + 1), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if need > ram:  # a budget beyond torch's int64 sizes was a TypeError; one beyond RAM may be OOM-killed
+        need = model.kv_bytes(num_pages + 1)
+        if model.device.type == "cuda":
+            ram, where = torch.cuda.mem_get_info(model.device)[0], "the GPU has free"
+        else:
+            ram, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine has"
+        if need > ram:  # a budget beyond torch's int64 sizes is a TypeError; one beyond RAM may be OOM-killed
             raise ValueError(f"a KV budget of {num_pages * self.block_size} tokens does not fit in memory "
-                             f"({need / 2**30:.4g} GiB of KV cache, the machine has {ram / 2**30:.4g} GiB): lower "
+                             f"({need / 2**30:.4g} GiB of KV cache, {where} {ram / 2**30:.4g} GiB): lower "
                              f"kv_budget_tokens")
         try:
             self.kv = model.new_kv(num_pages + 1)
@@ -79,8 +83,9 @@ class PagePool:
         """Copies whole pages src -> dst in every layer (before the forward that writes dst)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs])
-        dst = torch.tensor([d for _, d in pairs])
+        dev = self.kv[0][0].device
+        src = torch.tensor([s for s, _ in pairs], device=dev)
+        dst = torch.tensor([d for _, d in pairs], device=dev)
         for layer in self.kv:
             for pages in layer:
                 pages[dst] = pages[src]

@@ -30,10 +30,9 @@ import torch
 
 from exactrl.engine.cache import PagePool
 from exactrl.engine.graph import DecodeGraphs
-from exactrl.engine.sampling import (SampleRows, SamplingParams, params_per_prompt, sample,
-                                     sample_uniform)
+from exactrl.engine.sampling import SampleRows, SamplingParams, params_per_prompt, sample_uniform
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
-from exactrl.kernels import TokenLayout, native
+from exactrl.kernels import TokenLayout
 from exactrl.kernels.linear import PackedWeights, using_packed
 
 
@@ -93,7 +92,7 @@ class Engine:
     def __init__(self, model, *, stop_token_ids=None, kv_budget_tokens: int = 16384,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  decode_graphs: bool = True):
-        native.library()  # the KV cache is written by C code in either kernel mode: a missing compiler is named now
+        model.kernels.ensure_built()  # what stepping needs in either kernel mode: a missing compiler is named now
         self.model = model
         cfg = model.config
         self.vocab_size = cfg.vocab_size
@@ -323,7 +322,7 @@ class Engine:
                 logits_RV = self.model.logits(hidden_ND[batch.rows_R]) if batch.targets else None
             if batch.targets:
                 rows = self._sample_rows(batch.targets)
-                tok_R, lp_R = sample(logits_RV, rows)
+                tok_R, lp_R = self.model.kernels.sample(logits_RV, rows)
                 toks = tok_R.tolist()
                 self._check_drawn(toks, batch.targets)
         # only now is the step's work kept: if anything above raised, every chunk is simply

@@ -94,7 +94,7 @@ class DecodeGraphs:
     def supported(model) -> bool:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
         ops are torch's)."""
-        return model.kernels.exact and model.dtype == torch.float32
+        return model.kernels.backend == "native" and model.kernels.exact and model.dtype == torch.float32
 
     def clear(self) -> None:
         self._graphs.clear()

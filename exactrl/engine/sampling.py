@@ -149,20 +149,24 @@ def sample(logits_RV: torch.Tensor, rows: SampleRows) -> tuple[torch.Tensor, tor
     return native.sample(logits_RV.float(), DRAW_BLOCK, torch.tensor(rows.uniform, dtype=torch.float64), greedy)
 
 
-def row_logprobs(logits_RV: torch.Tensor, rows: SampleRows) -> torch.Tensor:
-    """`sampling_logprobs` with each row's parameters, called once per flag group."""
+def row_logprobs(logits_RV: torch.Tensor, rows: SampleRows, kernels=None) -> torch.Tensor:
+    """`sampling_logprobs` with each row's parameters, called once per flag group (through `kernels`'
+    row reductions when given, else the native ones)."""
+    lsm = log_softmax if kernels is None else kernels.log_softmax
+    dist = sampling_logprobs if kernels is None else kernels.sampling_logprobs
     if _plain(rows):
-        return log_softmax(logits_RV.float())  # what sampling_logprobs computes then, without its ~10 checks
+        return lsm(logits_RV.float())  # what sampling_logprobs computes then, without its ~10 checks
     temp_R = torch.tensor(rows.temperature, dtype=torch.float32)
     top_k_R = torch.tensor(rows.top_k, dtype=torch.int64)
     top_p_R = torch.tensor(rows.top_p, dtype=torch.float32)
     groups = set(rows.flags)
     if len(groups) == 1:
-        return sampling_logprobs(logits_RV, temp_R, top_k_R, top_p_R)
+        return dist(logits_RV, temp_R, top_k_R, top_p_R)
     out_RV = torch.empty_like(logits_RV, dtype=torch.float32)
     for flag in groups:
         idx = torch.tensor([i for i, f in enumerate(rows.flags) if f == flag])
-        out_RV[idx] = sampling_logprobs(logits_RV[idx], temp_R[idx], top_k_R[idx], top_p_R[idx])
+        dev_idx = idx.to(logits_RV.device)
+        out_RV[dev_idx] = dist(logits_RV[dev_idx], temp_R[idx], top_k_R[idx], top_p_R[idx])
     return out_RV
 
 

@@ -1,10 +1,14 @@
 """The only place where reduction order is decided.
 
 A model holds one `Kernels` object, chosen at load time (`kernels="exact"` or
-`"fast"`), never a hidden global. `exact` makes every op batch-invariant
-(DESIGN.md §1); `fast` uses plain torch ops (`F.linear`, SDPA) and shows the
-train/rollout mismatch that exactness removes. A GPU backend would be a third
-implementation of this same interface.
+`"fast"`, and a backend), never a hidden global. `exact` makes every op
+batch-invariant (DESIGN.md §1); `fast` uses plain torch ops (`F.linear`, SDPA)
+and shows the train/rollout mismatch that exactness removes.
+
+Two backends implement this one interface: `native` (this class; C kernels,
+CPU tensors) and `triton` (`kernels/triton`: Triton kernels on CUDA tensors,
+or on CPU tensors under Triton's interpreter). The model, the engine and the
+trainer call these methods and never ask which backend they have.
 """
 from __future__ import annotations
 
@@ -15,10 +19,13 @@ import torch
 from exactrl.kernels import attention as _attn
 from exactrl.kernels import native
 from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
-from exactrl.kernels.linear import check_short_rows, exact_linear, exact_linears, fast_linear, fuses_linears
+from exactrl.kernels import rowwise as _rowwise
+from exactrl.kernels.linear import (check_short_rows, exact_linear, exact_linears, fast_linear, fuses_linears,
+                                    input_grad, transposed_panels)
 from exactrl.kernels.rowwise import apply_rotary, exact_rms_norm, rms_norm, rotary_tables, sampling_logprobs
 
 KERNEL_MODES = ("exact", "fast")
+BACKENDS = ("native", "triton")
 
 
 @dataclass(frozen=True)
@@ -26,12 +33,18 @@ class Kernels:
     """One implementation of every op whose result could depend on the batch."""
 
     mode: str  # "exact" | "fast"
+    backend = "native"  # the C kernels on CPU tensors
 
     def __post_init__(self):
         if self.mode not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.mode!r}")
         if self.exact:  # compiled (or found in the cache) now: a missing compiler is named as the model loads
             native.library()
+
+    def ensure_built(self) -> None:
+        """Builds what the engine needs in either mode now (the KV cache is written by C code), so a missing
+        compiler is named when an engine is created."""
+        native.library()
 
     @property
     def exact(self) -> bool:
@@ -80,10 +93,46 @@ class Kernels:
             return _SwiGLU.apply(gate, up)
         return native.swiglu(gate, up)
 
-    def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int):
+    def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int,
+                       device: torch.device | None = None):
+        """What attention needs of a layout, checked once per forward (`device`: the model's; CPU here)."""
         if self.exact:
             return _attn.plan_exact(layout, block_size)
         return _attn.plan_fast(layout, block_size)
+
+    def write_kv(self, k_pages, v_pages, k_NHD, v_NHD, layout: TokenLayout, plan):
+        """Stores new keys/values at their pages and slots (`attention.write_kv`); returns the stores."""
+        return write_kv(k_pages, v_pages, k_NHD, v_NHD, layout)
+
+    def log_softmax(self, z_NV):
+        """log_softmax of fp32 rows, each row reduced in one fixed order; differentiable."""
+        return _rowwise.log_softmax(z_NV)
+
+    def entropy(self, lp_NV):
+        """-Σ exp(lp)·lp of each row of logprobs."""
+        return native.entropy(lp_NV)
+
+    def log_softmax_entropy(self, z_NV):
+        """(log_softmax, entropy) of fp32 rows in one pass; may overwrite z_NV."""
+        return native.log_softmax_entropy(z_NV, inplace=True)
+
+    def sampling_logprobs(self, logits_NV, temperature_N, top_k_N, top_p_N):
+        """`rowwise.sampling_logprobs` with this backend's row reductions."""
+        return sampling_logprobs(logits_NV, temperature_N, top_k_N, top_p_N)
+
+    def sample(self, logits_RV, rows):
+        """(tokens [R], their logprobs [R]) drawn from each row's sampling distribution (`engine/sampling.py`)."""
+        from exactrl.engine.sampling import sample
+        return sample(logits_RV, rows)
+
+    def head_grad(self, lp_cV, g_lp, g_hit, tgt, g_ent, ent, temp: float):
+        """∂L/∂z of a logits chunk for the trainer's LM-head path (formula in `model/logprobs.py`)."""
+        return native.head_grad(lp_cV, g_lp, g_hit, tgt, g_ent, ent, temp, inplace=lp_cV.is_contiguous())
+
+    def head_input_grad(self, w_VD):
+        """A function g -> g W for many chunks of one backward (W packed once where the backend packs)."""
+        w_t = transposed_panels(w_VD.float())
+        return lambda g: input_grad(g, w_t)
 
     def attention(self, q_NHD, k_pages, v_pages, plan, scale: float):
         if self.exact:
@@ -130,9 +179,15 @@ class _Rotary(torch.autograd.Function):
         return native.rotary(g_NHD.float(), cos_ND, -sin_ND), None, None
 
 
-def get_kernels(mode: str) -> Kernels:
+def get_kernels(mode: str, backend: str = "native") -> Kernels:
+    """The kernels of `mode` ("exact" | "fast") on `backend` ("native" | "triton")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        from exactrl.kernels.triton import TritonKernels
+        return TritonKernels(mode)
     return Kernels(mode)
 
 
-__all__ = ["Kernels", "KERNEL_MODES", "TokenLayout", "get_kernels", "write_kv", "apply_rotary",
+__all__ = ["Kernels", "KERNEL_MODES", "BACKENDS", "TokenLayout", "get_kernels", "write_kv", "apply_rotary",
            "rotary_tables", "sampling_logprobs"]

@@ -208,7 +208,7 @@ def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Te
     # row copies by index_select / index_copy: their backwards are index_add / index_select, where
     # advanced indexing's was an accumulating index_put (~7 ms each, 19 per 20M training step)
     q = q_NHD.index_select(0, plan.tok_SQ.reshape(-1)).view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
-    mask = torch.arange(J * B)[None, None, :] <= plan.pos_SQ[:, :, None]
+    mask = torch.arange(J * B, device=q_NHD.device)[None, None, :] <= plan.pos_SQ[:, :, None]
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
                                        scale=scale, enable_gqa=True)
     o_xHD = o.transpose(1, 2).reshape(S * Q, H, D)  # [S * Q, H, D]

@@ -104,15 +104,21 @@ def check_temperature(temperature) -> None:
 
 
 def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_k_N: torch.Tensor,
-                      top_p_N: torch.Tensor) -> torch.Tensor:
+                      top_p_N: torch.Tensor, row_log_softmax=None, row_cumsum=None) -> torch.Tensor:
     """log of the distribution tokens are sampled from, per row: [N, V] fp32.
 
     p = softmax(z / T) restricted to {z >= k-th largest} (top_k > 0) and then to
     the smallest set of largest probabilities whose mass reaches top_p, then
     renormalised. T = 0 (greedy) reports log_softmax(z), i.e. T = 1.
+    The two reductions over a row, `row_log_softmax` and `row_cumsum`, are the kernels' (a backend's
+    own; by default the C log_softmax and torch's CPU cumsum, sequential per row).
     """
+    row_log_softmax = log_softmax if row_log_softmax is None else row_log_softmax
+    row_cumsum = (lambda x: torch.cumsum(x, dim=-1)) if row_cumsum is None else row_cumsum
     V = logits_NV.shape[1]
     z = logits_NV.float()
+    dev = z.device
+    temperature_N, top_k_N, top_p_N = temperature_N.to(dev), top_k_N.to(dev), top_p_N.to(dev)
     temp = torch.where(temperature_N > 0, temperature_N.float(), 1.0)
     if bool((temp != 1.0).any()):  # z / 1 == z exactly: skipping it saves a pass over [N, V]
         z = z / temp[:, None]
@@ -128,14 +134,14 @@ def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_
             keep &= z >= kth
             sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))
         if need_p:
-            probs = native.log_softmax(sorted_z).exp()  # per row in C: torch.softmax could split a lone row
-            mass_before = torch.cumsum(probs, dim=-1) - probs
+            probs = row_log_softmax(sorted_z).exp()  # per row in one order: torch.softmax could split a lone row
+            mass_before = row_cumsum(probs) - probs
             # a row without top-p keeps every token, also where its fp32 mass reaches 1.0 before the tail
             n_keep = torch.where(top_p < 1.0, (mass_before < top_p[:, None]).sum(-1).clamp(min=1), V)
             cut = sorted_z.gather(1, (n_keep - 1)[:, None])
             keep &= z >= cut
         z = z.masked_fill(~keep, float("-inf"))
-    return log_softmax(z)
+    return row_log_softmax(z)
 
 
 def log_softmax(z_NV: torch.Tensor) -> torch.Tensor:

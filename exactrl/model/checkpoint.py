@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from exactrl.kernels import get_kernels
+from exactrl.kernels import BACKENDS, get_kernels
 from exactrl.model.config import ModelConfig, check_eos_token_id
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE, CausalLM
 
@@ -107,27 +107,76 @@ def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
     return model
 
 
+def resolve_device(device: str | torch.device = "cpu", backend: str | None = None) -> tuple[torch.device, str]:
+    """(device, backend) of a model, checked: `backend` None picks `native` on CPU and `triton` on CUDA.
+
+    `triton` on CPU runs Triton's interpreter (TRITON_INTERPRET=1 must be set); `native` is CPU only.
+    What is missing (a GPU, triton, the variable) is named in one ValueError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    backend = ("native" if dev.type == "cpu" else "triton") if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if dev.type == "cuda":
+        if backend != "triton":
+            raise ValueError(f"backend={backend!r} runs on CPU tensors only: use backend='triton' (or None) on cuda")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: no CUDA GPU is available (torch {torch.__version__}, "
+                             f"torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    if backend == "triton":
+        from exactrl.kernels.triton import check_backend
+        check_backend(dev)
+    return dev, backend
+
+
 def build_model(cfg: ModelConfig, dtype="float32", kernels: str = "exact", seed: int | None = 0,
-                block_size: int = DEFAULT_BLOCK_SIZE) -> CausalLM:
-    model = CausalLM(cfg, get_kernels(kernels), block_size)
+                block_size: int = DEFAULT_BLOCK_SIZE, device: str | torch.device = "cpu",
+                backend: str | None = None) -> CausalLM:
+    dev, backend = resolve_device(device, backend)
+    if backend == "triton":
+        _check_triton_shapes(cfg, block_size)
+    model = CausalLM(cfg, get_kernels(kernels, backend), block_size)
     if seed is not None:
         init_weights(model, seed)
-    return model.to(_dtype(dtype))
+    return model.to(dev, _dtype(dtype))
+
+
+def _check_triton_shapes(cfg: ModelConfig, block_size: int) -> None:
+    """The shapes the Triton kernels take: tl.dot needs dims of at least 16, the rotary kernel a power of 2."""
+    d = cfg.head_dim
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"backend='triton' needs head_dim a power of two >= 16, the config has {d}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"backend='triton' needs a KV block size that is a power of two >= 16, got {block_size}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads={cfg.num_key_value_heads}")
 
 
 def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
-               block_size: int = DEFAULT_BLOCK_SIZE) -> CausalLM:
+               block_size: int = DEFAULT_BLOCK_SIZE, device: str | torch.device = "cpu",
+               backend: str | None = None) -> CausalLM:
     """Loads a Hugging Face model directory into the exactrl decoder. Every stored tensor's name, shape and
     dtype is checked against config.json from the file headers before the model is allocated, so a config
-    that is wrong (say a vocab_size of 10**13) is a named error, not an allocation failure."""
+    that is wrong (say a vocab_size of 10**13) is a named error, not an allocation failure.
+
+    `device` "cpu" | "cuda" and `backend` "native" | "triton" | None (`resolve_device`): the model lives
+    there, the engine and the trainer run there."""
+    dev, backend = resolve_device(device, backend)
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model directory {path!s} " + ("is a file: give the directory that holds config.json"
                                                         if path.exists() else "does not exist"))
     cfg = read_config(path)
     stored = _stored_tensors(path, _weight_files(path))
-    _check_shapes(path, cfg, stored, kernels, block_size)
-    model = build_model(cfg, dtype, kernels, seed=None, block_size=block_size)
+    _check_shapes(path, cfg, stored, kernels, block_size, backend)
+    model = build_model(cfg, dtype, kernels, seed=None, block_size=block_size, device=dev, backend=backend)
     params = dict(model.named_parameters())
     stored_head = None  # a tied model's head, if the checkpoint stores it too
     with torch.no_grad():
@@ -171,7 +220,8 @@ def _stored_tensors(path: Path, files: list[Path]) -> dict[str, tuple[Path, tupl
     return stored
 
 
-def _check_shapes(path: Path, cfg: ModelConfig, stored: dict, kernels: str, block_size: int) -> None:
+def _check_shapes(path: Path, cfg: ModelConfig, stored: dict, kernels: str, block_size: int,
+                  backend: str = "native") -> None:
     """The stored tensors are exactly the model's, shape for shape: checked on a meta-device model, which
     allocates nothing (its layers are counted first: a huge num_hidden_layers would take long to build)."""
     layers = {int(n.split(".")[2]) for n in stored if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
@@ -179,7 +229,7 @@ def _check_shapes(path: Path, cfg: ModelConfig, stored: dict, kernels: str, bloc
         raise ValueError(f"checkpoint {path!s}: config.json gives num_hidden_layers={cfg.num_hidden_layers}, "
                          f"but the safetensors files hold {len(layers)} layers")
     with torch.device("meta"):
-        params = {n: tuple(p.shape) for n, p in CausalLM(cfg, get_kernels(kernels), block_size).named_parameters()}
+        params = {n: tuple(p.shape) for n, p in CausalLM(cfg, get_kernels(kernels, backend), block_size).named_parameters()}
     if cfg.tie_word_embeddings:
         params["lm_head.weight"] = params[TIED]  # stored too, maybe: the same matrix (checked at load)
     for name, (f, shape) in stored.items():
@@ -237,7 +287,7 @@ def save_model(model: CausalLM, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_hf()
     cfg["torch_dtype"] = cfg["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[model.dtype]
-    tensors = {n: p.detach().contiguous().clone() for n, p in model.named_parameters()}
+    tensors = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in model.named_parameters()}
     _remove_shards(path)  # saving over a sharded checkpoint: its index would otherwise win at load
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))

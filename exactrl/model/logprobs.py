@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from exactrl.kernels import TokenLayout, native, sampling_logprobs
-from exactrl.kernels.linear import PackedWeights, input_grad, transposed_panels, using_packed
+from exactrl.kernels import TokenLayout
+from exactrl.kernels.linear import PackedWeights, using_packed
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.transformer import CausalLM
 
@@ -182,8 +182,11 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
         rows_N = torch.cat([torch.arange(st + f - 1, st + len(s) - 1) for st, f, s in zip(starts, first, token_ids)])
     targets = torch.tensor([t for s, f in zip(token_ids, first) for t in s[f:]], dtype=torch.int64)
     dist = (float(temperature), int(top_k), float(top_p))
-    lp_N, ent_N = _head_logprobs(model, hidden[rows_N], model.head_weight, targets, dist, with_entropy,
+    lp_N, ent_N = _head_logprobs(model, hidden[rows_N.to(hidden.device)], model.head_weight,
+                                 targets.to(hidden.device), dist, with_entropy,
                                  with_entropy and entropy_grad and torch.is_grad_enabled())
+    # per-token values come back to the host, where the losses are computed (a differentiable copy)
+    lp_N, ent_N = lp_N.cpu(), (ent_N.cpu() if ent_N is not None else None)
     ent = list(torch.split(ent_N, sizes)) if with_entropy else None
     return list(torch.split(lp_N, sizes)), ent
 
@@ -223,14 +226,15 @@ class _HeadLogprobs(torch.autograd.Function):
             n = h_cD.shape[0]
             with using_packed(packed):
                 z_cV = model.kernels.linear(h_cD, w_VD).float().contiguous()
+            kern = model.kernels
             if plain and with_entropy:  # one pass, over the logits' own memory: the bits of the two calls below
-                lp_cV, ent_c = native.log_softmax_entropy(z_cV, inplace=True)
+                lp_cV, ent_c = kern.log_softmax_entropy(z_cV)
                 ents.append(ent_c)
             else:
-                lp_cV = sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k),
-                                          torch.full((n,), top_p))
+                lp_cV = kern.sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k),
+                                               torch.full((n,), top_p))
                 if with_entropy:
-                    ents.append(native.entropy(lp_cV))
+                    ents.append(kern.entropy(lp_cV))
             lps.append(lp_cV.gather(1, tgt_c[:, None]).squeeze(1))
             if backward:  # under no_grad (reference model, behaviour recompute) nothing is kept
                 keep.append(lp_cV)
@@ -238,6 +242,7 @@ class _HeadLogprobs(torch.autograd.Function):
         ent_N = torch.cat(ents) if with_entropy else h_ND.new_zeros(0, dtype=torch.float32)
         ctx.save_for_backward(h_ND, w_VD, tgt_N, lp_N, ent_N)
         ctx.chunks, ctx.temp, ctx.entropy_grad = keep, (temp if temp > 0 else 1.0), entropy_grad
+        ctx.kernels = model.kernels
         if not entropy_grad:
             ctx.mark_non_differentiable(ent_N)
         return lp_N, ent_N
@@ -250,17 +255,16 @@ class _HeadLogprobs(torch.autograd.Function):
         g_lp_N = g_lp_N.float()
         g_hit_N = g_lp_N * torch.isfinite(lp_N)  # a cut-off target's own logit is a constant (-inf)
         g_ent_N = g_ent_N.float() if ctx.entropy_grad and g_ent_N is not None else None
-        w_f = w_VD.float()
-        w_t = transposed_panels(w_f) if gh_ND is not None else None  # packed once for every chunk
+        kern = ctx.kernels
+        times_w = kern.head_input_grad(w_VD) if gh_ND is not None else None  # W packed once for every chunk
         for c, lp_cV in enumerate(ctx.chunks):
             sl = slice(c * HEAD_CHUNK_ROWS, c * HEAD_CHUNK_ROWS + lp_cV.shape[0])
             # the formula above, one pass, over the chunk's own memory (this backward is its last reader)
-            gz_cV = native.head_grad(lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl],
-                                     None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp,
-                                     inplace=lp_cV.is_contiguous())
+            gz_cV = kern.head_grad(lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl],
+                                   None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp)
             ctx.chunks[c] = None
             if gh_ND is not None:
-                gh_ND[sl] = input_grad(gz_cV, w_t).to(h_ND.dtype)
+                gh_ND[sl] = times_w(gz_cV).to(h_ND.dtype)
             if gw_VD is not None:  # accumulated in place: a [V, D] product and sum per chunk took 1.7x as long
                 gw_VD.addmm_(gz_cV.t(), h_ND[sl].float())
         ctx.chunks = None

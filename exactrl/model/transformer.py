@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from exactrl.kernels import Kernels, TokenLayout, rotary_tables, write_kv
+from exactrl.kernels import Kernels, TokenLayout, rotary_tables
 from exactrl.model.config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 32  # keys per attention block = KV page size
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
-        k_pages, v_pages = write_kv(kv_pages[0], kv_pages[1], k, v, layout)
+        k_pages, v_pages = self.kernels.write_kv(kv_pages[0], kv_pages[1], k, v, layout, plan)
         kv_pages[0], kv_pages[1] = k_pages, v_pages
         o = self.kernels.attention(q, k_pages, v_pages, plan, 1.0 / math.sqrt(c.head_dim))
         return self.o_proj(o.reshape(n, -1))
@@ -142,13 +142,18 @@ class CausalLM(nn.Module):
         assert have % ROPE_CHUNK == 0, have  # only the last chunk is cut, at max_position_embeddings
         want = min(-(-max(positions, 2 * have) // ROPE_CHUNK) * ROPE_CHUNK, c.max_position_embeddings)
         parts = [rotary_tables(c.head_dim, ROPE_CHUNK, c.rope_theta, start) for start in range(have, want, ROPE_CHUNK)]
-        dtype = self.rope_cos.dtype  # the model's, after a `model.to(dtype)`, as the first chunk's
-        self.rope_cos = torch.cat([self.rope_cos, *(cos.to(dtype) for cos, _ in parts)])[:want]
-        self.rope_sin = torch.cat([self.rope_sin, *(sin.to(dtype) for _, sin in parts)])[:want]
+        # the model's dtype and device, after a `model.to(...)`, as the first chunk's
+        dtype, dev = self.rope_cos.dtype, self.rope_cos.device
+        self.rope_cos = torch.cat([self.rope_cos, *(cos.to(dev, dtype) for cos, _ in parts)])[:want]
+        self.rope_sin = torch.cat([self.rope_sin, *(sin.to(dev, dtype) for _, sin in parts)])[:want]
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     def kv_bytes(self, num_pages: int) -> int:
         """The bytes `new_kv(num_pages)` allocates (a Python int: no overflow before the allocation is tried)."""
@@ -160,7 +165,8 @@ class CausalLM(nn.Module):
         """An empty paged KV store: per layer [k_pages, v_pages], each [P, Hk, B, Dh]."""
         c = self.config
         shape = (num_pages, c.num_key_value_heads, self.block_size, c.head_dim)
-        return [[torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)]
+        return [[torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)]
                 for _ in range(c.num_hidden_layers)]
 
     def forward(self, tokens_N: torch.Tensor, layout: TokenLayout, kv: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -169,11 +175,15 @@ class CausalLM(nn.Module):
 
     def layer_inputs(self, tokens_N: torch.Tensor, layout: TokenLayout):
         """(embeddings, rotary cos and sin at each position, attention plan): the layers' inputs, the layout
-        checked. Apart from `run_layers` because the engine's decode graphs replay that part only."""
+        checked. Apart from `run_layers` because the engine's decode graphs replay that part only. The
+        layout stays where it was built (the host); tokens and positions go to the model's device."""
         c = self.config
         self.rope_reach(int(layout.pos_N.max()) + 1)  # checks the positions against max_position_embeddings
-        plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size)
-        return self.model.embed_tokens(tokens_N), self.rope_cos[layout.pos_N], self.rope_sin[layout.pos_N], plan
+        dev = self.device
+        plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size,
+                                           dev)
+        pos_N = layout.pos_N.to(dev)
+        return self.model.embed_tokens(tokens_N.to(dev)), self.rope_cos[pos_N], self.rope_sin[pos_N], plan
 
     def run_layers(self, x_ND, cos_ND, sin_ND, layout, plan, kv) -> torch.Tensor:
         """The decoder layers and the final norm: final hidden states [N, D]."""
