@@ -95,7 +95,8 @@ def _open_safetensors(f: Path):
 
 def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
     """Random init (normal(0, std) matrices, unit norms, zero biases), seeded."""
-    g = torch.Generator().manual_seed(seed)
+    dev = model.device
+    g = torch.Generator(device=dev).manual_seed(seed)  # on a GPU its own stream: other bits than the CPU's
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -103,7 +104,7 @@ def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                p.copy_(torch.randn(p.shape, generator=g, device=dev) * std)
     return model
 
 
@@ -141,10 +142,10 @@ def build_model(cfg: ModelConfig, dtype="float32", kernels: str = "exact", seed:
     dev, backend = resolve_device(device, backend)
     if backend == "triton":
         _check_triton_shapes(cfg, block_size)
-    model = CausalLM(cfg, get_kernels(kernels, backend), block_size)
+    model = CausalLM(cfg, get_kernels(kernels, backend), block_size).to(dev)
     if seed is not None:
         init_weights(model, seed)
-    return model.to(dev, _dtype(dtype))
+    return model.to(_dtype(dtype))
 
 
 def _check_triton_shapes(cfg: ModelConfig, block_size: int) -> None:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+import re
+
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from exactrl.argcheck import PathText
 
@@ -22,3 +24,16 @@ class ModelSettings(BaseModel):
     lost (one AdamW step at lr 5e-5 left half of a tiny Qwen3's weights unchanged)."""
     kernels: Literal["exact", "fast"] = "exact"
     """`exact` makes train/rollout logprobs bitwise equal; `fast` shows the mismatch it removes."""
+    device: str = "cpu"
+    """Where the model, the engine and the trainer's forward and backward run: `cpu` or `cuda` (`cuda:N`).
+    Per-token losses and advantages are computed on the host either way (they are small)."""
+    backend: Literal["native", "triton"] | None = None
+    """Kernel implementation: `native` (C, CPU only) or `triton` (CUDA; on CPU under Triton's interpreter,
+    with TRITON_INTERPRET=1 set). None picks native on cpu and triton on cuda."""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v

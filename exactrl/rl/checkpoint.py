@@ -140,7 +140,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return next((p for p in complete if p.name == named), complete[-1] if complete else None)
 
 
-def load_checkpoint(path: Path, dtype: str, kernels: str) -> tuple[CausalLM, dict, dict[str, Any]]:
+def load_checkpoint(path: Path, dtype: str, kernels: str, device: str = "cpu", backend: str | None = None
+                    ) -> tuple[CausalLM, dict, dict[str, Any]]:
     """(model, optimizer state dict, trainer state) of a checkpoint directory; a ValueError naming the
     file that cannot be read."""
     older = [p.name for p in _step_dirs(path.parent) if p != path]
@@ -148,8 +149,8 @@ def load_checkpoint(path: Path, dtype: str, kernels: str) -> tuple[CausalLM, dic
             if older else "")
     try:
         state = json.loads((path / "state.json").read_text())
-        model = load_model(path, dtype=dtype, kernels=kernels)
-        opt_state = torch.load(path / "optimizer.pt", weights_only=False)
+        model = load_model(path, dtype=dtype, kernels=kernels, device=device, backend=backend)
+        opt_state = torch.load(path / "optimizer.pt", weights_only=False, map_location=model.device)
     except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}){hint}") from None
     if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] >= 0

@@ -273,7 +273,8 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
         raise ValueError(f"algorithm.advantage_kwargs: {e}") if a.advantage_kwargs else e from None
     prompts, eval_problems = _datasets(cfg, task)
     model_dir = _model_dir(cfg, log, ranks)
-    model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels)
+    model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels, device=cfg.model.device,
+                       backend=cfg.model.backend)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     tokenizer.check_fits(model.config.vocab_size, "model.tokenizer" if cfg.model.tokenizer else "model.path")
     if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
@@ -316,7 +317,8 @@ def _resume(cfg: RunConfig, run_dir: Path, model: CausalLM, tokenizer, prompts: 
     start = 0
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     if ckpt is not None:
-        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels)
+        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels, cfg.model.device,
+                                                  cfg.model.backend)
         _check_same_run(state.get("config"), cfg, ckpt)
         if state.get("tokenizer", tokenizer.fingerprint) != tokenizer.fingerprint:
             raise ValueError(f"resume from {ckpt} with another tokenizer ({tokenizer.path}: model.tokenizer, or "
