@@ -44,10 +44,10 @@ ATTN_BLOCK_M = 64  # query rows (tokens x heads of one kv head) per attention ti
 # ------------------------------------------------------------------------------------------------- linear
 def linear_config(n: int, k: int, dtype: torch.dtype) -> dict:
     """The linear's tile configuration: a function of the weight's shape and dtype only."""
-    block_n = 128 if n >= 4096 else 64
+    block_n = 128 if n >= 1024 else 64
     block_k = 32 if dtype == torch.float32 else 64
     return dict(BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                num_warps=8 if block_n == 128 else 4, num_stages=3)
+                num_warps=8 if block_n == 128 else 4, num_stages=4 if dtype != torch.float32 else 3)
 
 
 @triton.jit
@@ -261,16 +261,14 @@ def entropy(lp_RV: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _cumsum_kernel(x_ptr, y_ptr, R, V, ROWS: tl.constexpr, CHUNK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    live = (r < R)[:, None]
-    carry = tl.zeros((ROWS,), tl.float32)
+def _cumsum_kernel(x_ptr, y_ptr, V, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one row a program: Triton 3.6 fails to compile a 2-D scan + sum
+    carry = tl.zeros((1,), tl.float32)
     for v0 in range(0, V, CHUNK):
-        v = (v0 + tl.arange(0, CHUNK))[None, :]
-        m = live & (v < V)
-        x = tl.load(x_ptr + r[:, None] * V + v, mask=m, other=0.0)
-        tl.store(y_ptr + r[:, None] * V + v, tl.cumsum(x, axis=1) + carry[:, None], mask=m)
-        carry += tl.sum(x, axis=1)
+        v = v0 + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row * V + v, mask=v < V, other=0.0)
+        tl.store(y_ptr + row * V + v, tl.cumsum(x, axis=0) + carry, mask=v < V)
+        carry += tl.sum(x, axis=0)
 
 
 def cumsum(x_RV: torch.Tensor) -> torch.Tensor:
@@ -279,8 +277,7 @@ def cumsum(x_RV: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     r, v = x.shape
     if r:
-        rows, chunk = _row_block(v)
-        _cumsum_kernel[(triton.cdiv(r, rows),)](x, y, r, v, ROWS=rows, CHUNK=chunk)
+        _cumsum_kernel[(r,)](x, y, v, CHUNK=_row_block(v)[1])
     return y
 
 
