@@ -168,6 +168,17 @@ def _int_in(lo: int, hi: int | None = None):
     return parse
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+_positive_float.__name__ = "float"  # argparse names the type in "invalid float value: 'x'"
+
+
 def _path(text: str) -> str:
     """An argparse type: a path or name that is not empty (an unset shell variable would otherwise be '.', and
     an empty --server no server at all)."""
@@ -214,6 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--session-ttl", type=_int_in(0), default=3600, metavar="SECONDS",
                    help="drop a /sessions/{id} record no request has used for this long (a crashed trainer never "
                         "deletes its own), >= 0; 0 keeps sessions until they are deleted")
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route (repeat for several keys); default: "
+                        "the comma-separated keys in EXACTRL_API_KEY, which other users cannot read in the "
+                        "process list")
+    s.add_argument("--enable-weight-updates", action="store_true",
+                   help="turn on POST /update_weights_from_disk (the external rollout backend's weight_sync: "
+                        "disk), which lets a client swap the served weights")
+    s.add_argument("--weights-root", default=None, type=_path, metavar="DIR",
+                   help="with --enable-weight-updates: load only checkpoints under DIR")
+    s.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST...]",
+                   help="Host header names to accept besides localhost, 127.0.0.1 and [::1] on a loopback --host "
+                        "(which refuses others: DNS rebinding); on another --host, the only names accepted")
+    s.add_argument("--max-body-mb", type=_positive_float, default=8.0, metavar="MB",
+                   help="refuse a request body larger than this (HTTP 413)")
+    s.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="close a connection that has not sent a whole request head (line and headers) in this "
+                        "long")
     s.set_defaults(fn=_serve)
     q = sub.add_parser("parity", help="check the exactness contract on a model",
                        epilog="exit code: 0 bitwise exact, 1 not exact (or, with --server, no token returned), "
@@ -270,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv is None:  # the `exactrl` program (not a call from Python): start again with huge pages on
         exec_with_huge_pages()
-    tune_allocator()  # freed memory stays in the heap: no page faults per step (exactrl/runtime.py)
+    if args.command != "serve":  # a server gives back what a large request took (server/guard.py)
+        tune_allocator()  # freed memory stays in the heap: no page faults per step (exactrl/runtime.py)
     from exactrl.engine.engine import NonFiniteLogitsError
 
     try:

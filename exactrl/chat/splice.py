@@ -51,11 +51,15 @@ turn boundary + a fresh render of the rest).
 Cost: the template is rendered once for the whole conversation and once per
 token-carrying message that passes the cheap token checks (to find the turn it
 ends in), never once per message; with `max_len`, a conversation whose every
-possible prompt would exceed the context is refused before those renders.
+possible prompt would exceed the context is refused before those renders, and
+one whose text alone is too long for the context before it is tokenized
+(`min_tokens`: a token stands for at most `max_token_chars` characters of the
+normalized text, so a multi-megabyte message is not tokenized).
 """
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
@@ -131,6 +135,28 @@ class Splicer:
         # probe's renders are not the cost of whichever request comes first)
         self.tool_call_format = self._tool_call_format()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of normalized text one token stands for: its piece's length (a byte-level piece
+        has a character per byte, a SentencePiece piece '▁' for a space, an added token its text)."""
+        hf = self.tok.hf
+        return max(len(p) for p in hf.convert_ids_to_tokens(list(range(len(hf)))) if p)
+
+    def min_tokens(self, text: str, limit: int) -> int:
+        """At least this many tokens encode `text` (for a tokenizer whose pieces spell the normalized text:
+        byte-level BPE, SentencePiece), found without tokenizing it. The text is normalized only when its raw
+        length reaches `limit` tokens' worth: a normalizer may merge characters (NFC, Qwen's) or drop them (accents).
+        A ValueError for text that is not valid Unicode, as `Tokenizer.encode`."""
+        need = -(-len(text) // self.max_token_chars)
+        normalizer = self.tok.hf.backend_tokenizer.normalizer
+        if need >= limit and normalizer is not None:
+            try:
+                need = -(-len(normalizer.normalize_str(text)) // self.max_token_chars)
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                                 f"{e.start}") from None
+        return need
+
     def _tool_call_format(self) -> str | None:
         """The format the chat template writes a tool call in (`parsing.py`): HERMES (`<tool_call>` blocks:
         Qwen2.5, Qwen3, ours) or LLAMA3_JSON (bare `{"name": ..., "parameters": ...}`: Llama 3.1, 3.2), found
@@ -171,14 +197,19 @@ class Splicer:
         check_rendered_text(tmsgs, tools, self.special_texts, set(fields), kw)
         for i, f in fields.items():
             tmsgs[i] = self._closing_eot_as_template(tmsgs[i], f)
-        full = self.tok.apply_chat_template(tmsgs, tools=tools, add_generation_prompt=True, **kw)
+        hist = self.history(fields[max(fields)]) if fields else []
+        text = self.tok.render_chat(tmsgs, tools, add_generation_prompt=True, **kw)
+        if max_len is not None:  # refused before tokenizing: the least any prompt needs, as below, from the text
+            need = self.min_tokens(self._after_ends(text, hist.count(self.eot)), max_len)
+            if need >= max_len:
+                raise PromptTooLongError(need, max_len)
+        full = self.tok.encode(text)
         # a generation may spell the end-of-turn marker in ordinary tokens: rendered, that text would become a
         # real end-of-turn token and shift every later turn. The turns are counted without it (those
         # messages' rendered tokens are never part of a spliced prompt: the history holds their tokens)
         rmsgs = [self._without_spelled_eots(m, fields[i]) if i in fields else m for i, m in enumerate(tmsgs)]
         counted = full if rmsgs == tmsgs else self.tok.apply_chat_template(rmsgs, tools=tools,
                                                                            add_generation_prompt=True, **kw)
-        hist = self.history(fields[max(fields)]) if fields else []
         if max_len is not None:  # every policy's prompt ends with R after its k-th end-of-turn token (or all of R)
             r_ends = _ends(full, self.eot)
             k = min(len(_ends(hist, self.eot)), len(r_ends))
@@ -199,6 +230,16 @@ class Splicer:
         keep = 0 if bad.segment == 0 else _ends(hist, self.eot)[bad.segment - 1] + 1
         cut = 0 if bad.segment == 0 else _ends(counted, self.eot)[bad.segment - 1] + 1
         return PromptPlan(hist[:keep] + counted[cut:], "truncate", keep, bad.position, hist)
+
+    def _after_ends(self, text: str, k: int) -> str:
+        """`text` after its k-th end-of-turn marker, or its last if it has fewer (all of it for k = 0)."""
+        start = 0
+        for _ in range(k):
+            at = text.find(self.eot_text, start)
+            if at < 0:
+                return text[start:]
+            start = at + len(self.eot_text)
+        return text[start:]
 
     def _closing_eot_as_template(self, tmsg: dict, f: TokenFields) -> dict:
         """A generation not stopped by its last token, which is an end-of-turn (ignore_eos), shows that token in

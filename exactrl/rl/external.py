@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import queue
 import shutil
 import tempfile
@@ -116,6 +117,10 @@ class RolloutBackendSettings(BaseModel):
     the one with the fewest in flight; a `disk` weight sync loads every one."""
     model: str | None = None
     """Model name sent in every request: one the server serves (its /v1/models)."""
+    api_key: str | None = Field(None, exclude=True)
+    """Sent as `Authorization: Bearer KEY` with every request (`exactrl serve --api-key`). null: the first key
+    of the environment variable EXACTRL_API_KEY, if set. Never written to the run's config.json or
+    checkpoints (a resumed run needs it again): the variable keeps it out of config files too."""
     weight_sync: Literal["none", "disk"] = "none"
     """`none`: the server keeps its weights (data grows stale); `disk`: after each step the weights are
     saved to `sync_dir` and loaded by the server's /update_weights_from_disk."""
@@ -150,7 +155,7 @@ class RolloutBackendSettings(BaseModel):
             if len(set(roots)) != len(roots):
                 raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")
         else:  # an external server's settings without kind=openai would be ignored without a word
-            for key in ("base_url", "base_urls", "model", "weight_sync", "sync_dir"):
+            for key in ("base_url", "base_urls", "model", "api_key", "weight_sync", "sync_dir"):
                 if getattr(self, key) != type(self).model_fields[key].get_default(call_default_factory=True):
                     raise ValueError(f"rollout_backend.{key} needs rollout_backend.kind=openai (kind={self.kind} "
                                      f"samples with exactrl engines)")
@@ -191,7 +196,8 @@ class ExternalEngine:
         self._tmp = tempfile.TemporaryDirectory(prefix="exactrl-weights-") if s.weight_sync == "disk" else None
         self._sync_dir = Path(s.sync_dir) if s.sync_dir else Path(self._tmp.name) if self._tmp else None
         self._last_ckpt: Path | None = None
-        self._client = httpx.Client(timeout=s.timeout_s,
+        key = s.api_key or os.environ.get("EXACTRL_API_KEY", "").split(",")[0].strip()
+        self._client = httpx.Client(timeout=s.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {},
                                     limits=httpx.Limits(max_connections=s.max_concurrency * len(self.servers)))
         self._lock = threading.Lock()  # a weight sync never overlaps a batch: every token's version is known
         self._in_flight = [0] * len(self.servers)  # requests now at each server (least-loaded dispatch)

@@ -8,7 +8,8 @@ Routes (OpenAI's schema, so the official `openai` client works unchanged):
   GET  /health                       {"status": "ok"}; 503 naming the error if the engine thread stopped
   POST /update_weights_from_disk     {"model_path": DIR}: load a HF checkpoint into the engine between
                                      two steps (SGLang's endpoint; the external rollout backend's
-                                     `weight_sync: disk`) -> {"success": true, "version": N}
+                                     `weight_sync: disk`) -> {"success": true, "version": N}; off (403)
+                                     unless `Access.weight_updates` (--enable-weight-updates)
 Sessions (agent rollouts for training): the same two POST routes under
 `/sessions/{session_id}/v1/…` record every completion of the session as
 token-level trajectories with loss masks (`exactrl.chat.trajectory`);
@@ -30,7 +31,8 @@ fields, prompts beyond the context, non-monotonic histories (and `logprobs`
 with `stream=true` on /v1/completions: its alternatives are scored after
 generation); 404 for an unknown model or route; 409 `weights_changed` when
 top logprobs or echo would be scored under weights that did not sample the
-tokens; 500 (the server stays up) for anything unexpected. A client that
+tokens; 500 (the server stays up) for anything unexpected. API keys, the Host
+check and the body limit (401, 400, 413) are guard.py's. A client that
 leaves before a JSON answer is logged as 499 and its generation aborted.
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ import reprlib
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -56,6 +58,7 @@ from exactrl.chat.trajectory import Session
 from exactrl.server import chat as chat_api
 from exactrl.server import completions as completions_api
 from exactrl.server.errors import install_error_handlers
+from exactrl.server.guard import Access, http_protocol, install_guards, is_loopback
 from exactrl.server.loop import EngineLoop
 from exactrl.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, EngineLimits,
                                     UpdateWeightsFromDiskRequest, context_error)
@@ -86,6 +89,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # other accepted model names (e.g. the model dir's basename)
     monotonicity: str = "raise"  # default policy for non-monotonic chat histories: raise | split | truncate
     session_ttl_s: float = 3600.0  # a session no request used for this long is dropped; 0: never
+    access: Access = field(default_factory=Access)  # API keys, Host check, body limit, weight updates (guard.py)
 
     def __post_init__(self):
         if self.monotonicity not in POLICIES:
@@ -115,6 +119,7 @@ class ServerState:
         self.stop_token_ids = sorted(set(tokenizer.stop_token_ids) | {tokenizer.end_of_turn_id}
                                      | engine.stop_token_ids)
         self.splicer = Splicer(tokenizer, vocab_size=engine.vocab_size, stop_token_ids=self.stop_token_ids)
+        assert self.splicer.max_token_chars > 0  # read once now (the whole vocabulary), not by the first request
         self.sessions: dict[str, Session] = {}
         self._next_sweep = 0.0  # time.monotonic() of the next look for idle sessions
         self.counters: collections.Counter = collections.Counter()
@@ -161,6 +166,8 @@ class ServerState:
 
         if not model_path:  # Path("") is ".": whatever checkpoint the server's working directory holds
             raise APIError(400, "model_path is empty: give the checkpoint's directory", param="model_path")
+        if self.config.access.weights_root is not None:
+            model_path = self.under_weights_root(model_path)
         served = self.engine.model.config
 
         def read() -> dict:
@@ -188,6 +195,19 @@ class ServerState:
                            param="model_path") from None
         self.count("server/weight_updates")
         return version
+
+    def under_weights_root(self, model_path: str) -> str:
+        """`model_path` resolved (symlinks followed) if it lies under --weights-root; else one 400 that says
+        nothing of the path (whether it exists, is a file, holds a config): no filesystem oracle."""
+        root = Path(self.config.access.weights_root).resolve()
+        try:
+            path = (root / model_path).resolve()  # an absolute model_path stays itself
+        except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop
+            path = None
+        if path is None or not path.is_relative_to(root):
+            raise APIError(400, "model_path must name a checkpoint directory under this server's --weights-root",
+                           param="model_path")
+        return str(path)
 
     # ------------------------------------------------------------ helpers
     def session(self, session_id: str) -> Session:
@@ -284,6 +304,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.exactrl = state
 
     install_error_handlers(app, state)
+    install_guards(app, state.config.access, state.count)
 
     @app.get("/health")
     async def health():
@@ -315,10 +336,16 @@ def create_app(state: ServerState) -> FastAPI:
     async def complete(body: CompletionRequest, request: Request):
         return await completions_api.completions(state, body, request)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
-        version = await state.load_weights(body.model_path)
-        return {"success": True, "message": f"loaded {body.model_path}", "version": version}
+    if state.config.access.weight_updates:
+        @app.post("/update_weights_from_disk")
+        async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+            version = await state.load_weights(body.model_path)
+            return {"success": True, "message": f"loaded {body.model_path}", "version": version}
+    else:
+        @app.post("/update_weights_from_disk")
+        async def update_weights_off():
+            raise APIError(403, "POST /update_weights_from_disk is off on this server (it swaps the served weights): "
+                                "start it with exactrl serve --enable-weight-updates", code="weight_updates_disabled")
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request):
@@ -354,14 +381,16 @@ def create_app(state: ServerState) -> FastAPI:
 class ServerThread:
     """uvicorn in a background thread on an already-bound loopback socket (tests, benchmarks, rollouts)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 header_timeout_s: float = 10.0):
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30,
+                                                    http=http_protocol(header_timeout_s)))
         self._thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                         name="exactrl-http", daemon=True)
 
@@ -392,7 +421,7 @@ class ServerThread:
 
 def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "float32", kernels: str = "exact",
                 monotonicity: str = "raise", model_name: str | None = None, session_ttl_s: float = 3600.0,
-                **engine_kwargs) -> ServerState:
+                access: Access = Access(), **engine_kwargs) -> ServerState:
     """Loads model + tokenizer from disk and wraps them in an engine and a ServerState."""
     import exactrl
     from exactrl.engine import Engine
@@ -403,7 +432,7 @@ def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "
     engine = Engine(model, stop_token_ids=sorted(tok.stop_token_ids), **engine_kwargs)
     name = model_name or str(model_dir)
     return ServerState(engine, tok, ServerConfig(name, aliases=(Path(model_dir).name,), monotonicity=monotonicity,
-                                                 session_ttl_s=session_ttl_s))
+                                                 session_ttl_s=session_ttl_s, access=access))
 
 
 def serve_main(args) -> int:
@@ -412,14 +441,38 @@ def serve_main(args) -> int:
 
     logging.basicConfig(level=logging.INFO)
     _check_listen(args.host, args.port)  # before the model loads: a typo is named in a second, not a minute
+    access = access_of(args)
     state = build_state(args.model, args.tokenizer, args.dtype, args.kernels, args.monotonicity,
-                        session_ttl_s=args.session_ttl, kv_budget_tokens=args.kv_budget_tokens,
+                        session_ttl_s=args.session_ttl, access=access, kv_budget_tokens=args.kv_budget_tokens,
                         max_num_seqs=args.max_num_seqs)
     log.info("serving %s (%s, %s kernels, monotonicity=%s, session ttl %d s) on http://%s:%d",
              state.config.model_name, args.dtype, args.kernels, args.monotonicity, args.session_ttl, args.host,
              args.port)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
+    if not access.api_keys and not is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who reaches the port can use this server; "
+                    "set EXACTRL_API_KEY or --api-key", args.host)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info",
+                http=http_protocol(args.header_timeout))
     return 0
+
+
+def access_of(args) -> Access:
+    """`exactrl serve`'s access flags: keys from --api-key, else EXACTRL_API_KEY (comma-separated); on a loopback
+    bind only this machine's names as Host (DNS rebinding), plus --allowed-hosts; on another bind, the
+    --allowed-hosts if any are given."""
+    import os
+
+    from exactrl.server.guard import LOOPBACK_HOSTS, parse_keys
+
+    keys = tuple(args.api_key or ()) or parse_keys(os.environ.get("EXACTRL_API_KEY"))
+    extra = tuple(h.strip() for hosts in args.allowed_hosts or () for h in hosts.split(",") if h.strip())
+    hosts = LOOPBACK_HOSTS + extra if is_loopback(args.host) else extra or None
+    if args.weights_root is not None and not args.enable_weight_updates:
+        raise ValueError("--weights-root only applies with --enable-weight-updates")
+    if args.weights_root is not None and not Path(args.weights_root).is_dir():
+        raise ValueError(f"--weights-root {args.weights_root!r} is not a directory")
+    return Access(api_keys=keys, allowed_hosts=hosts, max_body_bytes=int(args.max_body_mb * 2**20),
+                  weight_updates=args.enable_weight_updates, weights_root=args.weights_root)
 
 
 def _check_listen(host: str, port: int) -> None:

@@ -7,7 +7,8 @@ scored by one trainer-path forward after generation (`score_top_logprobs`).
 Streaming: with `echo` the first chunk carries each choice's prompt text; with
 `stream_options.include_usage` a usage chunk precedes `data: [DONE]`; an
 error after the status line is an in-stream `{"error": ...}` event, then
-`[DONE]`. Text prompts are tokenized in a worker thread (off the event loop).
+`[DONE]`. Text prompts are tokenized in a worker thread (off the event loop),
+and one too long for the context is refused before it is tokenized.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from exactrl.chat.trajectory import Session
 from exactrl.server.generation import (Generation, SessionStream, drain_all, sampling_key, score_top_logprobs, sse,
                                        stream_error, token_fields, until_done)
 from exactrl.server.schemas import (MAX_SEQUENCES, MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common,
-                                    sampling_params)
+                                    context_error, sampling_params)
 
 
 def _prompts(st, prompt) -> list[list[int]]:
@@ -37,10 +38,17 @@ def _prompts(st, prompt) -> list[list[int]]:
     if texts and all(isinstance(p, str) for p in texts):
         prompts = []
         for k, p in enumerate(texts):
-            try:
-                prompts.append(st.tokenizer.encode(p))
+            try:  # a text too long for the context is refused before it is tokenized
+                need = st.splicer.min_tokens(p, st.context_limit)
+                ids = st.tokenizer.encode(p) if need < st.context_limit else None
             except ValueError as e:  # not valid Unicode
                 raise APIError(400, f"{name(k)}: {e}", param="prompt") from None
+            if ids is None:
+                e = context_error(st.context_limit, st.engine.max_model_len,
+                                  f", but the prompt has at least {need} tokens", "prompt")
+                e.message = e.message if single else f"{name(k)}: {e.message}"
+                raise e
+            prompts.append(ids)
     elif single:
         prompts = [list(prompt)]
     else:

@@ -102,6 +102,8 @@ def install_error_handlers(app: FastAPI, state) -> None:
         state.count(f"server/errors_{e.status_code}")
         if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not read the body as JSON
             return _error(400, _unreadable_body(e.__cause__))
+        if e.status_code == 413:  # a chunked body past --max-body-mb (guard.py)
+            return _error(413, e.detail, code="request_too_large")
         return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
 
     def internal(path: str, e: Exception):

@@ -1,5 +1,8 @@
 """Request schemas (OpenAI's, plus a few vLLM-style extras) and OpenAI error bodies.
 
+Known fields are validated strictly, as OpenAI does: a number sent as text
+(`max_tokens: "5"`), a bool as a number or a number as a bool is a 400 naming
+the field (an int is a number where a float is expected: `temperature: 1`).
 Unknown fields are accepted and ignored, as OpenAI clients send fields a
 server may not know; fields that would change the sampling distribution
 (penalties, logit_bias, and the vLLM / SGLang extras in `DISTRIBUTION_EXTRAS`:
@@ -66,7 +69,7 @@ Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # strict: no "5" -> 5, 1 -> true (ints still floats)
 
     model: str
     n: Int = 1
@@ -120,7 +123,7 @@ class CompletionRequest(_Sampling):
 class UpdateWeightsFromDiskRequest(BaseModel):
     """POST /update_weights_from_disk, SGLang's name and body (its other fields are accepted and ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model_path: str  # Hugging Face checkpoint directory (config.json + safetensors) on the server's filesystem
 

@@ -30,6 +30,7 @@ from exactrl.rl.config import load_config
 from exactrl.rl.external import ExternalEngine, ExternalEngineError, RolloutBackendSettings, to_completions
 from exactrl.rl.setup import build
 from exactrl.server.app import ServerThread, build_state, create_app
+from exactrl.server.guard import Access
 
 # an entropy bonus: the weights change every step even when the random model earns no reward
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -45,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 @contextlib.contextmanager
 def serving(model_dir, kernels: str = "exact"):
-    state = build_state(str(model_dir), kernels=kernels, kv_budget_tokens=8192)
+    state = build_state(str(model_dir), kernels=kernels, kv_budget_tokens=8192, access=Access(weight_updates=True))
     with ServerThread(create_app(state)) as thread:
         yield thread.url, state
 

@@ -22,6 +22,7 @@ from exactrl.envs import ArithmeticTask
 from exactrl.envs.tool_use import CALCULATOR_TOOL, CalculatorTask, ideal_transcript
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer, render_chat_template
 from exactrl.server.app import ServerThread, build_state, create_app
+from exactrl.server.guard import Access
 
 
 def tokenizer_corpus() -> list[str]:
@@ -67,7 +68,7 @@ class Served:
 
 @functools.lru_cache(maxsize=None)
 def served() -> Served:
-    state = build_state(str(model_dir()), kv_budget_tokens=8192)
+    state = build_state(str(model_dir()), kv_budget_tokens=8192, access=Access(weight_updates=True))
     thread = ServerThread(create_app(state)).start()
     atexit.register(thread.stop)
     return Served(thread.url, state, thread)

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from exactrl.server.app import ServerThread, build_state, create_app
+from exactrl.server.guard import Access
 from serving import check_trajectory, model_dir, trainer_logprobs
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -60,7 +61,8 @@ class Outcome:
 def server():
     # 32-token steps: prompts are prefilled in chunks, decodes share steps with them; 8 sequence slots:
     # requests of n = 3 queue for seats
-    state = build_state(str(model_dir()), kv_budget_tokens=KV_BUDGET, max_num_batched_tokens=32, max_num_seqs=8)
+    state = build_state(str(model_dir()), kv_budget_tokens=KV_BUDGET, max_num_batched_tokens=32, max_num_seqs=8,
+                        access=Access(weight_updates=True))
     thread = ServerThread(create_app(state)).start()
     yield SimpleNamespace(url=thread.url, state=state, model=state.config.model_name)
     thread.stop()

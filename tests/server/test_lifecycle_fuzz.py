@@ -19,12 +19,13 @@ import torch
 import exactrl
 from conftest import make_hf_model
 from exactrl.server.app import ServerThread, build_state, create_app
+from exactrl.server.guard import Access
 from serving import model_dir, trainer_logprobs
 
 
 @pytest.fixture(scope="module")
 def srv():
-    state = build_state(str(model_dir()), kv_budget_tokens=4096)
+    state = build_state(str(model_dir()), kv_budget_tokens=4096, access=Access(weight_updates=True))
     with ServerThread(create_app(state)) as t:
         yield SimpleNamespace(url=t.url, state=state, model=state.config.model_name)
 
@@ -271,7 +272,7 @@ def test_a_session_deleted_while_a_request_builds_its_prompt_stays_deleted(srv, 
 
 
 def test_a_request_the_engine_cannot_take_fails_alone_and_the_next_one_is_served(monkeypatch):
-    state = build_state(str(model_dir()), kv_budget_tokens=4096)
+    state = build_state(str(model_dir()), kv_budget_tokens=4096, access=Access(weight_updates=True))
     with ServerThread(create_app(state)) as t:
         body = {"model": state.config.model_name, "prompt": "hello world", "max_tokens": 4}
         real = state.engine.add_request
@@ -290,7 +291,7 @@ def test_a_request_the_engine_cannot_take_fails_alone_and_the_next_one_is_served
 
 
 def test_if_the_engine_thread_stops_requests_fail_instead_of_hanging_and_health_says_so(monkeypatch, other):
-    state = build_state(str(model_dir()), kv_budget_tokens=4096)
+    state = build_state(str(model_dir()), kv_budget_tokens=4096, access=Access(weight_updates=True))
     with ServerThread(create_app(state)) as t:
         body = {"model": state.config.model_name, "prompt": "hello world", "max_tokens": 4}
         assert httpx.post(t.url + "/v1/completions", json=body, timeout=60).status_code == 200

@@ -28,6 +28,7 @@ import pytest
 
 from conftest import make_hf_model
 from exactrl.server.app import ServerThread, build_state, create_app
+from exactrl.server.guard import Access
 from serving import model_dir
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -42,7 +43,8 @@ def build_server(tmp: Path, kv_budget_tokens: int = 1024) -> SimpleNamespace:
     cfg = json.loads((other / "config.json").read_text())
     make_hf_model(other, "qwen3", seed=1, vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
                   pad_token_id=cfg.get("pad_token_id"))
-    state = build_state(str(model_dir()), kv_budget_tokens=kv_budget_tokens, session_ttl_s=SESSION_TTL)
+    state = build_state(str(model_dir()), kv_budget_tokens=kv_budget_tokens, session_ttl_s=SESSION_TTL,
+                        access=Access(weight_updates=True))
     thread = ServerThread(create_app(state)).start()
     return SimpleNamespace(url=thread.url, state=state, thread=thread, model=state.config.model_name,
                            checkpoints=[str(model_dir()), str(other)])
