@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from exactrl.model import load_model, save_model
 from exactrl.model.transformer import CausalLM
@@ -83,10 +84,9 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         _fsync_dir(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and pointer are untouched
-        # a full disk shows as either (torch's zip writer raises RuntimeError from inline_container.cc)
-        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "inline_container" in str(e)):
+        fix = _write_failure_fix(e)
+        if fix is not None:
             kept = latest_checkpoint(run_dir)
-            fix = "free disk space" if getattr(e, "errno", None) in (None, errno.ENOSPC) else "fix that"
             raise CheckpointWriteError(f"the checkpoint of step {step} could not be written to {root} ({e}); "
                           f"{f'{kept.name} is intact' if kept else 'no earlier checkpoint is kept'}: {fix} "
                           f"and resume") from e
@@ -108,6 +108,17 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         except OSError as e:  # the new checkpoint is safe: an old one left over stops no run
             log.warning("could not remove the old checkpoint %s (%s); it stays", old, e)
     return final
+
+
+def _write_failure_fix(e: BaseException) -> str | None:
+    """What to do about an error that writing a checkpoint's files raised, if the disk caused it; None if not.
+    A full disk shows as an OSError, as torch's zip writer's RuntimeError (from inline_container.cc) or as
+    safetensors' SafetensorError (its message holds the OS error: "No space left on device")."""
+    if isinstance(e, SafetensorError):
+        return "free disk space" if "No space left" in str(e) or "StorageFull" in str(e) else "fix that"
+    if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "inline_container" in str(e)):
+        return "free disk space" if getattr(e, "errno", None) in (None, errno.ENOSPC) else "fix that"
+    return None
 
 
 def _set_aside_later_steps(root: Path, step: int) -> None:
