@@ -90,3 +90,11 @@ def onednn_dir(tmp_path_factory):
     make_hf_model(d, "qwen3", hidden_size=512, intermediate_size=512, vocab_size=512, num_hidden_layers=1,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     return d
+
+
+def pytest_collection_modifyitems(items):
+    """Slow tests (`make test-all`) get an hour as their hang guard instead of pyproject's default, unless they
+    name their own."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(3600))

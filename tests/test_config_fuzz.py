@@ -288,7 +288,9 @@ def test_rules_across_keys_are_checked_when_the_config_is_read(spp, seqs, kind, 
             f"algorithm.overlong.buffer_len={buf}", f"rollout.max_tokens={max_tokens}", f"resume={resume}",
             f"rollout.top_k={top_k}"]
     over += ["run_dir=r"] * run_dir + ["rollout_backend.base_url=http://h:1", "rollout_backend.model=m"] * (kind == "openai")
-    broken = {"rollout.samples_per_prompt": spp > seqs and kind != "openai", "resume": resume and not run_dir,
+    # one sample per prompt under the default grpo: every advantage would be 0
+    broken = {"rollout.samples_per_prompt": (spp > seqs and kind != "openai") or spp == 1,
+              "resume": resume and not run_dir,
               "algorithm.overlong.buffer_len": buf > max_tokens, "rollout.top_k": not (top_k == -1 or 1 <= top_k < 2**63)}
     try:
         cfg = load_config(None, over)

@@ -61,6 +61,10 @@ TIMEOUT_S = 1800  # a collective waits this long for a slow or dead rank before 
 # after a rank fails, the launcher lets the others end on their own (a collective with a dead peer fails at
 # once) before it stops them: rank 0 may be writing the checkpoint of a step every rank finished
 FAILED_RANK_GRACE_S = 20
+# a signal sent to the launcher alone (a job manager, kill -INT) is passed on to the ranks; a SIGINT after a
+# moment, since a Ctrl-C at a terminal reaches every rank itself and a second one would cut its stop short
+FORWARD_DELAY_S = 2
+STOP_GRACE_S = 30  # a rank still running this long after it was told to stop is killed (SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -247,8 +251,9 @@ def _dies_with(parent: int):
 def launch(argv: list[str], nproc: int) -> int:
     """Runs `python -m exactrl <argv>` as `nproc` ranks on this machine (torchrun's environment; the cores
     this process may use split evenly between them unless OMP_NUM_THREADS is set); waits for all. If one
-    fails, the others end at their next collective, or are stopped after FAILED_RANK_GRACE_S. Returns the
-    first non-zero code."""
+    fails, the others end at their next collective, or are stopped after FAILED_RANK_GRACE_S. A SIGINT or
+    SIGTERM to the launcher is passed on to the ranks, and it waits for them (`_wait_for_ranks`). Returns the
+    first non-zero code, or 128 + the signal."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with socket.socket() as s:
@@ -260,64 +265,74 @@ def launch(argv: list[str], nproc: int) -> int:
         print(f"exactrl train: warning: --nproc {nproc} on {cores} core{'s' * (cores > 1)}: the ranks take turns "
               f"on the cores, so the run is slower than with at most {cores} rank{'s' * (cores > 1)}",
               file=sys.stderr)
-    procs: list[subprocess.Popen] = []
+    signals: list[int] = []  # the signals the launcher was sent, in order: set by the handler, read by the loop
 
-    def stop(signum, frame):  # the launcher is told to stop (a job manager, `timeout`): so are the ranks
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        raise SystemExit(128 + signum)
-    previous = signal.signal(signal.SIGTERM, stop)
-    code = 0
-    try:  # a SIGINT while the ranks start reaches the ones started (below)
+    def note(signum, frame):  # a flag only: an exception raised at an arbitrary point (inside Popen, between
+        signals.append(signum)  # a rank's start and its record) would lose a rank, left running unstopped
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    procs: list[subprocess.Popen] = []
+    try:
         for r in range(nproc):
+            if signals:  # told to stop while the ranks start: no more start, the ones started are stopped
+                break
             env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": threads}
             procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env,
                                           preexec_fn=_dies_with(os.getpid())))
-        live, stop_at = list(procs), None
-        while live:
-            for p in list(live):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                live.remove(p)
-                if rc == 0:
-                    continue
-                how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
-                if code == 0:  # the first to fail: the others follow (the order is a race: each is named)
-                    code = rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
-                    print(f"exactrl train: rank {procs.index(p)} {how}; the other ranks stop at their next "
-                          f"collective (or in {FAILED_RANK_GRACE_S} s)", file=sys.stderr)
-                    stop_at = time.monotonic() + FAILED_RANK_GRACE_S
-                else:
-                    print(f"exactrl train: rank {procs.index(p)} {how}", file=sys.stderr)
-            if stop_at is not None and time.monotonic() > stop_at:  # one stuck: it would wait out TIMEOUT_S
-                for q in live:
-                    q.send_signal(signal.SIGTERM)
-                stop_at = None
-            time.sleep(0.1)
-    except KeyboardInterrupt:  # a Ctrl-C reaches the ranks too (one process group): they save nothing new and
-        # say how to resume. A SIGINT sent to this launcher alone (a job manager, kill -INT) is passed on to
-        # the ranks still running after a moment; a rank still running after 30 s is stopped
-        grace, deadline = time.monotonic() + 2, time.monotonic() + 30
-        for p in procs:
-            try:
-                p.wait(max(0.0, grace - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGTERM)
-                p.wait()
-        codes = [p.returncode for p in procs]
-        return 0 if all(c == 0 for c in codes) else 130  # the run may have ended just as the signal came
+        return _wait_for_ranks(procs, signals)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: set outside Python, nothing to restore
+                signal.signal(sig, handler)
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], signals: list[int]) -> int:
+    """Waits for every rank; returns the first non-zero code, or, if the launcher was sent a signal, 128 + that
+    signal (0 if every rank still ended well: the run may have ended just as the signal came).
+
+    A failed rank: the others end at their next collective, or are sent SIGTERM after FAILED_RANK_GRACE_S.
+    A signal (`signals`, appended by the launcher's handler): passed on to the ranks still running, a SIGINT
+    after FORWARD_DELAY_S. Either way a rank still running STOP_GRACE_S later is killed."""
+    live, code, seen = list(procs), 0, 0
+    forward_at = term_at = kill_at = None
+    while live:
+        for p in list(live):
+            rc = p.poll()
+            if rc is None:
+                continue
+            live.remove(p)
+            if rc == 0 or signals:  # a rank stopped by the signal says so itself
+                continue
+            how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
+            if code == 0:  # the first to fail: the others follow (the order is a race: each is named)
+                code = rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
+                print(f"exactrl train: rank {procs.index(p)} {how}; the other ranks stop at their next "
+                      f"collective (or in {FAILED_RANK_GRACE_S} s)", file=sys.stderr)
+                term_at = time.monotonic() + FAILED_RANK_GRACE_S
+            else:
+                print(f"exactrl train: rank {procs.index(p)} {how}", file=sys.stderr)
+        now = time.monotonic()
+        if len(signals) > seen:
+            if seen == 0:
+                forward_at = now + (FORWARD_DELAY_S if signals[0] == signal.SIGINT else 0)
+                kill_at = now + STOP_GRACE_S
+            seen = len(signals)
+        if forward_at is not None and now >= forward_at:
+            _send(live, signals[0])
+            forward_at = None
+        if term_at is not None and now >= term_at:  # one stuck: it would wait out TIMEOUT_S
+            _send(live, signal.SIGTERM)
+            term_at, kill_at = None, kill_at if kill_at is not None else now + STOP_GRACE_S
+        if kill_at is not None and now >= kill_at:
+            _send(live, signal.SIGKILL)
+            kill_at = None
+        time.sleep(0.1)
+    if signals:
+        return 0 if procs and all(p.returncode == 0 for p in procs) else 128 + signals[0]
     return code
+
+
+def _send(procs: list[subprocess.Popen], signum: int) -> None:
+    for p in procs:
+        p.send_signal(signum)  # none to one that has ended (Popen checks)

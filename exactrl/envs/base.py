@@ -101,8 +101,10 @@ def import_task_module(module: str) -> None:
         sys.modules[name] = mod  # dataclasses and pickling look modules up by name
         try:
             spec.loader.exec_module(mod)
-        except BaseException:
+        except BaseException as e:
             del sys.modules[name]  # a failed import leaves no half-made module behind
+            if isinstance(e, (Exception, SystemExit)):  # a Ctrl-C stays a Ctrl-C
+                raise _import_failure(module, e) from e
             raise
         return
     if module.startswith("."):
@@ -112,6 +114,18 @@ def import_task_module(module: str) -> None:
     except ModuleNotFoundError as e:
         raise ValueError(f"cannot import task module {module!r}: {e} (give a module on sys.path or a .py file path)") \
             from None
+    except (Exception, SystemExit) as e:
+        raise _import_failure(module, e) from e
+
+
+def _import_failure(module: str, e: Exception | SystemExit) -> ValueError:
+    """The error for a task module whose own code failed while it was imported, naming it (a `sys.exit` there
+    would otherwise end `train` with no message at all)."""
+    if isinstance(e, SystemExit):
+        return ValueError(f"task module {module} called sys.exit({e.code!r}) while it was imported: a module that "
+                          f"registers tasks must not exit (guard a script's own code with "
+                          f"`if __name__ == '__main__':`)")
+    return ValueError(f"task module {module} failed while it was imported ({type(e).__name__}: {e})")
 
 
 def get_task(name: str, **kwargs: Any) -> Task:

@@ -131,6 +131,11 @@ ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+# the estimators whose baseline is the sample's own group: with one sample per prompt every advantage is
+# exactly 0 (and so are the loss and its gradient); reinforce_pp whitens over the whole batch instead
+GROUP_BASELINE = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+
+
 def compute_advantages(name: str, rewards_PG: torch.Tensor, **kwargs) -> torch.Tensor:
     """advantages_PG from the estimator registered under `name`."""
     if name not in ADVANTAGES:

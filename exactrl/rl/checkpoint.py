@@ -2,6 +2,9 @@
 
 Layout: RUN_DIR/checkpoints/step_000040/{model.safetensors, config.json,
 optimizer.pt, state.json} plus RUN_DIR/checkpoints/latest (a one-line pointer).
+state.json records the sha256 of each other file (`file_sha256`), checked on
+resume (`verify_digests`): flipped bytes behind an intact header would load
+and train from garbage weights without a word.
 A checkpoint is written into a temporary directory, fsynced, renamed into
 place, and only then does `latest` move (os.replace is atomic on POSIX): a
 crash at any point leaves the previous checkpoint and pointer intact. Each
@@ -15,20 +18,25 @@ a normal Hugging Face directory that `load_model` and transformers read.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 
 from exactrl.model import load_model, save_model
 from exactrl.model.transformer import CausalLM
 
 log = logging.getLogger("exactrl.checkpoint")
+
+
+DIGESTS = "file_sha256"  # state.json's key: {file name: sha256 hex digest} of every other file of the checkpoint
 
 
 class CheckpointWriteError(OSError):
@@ -79,14 +87,14 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
     try:
         save_model(model, tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
+        digests = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}  # read back: the bytes on disk
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state, DIGESTS: digests}))
         _fsync_dir(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and pointer are untouched
-        # a full disk shows as either (torch's zip writer raises RuntimeError from inline_container.cc)
-        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "inline_container" in str(e)):
+        fix = _write_failure_fix(e)
+        if fix is not None:
             kept = latest_checkpoint(run_dir)
-            fix = "free disk space" if getattr(e, "errno", None) in (None, errno.ENOSPC) else "fix that"
             raise CheckpointWriteError(f"the checkpoint of step {step} could not be written to {root} ({e}); "
                           f"{f'{kept.name} is intact' if kept else 'no earlier checkpoint is kept'}: {fix} "
                           f"and resume") from e
@@ -110,6 +118,17 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
     return final
 
 
+def _write_failure_fix(e: BaseException) -> str | None:
+    """What to do about an error that writing a checkpoint's files raised, if the disk caused it; None if not.
+    A full disk shows as an OSError, as torch's zip writer's RuntimeError (from inline_container.cc) or as
+    safetensors' SafetensorError (its message holds the OS error: "No space left on device")."""
+    if isinstance(e, SafetensorError):
+        return "free disk space" if "No space left" in str(e) or "StorageFull" in str(e) else "fix that"
+    if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "inline_container" in str(e)):
+        return "free disk space" if getattr(e, "errno", None) in (None, errno.ENOSPC) else "fix that"
+    return None
+
+
 def _set_aside_later_steps(root: Path, step: int) -> None:
     """Complete checkpoints past `step` belong to a history this run left: a crash after one's rename but
     before its pointer's (the run resumed from the one before), or a `latest` rewound by hand. Kept among
@@ -130,6 +149,42 @@ def _set_aside_later_steps(root: Path, step: int) -> None:
     _fsync(root)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_digests(directory: Path) -> bool:
+    """Checks every file `directory`'s state.json records a sha256 for (a checkpoint's `file_sha256`) against
+    the bytes there. True if they all match; False if there is nothing to check (no state.json, or one
+    without digests: a checkpoint written before they were kept, or a plain model directory); a ValueError
+    naming the first file that differs or is missing."""
+    directory = Path(directory)
+    path = directory / "state.json"
+    if not path.is_file():
+        return False
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    digests = state.get(DIGESTS) if isinstance(state, dict) else None
+    if digests is None:
+        return False
+    if not (isinstance(digests, dict) and all(isinstance(k, str) and "/" not in k and k not in ("", ".", "..")
+                                              and isinstance(v, str) for k, v in digests.items())):
+        raise ValueError(f"{path} is damaged: its {DIGESTS} is not a mapping of file names to sha256 digests")
+    for name, expected in digests.items():
+        if not (directory / name).is_file():
+            raise ValueError(f"{directory / name} is missing (state.json records its sha256)")
+        if _sha256(directory / name) != expected:
+            raise ValueError(f"{directory / name} is damaged: its sha256 differs from the one recorded when it "
+                             f"was written (state.json)")
+    return True
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint `latest` names; if it names none that is complete (a crash between a checkpoint's
     rename and the pointer's, or a lost pointer), the newest complete one there is; None if none is."""
@@ -140,18 +195,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return next((p for p in complete if p.name == named), complete[-1] if complete else None)
 
 
-def load_checkpoint(path: Path, dtype: str, kernels: str, device: str = "cpu", backend: str | None = None
-                    ) -> tuple[CausalLM, dict, dict[str, Any]]:
-    """(model, optimizer state dict, trainer state) of a checkpoint directory; a ValueError naming the
-    file that cannot be read."""
+_NO_OTHER = "; no other checkpoint is there: restore its files from a copy, or start the run afresh"
+
+
+def load_checkpoint(path: Path, dtype: str, kernels: str, note: Callable[[str], Any] = log.warning,
+                    device: str = "cpu", backend: str | None = None) -> tuple[CausalLM, dict, dict[str, Any]]:
+    """(model, optimizer state dict, trainer state) of a checkpoint directory, its files checked against the
+    digests state.json records (one written without them is loaded with a `note`); a ValueError naming the
+    file that cannot be read or differs. The model is loaded on `device` with `backend` (`load_model`)."""
     older = [p.name for p in _step_dirs(path.parent) if p != path]
     hint = (f"; older checkpoints there: {', '.join(older)} (remove {path.name} to resume from the newest)"
             if older else "")
+    errors = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError)
     try:
         state = json.loads((path / "state.json").read_text())
-        model = load_model(path, dtype=dtype, kernels=kernels, device=device, backend=backend)
-        opt_state = torch.load(path / "optimizer.pt", weights_only=False, map_location=model.device)
-    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+    except errors as e:
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}){hint}") from None
     if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] >= 0
             and isinstance(state.get("prompts"), dict) and isinstance(state.get("config", {}), dict)):
@@ -160,4 +218,17 @@ def load_checkpoint(path: Path, dtype: str, kernels: str, device: str = "cpu", b
     if path.name[5:].isdigit() and state["step"] != int(path.name[5:]):  # a run would go on from the wrong step
         raise ValueError(f"checkpoint {path}: state.json is damaged (its step {state['step']} is not the "
                          f"directory's {int(path.name[5:])}){hint}")
+    try:  # before loading: damaged bytes behind an intact header load, and the run trains on from garbage
+        verified = verify_digests(path)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path} cannot be read ({e}){hint or _NO_OTHER}") from None
+    if not verified:
+        note(f"note: checkpoint {path.name} records no file digests (written by an earlier exactrl): its files "
+             f"are loaded unchecked")
+    try:
+        model = load_model(path, dtype=dtype, kernels=kernels, device=device, backend=backend)
+        opt_state = torch.load(path / "optimizer.pt", weights_only=False, map_location=model.device)
+    except errors as e:
+        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}){hint}") from None
+    state.pop(DIGESTS, None)  # the trainer's state is what save_checkpoint was given
     return model, opt_state, state

@@ -21,6 +21,7 @@ from exactrl.envs.settings import TaskSettings
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE
+from exactrl.rl.advantages import ADVANTAGES, GROUP_BASELINE
 from exactrl.rl.external import RolloutBackendSettings
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True, allow_inf_nan=False)
@@ -271,6 +272,12 @@ class RunConfig(BaseModel):
         if self.rollout.filter_groups and self.rollout.samples_per_prompt == 1:
             raise ValueError("rollout.filter_groups with rollout.samples_per_prompt=1: a group of one sample has "
                              "no rewards to differ, so every group would be set aside; raise samples_per_prompt")
+        if self.rollout.samples_per_prompt == 1 and self.algorithm.advantage in GROUP_BASELINE:
+            working = sorted(set(ADVANTAGES) - GROUP_BASELINE)
+            raise ValueError(f"rollout.samples_per_prompt=1 with algorithm.advantage={self.algorithm.advantage}: "
+                             f"its baseline is the sample's own group, so every advantage, the loss and its "
+                             f"gradient would be 0 and nothing would train; raise samples_per_prompt, or use an "
+                             f"estimator that works with one sample per prompt ({', '.join(working)})")
         if self.rollout.filter_groups and a.enabled:
             raise ValueError("rollout.filter_groups with async.enabled: the asynchronous loop's rollout thread "
                              "samples fixed batches ahead; use the synchronous loop (async.enabled=false)")

@@ -79,13 +79,14 @@ class MetricsLogger:
             self.tb.flush()
 
     def close(self) -> None:
-        """Stops the display and flushes TensorBoard; closing twice is harmless."""
+        """Stops the display and flushes TensorBoard; closing twice is harmless, after a close that raised
+        too (a full disk fails TensorBoard's last flush: the second close does not try again)."""
         if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+            progress, self.progress = self.progress, None
+            progress.stop()
         if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+            tb, self.tb = self.tb, None
+            tb.close()
 
 
 def _shown(metrics: dict[str, Any]) -> str:

@@ -120,8 +120,9 @@ def _train(cfg, ranks, say) -> int:
         if ranks.main:
             replace_durably(c.run_dir / "config.json", json.dumps(cfg.model_dump(by_alias=True), indent=2))
         last = train_async(c, cfg.async_) if cfg.async_.enabled else train(c)
+        c.close()  # flushes TensorBoard's last events: a full disk may show only here, after the last step
     except BaseException as e:
-        c.close()
+        _close_after(c)
         interrupted = isinstance(e, KeyboardInterrupt)
         how, stop_code = stopped_by(e) if interrupted else ("", 0)
         removed = ranks.main and _remove_if_empty(c)  # an error's own message follows on one line (cli.py)
@@ -140,13 +141,15 @@ def _train(cfg, ranks, say) -> int:
         left = rank_left(e, ranks)
         if left is not None:  # one line, not gloo's traceback: the rank that left (its output, the launcher's) says why
             e = left
-        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and ranks.main and not removed:
+        nproc = f"--nproc {ranks.world} " if ranks.world > 1 else ""
+        resume = f"exactrl train {nproc}--set run_dir={c.run_dir} --set resume=true"
+        if isinstance(e, CheckpointWriteError) and ranks.main:  # it names the checkpoint kept: add the command
+            raise CheckpointWriteError(f"{e}: {resume}") from e
+        if isinstance(e, OSError) and ranks.main and not removed:
             ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
-            nproc = f"--nproc {ranks.world} " if ranks.world > 1 else ""
             raise OSError(f"{e}; run {c.run_dir} is kept and "
                           f"{f'its last checkpoint {ckpt.name} is intact' if ckpt else 'it has no checkpoint yet'}: "
-                          f"fix that and continue it with exactrl train {nproc}--set run_dir={c.run_dir} "
-                          f"--set resume=true") from e
+                          f"fix that and continue it with {resume}") from e
         if left is not None:
             raise e from None
         raise
@@ -160,6 +163,16 @@ def _train(cfg, ranks, say) -> int:
     print("final:", json.dumps(summary))
     print(f"report: {plots[0]}")
     return 0
+
+
+def _close_after(c) -> None:
+    """Closes what a run opened after an error or a signal stopped it. A close that fails too (a full disk
+    fails TensorBoard's last flush as well) would replace the error that stopped the run, and its message
+    (what is kept, the command to go on) with it: the first error is the one named."""
+    try:
+        c.close()
+    except Exception:
+        pass
 
 
 def _remove_if_empty(c) -> bool:

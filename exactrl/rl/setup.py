@@ -317,8 +317,8 @@ def _resume(cfg: RunConfig, run_dir: Path, model: CausalLM, tokenizer, prompts: 
     start = 0
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     if ckpt is not None:
-        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels, cfg.model.device,
-                                                  cfg.model.backend)
+        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels, note=log,
+                                                  device=cfg.model.device, backend=cfg.model.backend)
         _check_same_run(state.get("config"), cfg, ckpt)
         if state.get("tokenizer", tokenizer.fingerprint) != tokenizer.fingerprint:
             raise ValueError(f"resume from {ckpt} with another tokenizer ({tokenizer.path}: model.tokenizer, or "

@@ -159,7 +159,8 @@ class Clash(Task):
     bad = tmp_path / "broken.py"
     bad.write_text("raise RuntimeError('broken task file')\n")
     before = set(sys.modules)
-    with pytest.raises(RuntimeError, match="broken task file"):
+    with pytest.raises(ValueError, match=r"task module .*broken.py failed while it was imported \(RuntimeError: "
+                                         r"broken task file\)"):
         import_task_module(str(bad))
     assert set(sys.modules) == before
 

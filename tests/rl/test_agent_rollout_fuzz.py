@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 import numpy as np
 import pytest
@@ -185,10 +184,8 @@ def test_a_hung_episode_fails_alone_after_episode_timeout_s_and_its_session_is_d
             await asyncio.Event().wait()  # never set
         return 1.0
 
-    t0 = time.monotonic()
     groups = asyncio.run(collect_agent_groups(url, env, [Problem("hang", "1"), Problem("good", "1")], 2, 0, 0,
-                                              episode_timeout_s=0.5))
-    assert time.monotonic() - t0 < 60  # it did not hang
+                                              episode_timeout_s=0.5))  # a hang: pytest-timeout fails it
     assert all(isinstance(x, TimeoutError) and "problem 0, sample" in str(x) and "episode_timeout_s=0.5" in str(x)
                for x in groups[0])
     assert [r.reward for r in groups[1]] == [1.0, 1.0]

@@ -338,6 +338,22 @@ def test_async_training_through_an_exact_server_tags_every_token_with_its_versio
 # ---------------------------------------------------------------- errors
 
 
+class Stall:
+    """The events of the fake server's stalled request (model "stalled", prompt 0), set on its thread."""
+
+    def __init__(self):
+        import threading
+
+        self.started, self.release, self.finished = threading.Event(), threading.Event(), threading.Event()
+
+    def reset(self) -> None:
+        for event in (self.started, self.release, self.finished):
+            event.clear()
+
+
+STALL = Stall()
+
+
 def fake_app() -> FastAPI:
     """A server that misbehaves as the model name asks."""
     app = FastAPI()
@@ -347,8 +363,11 @@ def fake_app() -> FastAPI:
         body = await request.json()
         if body["model"] == "slow":
             await asyncio.sleep(2.0)
-        if body["model"] == "stalled":  # prompt 0's request stalls, the others' fail at once
-            await asyncio.sleep(8.0 if body["prompt"][0] == 0 else 0.0)
+        if body["model"] == "stalled":  # prompt 0's request stalls until the test releases it, the others' fail
+            if body["prompt"][0] == 0:
+                STALL.started.set()
+                await asyncio.to_thread(STALL.release.wait, 120)
+                STALL.finished.set()
             return JSONResponse({"error": {"message": "stalled"}}, status_code=500)
         if body["model"] == "broken":
             return JSONResponse({"error": {"message": "boom: out of KV cache"}}, status_code=500)
@@ -390,22 +409,30 @@ def test_http_errors_carry_the_servers_message(fake_url, exact_server):
 
 
 def test_a_failed_request_or_a_ctrl_c_does_not_wait_for_the_requests_in_flight(fake_url):
-    """Prompt 0's request stalls for 8 s: an error in another request, or a Ctrl-C, ends the batch at once
-    (it used to wait for every request in flight, up to timeout_s each)."""
+    """Prompt 0's request stalls until the test releases it: an error in another request, or a Ctrl-C, ends the
+    batch while that request is still in flight (it used to wait for every request in flight, up to timeout_s
+    each)."""
     import os
     import signal
     import threading
-    import time
 
-    t0 = time.monotonic()
+    STALL.reset()
     with pytest.raises(ExternalEngineError, match="HTTP 500"):
         fake(fake_url, "stalled").generate([[0], [1], [2]], SamplingParams(max_tokens=1))
-    assert time.monotonic() - t0 < 6
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    t0 = time.monotonic()
+    assert not STALL.finished.is_set()  # the batch ended with prompt 0's request unanswered
+    STALL.release.set()
+    assert STALL.finished.wait(120)  # (a hang guard)
+
+    STALL.reset()
+
+    def interrupt_once_in_flight():
+        if STALL.started.wait(120):
+            os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_once_in_flight, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         fake(fake_url, "stalled").generate([[0]], SamplingParams(max_tokens=1))
-    assert time.monotonic() - t0 < 6
+    assert STALL.started.is_set() and not STALL.finished.is_set()  # the Ctrl-C did not wait for the answer
+    STALL.release.set()
 
 
 def test_timeouts_and_unreachable_servers_are_errors(fake_url):

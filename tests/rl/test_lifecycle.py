@@ -125,11 +125,9 @@ def test_an_unexpected_error_on_the_rollout_thread_is_raised_with_its_own_messag
     went wrong, not only that the rollout thread failed; the thread is gone and step 1's checkpoint stays."""
     monkeypatch.setenv("EXACTRL_TEST_STOP", f"20:{error}")  # within step 2's rollouts
     d = tmp_path / "run"
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(RuntimeError) as info:  # a hang: pytest-timeout fails it
         cli_main(args_of(model_dir, d, "max_steps=4", "save_every=1", "task.eval_size=0", "async.enabled=true",
                          *judge))
-    assert time.monotonic() - t0 < 120  # it did not hang
     assert error.split("'")[1] in str(info.value), str(info.value)
     assert type(info.value.__cause__).__name__ == error.split("(")[0]
     assert no_rollout_thread_left()

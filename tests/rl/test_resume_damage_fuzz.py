@@ -99,6 +99,10 @@ DAMAGES = [
     ("weights_missing", lambda d: (_ckpt(d, 2) / "model.safetensors").unlink(), "step_000002"),
     ("weights_truncated", lambda d: _truncate(_ckpt(d, 2) / "model.safetensors"), "step_000002"),
     ("weights_header_only", lambda d: _truncate(_ckpt(d, 2) / "model.safetensors", 0.01), "step_000002"),
+    # bytes flipped behind an intact header load as weights: state.json's digests name the file
+    ("weights_bytes_flipped", lambda d: _flip_last_bytes(_ckpt(d, 2) / "model.safetensors"), "model.safetensors"),
+    ("optimizer_bytes_flipped", lambda d: _flip_last_bytes(_ckpt(d, 2) / "optimizer.pt"), "optimizer.pt"),
+    ("state_digests_garbage", lambda d: _edit_state(d, 2, lambda s: s.update(file_sha256=[1])), "step_000002"),
     ("model_config_missing", lambda d: (_ckpt(d, 2) / "config.json").unlink(), "step_000002"),
     ("model_config_not_json", lambda d: (_ckpt(d, 2) / "config.json").write_text("{"), "step_000002"),
     ("model_config_no_layers", lambda d: _edit_json(_ckpt(d, 2) / "config.json", "num_hidden_layers"),
@@ -136,6 +140,12 @@ def _edit_json(path, key, value=...) -> None:
     else:
         data[key] = value
     path.write_text(json.dumps(data))
+
+
+def _flip_last_bytes(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-4:] = bytes(b ^ 0x5A for b in data[-4:])
+    path.write_bytes(bytes(data))
 
 
 def _replace_with_dir(path) -> None:
