@@ -70,18 +70,19 @@ def test_bad_request_is_rejected_and_engine_keeps_serving(model, prompt, params,
 
 
 def _poison_first_row(monkeypatch, at_call: int):
-    """Makes the engine's `at_call`-th sampling call return NaN for its first row; returns the real function."""
-    import exactrl.engine.engine as engine_mod
+    """Makes the engine's `at_call`-th sampling call (`Kernels.sample`) return NaN for its first row; returns
+    the real method."""
+    from exactrl.kernels import Kernels
 
-    real, calls = engine_mod.sample, []
+    real, calls = Kernels.sample, []
 
-    def poisoned(logits_RV, rows):
+    def poisoned(self, logits_RV, rows):
         calls.append(1)
         if len(calls) == at_call:
             logits_RV = logits_RV.clone()
             logits_RV[0] = float("nan")
-        return real(logits_RV, rows)
-    monkeypatch.setattr(engine_mod, "sample", poisoned)
+        return real(self, logits_RV, rows)
+    monkeypatch.setattr(Kernels, "sample", poisoned)
     return real
 
 
@@ -94,7 +95,7 @@ def test_a_generate_that_raises_leaves_none_of_its_requests_behind(model, monkey
     with pytest.raises(engine_mod.NonFiniteLogitsError):
         engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=20, ignore_eos=True))
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.num_pages
-    monkeypatch.setattr(engine_mod, "sample", real)
+    monkeypatch.setattr(exactrl.kernels.Kernels, "sample", real)
     assert engine.generate([[9, 9]], SamplingParams(max_tokens=2, ignore_eos=True))[0][0].token_ids
     assert engine.step() == []  # nothing was left to deliver
 
