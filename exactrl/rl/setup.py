@@ -17,6 +17,7 @@ from exactrl.distributed import Ranks, make_optimizer
 from exactrl.envs import get_task, import_task_module
 from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
 from exactrl.model import load_model
+from exactrl.model.checkpoint import resolve_device
 from exactrl.model.tokenizer import load_tokenizer
 from exactrl.model.transformer import CausalLM
 from exactrl.rl.advantages import compute_advantages
@@ -244,6 +245,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
                          f"{'an external server' if cfg.rollout_backend.kind == 'openai' else 'a Ray engine'} has "
                          f"no hook between its steps to take new weights (use inflight_updates=false)")
     check_ranks(cfg, ranks)
+    resolve_device(cfg.model.device, cfg.model.backend)  # a missing GPU or triton named before the warm start
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
@@ -413,6 +415,9 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
     """What a data-parallel run does not support, refused before anything is loaded."""
     if ranks.world == 1:
         return
+    if cfg.model.device != "cpu":
+        raise ValueError(f"model.device={cfg.model.device} with {ranks.world} ranks: data-parallel ranks exchange "
+                         f"gradients over gloo on CPU tensors, so a run on a GPU has one rank (leave out --nproc)")
     if cfg.rollout_backend.kind != "engine":
         more = "servers with rollout_backend.base_urls" if cfg.rollout_backend.kind == "openai" else \
             "more engines with rollout_backend.ray.num_engines"

@@ -181,7 +181,9 @@ class ServerState:
                 raise ValueError("its config.json does not match the model served: " + ", ".join(
                     f"{k} is {getattr(cfg, k)!r} there, {getattr(served, k)!r} here" for k in diff[:4]))
             # (load_model refuses a weight that is NaN or inf in the served dtype: every request would fail)
-            model = load_model(model_path, dtype=self.engine.model.dtype, kernels="fast")  # kernels unused
+            served_model = self.engine.model  # read onto its device: the engine copies there without a host trip
+            model = load_model(model_path, dtype=served_model.dtype, kernels="fast",  # kernels unused
+                               device=served_model.device, backend=served_model.kernels.backend)
             return {k: v.detach() for k, v in model.named_parameters()}
 
         try:
@@ -421,12 +423,15 @@ class ServerThread:
 
 def build_state(model_dir: str, tokenizer_dir: str | None = None, dtype: str = "float32", kernels: str = "exact",
                 monotonicity: str = "raise", model_name: str | None = None, session_ttl_s: float = 3600.0,
-                access: Access = Access(), **engine_kwargs) -> ServerState:
-    """Loads model + tokenizer from disk and wraps them in an engine and a ServerState."""
+                access: Access = Access(), device: str = "cpu", backend: str | None = None,
+                **engine_kwargs) -> ServerState:
+    """Loads model + tokenizer from disk and wraps them in an engine and a ServerState (the model on `device`
+    with `backend`, as `load_model` takes them)."""
     import exactrl
     from exactrl.engine import Engine
 
-    model = exactrl.load_model(model_dir, dtype=dtype, kernels=kernels)  # first: a bad --model is named as such
+    # first: a bad --model is named as such
+    model = exactrl.load_model(model_dir, dtype=dtype, kernels=kernels, device=device, backend=backend)
     tok = exactrl.load_tokenizer(tokenizer_dir or model_dir)
     tok.check_fits(model.config.vocab_size, "--tokenizer" if tokenizer_dir else "--model")
     engine = Engine(model, stop_token_ids=sorted(tok.stop_token_ids), **engine_kwargs)
@@ -443,8 +448,8 @@ def serve_main(args) -> int:
     _check_listen(args.host, args.port)  # before the model loads: a typo is named in a second, not a minute
     access = access_of(args)
     state = build_state(args.model, args.tokenizer, args.dtype, args.kernels, args.monotonicity,
-                        session_ttl_s=args.session_ttl, access=access, kv_budget_tokens=args.kv_budget_tokens,
-                        max_num_seqs=args.max_num_seqs)
+                        session_ttl_s=args.session_ttl, access=access, device=args.device, backend=args.backend,
+                        kv_budget_tokens=args.kv_budget_tokens, max_num_seqs=args.max_num_seqs)
     log.info("serving %s (%s, %s kernels, monotonicity=%s, session ttl %d s) on http://%s:%d",
              state.config.model_name, args.dtype, args.kernels, args.monotonicity, args.session_ttl, args.host,
              args.port)
