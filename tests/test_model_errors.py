@@ -224,7 +224,7 @@ def test_sliding_window_layers_as_transformers_reads_them(damaged):
     with pytest.raises(ValueError, match=f"layer_types must list {layers} of"):
         exactrl.load_model(damaged)
     _edit_config(damaged, layer_types=..., sliding_window=0)
-    with pytest.raises(ValueError, match="sliding_window must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"sliding_window must be an integer in \[1, 2\*\*31\), got 0"):
         exactrl.load_model(damaged)
     _edit_config(damaged, use_sliding_window=False, max_position_embeddings=...)  # transformers' Qwen default
     assert read_config(damaged).max_position_embeddings == 32768 and read_config(damaged).windows == ()

@@ -25,8 +25,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def _int(cfg: dict, key: str, default, least: int):
     v = cfg.get(key, default)
-    if type(v) is not int or v < least:
-        raise ValueError(f"config.json: {key} must be an integer >= {least}, got {v!r}")
+    if type(v) is not int or not least <= v < 2**31:
+        raise ValueError(f"config.json: {key} must be an integer in [{least}, 2**31), got {v!r}")
     return v
 
 

@@ -30,6 +30,8 @@ def check_rope(rope: dict[str, Any], where: str, max_positions: int) -> dict[str
     """The parameters of `rope` (a rope_parameters / rope_scaling object, rope_theta already in it) that the
     tables read, checked and with transformers' defaults filled in; a type not implemented is refused by name."""
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ValueError(f"config.json: {where}.rope_type must be a string, got {kind!r}")
     if kind in REFUSED:
         raise ValueError(f"unsupported {where}.rope_type={kind!r}: {REFUSED[kind]}")
     if kind not in IMPLEMENTED:
