@@ -18,7 +18,8 @@ def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
     kw = {**TINY, **over}
     cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[arch]
+           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
     if arch == "llama":
         kw.setdefault("attention_bias", True)
     torch.manual_seed(seed)

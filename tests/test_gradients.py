@@ -19,13 +19,15 @@ from exactrl.kernels import sampling_logprobs
 from exactrl.model.logprobs import pack_layout, pack_shared, token_logprobs
 
 
-def _math_attention(q_NHD, k_pages, v_pages, plan, scale):
-    """Causal attention token by token in plain differentiable torch ops (no SDPA, no native kernel)."""
+def _math_attention(q_NHD, k_pages, v_pages, plan, scale, window=0):
+    """Causal attention token by token in plain differentiable torch ops (no SDPA, no native kernel); a
+    sliding `window` > 0: keys pos - window + 1..pos."""
     lay, B = plan.layout, plan.block_size
     g = q_NHD.shape[1] // k_pages.shape[1]
     outs = []
     for n in range(q_NHD.shape[0]):
-        t = torch.arange(int(lay.pos_N[n]) + 1)
+        p = int(lay.pos_N[n])
+        t = torch.arange(max(0, p + 1 - window) if window else 0, p + 1)
         pages = lay.block_table_SJ[lay.seq_N[n], t // B]
         k = k_pages[pages, :, t % B].float().repeat_interleave(g, dim=1)  # [L, H, D]
         v = v_pages[pages, :, t % B].float().repeat_interleave(g, dim=1)

@@ -54,13 +54,14 @@ def test_config_values_of_the_wrong_type_or_range_are_named(damaged, changes, wo
 
 
 @pytest.mark.parametrize("changes, words", [
-    # transformers >= 5 writes rope_parameters; a long-context recipe adds rope_scaling beside it (it was
-    # ignored: the model ran plain RoPE where transformers runs yarn)
+    # transformers >= 5 writes rope_parameters; a long-context recipe adds rope_scaling beside it, and
+    # transformers then applies rope_scaling alone, dropping rope_parameters' rope_theta
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
-     "unsupported rope_scaling.rope_type='yarn'"),
-    (dict(rope_scaling={"type": "linear", "factor": 4}), "unsupported rope_scaling.rope_type='linear'"),
-    (dict(rope_parameters={"rope_type": "llama3"}), "unsupported rope_parameters.rope_type='llama3'"),
+     "rope_parameters and rope_scaling give different factor [None, 4.0]"),
+    (dict(rope_parameters=..., rope_scaling={"type": "dynamic", "factor": 4}),
+     "unsupported rope_scaling.rope_type='dynamic'"),
+    (dict(rope_parameters={"rope_type": "longrope"}), "unsupported rope_parameters.rope_type='longrope'"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
           rope_scaling={"rope_type": "default", "rope_theta": 1e4}), "give different rope_theta [1000000.0, 10000.0]"),
 ])
@@ -204,24 +205,29 @@ def test_a_tied_checkpoint_that_also_stores_its_head(damaged):
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), exactrl.load_model(damaged).parameters()))
 
 
-def test_sliding_window_is_refused_only_where_a_layer_slides(damaged):
-    """transformers slides on Qwen layers i >= max_window_layers (or those layer_types names): with none,
-    use_sliding_window=true is full attention, and loads; with one, it is refused."""
+def test_sliding_window_layers_as_transformers_reads_them(damaged):
+    """transformers slides on Qwen layers i >= max_window_layers (or those layer_types names), and only with
+    use_sliding_window=true; a layer_types of the wrong length or values is named."""
     from exactrl.model.checkpoint import read_config
 
     layers = json.loads((damaged / "config.json").read_text())["num_hidden_layers"]
     _edit_config(damaged, use_sliding_window=True, sliding_window=16, max_window_layers=layers, layer_types=...)
-    exactrl.load_model(damaged)
+    assert read_config(damaged).windows == ()
     _edit_config(damaged, max_window_layers=layers - 1)
-    with pytest.raises(ValueError, match="use_sliding_window=true is not supported"):
-        exactrl.load_model(damaged)
+    assert read_config(damaged).windows == (0,) * (layers - 1) + (16,)
     _edit_config(damaged, layer_types=["full_attention"] * layers)
+    assert read_config(damaged).windows == ()
+    _edit_config(damaged, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
+    assert read_config(damaged).windows == (16,) + (0,) * (layers - 1)
     exactrl.load_model(damaged)
-    _edit_config(damaged, layer_types=["full_attention"] * (layers - 1) + ["sliding_attention"])
-    with pytest.raises(ValueError, match="use_sliding_window=true is not supported"):
+    _edit_config(damaged, layer_types=["sliding_attention"])
+    with pytest.raises(ValueError, match=f"layer_types must list {layers} of"):
+        exactrl.load_model(damaged)
+    _edit_config(damaged, layer_types=..., sliding_window=0)
+    with pytest.raises(ValueError, match=r"sliding_window must be an integer in \[1, 2\*\*31\), got 0"):
         exactrl.load_model(damaged)
     _edit_config(damaged, use_sliding_window=False, max_position_embeddings=...)  # transformers' Qwen default
-    assert read_config(damaged).max_position_embeddings == 32768
+    assert read_config(damaged).max_position_embeddings == 32768 and read_config(damaged).windows == ()
 
 
 def test_a_pytorch_bin_checkpoint_is_named(damaged):

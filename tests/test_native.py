@@ -506,7 +506,7 @@ def test_attention_gives_the_same_bits_in_every_build(build):
     for b in ("", build):
         out = torch.empty(9, H, D)
         native.library(b).exactrl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, seq.data_ptr(),
-                                            pos.data_ptr(), table.data_ptr(), 9, H, Hk, D, B, 3, 0.125,
+                                            pos.data_ptr(), table.data_ptr(), 9, H, Hk, D, B, 3, 0, 0.125,
                                             out.data_ptr(), None, torch.get_num_threads())
         outs.append(out)
     assert torch.equal(outs[0], outs[1])

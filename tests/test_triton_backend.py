@@ -133,6 +133,27 @@ def test_attention_matches_float64_and_prefill_chunks_decode_agree(dtype):
     assert torch.equal(att(shuffled), full[shuffled])
 
 
+def test_windowed_attention_pages_before_a_rows_window_leave_it_unchanged():
+    """A sliding window of 5 keys, B = 16: one tile holds rows whose windows start on page 0 and page 1, so
+    the walk starts at page 0 and page 0 is wholly before some rows' windows (their m still -inf). Each row
+    gets the bits it gets alone (a decode step) and SDPA's values under transformers' mask to rounding."""
+    g = torch.Generator().manual_seed(4)
+    H, Hk, D, B, n, window = 2, 1, 16, 16, 24, 5
+    kp, vp = torch.randn(2, Hk, B, D, generator=g), torch.randn(2, Hk, B, D, generator=g)
+    table = torch.tensor([[1, 0]])
+    seq, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n)
+    q = torch.randn(n, H, D, generator=g)
+
+    def att(idx):
+        return ops.attention(q[idx], kp, vp, ops.attention_tiles(seq[idx], H // Hk), seq[idx], pos[idx], table,
+                             0.25, window)[0]
+    full = att(torch.arange(n))
+    assert torch.isfinite(full).all()
+    assert torch.equal(torch.cat([att(torch.tensor([i])) for i in (17, 20, 23)]), full[[17, 20, 23]])
+    plan = exactrl.kernels.attention.plan_fast(exactrl.kernels.TokenLayout(seq, pos, table), B)
+    assert rel(full, exactrl.kernels.attention.fast_attention(q, kp, vp, plan, 0.25, window)) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen3_triton")

@@ -134,12 +134,13 @@ class Kernels:
         w_t = transposed_panels(w_VD.float())
         return lambda g: input_grad(g, w_t)
 
-    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float):
+    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float, window: int = 0):
+        """Causal attention over the paged store; `window` > 0: each row's last `window` keys only."""
         if self.exact:
             assert isinstance(plan, ExactPlan)
-            return _attn.exact_attention(q_NHD, k_pages, v_pages, plan, scale)
+            return _attn.exact_attention(q_NHD, k_pages, v_pages, plan, scale, window)
         assert isinstance(plan, FastPlan)
-        return _attn.fast_attention(q_NHD, k_pages, v_pages, plan, scale)
+        return _attn.fast_attention(q_NHD, k_pages, v_pages, plan, scale, window)
 
 
 class _SwiGLU(torch.autograd.Function):

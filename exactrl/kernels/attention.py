@@ -18,7 +18,9 @@ Nothing in that order depends on the other rows of the call, on page
 placement, on the chunking of a prompt or on the thread count, so decode
 against a cache, chunked prefill and a trainer's whole-sequence forward give
 the same bits. Masked keys are simply never visited (they contribute exact
-nothing). An earlier version expressed the same rule in torch ops (fixed
+nothing). A sliding window of W keys (Mistral, Qwen's sliding layers) starts
+a row's keys at max(0, pos - W + 1), transformers' (pos - W, pos]: a function
+of the row's own position, so the order stays fixed past the window too. An earlier version expressed the same rule in torch ops (fixed
 16×32 tiles and key blocks, bmm); its many tiny products cost ~16 ms of a
 64–68 ms decode step at 20M, batch 32, on an AVX2 EPYC (this loop: ~4 ms),
 and its plan ~100 lines.
@@ -129,19 +131,22 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
 
 
 def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int = 0) -> torch.Tensor:
+    """`window` > 0: each query row attends to its last `window` keys (itself included), else to all."""
     if torch.is_grad_enabled() and (q_NHD.requires_grad or k_pages.requires_grad or v_pages.requires_grad):
-        return _ExactAttention.apply(q_NHD, k_pages, v_pages, plan, scale)
-    return _exact_attention(q_NHD, k_pages, v_pages, plan, scale)
+        return _ExactAttention.apply(q_NHD, k_pages, v_pages, plan, scale, window)
+    return _exact_attention(q_NHD, k_pages, v_pages, plan, scale, window=window)
 
 
-def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float, with_lse: bool = False):
+def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float, with_lse: bool = False,
+                     window: int = 0):
     """Output in q's dtype; with `with_lse`, (fp32 output, fp32 log-sum-exp [N, H]) for the backward."""
     if plan.max_page >= k_pages.shape[0]:
         raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
     lay = plan.layout
     # values only (`_ExactAttention` supplies the gradient): the C kernel fills a new tensor autograd never sees
-    out = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale, with_lse)
+    out = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale, with_lse,
+                           window)
     return out if with_lse else out.to(q_NHD.dtype)
 
 
@@ -163,10 +168,10 @@ class _ExactAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_NHD, k_pages, v_pages, plan, scale):  # type: ignore[override]
-        o, lse = _exact_attention(q_NHD, k_pages, v_pages, plan, scale, with_lse=True)
+    def forward(ctx, q_NHD, k_pages, v_pages, plan, scale, window):  # type: ignore[override]
+        o, lse = _exact_attention(q_NHD, k_pages, v_pages, plan, scale, with_lse=True, window=window)
         ctx.save_for_backward(q_NHD, k_pages, v_pages, o, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.window = plan, scale, window
         return o.to(q_NHD.dtype)
 
     @staticmethod
@@ -179,7 +184,7 @@ class _ExactAttention(torch.autograd.Function):
         S = table_SJ.shape[0]
         gq, gk_S, gv_S = native.attention_backward(
             q_NHD.detach().float(), k_pages.detach().float(), v_pages.detach().float(), o_NHD, lse_NH,
-            g_NHD.float(), lay.seq_N, lay.pos_N, table_SJ, ctx.scale)
+            g_NHD.float(), lay.seq_N, lay.pos_N, table_SJ, ctx.scale, ctx.window)
         pages_x = table_SJ.clamp(min=0).reshape(-1)  # an unused block (-1): its keys' gradients are zero
 
         def to_pages(gp):  # [S, Hk, J*B, D] -> [P, Hk, B, D], summed where sequences share a page
@@ -188,11 +193,11 @@ class _ExactAttention(torch.autograd.Function):
 
         need = ctx.needs_input_grad
         return (gq.to(q_NHD.dtype) if need[0] else None, to_pages(gk_S).to(k_pages.dtype) if need[1] else None,
-                to_pages(gv_S).to(v_pages.dtype) if need[2] else None, None, None)
+                to_pages(gv_S).to(v_pages.dtype) if need[2] else None, None, None, None)
 
 
 def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan,
-                   scale: float) -> torch.Tensor:
+                   scale: float, window: int = 0) -> torch.Tensor:
     B = k_pages.shape[2]
     J = plan.num_blocks
     pages_SJ = plan.block_table_SJ[:, :J].clamp(min=0)
@@ -208,7 +213,10 @@ def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Te
     # row copies by index_select / index_copy: their backwards are index_add / index_select, where
     # advanced indexing's was an accumulating index_put (~7 ms each, 19 per 20M training step)
     q = q_NHD.index_select(0, plan.tok_SQ.reshape(-1)).view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
-    mask = torch.arange(J * B, device=q_NHD.device)[None, None, :] <= plan.pos_SQ[:, :, None]
+    key_K = torch.arange(J * B, device=q_NHD.device)[None, None, :]
+    mask = key_K <= plan.pos_SQ[:, :, None]
+    if window > 0:  # transformers' sliding window: keys in (pos - window, pos]
+        mask &= key_K > plan.pos_SQ[:, :, None] - window
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
                                        scale=scale, enable_gqa=True)
     o_xHD = o.transpose(1, 2).reshape(S * Q, H, D)  # [S * Q, H, D]

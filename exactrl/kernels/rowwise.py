@@ -70,14 +70,18 @@ class _ExactRMSNorm(torch.autograd.Function):
         return tuple(next(got) if t.requires_grad else None for t in ins) + (None,)
 
 
-def rotary_tables(head_dim: int, max_positions: int, theta: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(head_dim: int, max_positions: int, theta: float, start: int = 0, inv_freq: torch.Tensor | None = None,
+                  attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_positions, head_dim] in fp32 of positions start, start + 1, ..., indexed by absolute position
     (after `start`). The model builds its table in fixed chunks of transformer.ROPE_CHUNK positions, each computed
-    with the same shape, so two copies of a model hold the same bits however each grew."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    with the same shape, so two copies of a model hold the same bits however each grew. `inv_freq` [head_dim / 2]
+    (default: theta's) and `attention_factor` (which scales cos and sin) come from a RoPE scaling
+    (model/rope.py); the angles are position x inv_freq, as transformers computes them."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.arange(start, start + max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 def apply_rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:

@@ -1,30 +1,87 @@
 """Model configuration read from (and written back to) a Hugging Face config.json.
 
-One decoder covers three families; they differ only in these switches:
+One decoder covers four families; they differ only in these switches:
   qwen3: per-head RMSNorm on q and k (`qk_norm`), optional biases (`attention_bias`)
   qwen2: biases on q/k/v, none on o
   llama: `attention_bias` on q/k/v/o, `mlp_bias`
+  mistral: no biases; `sliding_window` on every layer (transformers' default 4096 when the key is absent)
+Qwen2/Qwen3 slide where `use_sliding_window` is true, on the layers `layer_types` names "sliding_attention"
+(else, transformers' rule, layers i >= max_window_layers). RoPE scaling: `model/rope.py`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+from exactrl.model.rope import check_rope
+
+SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+             "mistral": "MistralForCausalLM"}
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' own defaults, for a config.json without max_position_embeddings
-DEFAULT_CONTEXT = {"qwen3": 32768, "qwen2": 32768, "llama": 2048}
+DEFAULT_CONTEXT = {"qwen3": 32768, "qwen2": 32768, "llama": 2048, "mistral": 131072}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _slides(cfg: dict) -> bool:
-    """Whether a Qwen2/Qwen3 config with use_sliding_window=true has a layer that slides: those named
-    "sliding_attention" in layer_types, else (transformers' rule) layers i >= max_window_layers (default 28)
-    when sliding_window is set (absent: transformers' 4096). Windows on no layer are full attention, which
-    loads."""
+def _int(cfg: dict, key: str, default, least: int):
+    v = cfg.get(key, default)
+    if type(v) is not int or not least <= v < 2**31:
+        raise ValueError(f"config.json: {key} must be an integer in [{least}, 2**31), got {v!r}")
+    return v
+
+
+def layer_windows(cfg: dict) -> tuple[int, ...]:
+    """Keys each layer attends to (a query at p sees keys in (p - window, p]), 0 for full attention, as
+    transformers reads the config: Mistral slides every layer by `sliding_window` (absent: 4096, null: none);
+    Qwen2/Qwen3 with use_sliding_window=true slide the layers named "sliding_attention" in layer_types, else
+    layers i >= max_window_layers (default 28), by sliding_window (absent: 4096, null: none); Llama never."""
+    mt, n = cfg["model_type"], cfg["num_hidden_layers"]
+    if mt == "llama" or (mt != "mistral" and not cfg.get("use_sliding_window")) or \
+            cfg.get("sliding_window", 4096) is None:
+        return (0,) * n
+    window = _int(cfg, "sliding_window", 4096, 1)
+    if mt == "mistral":  # transformers' Mistral ignores layer_types
+        return (window,) * n
     types = cfg.get("layer_types")
-    if isinstance(types, list):
-        return "sliding_attention" in types
-    return cfg.get("sliding_window", 4096) is not None and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
+    if types is None:
+        first = _int(cfg, "max_window_layers", 28, 0)
+        return tuple(window if i >= first else 0 for i in range(n))
+    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"config.json: layer_types must list {n} of {LAYER_TYPES} (one per layer), got {types!r}")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def rope_of(cfg: dict) -> tuple[float, dict]:
+    """(rope_theta, the checked RoPE parameters `rope.check_rope` returns) of a config.json. transformers >= 5
+    writes rope_parameters; older ones rope_scaling beside a top-level rope_theta. Where both are there and
+    differ, transformers applies rope_scaling alone (its rope_theta, else 10000, not rope_parameters'):
+    refused, naming the key they disagree on."""
+    dicts = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: {key} must be an object, got {rope!r}")
+        if "type" in rope and "rope_type" not in rope:  # the older name of the key
+            rope = {"rope_type": rope["type"], **{k: v for k, v in rope.items() if k != "type"}}
+        dicts[key] = rope
+    params, scaling = dicts["rope_parameters"], dicts["rope_scaling"]
+    if params and scaling:
+        for k in sorted(set(params) | set(scaling)):
+            if params.get(k) != scaling.get(k):
+                raise ValueError(f"config.json: rope_parameters and rope_scaling give different {k} "
+                                 f"{[params.get(k), scaling.get(k)]} (transformers applies rope_scaling alone): "
+                                 f"keep one of them")
+    where = "rope_scaling" if scaling else "rope_parameters"
+    rope = scaling or params
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
+    if cfg.get("partial_rotary_factor") is not None:
+        rope = {"partial_rotary_factor": cfg["partial_rotary_factor"], **rope}
+    if cfg.get("original_max_position_embeddings") is not None:  # transformers gives it priority (Phi3's place)
+        rope = {**rope, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    return float(theta), check_rope(rope, where, cfg.get("max_position_embeddings",
+                                                         DEFAULT_CONTEXT[cfg["model_type"]]))
 
 
 def check_eos_token_id(file: str, cfg: dict) -> None:
@@ -36,7 +93,7 @@ def check_eos_token_id(file: str, cfg: dict) -> None:
 
 @dataclass
 class ModelConfig:
-    model_type: str  # "qwen3" | "qwen2" | "llama"
+    model_type: str  # "qwen3" | "qwen2" | "llama" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -52,6 +109,8 @@ class ModelConfig:
     o_bias: bool  # bias on the output projection
     mlp_bias: bool
     qk_norm: bool  # Qwen3's RMSNorm over head_dim on q and k, before RoPE
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})  # RoPE scaling (`rope.py`)
+    windows: tuple[int, ...] = ()  # per layer: keys a query attends to, 0 (or no entry) for all before it
     hf: dict[str, Any] = field(default_factory=dict)  # the original config.json, kept for saving
     generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json if any, kept for saving
 
@@ -94,26 +153,10 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
-        if cfg.get("use_sliding_window") and _slides(cfg):
-            raise ValueError("use_sliding_window=true is not supported (full attention only)")
-        # both keys may be there (transformers >= 5 writes rope_parameters; a long-context recipe adds
-        # rope_scaling beside it, and transformers applies it): each is checked
-        thetas = []
-        for key in ("rope_parameters", "rope_scaling"):
-            rope = cfg.get(key) or {}
-            if not isinstance(rope, dict):
-                raise ValueError(f"config.json: {key} must be an object, got {rope!r}")
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(f"unsupported {key}.rope_type={rope_type!r}; only 'default' RoPE is implemented")
-            thetas += [rope["rope_theta"]] if "rope_theta" in rope else []
-        if len(set(thetas)) > 1:
-            raise ValueError(f"config.json: rope_parameters and rope_scaling give different rope_theta {thetas}")
-        theta = thetas[0] if thetas else cfg.get("rope_theta", 10000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
-            raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
+        windows = layer_windows(cfg)
+        theta, rope = rope_of(cfg)
         heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
+        kv_heads = cfg.get("num_key_value_heads", 8 if mt == "mistral" else None) or heads  # transformers' defaults
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -129,10 +172,14 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_CONTEXT[mt]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if mt == "qwen2" else attn_bias,
-            o_bias=False if mt == "qwen2" else attn_bias,
+            qkv_bias=True if mt == "qwen2" else attn_bias and mt != "mistral",
+            o_bias=False if mt in ("qwen2", "mistral") else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
-            qk_norm=mt == "qwen3", hf=dict(cfg))
+            qk_norm=mt == "qwen3", rope=rope, windows=windows if any(windows) else (), hf=dict(cfg))
+
+    def window(self, layer: int) -> int:
+        """Keys layer `layer` attends to (a query at p: keys p - window + 1 .. p), 0 for all of them."""
+        return self.windows[layer] if self.windows else 0
 
     def to_hf(self) -> dict[str, Any]:
         out = dict(self.hf)

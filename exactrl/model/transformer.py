@@ -1,4 +1,4 @@
-"""The one decoder-only transformer (Qwen3 / Qwen2 / Llama), trainer and engine alike.
+"""The one decoder-only transformer (Qwen3 / Qwen2 / Llama / Mistral), trainer and engine alike.
 
 Inference is a mode of this model, not a second implementation: `forward`
 takes the tokens of any mix of sequences (a trainer batch, prefill chunks,
@@ -18,6 +18,7 @@ from torch import nn
 
 from exactrl.kernels import Kernels, TokenLayout, rotary_tables
 from exactrl.model.config import ModelConfig
+from exactrl.model.rope import rope_frequencies
 
 DEFAULT_BLOCK_SIZE = 32  # keys per attention block = KV page size
 # RoPE's cos/sin are built as far as a forward reaches, in chunks of this many positions, each computed alone
@@ -57,9 +58,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, k: Kernels):
+    def __init__(self, cfg: ModelConfig, k: Kernels, window: int = 0):
         super().__init__()
         self.cfg, self.kernels = cfg, k
+        self.window = window  # keys a query attends to (a sliding window), 0 for all before it
         H, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.q_proj = Linear(k, D, H * Dh, cfg.qkv_bias)
         self.k_proj = Linear(k, D, Hk * Dh, cfg.qkv_bias)
@@ -80,7 +82,7 @@ class Attention(nn.Module):
         q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
         k_pages, v_pages = self.kernels.write_kv(kv_pages[0], kv_pages[1], k, v, layout, plan)
         kv_pages[0], kv_pages[1] = k_pages, v_pages
-        o = self.kernels.attention(q, k_pages, v_pages, plan, 1.0 / math.sqrt(c.head_dim))
+        o = self.kernels.attention(q, k_pages, v_pages, plan, 1.0 / math.sqrt(c.head_dim), self.window)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -98,9 +100,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, k: Kernels):
+    def __init__(self, cfg: ModelConfig, k: Kernels, window: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg, k)
+        self.self_attn = Attention(cfg, k, window)
         self.mlp = MLP(cfg, k)
         self.input_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
@@ -114,7 +116,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, k: Kernels):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, k) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, k, cfg.window(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -141,7 +143,9 @@ class CausalLM(nn.Module):
             return
         assert have % ROPE_CHUNK == 0, have  # only the last chunk is cut, at max_position_embeddings
         want = min(-(-max(positions, 2 * have) // ROPE_CHUNK) * ROPE_CHUNK, c.max_position_embeddings)
-        parts = [rotary_tables(c.head_dim, ROPE_CHUNK, c.rope_theta, start) for start in range(have, want, ROPE_CHUNK)]
+        inv_freq, scale = rope_frequencies(c.head_dim, c.rope_theta, c.rope)
+        parts = [rotary_tables(c.head_dim, ROPE_CHUNK, c.rope_theta, start, inv_freq, scale)
+                 for start in range(have, want, ROPE_CHUNK)]
         # the model's dtype and device, after a `model.to(...)`, as the first chunk's
         dtype, dev = self.rope_cos.dtype, self.rope_cos.device
         self.rope_cos = torch.cat([self.rope_cos, *(cos.to(dev, dtype) for cos, _ in parts)])[:want]

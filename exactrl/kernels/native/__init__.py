@@ -134,10 +134,10 @@ def _library(build: str) -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(so))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.exactrl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+    lib.exactrl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                       ctypes.c_float, ptr, ptr, ctypes.c_int]
     lib.exactrl_attention.restype = ctypes.c_int
-    lib.exactrl_attention_backward.argtypes = [ptr] * 9 + [i64] * 7 + [ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+    lib.exactrl_attention_backward.argtypes = [ptr] * 9 + [i64] * 8 + [ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
     lib.exactrl_attention_backward.restype = ctypes.c_int
     lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_rms_norm.restype = None
@@ -191,9 +191,10 @@ def check_layout(seq_N: torch.Tensor, pos_N: torch.Tensor, table_SJ: torch.Tenso
 
 
 def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, seq_N: torch.Tensor,
-              pos_N: torch.Tensor, table_SJ: torch.Tensor, scale: float, with_lse: bool = False
+              pos_N: torch.Tensor, table_SJ: torch.Tensor, scale: float, with_lse: bool = False, window: int = 0
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of every query row over its sequence's keys 0..pos (exact.c): [N, H, D] fp32, and
+    """Causal attention of every query row over its sequence's keys 0..pos, or with a sliding `window` > 0
+    the keys pos - window + 1..pos (exact.c): [N, H, D] fp32, and
     with `with_lse` also each row's log-sum-exp of its scaled scores, m + log(sum_t exp(s_t - m)), [N, H]
     (what a flash backward needs). The layout must have passed `check_layout` (the kernel reads pages
     unchecked)."""
@@ -209,7 +210,7 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     if N:
         failed = library().exactrl_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), seq.data_ptr(),
-            pos.data_ptr(), table.data_ptr(), N, H, Hk, D, B, table.shape[1], scale, out.data_ptr(),
+            pos.data_ptr(), table.data_ptr(), N, H, Hk, D, B, table.shape[1], window, scale, out.data_ptr(),
             None if lse is None else lse.data_ptr(), torch.get_num_threads())
         if failed:
             raise MemoryError("exact attention could not allocate its per-thread scratch memory")
@@ -218,7 +219,8 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
 
 def attention_backward(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, o_NHD: torch.Tensor,
                        lse_NH: torch.Tensor, g_NHD: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor,
-                       table_SJ: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       table_SJ: torch.Tensor, scale: float, window: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of `attention` (exact.c, `exactrl_attention_backward`), all fp32: dq [N, H, D] and each
     sequence's key and value gradients [S, Hk, J * B, D] (key t of sequence s at t, zero past its last
     position), for the caller to sum into the pages. The layout must have passed `check_layout` (the kernel
@@ -236,7 +238,7 @@ def attention_backward(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     if N:
         failed = library().exactrl_attention_backward(
             *(t.data_ptr() for t in ts), seq.data_ptr(), pos.data_ptr(), table.data_ptr(), N, S, H, Hk, D, B, J,
-            scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
+            window, scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
         if failed:
             raise MemoryError("the exact attention backward could not allocate its scratch memory")
     return dq, dk, dv

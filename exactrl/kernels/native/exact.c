@@ -6,10 +6,13 @@
  * The reduction order of every output is fixed by the row alone (DESIGN.md §1,
  * rule 2): for query token n (sequence s, absolute position p) and head h,
  *
- *     s_t = (scale * q) . k_t            t = 0..p, D summed in 8 fixed lanes, then a fixed tree
+ *     s_t = (scale * q) . k_t            t = w..p, D summed in 8 fixed lanes, then a fixed tree
  *     m   = max_t s_t                    (a max is exact in any order)
  *     l   = sum_t exp(s_t - m)           t ascending, one running sum
  *     o   = (sum_t exp(s_t - m) * v_t) / l   t ascending, one running sum per feature
+ *
+ * with w = 0, or w = max(0, p - window + 1) for a sliding window of `window` keys (transformers' (p - window,
+ * p]): the first key is a function of the row's own position, so its sums still start at one fixed key.
  *
  * Nothing depends on how many other rows, tokens or sequences share the call,
  * on where a key's page lies, on how a prompt was chunked, or on the thread
@@ -93,15 +96,15 @@ static inline void load_block(const void *store, int bf16, int64_t at, vblock *v
 /* weighted_values' sums for features [d0, d0 + nb VB) with G and nb compile-time constants, so the G x nb
  * running sums live in registers and, being independent, overlap in the pipeline. */
 static inline __attribute__((always_inline)) void wv_group(const int G, const int nb, const void *v_pages, int bf16,
-                                                           const float *e, int64_t max_len, int64_t L, int64_t D,
-                                                           int64_t B, const int64_t *table_J, int64_t Hk,
+                                                           const float *e, int64_t max_len, int64_t lo, int64_t L,
+                                                           int64_t D, int64_t B, const int64_t *table_J, int64_t Hk,
                                                            int64_t kvh, float *acc, int64_t d0) {
     vblock a[FIXED_G][WV_BLOCKS];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < nb; j++) a[g][j] = (vblock){0};
-    for (int64_t t0 = 0; t0 < L; t0 += B) {
+    for (int64_t t0 = lo / B * B; t0 < L; t0 += B) {
         const int64_t base = (table_J[t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
-        for (int64_t t = t0; t < end; t++) {
+        for (int64_t t = t0 > lo ? t0 : lo; t < end; t++) {
             vblock v[WV_BLOCKS];
             for (int j = 0; j < nb; j++) load_block(v_pages, bf16, (base + t) * D + d0 + j * VB, &v[j]);
             for (int g = 0; g < G; g++) {
@@ -116,22 +119,24 @@ static inline __attribute__((always_inline)) void wv_group(const int G, const in
 
 /* The features weighted_values' register paths cover (all whole blocks of VB), G a compile-time constant. */
 static inline __attribute__((always_inline)) int64_t wv_fixed(const int G, const void *v_pages, int bf16,
-                                                              const float *e, int64_t max_len, int64_t L, int64_t D,
-                                                              int64_t B, const int64_t *table_J, int64_t Hk,
-                                                              int64_t kvh, float *acc) {
+                                                              const float *e, int64_t max_len, int64_t lo, int64_t L,
+                                                              int64_t D, int64_t B, const int64_t *table_J,
+                                                              int64_t Hk, int64_t kvh, float *acc) {
     int64_t d0 = 0;
     for (; d0 + WV_BLOCKS * VB <= D; d0 += WV_BLOCKS * VB)
-        wv_group(G, WV_BLOCKS, v_pages, bf16, e, max_len, L, D, B, table_J, Hk, kvh, acc, d0);
-    for (; d0 + VB <= D; d0 += VB) wv_group(G, 1, v_pages, bf16, e, max_len, L, D, B, table_J, Hk, kvh, acc, d0);
+        wv_group(G, WV_BLOCKS, v_pages, bf16, e, max_len, lo, L, D, B, table_J, Hk, kvh, acc, d0);
+    for (; d0 + VB <= D; d0 += VB)
+        wv_group(G, 1, v_pages, bf16, e, max_len, lo, L, D, B, table_J, Hk, kvh, acc, d0);
     return d0;
 }
 
-static void weighted_values(const void *v_pages, int bf16, const float *e, int64_t max_len, int64_t G, int64_t L,
-                            int64_t D, int64_t B, const int64_t *table_J, int64_t Hk, int64_t kvh, float *acc,
-                            float *vbuf) {
+/* acc[g, :] = sum_t e[g, t] * v_t for t = lo..L-1 in ascending order. */
+static void weighted_values(const void *v_pages, int bf16, const float *e, int64_t max_len, int64_t G, int64_t lo,
+                            int64_t L, int64_t D, int64_t B, const int64_t *table_J, int64_t Hk, int64_t kvh,
+                            float *acc, float *vbuf) {
     int64_t d0 = 0;
     switch (G) {
-#define WV(g) case g: d0 = wv_fixed(g, v_pages, bf16, e, max_len, L, D, B, table_J, Hk, kvh, acc); break;
+#define WV(g) case g: d0 = wv_fixed(g, v_pages, bf16, e, max_len, lo, L, D, B, table_J, Hk, kvh, acc); break;
         WV(1) WV(2) WV(3) WV(4) WV(5) WV(6) WV(7) WV(8)
 #undef WV
     }
@@ -139,9 +144,9 @@ static void weighted_values(const void *v_pages, int bf16, const float *e, int64
         for (; d0 + VB <= D; d0 += VB) {
             vblock a[MAX_G];
             for (int64_t g = 0; g < G; g++) a[g] = (vblock){0};
-            for (int64_t t0 = 0; t0 < L; t0 += B) {
+            for (int64_t t0 = lo / B * B; t0 < L; t0 += B) {
                 const int64_t base = (table_J[t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
-                for (int64_t t = t0; t < end; t++) {
+                for (int64_t t = t0 > lo ? t0 : lo; t < end; t++) {
                     vblock v;
                     load_block(v_pages, bf16, (base + t) * D + d0, &v);
                     for (int64_t g = 0; g < G; g++) a[g] += e[g * max_len + t] * v;
@@ -152,9 +157,9 @@ static void weighted_values(const void *v_pages, int bf16, const float *e, int64
     }
     if (d0 == D) return;
     for (int64_t g = 0; g < G; g++) memset(acc + g * D + d0, 0, sizeof(float) * (D - d0));
-    for (int64_t t0 = 0; t0 < L; t0 += B) {
+    for (int64_t t0 = lo / B * B; t0 < L; t0 += B) {
         const int64_t base = (table_J[t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
-        for (int64_t t = t0; t < end; t++) {
+        for (int64_t t = t0 > lo ? t0 : lo; t < end; t++) {
             const float *v = load_row(v_pages, bf16, base + t, D, vbuf);
             for (int64_t g = 0; g < G; g++) {
                 const float x = e[g * max_len + t];
@@ -316,10 +321,15 @@ static float *thread_scratch(size_t floats, int *failed) {
     return p;
 }
 
-/* Returns 0, or 1 if a thread could not allocate its scratch memory. */
+/* The first key a query row at position p reads: 0, or its sliding window's first (window > 0). */
+static inline int64_t window_start(int64_t p, int64_t window) {
+    return window > 0 && p + 1 > window ? p + 1 - window : 0;
+}
+
+/* Returns 0, or 1 if a thread could not allocate its scratch memory. window: keys per query row, 0 for all. */
 int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
                       const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
-                      int64_t N, int64_t H, int64_t Hk, int64_t D, int64_t B, int64_t J,
+                      int64_t N, int64_t H, int64_t Hk, int64_t D, int64_t B, int64_t J, int64_t window,
                       float scale, float *out, float *lse, int threads) {
     const int64_t G = H / Hk, row_bytes = D * (bf16 ? 2 : 4);
     int64_t max_len = 0;  /* the longest key range (max position + 1): the score rows' length */
@@ -336,13 +346,14 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
             if (qs == NULL) continue;
             float *sc = qs + G * D, *acc = sc + G * max_len, *kbuf = acc + G * D, *vbuf = kbuf + D, *l = vbuf + D;
             const int64_t n = item / Hk, kvh = item % Hk, s = seq_N[n], L = pos_N[n] + 1;
+            const int64_t lo = window_start(pos_N[n], window);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t row = n * H + kvh * G + g;
                 for (int64_t d = 0; d < D; d++)
                     qs[g * D + d] = scale * (bf16 ? bf16_to_float(((const uint16_t *)q)[row * D + d])
                                                   : ((const float *)q)[row * D + d]);
             }
-            for (int64_t t0 = 0; t0 < L; t0 += B) {  /* page by page: key t is slot t - t0 of page t0 / B */
+            for (int64_t t0 = lo / B * B; t0 < L; t0 += B) {  /* page by page: key t is slot t - t0 of page t0 / B */
                 const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
                 /* speed only: while key t is scored, the key in its slot one page ahead (this sequence's next
                  * page, else the next item's first) and value t start coming from memory (a layer's KV store
@@ -353,7 +364,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                 const int64_t next = item + 1, ahead =
                     t0 + B < L ? (table_SJ[s * J + t0 / B + 1] * Hk + kvh) * B - t0
                     : next < N * Hk ? (table_SJ[seq_N[next / Hk] * J] * Hk + next % Hk) * B - t0 : base;
-                for (int64_t t = t0; t < end;) {
+                for (int64_t t = t0 > lo ? t0 : lo; t < end;) {
                     const int64_t keys = !bf16 && D % LANES == 0 && end - t >= 8 ? 8 : 1;
                     for (int64_t j = t; j < t + keys; j++)
                         for (int64_t off = 0; off < row_bytes; off += 64) {
@@ -368,12 +379,12 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                 }
             }
             for (int64_t g = 0; g < G; g++) {
-                const float m = row_max(sc + g * max_len, L);
-                for (int64_t t = 0; t < L; t++) sc[g * max_len + t] = exp_f(sc[g * max_len + t] - m);
+                const float m = row_max(sc + g * max_len + lo, L - lo);
+                for (int64_t t = lo; t < L; t++) sc[g * max_len + t] = exp_f(sc[g * max_len + t] - m);
                 if (lse != NULL) lse[n * H + kvh * G + g] = m;
             }
-            weighted_values(v_pages, bf16, sc, max_len, G, L, D, B, table_SJ + s * J, Hk, kvh, acc, vbuf);
-            row_sums(G, sc, max_len, L, l);
+            weighted_values(v_pages, bf16, sc, max_len, G, lo, L, D, B, table_SJ + s * J, Hk, kvh, acc, vbuf);
+            row_sums(G, sc + lo, max_len, L - lo, l);
             for (int64_t g = 0; g < G; g++) {
                 float *o = out + (n * H + kvh * G + g) * D;
                 for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] / l[g];
@@ -389,7 +400,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
 /* The gradient of exactrl_attention (fp32 operands): with o the forward's output, lse its log-sum-exp and
  * g the output's gradient, for query row n (sequence s, position p) and head h of kv head kvh,
  *
- *     P_t  = exp(s_t - lse)          s_t = (scale q) . k_t as the forward's, t = 0..p
+ *     P_t  = exp(s_t - lse)          s_t = (scale q) . k_t as the forward's, t = w..p (its window)
  *     dS_t = P_t (g . v_t - g . o)
  *     dq   = scale sum_t dS_t k_t;   dk_t += dS_t (scale q);   dv_t += P_t g
  *
@@ -401,7 +412,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
 int exactrl_attention_backward(const float *q, const float *k_pages, const float *v_pages, const float *o,
                                const float *lse, const float *g, const int64_t *seq_N, const int64_t *pos_N,
                                const int64_t *table_SJ, int64_t N, int64_t S, int64_t H, int64_t Hk, int64_t D,
-                               int64_t B, int64_t J, float scale, float *dq, float *dk_S, float *dv_S,
+                               int64_t B, int64_t J, int64_t window, float scale, float *dq, float *dk_S, float *dv_S,
                                int threads) {
     const int64_t G = H / Hk, Lmax = J * B;
     /* each sequence's query rows in call order (a counting sort) and its last position (-1: none) */
@@ -431,7 +442,7 @@ int exactrl_attention_backward(const float *q, const float *k_pages, const float
             float *dk = dk_S + item * Lmax * D, *dv = dv_S + item * Lmax * D;
             if (last[s] < 0) continue;
             for (int64_t r = start[s]; r < start[s + 1]; r++) {
-                const int64_t n = rows[r], L = pos_N[n] + 1;
+                const int64_t n = rows[r], L = pos_N[n] + 1, lo = window_start(pos_N[n], window);
                 for (int64_t h = 0; h < G; h++) {
                     const int64_t row = n * H + kvh * G + h;
                     float dl = 0.0f;
@@ -444,9 +455,9 @@ int exactrl_attention_backward(const float *q, const float *k_pages, const float
                     delta[h] = dl;
                 }
                 /* pass 1: scores and g . v_t of every key, 8 keys at a time where a page holds 8 more */
-                for (int64_t t0 = 0; t0 < L; t0 += B) {
+                for (int64_t t0 = lo / B * B; t0 < L; t0 += B) {
                     const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
-                    for (int64_t t = t0; t < end;) {
+                    for (int64_t t = t0 > lo ? t0 : lo; t < end;) {
                         if (D % LANES == 0 && end - t >= 8) {
                             scores8(G, qs, k_pages + (base + t) * D, D, pr + t, max_len);
                             scores8(G, go, v_pages + (base + t) * D, D, ds + t, max_len);
@@ -461,15 +472,15 @@ int exactrl_attention_backward(const float *q, const float *k_pages, const float
                 for (int64_t h = 0; h < G; h++) {
                     const float m = lse[n * H + kvh * G + h];
                     float *p = pr + h * max_len, *e = ds + h * max_len;
-                    for (int64_t t = 0; t < L; t++) {
+                    for (int64_t t = lo; t < L; t++) {
                         p[t] = exp_f(p[t] - m);
                         e[t] = p[t] * (e[t] - delta[h]);
                     }
                 }
                 /* pass 2: the sums over keys (dq) and over query rows (dk, dv) */
-                for (int64_t t0 = 0; t0 < L; t0 += B) {
+                for (int64_t t0 = lo / B * B; t0 < L; t0 += B) {
                     const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
-                    for (int64_t t = t0; t < end; t++) {
+                    for (int64_t t = t0 > lo ? t0 : lo; t < end; t++) {
                         const float *k = k_pages + (base + t) * D;
                         float *dkt = dk + t * D, *dvt = dv + t * D;
                         int64_t d = 0;

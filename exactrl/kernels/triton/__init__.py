@@ -155,12 +155,12 @@ class TritonKernels(Kernels):
         v_pages.view(-1, D).index_copy_(0, rows, v_xD)
         return k_pages, v_pages
 
-    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float):
+    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float, window: int = 0):
         if plan.max_page >= k_pages.shape[0]:
             raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
         if not self.exact:
-            return _attn.fast_attention(q_NHD, k_pages, v_pages, plan.fast(), scale)
-        return _Attention.apply(q_NHD, k_pages, v_pages, plan, scale)
+            return _attn.fast_attention(q_NHD, k_pages, v_pages, plan.fast(), scale, window)
+        return _Attention.apply(q_NHD, k_pages, v_pages, plan, scale, window)
 
     def log_softmax(self, z_NV):
         if not self.exact:
@@ -286,10 +286,11 @@ class _Attention(torch.autograd.Function):
     """Exact forward values (`ops.attention`); the gradient is SDPA's, recomputed from the inputs."""
 
     @staticmethod
-    def forward(ctx, q_NHD, k_pages, v_pages, plan: TritonPlan, scale):  # type: ignore[override]
+    def forward(ctx, q_NHD, k_pages, v_pages, plan: TritonPlan, scale, window):  # type: ignore[override]
         ctx.save_for_backward(q_NHD, k_pages, v_pages)
-        ctx.plan, ctx.scale = plan, scale
-        o, _ = _ops().attention(q_NHD, k_pages, v_pages, plan.tiles, plan.seq_N, plan.pos_N, plan.table_SJ, scale)
+        ctx.plan, ctx.scale, ctx.window = plan, scale, window
+        o, _ = _ops().attention(q_NHD, k_pages, v_pages, plan.tiles, plan.seq_N, plan.pos_N, plan.table_SJ, scale,
+                                window)
         return o
 
     @staticmethod
@@ -297,7 +298,7 @@ class _Attention(torch.autograd.Function):
         saved = ctx.saved_tensors
         with torch.enable_grad():
             ins = [t.detach().requires_grad_(True) for t in saved]
-            o = _attn.fast_attention(ins[0], ins[1], ins[2], ctx.plan.fast(), ctx.scale)
+            o = _attn.fast_attention(ins[0], ins[1], ins[2], ctx.plan.fast(), ctx.scale, ctx.window)
             grads = torch.autograd.grad(o, ins, g_NHD)
         need = ctx.needs_input_grad
-        return tuple(gr if need[i] else None for i, gr in enumerate(grads)) + (None, None)
+        return tuple(gr if need[i] else None for i, gr in enumerate(grads)) + (None, None, None)

@@ -338,7 +338,7 @@ def draw(lp_RV: torch.Tensor, keys_R: torch.Tensor, greedy_R: torch.Tensor) -> t
 @triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tile_first_ptr, tile_count_ptr, seq_ptr, pos_ptr,
                       table_ptr, stride_table, scale, H, HK,
-                      G: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      WINDOW: tl.constexpr, G: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       B: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
     """One tile = up to TOK consecutive tokens of one sequence x the G query heads of one kv head.
 
@@ -349,6 +349,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tile_first_ptr, tile_
     bit for bit. Every row therefore gets the bits of the pages 0..pos//B alone, whatever tile it lands
     in, which tokens share it, and whether the call is a whole-sequence forward, a prefill chunk or a
     decode step. Each score and each P·V sum is one tl.dot of a fixed shape.
+
+    A sliding window (WINDOW > 0) masks keys t <= pos - WINDOW too, and the walk starts at the page of the
+    tile's lowest window start. A page wholly before a row's window start is a no-op for that row as well:
+    while its m is still -inf, alpha and p are taken against 0 instead of m_new (exp(-inf - -inf) would be
+    NaN), so alpha = p = 0 and l and acc stay +0 bit for bit; the row's first page in its window then starts
+    the sums as it would had the walk begun there. WINDOW is a compile-time constant (one kernel per window).
     """
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -369,16 +375,25 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tile_first_ptr, tile_
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     b = tl.arange(0, B)
     last_page = tl.max(pos, axis=0) // B
-    for j in range(0, last_page + 1):
+    first_page = 0
+    if WINDOW > 0:
+        lo = tl.where(valid, tl.maximum(pos - WINDOW + 1, 0), 2**62)  # each row's first key
+        first_page = tl.min(lo, axis=0) // B
+    for j in range(first_page, last_page + 1):
         page = tl.load(table_ptr + seq * stride_table + j).to(tl.int64)
         kv_off = ((page * HK + kvh) * B + b[:, None]) * D + d[None, :]
         k = tl.load(k_ptr + kv_off, mask=d[None, :] < D, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=d[None, :] < D, other=0.0)
         s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, B), tl.float32), IEEE, INTERP) * scale
-        s = tl.where((j * B + b)[None, :] <= pos[:, None], s, float("-inf"))
+        key = (j * B + b)[None, :]
+        seen = key <= pos[:, None]
+        if WINDOW > 0:
+            seen = seen & (key > pos[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row no key reached yet: see the docstring
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, INTERP)
         m_i = m_new
@@ -403,9 +418,10 @@ def attention_tiles(seq_N: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 
 
 def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, tiles, seq_N, pos_N,
-              table_SJ, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+              table_SJ, scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [N, H, D] in q's dtype, log-sum-exp [N, H] fp32) of causal attention over the paged store
-    [P, Hk, B, D]; `tiles` from `attention_tiles`, every tensor on q's device."""
+    [P, Hk, B, D]; `tiles` from `attention_tiles`, every tensor on q's device. `window` > 0: each row's last
+    `window` keys only."""
     n, h, d = q_NHD.shape
     _, hk, blk, _ = k_pages.shape
     group = h // hk
@@ -416,6 +432,6 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     if n:
         _attention_kernel[(first.shape[0], hk)](
             q, k_pages, v_pages, o, lse, first, count, seq_N, pos_N, table_SJ, table_SJ.stride(0), float(scale),
-            h, hk, G=group, TOK=max(1, ATTN_BLOCK_M // group), D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            h, hk, WINDOW=int(window), G=group, TOK=max(1, ATTN_BLOCK_M // group), D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
             B=blk, BLOCK_M=ATTN_BLOCK_M, IEEE=q.dtype == torch.float32, INTERP=INTERPRETED, num_warps=4, num_stages=2)
     return o, lse
