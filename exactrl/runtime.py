@@ -21,7 +21,7 @@ It changes no numerical result (allocation never touches values).
 2 MB pages (madvise) wherever malloc takes memory. A page fault then brings
 in 2 MB instead of 4 kB, and the weights a decode step streams through sit
 on 512x fewer pages (fewer TLB misses; the CPU's prefetchers stop at page
-ends). Measured on the 2-core Xeon VM (X in README): the 33 matmuls of a 20M
+ends). Measured on a 2-core Xeon VM (docs/performance.md): the 33 matmuls of a 20M
 decode step at batch 32, back to back, 3.96 -> 3.55 ms (4.03 -> 3.73 in a
 second pair); a `bench train` step's training phase grew its heap with
 210 k faults (~1.3 s) on the first timed step without them, none with.

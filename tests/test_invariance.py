@@ -1,4 +1,4 @@
-"""Bitwise invariance of the exact kernels (DESIGN.md §1) and the fast-mode inverse twins.
+"""Bitwise invariance of the exact kernels (docs/design.md §4) and the fast-mode inverse twins.
 
 Every exact-mode property here has a twin asserting that the `fast` kernels
 produce a difference in the same scenario — proof that the comparison can fail.

@@ -1,7 +1,7 @@
 """Assistant text -> (reasoning, content, tool calls), for clients only.
 
 The parse is a view of the generated text for the client; it never feeds the
-training tokens (those are the generated IDs, DESIGN.md §4). The same function
+training tokens (those are the generated IDs, docs/design.md §7). The same function
 also checks, on the next turn, that an assistant message sent back still says
 what its tokens say (see splice.py).
 

@@ -1,7 +1,7 @@
 """Checks the exactness contract on a model and names the first op that breaks it.
 
 Each check computes the logits of one target sequence along two paths that
-must agree bitwise (DESIGN.md §1):
+must agree bitwise (docs/design.md §1):
 
   batch    alone  vs  packed inside a batch of other sequences (at an offset)
   padded   alone  vs  padded inside a batch
@@ -188,7 +188,7 @@ def server_settings(base_url: str, served_model: str):
 
 def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: int = 8, length: int = 32,
                     max_tokens: int = 32, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
-    """How far a rollout server's logprobs are from this trainer's, on the same weights (DESIGN.md §6).
+    """How far a rollout server's logprobs are from this trainer's, on the same weights (docs/design.md §9).
 
     `prompts` random token-id prompts of `length` tokens go to `base_url`'s /v1/completions (the
     external rollout backend's one dialect, rl/external.py); the trainer scores the returned tokens

@@ -11,7 +11,7 @@ Exactness (with `exact` kernels; `fast` ones depend on the batch, so there nothi
 anyway). Each actor builds an exactrl.Engine over the trainer's model definition, with the
 trainer's kernels and dtype, from a bitwise copy of its weights (pickled tensors keep every bit).
 A request's tokens depend only on its prompt, its seed and the weights, not on what else is in the
-batch nor on the thread count (DESIGN.md §1), and each prompt's seed follows its place in the
+batch nor on the thread count (docs/design.md §1), and each prompt's seed follows its place in the
 step's batch (rl/rollout.py). So which engine samples a prompt changes nothing: a run over Ray
 engines logs the metrics of a run over the in-process engine, bitwise (tested), and μ = π_old
 exactly. Across machines this holds where they compute alike (one CPU kind); where they do not,

@@ -2,7 +2,7 @@
 
 A page holds `block_size` consecutive positions of one sequence for every
 layer (the model's paged store, [P, Hk, B, Dh] per layer for k and v). The
-page size IS the exact attention block (DESIGN.md §1), so the cache layout and
+page size IS the exact attention block (docs/design.md §6), so the cache layout and
 the reduction order are the same thing and where a sequence's pages sit in the
 pool has no effect on its bits.
 

@@ -5,7 +5,7 @@ forward over every scheduled chunk (prefill chunks and decode tokens mixed) ->
 logits for the rows that sample only -> per-row `sampling_logprobs` and a
 counter-based draw (sampling.py) -> append, stop, fork, free.
 
-Exactness (DESIGN.md §1): with `exact` kernels every logits row is
+Exactness (docs/design.md §1): with `exact` kernels every logits row is
 bitwise what the trainer's whole-sequence forward computes, whatever the batch,
 chunking or page placement; the logprob kept for a token is read from the
 same `sampling_logprobs` the trainer calls, so engine and trainer agree
@@ -441,7 +441,7 @@ class Engine:
                 raise ValueError(f"state_dict[{k!r}] is a {type(v).__name__}, not a tensor")
             if tuple(v.shape) != tuple(params[k].shape):
                 raise ValueError(f"state_dict[{k!r}] has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}")
-            if v.dtype != params[k].dtype:  # a cast is not the bitwise copy exactness needs (DESIGN.md §3)
+            if v.dtype != params[k].dtype:  # a cast is not the bitwise copy exactness needs (docs/design.md §3)
                 raise ValueError(f"state_dict[{k!r}] is {v.dtype}, the engine's model is {params[k].dtype}: the copy "
                                  f"would not be bitwise; cast it yourself (v.to({params[k].dtype})) if you mean it")
             if (type(v) not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided

@@ -1,6 +1,6 @@
 """Sampling parameters and the seeded sampler.
 
-The distribution is the trainer's (DESIGN.md §1): `sampling_logprobs` of the
+The distribution is the trainer's (docs/design.md §1): `sampling_logprobs` of the
 fp32 logits — temperature, top-k, top-p, renormalised — computed per row with
 each row's own parameters. T = 0 samples the argmax and reports the T = 1
 logprob, exactly as the trainer does.

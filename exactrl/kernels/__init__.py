@@ -2,7 +2,7 @@
 
 A model holds one `Kernels` object, chosen at load time (`kernels="exact"` or
 `"fast"`, and a backend), never a hidden global. `exact` makes every op
-batch-invariant (DESIGN.md §1); `fast` uses plain torch ops (`F.linear`, SDPA)
+batch-invariant (docs/design.md §4); `fast` uses plain torch ops (`F.linear`, SDPA)
 and shows the train/rollout mismatch that exactness removes.
 
 Two backends implement this one interface: `native` (this class; C kernels,

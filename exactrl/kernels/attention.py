@@ -6,7 +6,7 @@ with the sequence it belongs to and its absolute position, and a block table
 mapping each sequence's key blocks to pages of the KV store. Keys and values of
 the new tokens are written into the pages first; attention then reads pages.
 
-Exact kernel (DESIGN.md §1 rule 2), in C (`native/exact.c`). Each query
+Exact kernel (docs/design.md §4.2), in C (`native/exact.c`). Each query
 row (token, head) is computed on its own, start to end, by one thread, over
 the keys 0..pos of its sequence, in fp32:
 
@@ -154,7 +154,7 @@ class _ExactAttention(torch.autograd.Function):
     """Exact forward values; the backward is exact.c's flash-attention backward, fed this forward's own
     output O and per-row log-sum-exp L of the scaled scores (P = exp(S - L)), so attention is not run again.
 
-    Only forward values must be batch-invariant (DESIGN.md §1), as for the
+    Only forward values must be batch-invariant (docs/design.md §10), as for the
     linear layers' plain-matmul backward; the backward's values are
     deterministic (one thread per sequence and kv head, rows in call order).
     Each sequence's key and value gradients come back per key position and go

@@ -12,7 +12,7 @@ was used here with small batches padded to ROW_TILE rows: up to 32x the work
 for a decode step of one sequence).
 
 The sampling distribution is the one contract between engine and trainer
-(DESIGN.md §1): `log_softmax` of fp32 logits divided by the temperature, with
+(docs/design.md §1): `log_softmax` of fp32 logits divided by the temperature, with
 top-k and then top-p applied by VALUE cut-offs (ties at the cut-off are kept),
 so the result never depends on how a sort orders equal values.
 
@@ -48,7 +48,7 @@ class _ExactRMSNorm(torch.autograd.Function):
     recomputed from the inputs otherwise (bf16 rounds between its products).
 
     As for the linear layers and attention, only forward values carry the
-    contract (DESIGN.md §1); the gradient is that of the same function.
+    contract (docs/design.md §1); the gradient is that of the same function.
     """
 
     @staticmethod

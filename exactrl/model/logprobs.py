@@ -4,7 +4,7 @@
 list, each with its own positions) or `padded` (every sequence extended with
 pad tokens to the longest one, as a [B, T] trainer batch would be); both go
 through the same model forward with a scratch KV store, so autograd works and
-the bits equal the engine's (DESIGN.md §1).
+the bits equal the engine's (docs/design.md §1).
 
 Legend: B sequences, T tokens, N flat tokens, V vocabulary.
 """

@@ -1,2 +1,2 @@
 """RL math and the training loop: rollout types, advantages, losses, off-policy
-corrections, KL, metrics (DESIGN.md §2, §5)."""
+corrections, KL, metrics (docs/design.md §2, §8)."""

@@ -1,7 +1,7 @@
 """How far off-policy a batch is, and what the corrections did about it.
 
 `logprob_diff_metrics` is the exactness contract's headline number
-(DESIGN.md §3, slime's definition): per sequence, the mean over its tokens of
+(docs/design.md §3, slime's definition): per sequence, the mean over its tokens of
 |lp_train − lp_rollout|, then the mean over the sequences that have at least
 one token; `_max` is the maximum over all tokens. In exact synchronous
 training both are exactly 0.0. Computed in fp64, so a nonzero fp32

@@ -13,13 +13,13 @@ the next batch (`sync_dir` must then be a path all of them read, e.g. a
 shared filesystem). Which server samples a prompt changes nothing in what
 is sampled when the servers are `exactrl serve` with `exact` kernels on
 machines of one kind: a request's tokens depend only on its seed and the
-weights (DESIGN.md §1), so a run over two servers logs the metrics of a
+weights (docs/design.md §1), so a run over two servers logs the metrics of a
 run over one, bitwise (tested).
 
 `ExternalEngine` has the surface the training loops use of `exactrl.Engine`
 (`generate`, `update_weights`, `version`, `stats`), so the loops, the
 evaluation and the asynchronous rollout thread run unchanged over it
-(DESIGN.md §6: external engines through their OpenAI-compatible APIs).
+(docs/design.md §9: external engines through their OpenAI-compatible APIs).
 
 One dialect for every server. The request carries the prompt as token ids,
 `n`, `max_tokens`, `temperature`, `top_p`, `seed`, `logprobs: 0` (the

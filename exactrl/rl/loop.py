@@ -80,7 +80,7 @@ def initial_eval(c: Components, eval_engine) -> dict[str, float]:
     """Held-out accuracy before any training, as `eval/initial_accuracy` of the first step's row.
 
     It rides on step 1's row (a run resumed later has it already): every row
-    of metrics.jsonl is a training step with the keys DESIGN.md §3 promises.
+    of metrics.jsonl is a training step with the keys docs/design.md §3 promises.
     """
     if c.start_step != 0 or not c.cfg.task.eval_size:
         return {}

@@ -1,6 +1,6 @@
 """What a policy loss consumes, the batch-wide denominator, and input checks.
 
-Three log-probabilities meet in a loss (DESIGN.md §5): μ (behaviour, reported
+Three log-probabilities meet in a loss (docs/design.md §8): μ (behaviour, reported
 by the engine while sampling), π_old (proximal, recomputed by the trainer at
 the start of the step) and π_θ (current, carries the graph). In exact
 synchronous training μ == π_old bitwise; the corrections in `corrections.py`

@@ -4,7 +4,7 @@ Built on first use and cached under `artifacts/default-<hash>/` (the hash
 covers everything that shapes the result: task name and kwargs, a task
 file's content, SFT settings, seed, dtype, model sizes), so a second `make run` skips straight to RL. The
 warm start is deliberately short: it teaches the answer format and part of
-the task, leaving RL something to improve (the README reports the accuracies
+the task, leaving RL something to improve (docs/performance.md reports the accuracies
 before and after).
 
 The SFT loss is the mean negative logprob of the answer tokens (plus the

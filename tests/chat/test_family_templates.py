@@ -321,7 +321,7 @@ def test_live_qwen3_enable_thinking_false_reaches_the_template():
 
 def test_a_template_whose_text_changes_between_requests_is_non_monotonic():
     """Llama 3.1/3.2 templates write today's date into the system header: a conversation that crosses
-    midnight re-renders its first turn differently, which the history's tokens do not say (README)."""
+    midnight re-renders its first turn differently, which the history's tokens do not say (docs/serving.md)."""
     tok = family_tokenizer("llama3")
     sp = Splicer(tok)
     msgs = [{"role": "user", "content": "hello"}]

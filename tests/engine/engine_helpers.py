@@ -13,7 +13,7 @@ from conftest import make_hf_model
 
 
 def trainer_logprobs(model, prompt: list[int], tokens: list[int], params: SamplingParams) -> torch.Tensor:
-    """The trainer's logprobs of `tokens` after `prompt` (DESIGN.md §3 `sequence_logprobs`)."""
+    """The trainer's logprobs of `tokens` after `prompt` (docs/design.md §3 `sequence_logprobs`)."""
     lps = exactrl.sequence_logprobs(model, [list(prompt) + list(tokens)], params.temperature,
                                     params.top_k, params.top_p)
     return lps[0][len(prompt) - 1:]

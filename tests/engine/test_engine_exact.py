@@ -1,4 +1,4 @@
-"""The heart: engine logprobs == trainer logprobs, bitwise, in exact mode (DESIGN.md §1).
+"""The heart: engine logprobs == trainer logprobs, bitwise, in exact mode (docs/design.md §1).
 
 Every completion of every workload is compared with `sequence_logprobs` over
 prompt + completion with `torch.equal`. Workloads vary arrival order and

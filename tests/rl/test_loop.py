@@ -49,7 +49,7 @@ def same_metrics(a: list[dict], b: list[dict]) -> None:
 
 def test_exact_run_has_zero_mismatch_every_step(model_dir, tmp_path):
     rows = run(model_dir, tmp_path / "run", "max_steps=3")
-    # every row is a training step with DESIGN.md §3's keys; the accuracy before training rides on step 1
+    # every row is a training step with docs/design.md §3's keys; the accuracy before training rides on step 1
     contract = ("step", "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max",
                 "rollout/reward_mean")
     assert all(k in r for r in rows for k in contract)

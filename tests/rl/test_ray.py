@@ -156,7 +156,7 @@ def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwe
         got = engines.generate(prompts, params)
         assert fields(got) == fields(local.generate(prompts, params))
         assert {v for o in got for c in o for v in c.versions} == {3}
-        for o, p, sp in zip(got, prompts, params):  # and the trainer's forward agrees (DESIGN.md §1)
+        for o, p, sp in zip(got, prompts, params):  # and the trainer's forward agrees (docs/design.md §1)
             lp = exactrl.sequence_logprobs(model, [p + o[0].token_ids], sp.temperature or 1.0, sp.top_k, sp.top_p)[0]
             assert o[0].logprobs == lp[len(p) - 1:].tolist()
         assert fields(engines.generate(prompts[:1], params[:1])) == fields(got[:1])  # an engine left idle

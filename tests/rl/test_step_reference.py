@@ -7,7 +7,7 @@ sum -> clip. `loop.train_on` (which calls `train_step`) runs on hand-made groups
 completions, completions cut at max_tokens, an empty completion, a group of equal rewards, μ off the
 trainer's π_old on some tokens. The reference does one forward per sequence alone
 (`exactrl.sequence_logprobs`), writes the objective out in float64 from the config's documented meaning
-(DESIGN.md §5, aggregation.py's table, the loss docstrings, config.py), and differentiates it with
+(docs/design.md §8, aggregation.py's table, the loss docstrings, config.py), and differentiates it with
 autograd. Every loss (ppo, gspo, cispo, reinforce, sapo, topr at sequence and token level) and every
 advantage estimator (grpo with and without the std, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)
 is written out from its docstring.
@@ -323,8 +323,8 @@ def reference_rows(model, ref_model, rows, cfg) -> tuple[list[torch.Tensor], dic
         metrics["loss/gate_mean"] = mean(flags["gate"])
     if kw.get("dual_clip"):
         metrics["loss/dual_clip_frac"] = mean(flags["dual"])
-    # DESIGN.md §3: per sequence the mean |π_old − μ| over its sampled tokens (those π_old covers; cut ones are
-    # counted apart), then the mean over the sequences that have any; trained on or not (mask_truncated)
+    # docs/design.md §3: per sequence the mean |π_old − μ| over its sampled tokens (those π_old covers; cut ones
+    # are counted apart), then the mean over the sequences that have any; trained on or not (mask_truncated)
     diffs = [(s.old - s.mu).abs()[torch.isfinite(s.old) & (s.gen > 0)] for s in seqs]
     metrics["train/train_rollout_logprob_abs_diff"] = mean([float(d.mean()) for d in diffs if len(d)])
     metrics["train/train_rollout_logprob_abs_diff_max"] = max(float(d.max()) for d in diffs if len(d))

@@ -3,8 +3,8 @@
  *
  * Attention, one query row at a time.
  *
- * The reduction order of every output is fixed by the row alone (DESIGN.md §1,
- * rule 2): for query token n (sequence s, absolute position p) and head h,
+ * The reduction order of every output is fixed by the row alone (docs/design.md
+ * §4.2): for query token n (sequence s, absolute position p) and head h,
  *
  *     s_t = (scale * q) . k_t            t = w..p, D summed in 8 fixed lanes, then a fixed tree
  *     m   = max_t s_t                    (a max is exact in any order)
@@ -524,7 +524,7 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* RMSNorm of each row, every row by one thread in one fixed order (DESIGN.md §1, rule 3):
+/* RMSNorm of each row, every row by one thread in one fixed order (docs/design.md §4.3):
  *
  *     r   = 1 / sqrt((sum_d x_d^2) / D + eps)     x in fp32, D summed in 8 fixed lanes then a fixed tree
  *     y_d = round_dtype(x_d * r);   out_d = round_dtype(w_d * y_d)

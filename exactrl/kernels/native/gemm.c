@@ -1,7 +1,7 @@
 /* exactrl's exact fp32 linear: y [M, N] = x [M, K] . w^T, w [N, K].
  *
  * Every output element is summed in one order that depends on K alone
- * (DESIGN.md §1, rule 2), never on M, on the row's neighbours, on N or on
+ * (docs/design.md §4.1), never on M, on the row's neighbours, on N or on
  * the thread that computes it:
  *
  *     s_b    = fma chain over the k of block b, k ascending, from 0:

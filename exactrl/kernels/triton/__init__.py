@@ -1,8 +1,8 @@
 """The `triton` backend: the `Kernels` interface over Triton kernels (CUDA tensors, or CPU under the interpreter).
 
 `exact` runs every op whose bits could depend on the batch through a kernel
-of `ops.py`, whose reduction order is fixed by the op's own shape (DESIGN.md
-§1, "On GPU"). `fast` is plain torch: cuBLAS through `F.linear`, SDPA, torch's
+of `ops.py`, whose reduction order is fixed by the op's own shape (docs/design.md
+§4.4). `fast` is plain torch: cuBLAS through `F.linear`, SDPA, torch's
 log_softmax: the mismatch exactness removes. The draw is `ops.draw` in both
 modes (it decides which token, not what its logprob is).
 
