@@ -14,7 +14,7 @@ mode (rl/activation_ckpt.py).
 - time: best of `--steps` timed steps after one warm-up, unmetered.
 - the loss and gradient norm of the step per mode, equal across the modes (the recomputation is exact).
 
-Ratios are against `none`. Run on one machine, one mode after another, in one process.
+Ratios are against `none`; the 1-minute load average at start and end is in the output. Run on one machine, one mode after another, in one process.
 
     exactrl bench memory [--quick] [--size 20M] [--seqs 8] [--prompt 32] [--completion 480] [--steps 2]
                          [--dtype float32]
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import random
 import sys
 import time
@@ -85,7 +86,8 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
     s = StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=seqs, agg_mode="token-mean",
                      agg_constant=None, grad_clip=1.0)
     out = {"size": size, "dtype": dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "sequences": seqs, "tokens": seqs * (prompt + completion), "modes": {}}
+           "sequences": seqs, "tokens": seqs * (prompt + completion), "load_avg_1m_start": os.getloadavg()[0],
+           "modes": {}}
     for mode in MODES:
         model = apply_activation_checkpointing(build_model(cfg, dtype=dtype, seed=0), mode)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -100,6 +102,7 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
             times.append(time.perf_counter() - t)
         out["modes"][mode] = {"peak_mb": round(meter.peak / 2**20, 1), "step_s": round(min(times), 3),
                               "loss": m["train/loss"], "grad_norm": m["train/grad_norm"]}
+    out["load_avg_1m_end"] = os.getloadavg()[0]  # other processes slow the steps, not the peaks
     base = out["modes"]["none"]
     for mode, r in out["modes"].items():
         r["peak_ratio"] = round(r["peak_mb"] / base["peak_mb"], 3)
