@@ -147,6 +147,16 @@ class OptimSettings(BaseModel):
     """Max global gradient norm."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward; gradients accumulate over the step's batch."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Micro-batches by tokens instead of sequences: consecutive sequences while their prompt + completion
+    tokens fit this budget (`micro_batch_size` then has no effect); a sequence longer than the budget is
+    a micro-batch of its own. The loss denominators are the whole batch's either way (rl/trainer.py
+    `micro_batches`). null: `micro_batch_size` sequences per micro-batch."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in the backward instead of keeping them (rl/activation_ckpt.py): `full`
+    checkpoints every decoder layer, `selective` every layer's MLP (its 3 x [tokens, intermediate]
+    tensors). The same loss and gradients bit for bit, less peak memory, one more forward (`full`) or
+    MLP forward (`selective`) per step. The engine never recomputes."""
     share_prompts: bool = True
     """Lay the prompt of a micro-batch's samples of one prompt out once in the trainer's forward (its
     whole KV pages; `model/logprobs.py` `pack_shared`): the same logprob bits, fewer rows to compute."""
@@ -475,6 +485,8 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
         out += given(cfg.optim, "optim", ("fp32_master_weights",), "model.dtype is float32")
     if not cfg.rollout.filter_groups:
         out += given(cfg.rollout, "rollout", ("max_sampling_rounds",), "rollout.filter_groups is false")
+    if cfg.optim.max_tokens_per_micro_batch is not None:
+        out += given(cfg.optim, "optim", ("micro_batch_size",), "optim.max_tokens_per_micro_batch is set")
     if cfg.optim.lr_schedule == "constant":
         out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
     if cfg.model.path is not None:

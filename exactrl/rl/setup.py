@@ -20,6 +20,7 @@ from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
 from exactrl.model.tokenizer import load_tokenizer
 from exactrl.model.transformer import CausalLM
+from exactrl.rl.activation_ckpt import apply_activation_checkpointing
 from exactrl.rl.advantages import compute_advantages
 from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from exactrl.rl.config import OptimSettings, RunConfig, dotted
@@ -143,7 +144,8 @@ RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_
              "eval_every", "engine.", "task.eval_size", "model.path", "model.tokenizer",
              "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls",
              "rollout_backend.ray.",  # Ray engines sample what the in-process engine does, bitwise
-             "optim.shard_state")  # the same weights and checkpoints, sharded or not
+             "optim.shard_state",  # the same weights and checkpoints, sharded or not
+             "optim.activation_checkpointing")  # the same gradients, bit for bit
 
 
 def _check_resume_early(cfg: RunConfig, run_dir: Path) -> None:
@@ -287,6 +289,8 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
         ref_model = copy.deepcopy(model).requires_grad_(False)
     model, optimizer, start, ckpt = _resume(cfg, run_dir, model, tokenizer, prompts, ranks, log)
     engine = _rollout_engine(cfg, model, tokenizer, start, log)
+    # after the engine's copy of the model: its layers run as they are (they never recompute anyway)
+    apply_activation_checkpointing(model, cfg.optim.activation_checkpointing)
     try:  # from here on a failure stops the engines too (Ray actors, a server's client)
         settings = _step_settings(cfg, corrections)
         ranks.check_same("starting weights", model.parameters(),
@@ -408,7 +412,8 @@ def _step_settings(cfg: RunConfig, corrections) -> StepSettings:
                         micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode,
                         agg_constant=float(r.max_tokens), grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef,
                         kl_coef=a.kl.coef, kl_kind=a.kl.kind, kl_in_loss=a.kl.where == "loss",
-                        corrections=corrections, bypass=a.bypass, share_prompts=cfg.optim.share_prompts)
+                        corrections=corrections, bypass=a.bypass, share_prompts=cfg.optim.share_prompts,
+                        max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch)
 
 
 def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:

@@ -2,9 +2,10 @@
 
 The batch holds, per sequence, prompt + completion token ids, the behaviour
 logprobs μ the engine reported while sampling, and the sequence advantage.
-The step runs the trainer forward micro-batch by micro-batch (gradients
-accumulate; the loss denominator `LossNorm` is computed once over the whole
-batch so the sum of micro-batch losses is the full-batch loss), then clips the
+The step runs the trainer forward micro-batch by micro-batch, of a number of
+sequences or up to a number of tokens (`micro_batches`; gradients accumulate;
+the loss denominator `LossNorm` is computed once over the whole batch so the
+sum of micro-batch losses is the full-batch loss), then clips the
 gradient norm and steps the optimizer: one optimizer step per batch.
 
 π_old: with one optimizer step per batch the weights cannot change between
@@ -147,11 +148,36 @@ class StepSettings:
     corrections: object | None = None  # callable(old, behav, mask, advantages) -> (weights, mask, metrics)
     bypass: bool = False  # loss ratio against μ instead of π_old (corrections.apply_bypass)
     share_prompts: bool = True  # a micro-batch's repeated prompts are laid out once (logprobs.pack_shared)
+    max_tokens_per_micro_batch: int | None = None  # micro-batches by tokens (micro_batches); None: by micro_batch_size
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if type(self.micro_batch_size) is not int or self.micro_batch_size < 1:
             raise ValueError(f"StepSettings.micro_batch_size must be an int >= 1, got {self.micro_batch_size!r}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (type(budget) is not int or budget < 1):
+            raise ValueError(f"StepSettings.max_tokens_per_micro_batch must be None or an int >= 1, got {budget!r}")
+
+
+def micro_batches(order: list[int], lengths: list[int], s: StepSettings) -> list[list[int]]:
+    """The step's sequences `order` (batch indices, in this order) split into micro-batches.
+
+    By count: `micro_batch_size` sequences each. By tokens (`max_tokens_per_micro_batch`): consecutive
+    sequences while their prompt + completion tokens (`lengths`, the forward's rows before prompt sharing)
+    fit the budget; a sequence longer than the budget alone is a micro-batch of its own. The order is kept
+    (a GRPO group stays together for `share_prompts`), and each sequence is whole in one micro-batch, as the
+    per-sequence aggregation modes need; the loss denominators are the whole batch's either way.
+    """
+    if s.max_tokens_per_micro_batch is None:
+        return [order[a:a + s.micro_batch_size] for a in range(0, len(order), s.micro_batch_size)]
+    out, used = [], 0
+    for k in order:
+        if not out or used + lengths[k] > s.max_tokens_per_micro_batch:
+            out.append([])
+            used = 0
+        out[-1].append(k)
+        used += lengths[k]
+    return out
 
 
 def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
@@ -204,9 +230,8 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
     kept = {k: [] for k in ("old", "behav", "loss_mask", "live", "gen", "adv", "final", "ent", "kl")}
     optimizer.zero_grad(set_to_none=True)
-    order = ranks.shard(len(batch))
-    for start in range(0, len(order), s.micro_batch_size):
-        idx = order[start:start + s.micro_batch_size]
+    lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    for idx in micro_batches(ranks.shard(len(batch)), lengths, s):
         logp_BT, ent_BT, sampled_BT, gen_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
         old_BT = logp_BT.detach()
         # a sampled token the trainer's top-k/top-p cuts (π_old = 0, only off-policy: μ ≠ π_old) has no

@@ -72,6 +72,15 @@ def test_exact_run_has_zero_mismatch_every_step(model_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["async"]["enabled"] is False
 
 
+def test_activation_checkpointing_runs_bitwise_the_same_steps(model_dir, tmp_path):
+    """optim.activation_checkpointing through `exactrl train` (rl/setup.py applies it to the trainer's model
+    only): every metric of every step equals the plain run's; token-budget micro-batches run exact too."""
+    plain = run(model_dir, tmp_path / "plain", "max_steps=2")
+    same_metrics(plain, run(model_dir, tmp_path / "full", "max_steps=2", "optim.activation_checkpointing=full"))
+    budget = training_rows(run(model_dir, tmp_path / "budget", "max_steps=2", "optim.max_tokens_per_micro_batch=64"))
+    assert [r["train/train_rollout_logprob_abs_diff_max"] for r in budget] == [0.0, 0.0]
+
+
 def test_fast_kernels_show_a_mismatch(model_dir, tmp_path):
     """The inverse twin: the same job on plain torch kernels is not on-policy."""
     rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=2", "model.kernels=fast"))
