@@ -160,9 +160,12 @@ class ServerState:
         """Reads a HF checkpoint off the event loop, then swaps it into the engine between two steps.
 
         The checkpoint is loaded in the served model's dtype; its configuration, names and shapes must
-        match the served model's. Returns the engine's new version.
+        match the served model's; a training checkpoint whose state.json records file digests must match
+        them (flipped bytes behind an intact safetensors header load without an error). Returns the
+        engine's new version.
         """
         from exactrl.model import load_model, read_config
+        from exactrl.rl.checkpoint import verify_digests
 
         if not model_path:  # Path("") is ".": whatever checkpoint the server's working directory holds
             raise APIError(400, "model_path is empty: give the checkpoint's directory", param="model_path")
@@ -174,6 +177,7 @@ class ServerState:
             # only weights are copied: a checkpoint of another configuration (the served shapes, another
             # rope_theta) would be served as a model it is not, its trainer computing other logprobs.
             # Checked before its weights are read (load_model names a path that is no directory)
+            verify_digests(Path(model_path))  # a ValueError naming the damaged file; False: nothing recorded
             cfg = read_config(model_path) if Path(model_path).is_dir() else served
             diff = [f.name for f in dataclasses.fields(cfg)
                     if f.name not in ("hf", "generation") and getattr(cfg, f.name) != getattr(served, f.name)]

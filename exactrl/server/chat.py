@@ -39,6 +39,7 @@ from exactrl.chat.parsing import HERMES, StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError
 from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
                                        stream_error, token_fields, until_done, usage)
+from exactrl.server.guard import prompt_built
 from exactrl.server.schemas import (MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, context_error,
                                     sampling_params)
 
@@ -164,6 +165,7 @@ class _ChatJob:
 
 async def chat_completions(st, body: ChatCompletionRequest, request: Request, session_id: str | None = None):
     job = await _ChatJob.create(st, body, session_id)
+    prompt_built(request)  # a large body's slot goes to the next (guard.py)
     st.count("server/chat_requests")
     if body.stream:  # the stream gives the session back when it ends
         return SessionStream(_chat_stream(job, request), st, job.session)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from exactrl.chat.trajectory import Session
 from exactrl.server.generation import (Generation, SessionStream, drain_all, sampling_key, score_top_logprobs, sse,
                                        stream_error, token_fields, until_done)
+from exactrl.server.guard import prompt_built
 from exactrl.server.schemas import (MAX_SEQUENCES, MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common,
                                     context_error, sampling_params)
 
@@ -85,6 +86,7 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
     except BaseException:
         st.release(session)
         raise
+    prompt_built(request)  # a large body's slot goes to the next (guard.py)
     st.count("server/completion_requests")
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:  # the stream gives the session back when it ends

@@ -15,10 +15,17 @@ error JSON, counted under server/errors_<status>:
   Body limit     a body beyond `Access.max_body_bytes` (--max-body-mb) is
                  refused by its Content-Length before a byte is read, or as its
                  chunks arrive past the limit. 413 `request_too_large`.
-  Memory         after a request whose body was large, glibc gives the freed
-                 pages back to the kernel (malloc_trim, every arena): the parsed
-                 JSON, rendered templates and tokenizer buffers of a
-                 multi-megabyte request would otherwise stay resident.
+  Large bodies   a request whose body is `LARGE_BODY_BYTES` or more waits, its
+                 body received, for one of `LargeBodies.slots` slots before the
+                 route sees its last chunk, and holds it while its JSON is
+                 decoded and its prompt rendered and tokenized: until the route
+                 calls `prompt_built`, answers, or fails. Requests with smaller
+                 bodies never wait. Several multi-megabyte prompts built at once
+                 interleave their buffers across worker threads' malloc arenas
+                 and Python's object arenas, and what stays live afterwards pins
+                 them; and every such build takes CPU from the small requests.
+                 When the last large request in flight ends, glibc gives the
+                 freed pages back to the kernel (malloc_trim, every arena).
 Slow clients: `http_protocol` is uvicorn's h11 protocol with a deadline for a
 request's head (request line and headers): a connection that has not sent a
 whole head within `header_timeout_s` of connecting, or of the first byte of
@@ -28,6 +35,7 @@ connection for good.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import hmac
 import ipaddress
@@ -44,7 +52,8 @@ from exactrl.server.schemas import APIError
 log = logging.getLogger("exactrl.server")
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-TRIM_AFTER_BYTES = 1 << 20  # a body at least this large is followed by malloc_trim
+LARGE_BODY_BYTES = 1 << 20  # a body at least this large waits for a LargeBodies slot and is followed by malloc_trim
+LARGE_BODY_SLOTS = 1  # large requests whose prompts are built at once
 _HOST = re.compile(r"\[([0-9a-f:.]+)\](?::\d*)?|([^:\[\]]+)(?::\d*)?")  # Host: name[:port] or [v6][:port]
 
 
@@ -98,7 +107,8 @@ def _refuse(status: int, message: str, code: str, headers: dict | None = None) -
 
 def install_guards(app, access: Access, count) -> None:
     """Adds the middleware, outermost first as in the module docstring; `count(key)` counts each refusal."""
-    app.add_middleware(_BodyLimit, limit=access.max_body_bytes, count=count)  # each added goes outside the last
+    app.add_middleware(_BodyLimit, limit=access.max_body_bytes, count=count,  # each added goes outside the last
+                       large=LargeBodies(LARGE_BODY_SLOTS))
     if access.api_keys:
         app.add_middleware(_APIKeys, keys=access.api_keys, count=count)
     if access.allowed_hosts is not None:
@@ -143,9 +153,56 @@ class _APIKeys:
         await self.app(scope, receive, send)
 
 
+class LargeBodies:
+    """The slots large requests take while their prompts are built, and how many are being built."""
+
+    def __init__(self, slots: int):
+        assert slots >= 1
+        self.slots = slots
+        self.free = asyncio.Semaphore(slots)
+        self.building = 0  # large requests from their body's last chunk until their prompt is built
+        self.trims = 0  # malloc_trim calls
+
+
+class _LargeRequest:
+    """One request's hold on a LargeBodies slot: taken once its body is whole, given back once; the heap is
+    trimmed when a large request ends and no other is building its prompt (a trim then would be undone)."""
+
+    def __init__(self, large: LargeBodies):
+        self.large, self.entered, self.building, self.holding = large, False, False, False
+
+    async def enter(self) -> None:
+        self.entered = self.building = True
+        self.large.building += 1
+        await self.large.free.acquire()
+        self.holding = True
+
+    def prompt_built(self) -> None:
+        if self.building:
+            self.building = False
+            self.large.building -= 1
+        if self.holding:
+            self.holding = False
+            self.large.free.release()
+
+    def end(self) -> None:
+        self.prompt_built()
+        if self.entered and self.large.building == 0:
+            self.large.trims += 1
+            trim_heap()
+
+
+def prompt_built(request) -> None:
+    """Called by a route once its prompt is built (tokenized): a large request gives back its slot while it
+    generates. Nothing for a request with a small body."""
+    held = request.scope.get("exactrl.large_request")
+    if held is not None:
+        held.prompt_built()
+
+
 class _BodyLimit:
-    def __init__(self, app, limit: int, count):
-        self.app, self.limit, self.count = app, limit, count
+    def __init__(self, app, limit: int, count, large: LargeBodies):
+        self.app, self.limit, self.count, self.large = app, limit, count, large
 
     def message(self) -> str:
         return (f"the request body is larger than this server's limit of {self.limit / 2**20:g} MB "
@@ -159,6 +216,7 @@ class _BodyLimit:
             self.count("server/errors_413")
             return await _refuse(413, self.message(), "request_too_large")(scope, receive, send)
         received = 0
+        held = scope["exactrl.large_request"] = _LargeRequest(self.large)
 
         async def limited():
             nonlocal received
@@ -167,13 +225,18 @@ class _BodyLimit:
                 received += len(message.get("body", b""))
                 if received > self.limit:  # a chunked body: refused as it passes the limit (errors.py answers)
                     raise StarletteHTTPException(413, self.message())
+                if received >= LARGE_BODY_BYTES and not message.get("more_body", False) and not held.entered:
+                    await held.enter()  # the body is whole: a client sending slowly holds no slot
             return message
 
+        async def sending(message):
+            held.prompt_built()  # answered (or refused): its prompt is built or will not be
+            await send(message)
+
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, limited, sending)
         finally:
-            if received >= TRIM_AFTER_BYTES:
-                trim_heap()
+            held.end()
 
 
 def trim_heap() -> None:

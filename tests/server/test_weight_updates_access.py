@@ -74,3 +74,27 @@ def test_weights_root_needs_the_flag_and_a_directory(tmp_path):
         access_of(serve_args("--weights-root", str(tmp_path)))
     with pytest.raises(ValueError, match="not a directory"):
         access_of(serve_args("--enable-weight-updates", "--weights-root", str(tmp_path / "no")))
+
+
+def test_a_checkpoint_with_flipped_bytes_is_refused_naming_the_file_and_an_intact_one_loads(tmp_path):
+    import torch
+
+    import exactrl
+    from exactrl.rl.checkpoint import save_checkpoint
+    model = exactrl.load_model(model_dir())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    intact = save_checkpoint(tmp_path / "run", 1, model, opt, {"prompts": {}}, keep=2)
+    damaged = save_checkpoint(tmp_path / "run", 2, model, opt, {"prompts": {}}, keep=2)
+    data = bytearray((damaged / "model.safetensors").read_bytes())
+    data[-1] ^= 0x5A  # tensor data: the safetensors header stays intact and the file loads
+    (damaged / "model.safetensors").write_bytes(bytes(data))
+    state, thread = serving(Access(weight_updates=True, weights_root=str(tmp_path)))
+    with thread:
+        post = lambda p: httpx.post(thread.url + "/update_weights_from_disk", json={"model_path": str(p)}, timeout=60)
+        r = post(damaged)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "model_path" and "model.safetensors" in err["message"], err
+        assert "sha256" in err["message"] and state.engine.version == 0
+        r = post(intact)
+        assert r.status_code == 200 and r.json()["version"] == 1, r.text
