@@ -63,11 +63,17 @@ class _ExactRMSNorm(torch.autograd.Function):
         if x_ND.dtype == weight_D.dtype == torch.float32:
             dx, dw = native.rms_norm_backward(x_ND, weight_D, g_ND.float(), ctx.eps)
             return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
-        with torch.enable_grad():
-            ins = [t.detach().requires_grad_(need) for t, need in zip((x_ND, weight_D), ctx.needs_input_grad)]
-            y = rms_norm(ins[0], ins[1], ctx.eps)
-            got = iter(torch.autograd.grad(y, [t for t in ins if t.requires_grad], g_ND))
-        return tuple(next(got) if t.requires_grad else None for t in ins) + (None,)
+        return rms_norm_grad(x_ND, weight_D, ctx.eps, g_ND, ctx.needs_input_grad[:2]) + (None,)
+
+
+def rms_norm_grad(x_ND, weight_D, eps: float, g_ND, needs) -> tuple:
+    """(∂L/∂x, ∂L/∂w) of `rms_norm` by autograd of its torch expression, recomputed from the inputs (None
+    where `needs` says no): the backward of every exact RMSNorm whose bits it need not match."""
+    with torch.enable_grad():
+        ins = [t.detach().requires_grad_(need) for t, need in zip((x_ND, weight_D), needs)]
+        y = rms_norm(ins[0], ins[1], eps)
+        got = iter(torch.autograd.grad(y, [t for t in ins if t.requires_grad], g_ND))
+    return tuple(next(got) if t.requires_grad else None for t in ins)
 
 
 def rotary_tables(head_dim: int, max_positions: int, theta: float, start: int = 0, inv_freq: torch.Tensor | None = None,
@@ -152,20 +158,21 @@ def log_softmax(z_NV: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dimension of fp32 rows, each row reduced in one fixed order (pointwise.c,
     whose docstring has the formula); differentiable."""
     if torch.is_grad_enabled() and z_NV.requires_grad:
-        return _LogSoftmax.apply(z_NV)
+        return LogSoftmax.apply(z_NV, native.log_softmax)
     return native.log_softmax(z_NV)
 
 
-class _LogSoftmax(torch.autograd.Function):
-    """The C log_softmax; backward ∂L/∂z_j = g_j − exp(lp_j) · Σ_i g_i (row-wise), as torch's."""
+class LogSoftmax(torch.autograd.Function):
+    """A backend's row log_softmax `fn` (the C one, a Triton one); backward ∂L/∂z_j = g_j − exp(lp_j) · Σ_i g_i
+    (row-wise), as torch's."""
 
     @staticmethod
-    def forward(ctx, z_NV):  # type: ignore[override]
-        lp = native.log_softmax(z_NV)
+    def forward(ctx, z_NV, fn):  # type: ignore[override]
+        lp = fn(z_NV)
         ctx.save_for_backward(lp)
         return lp
 
     @staticmethod
     def backward(ctx, g_NV):  # type: ignore[override]
         (lp,) = ctx.saved_tensors
-        return g_NV - lp.exp() * g_NV.sum(-1, keepdim=True)
+        return g_NV - lp.exp() * g_NV.sum(-1, keepdim=True), None

@@ -165,7 +165,7 @@ class TritonKernels(Kernels):
     def log_softmax(self, z_NV):
         if not self.exact:
             return torch.log_softmax(z_NV.float(), dim=-1)
-        return _LogSoftmax.apply(z_NV)
+        return _rowwise.LogSoftmax.apply(z_NV, _ops().log_softmax)
 
     def entropy(self, lp_NV):
         if not self.exact:
@@ -228,11 +228,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         x, w = ctx.saved_tensors
-        with torch.enable_grad():
-            ins = [t.detach().requires_grad_(need) for t, need in zip((x, w), ctx.needs_input_grad)]
-            y = _rowwise.rms_norm(ins[0], ins[1], ctx.eps)
-            got = iter(torch.autograd.grad(y, [t for t in ins if t.requires_grad], g))
-        return tuple(next(got) if t.requires_grad else None for t in ins) + (None,)
+        return _rowwise.rms_norm_grad(x, w, ctx.eps, g, ctx.needs_input_grad[:2]) + (None,)
 
 
 class _Rotary(torch.autograd.Function):
@@ -265,21 +261,6 @@ class _SwiGLU(torch.autograd.Function):
         dg = dyf * uf * sig * (1 + gf * (1 - sig))
         du = dyf * gf * sig
         return dg.to(g.dtype), du.to(u.dtype)
-
-
-class _LogSoftmax(torch.autograd.Function):
-    """The Triton log_softmax; backward ∂L/∂z_j = g_j − exp(lp_j)·Σ_i g_i."""
-
-    @staticmethod
-    def forward(ctx, z):  # type: ignore[override]
-        lp = _ops().log_softmax(z)
-        ctx.save_for_backward(lp)
-        return lp
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        (lp,) = ctx.saved_tensors
-        return g - lp.exp() * g.sum(-1, keepdim=True)
 
 
 class _Attention(torch.autograd.Function):
