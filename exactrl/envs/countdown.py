@@ -147,7 +147,7 @@ def _render(tree: _Tree) -> tuple[str, int]:
 
 
 def _is_int(x) -> bool:
-    """A JSON integer (bools and floats are not: 15.9 used to become 15, true a 1)."""
+    """A JSON integer (bools and floats are not: 15.9 is not read as 15, nor true as 1)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 

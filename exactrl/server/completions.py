@@ -74,7 +74,7 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs")
-    if body.logprobs is not None and body.stream:  # (0 used to stream null logprobs without a word)
+    if body.logprobs is not None and body.stream:  # (0 too: a stream cannot carry them)
         raise APIError(400, "logprobs is not available with stream=true (alternatives are recomputed after "
                             "generation); the stream's last chunk of each choice carries generation_log_probs, "
                             "the sampled tokens' logprobs", param="logprobs")

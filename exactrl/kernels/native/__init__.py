@@ -23,7 +23,7 @@ crash mid-build leaves no half-written library). `-ffp-contract=off` and no
 `-ffast-math` keep the source's order of every rounding, so `-march=native`
 changes speed, not bits. The kernels' exp is their own (`exp_f.h`), not
 libm's, whose variant glibc picks per CPU: the same bits on every CPU
-(the tests compare the AVX-512, AVX2 and unvectorised builds). No torch headers: the build takes seconds (3.4 s on machine Z), not a minute.
+(the tests compare the AVX-512, AVX2 and unvectorised builds). No torch headers: the build takes seconds, not a minute.
 Needs a C compiler with OpenMP (gcc or clang: `$CC`, default `cc`); without
 one, exact kernels fail with an error that says so.
 """
