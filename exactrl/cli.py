@@ -202,6 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel ranks on this machine, >= 1 (torch.distributed, gloo; the cores are split "
                         "between them); across machines start ranks with torchrun -m exactrl train")
     t.set_defaults(fn=_train)
+    _add_serve(sub)
+    _add_parity(sub)
+    b = sub.add_parser("bench", help="benchmarks (prints JSON): kernels | engine | train | serve")
+    b.add_argument("name", nargs="?", help="benchmark to run; none lists them")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
+    b.set_defaults(fn=_bench)
+    r = sub.add_parser("report", help="PNG plots of a run directory")
+    r.add_argument("run_dir", type=_path, help="the run directory (it holds metrics.jsonl); the plots go to "
+                                               "RUN_DIR/report/")
+    r.set_defaults(fn=_report)
+    return p
+
+
+def _model_placement(parser: argparse.ArgumentParser) -> None:
+    """--device and --backend, as `load_model` takes them."""
+    parser.add_argument("--device", default="cpu", metavar="DEVICE",
+                        help="cpu, cuda or cuda:N: where the model runs (cuda needs a GPU and triton)")
+    parser.add_argument("--backend", default=None, choices=["native", "triton"],
+                        help="kernel implementation (default: native on cpu, triton on cuda; triton on cpu needs "
+                             "TRITON_INTERPRET=1)")
+
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible server over the engine")
     s.add_argument("--model", required=True, type=_path,
                    help="Hugging Face model directory to serve (config.json + safetensors)")
@@ -213,11 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and activation dtype")
     s.add_argument("--kernels", default="exact", choices=["exact", "fast"],
                    help="exact: logprobs bitwise equal to the trainer's (and batch-invariant); fast: plain torch")
-    s.add_argument("--device", default="cpu", metavar="DEVICE",
-                   help="cpu, cuda or cuda:N: where the model runs (cuda needs a GPU and triton)")
-    s.add_argument("--backend", default=None, choices=["native", "triton"],
-                   help="kernel implementation (default: native on cpu, triton on cuda; triton on cpu needs "
-                        "TRITON_INTERPRET=1)")
+    _model_placement(s)
     s.add_argument("--monotonicity", default="raise", choices=["raise", "split", "truncate"],
                    help="when a chat history no longer matches the tokens the server returned: raise (HTTP 400), "
                         "split (render it afresh as a new segment) or truncate (keep the tokens up to the last "
@@ -249,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close a connection that has not sent a whole request head (line and headers) in this "
                         "long")
     s.set_defaults(fn=_serve)
+
+
+def _add_parity(sub) -> None:
     q = sub.add_parser("parity", help="check the exactness contract on a model",
                        epilog="exit code: 0 bitwise exact, 1 not exact (or, with --server, no token returned), "
                               "2 an error")
@@ -257,11 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and activation dtype")
     q.add_argument("--kernels", default="exact", choices=["exact", "fast"],
                    help="exact: the kernels the contract is for; fast: plain torch, which must differ")
-    q.add_argument("--device", default="cpu", metavar="DEVICE",
-                   help="cpu, cuda or cuda:N: where the model runs (cuda needs a GPU and triton)")
-    q.add_argument("--backend", default=None, choices=["native", "triton"],
-                   help="kernel implementation (default: native on cpu, triton on cuda; triton on cpu needs "
-                        "TRITON_INTERPRET=1)")
+    _model_placement(q)
     q.add_argument("--length", type=_int_in(1), default=80,
                    help="target sequence length, >= 1 (capped at the model's context)")
     q.add_argument("--seed", type=int, default=0, help="seed of the random token sequences (and, with --server, "
@@ -278,15 +296,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--temperature", type=float, default=1.0,
                    help="--server: sampling temperature (0: greedy)")
     q.set_defaults(fn=_parity)
-    b = sub.add_parser("bench", help="benchmarks (prints JSON): kernels | engine | train | serve")
-    b.add_argument("name", nargs="?", help="benchmark to run; none lists them")
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
-    b.set_defaults(fn=_bench)
-    r = sub.add_parser("report", help="PNG plots of a run directory")
-    r.add_argument("run_dir", type=_path, help="the run directory (it holds metrics.jsonl); the plots go to "
-                                               "RUN_DIR/report/")
-    r.set_defaults(fn=_report)
-    return p
 
 
 def _refuse_dropped_values(parser: argparse.ArgumentParser, args, argv: list[str]) -> None:

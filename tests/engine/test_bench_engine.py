@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "engine.py"
+from conftest import load_benchmark
+
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("exactrl_bench_engine", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("engine")
 
 
 def test_bench_engine_quick(capsys):

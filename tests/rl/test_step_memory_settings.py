@@ -3,10 +3,8 @@ micro-batches by a token budget (the same step as one sequence per micro-batch, 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,8 @@ from exactrl.rl.activation_ckpt import apply_activation_checkpointing
 from exactrl.rl.config import load_config
 from exactrl.rl.losses import build_loss
 from exactrl.rl.trainer import StepSettings, TrainBatch, micro_batches, train_step
+from conftest import load_benchmark
 
-MEMORY_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
 
 
 def _settings(**kw) -> StepSettings:
@@ -78,10 +76,7 @@ def test_activation_checkpointing_leaves_no_grad_forwards_and_copies_alone(qwen3
 
 
 def _memory_bench():
-    spec = importlib.util.spec_from_file_location("exactrl_bench_memory", MEMORY_BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("memory")
 
 
 def test_activation_checkpointing_lowers_the_steps_peak_memory(qwen3_dir):
