@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import apply_quick, check_context, positive_int, qwen3_config, SIZES  # noqa: E402
 
 from exactrl.model import build_model  # noqa: E402
-from exactrl.rl.activation_ckpt import MODES, apply_activation_checkpointing  # noqa: E402
-from exactrl.rl.losses import build_loss  # noqa: E402
-from exactrl.rl.trainer import StepSettings, TrainBatch, train_step  # noqa: E402
+from exactrl.train.activation_ckpt import MODES, apply_activation_checkpointing  # noqa: E402
+from exactrl.algo.losses import build_loss  # noqa: E402
+from exactrl.train.trainer import StepSettings, TrainBatch, train_step  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -14,7 +14,7 @@ Model shapes are benchmarks/_common.py's SIZES: `20M` (vocab 16384, hidden
 384, 6 layers, GQA 6/2 heads, tied embeddings: ≈15.7M parameters), `tiny` for
 `--quick`.
 
-- exactrl: a full step as `exactrl/rl/loop.py` does it — `Engine.generate`
+- exactrl: a full step as `exactrl/train/loop.py` does it — `Engine.generate`
   (n = G per prompt) -> rewards -> `compute_advantages` -> `train_step`
   (PPO-clip, token-mean, the run config's defaults, so each group's prompt is
   laid out once in the trainer's forward: `optim.share_prompts`) -> `engine.update_weights`.
@@ -153,11 +153,11 @@ def throughput(step_s: list[float], tokens_per_step: int) -> dict:
 
 
 def exactrl_components(model_dir: Path, kernels: str, a) -> dict:
-    """What `exactrl.rl.setup.build` makes for a run, with the run config's defaults."""
+    """What `exactrl.train.setup.build` makes for a run, with the run config's defaults."""
     import exactrl
-    from exactrl.rl.config import EngineSettings, RunConfig
-    from exactrl.rl.losses import build_loss
-    from exactrl.rl.trainer import StepSettings
+    from exactrl.train.config import EngineSettings, RunConfig
+    from exactrl.algo.losses import build_loss
+    from exactrl.train.trainer import StepSettings
 
     cfg = RunConfig()
     model = exactrl.load_model(model_dir, dtype="float32", kernels=kernels)
@@ -181,8 +181,8 @@ def exactrl_components(model_dir: Path, kernels: str, a) -> dict:
 def exactrl_step(c: dict, prompt_ids_P: list[list[int]], a, step: int) -> tuple[dict, dict]:
     """One GRPO step as the synchronous loop runs it; returns (train_step metrics, phase times)."""
     from exactrl import SamplingParams
-    from exactrl.rl.advantages import compute_advantages
-    from exactrl.rl.trainer import TrainBatch, train_step
+    from exactrl.algo.advantages import compute_advantages
+    from exactrl.train.trainer import TrainBatch, train_step
 
     t0 = time.perf_counter()
     params = [SamplingParams(temperature=1.0, max_tokens=a.new, n=a.group, seed=a.seed * 1000 + step * 100 + k,

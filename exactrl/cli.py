@@ -60,7 +60,7 @@ def _check_server_flags(args) -> None:
 def _server_parity(args, model) -> int:
     """`parity --server URL`: the server's logprobs against this trainer's, on random prompts."""
     from exactrl.debug.parity import server_mismatch
-    from exactrl.rl.external import ExternalEngineError
+    from exactrl.rollout.external import ExternalEngineError
 
     if args.max_tokens >= model.config.max_position_embeddings:
         raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
@@ -115,8 +115,8 @@ def _train(args) -> int:
 
     from exactrl.distributed.ray_engines import RayEngineError
     from exactrl.engine.engine import NonFiniteLogitsError
-    from exactrl.rl.external import ExternalEngineError
-    from exactrl.rl.run import train_main
+    from exactrl.rollout.external import ExternalEngineError
+    from exactrl.train.run import train_main
 
     if args.nproc > 1 and "WORLD_SIZE" in os.environ:
         raise ValueError(f"--nproc {args.nproc} starts its own ranks, but WORLD_SIZE={os.environ['WORLD_SIZE']} says "
@@ -124,8 +124,8 @@ def _train(args) -> int:
                          f"WORLD_SIZE")
     if args.nproc > 1:  # this process starts the ranks and waits for them
         from exactrl.distributed import Ranks, launch
-        from exactrl.rl.config import load_config
-        from exactrl.rl.setup import check_ranks
+        from exactrl.train.config import load_config
+        from exactrl.train.setup import check_ranks
 
         check_ranks(load_config(args.config, args.set), Ranks(0, args.nproc))  # refused once, before ranks start
         return launch(["train", *([args.config] if args.config else []), *[x for s in args.set for x in ("--set", s)]],
@@ -150,7 +150,7 @@ def _serve(args) -> int:
 
 
 def _report(args) -> int:
-    from exactrl.rl.report import write_report
+    from exactrl.train.report import write_report
 
     for p in write_report(args.run_dir):
         print(p)
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk, a file gone: one line (a run's checkpoints say what is kept)
         code = _fail(args.command, e)
     except KeyboardInterrupt as e:  # outside a training loop (loading, a report): nothing to save, no traceback
-        from exactrl.rl.run import stopped_by  # Ctrl-C, or SIGTERM to a one-process `train`
+        from exactrl.train.run import stopped_by  # Ctrl-C, or SIGTERM to a one-process `train`
 
         how, code = stopped_by(e)
         print(f"\nexactrl {args.command}: {how}", file=sys.stderr)

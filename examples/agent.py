@@ -38,7 +38,7 @@ def build_agent_model(out: Path, seed: int, sft_steps: int):
     from exactrl.model.logprobs import token_logprobs
     from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer, \
         render_chat_template
-    from exactrl.rl.warmstart import TINY_QWEN3
+    from exactrl.train.warmstart import TINY_QWEN3
 
     task, rng = CalculatorTask(), random.Random(seed)
     corpus = default_tokenizer_corpus([task], 500, seed)
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from exactrl.engine import Engine
     from exactrl.envs.tool_use import CalculatorTask, calculator_episode
-    from exactrl.rl.agent_rollout import agent_train_step
-    from exactrl.rl.losses import build_loss
-    from exactrl.rl.trainer import StepSettings
+    from exactrl.rollout.agents import agent_train_step
+    from exactrl.algo.losses import build_loss
+    from exactrl.train.trainer import StepSettings
     from exactrl.server.app import ServerConfig, ServerState, ServerThread, create_app
 
     torch.manual_seed(args.seed)

@@ -47,10 +47,10 @@ PLOTS = [("rollout/reward_mean", "reward (mean over samples)", False),
 
 
 def run_variant(name: str, overrides: list[str], out: Path, steps: int) -> list[dict]:
-    from exactrl.rl.async_loop import train_async
-    from exactrl.rl.config import load_config
-    from exactrl.rl.loop import train
-    from exactrl.rl.setup import build
+    from exactrl.train.async_loop import train_async
+    from exactrl.train.config import load_config
+    from exactrl.train.loop import train
+    from exactrl.train.setup import build
 
     run_dir = out / name
     if (run_dir / "metrics.jsonl").exists():

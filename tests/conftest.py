@@ -42,8 +42,8 @@ def qwen3_dir(tmp_path_factory):
 
 def default_job_model(tmp_path_factory, sft_steps: int):
     """The default job's tokenizer and tiny Qwen3 after `sft_steps` warm-start steps, built in a temp dir."""
-    from exactrl.rl import warmstart
-    from exactrl.rl.config import load_config
+    from exactrl.train import warmstart
+    from exactrl.train.config import load_config
 
     root = tmp_path_factory.mktemp("artifacts")
     saved, warmstart.ARTIFACTS = warmstart.ARTIFACTS, root

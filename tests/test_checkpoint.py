@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import exactrl
-from exactrl.rl import checkpoint as ck
+from exactrl.train import checkpoint as ck
 
 
 def _opt(model):

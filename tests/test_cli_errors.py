@@ -18,8 +18,8 @@ import torch
 from conftest import default_job_model
 from exactrl import cli
 from exactrl.cli import main
-from exactrl.rl import warmstart
-from exactrl.rl.config import load_config
+from exactrl.train import warmstart
+from exactrl.train.config import load_config
 
 TINY = ["progress=false", "tensorboard=false", "task.eval_size=0", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2", "engine.kv_budget_tokens=2048"]
@@ -360,7 +360,7 @@ def test_a_failed_write_says_what_the_run_kept_and_how_to_go_on(model_dir, tmp_p
     """A full disk when a metrics row is written (not inside the checkpoint save, which says so itself)."""
     import errno
 
-    from exactrl.rl.logger import MetricsLogger
+    from exactrl.train.logger import MetricsLogger
 
     real, calls = MetricsLogger.log, []
 
@@ -384,7 +384,7 @@ def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):
     import subprocess
     import sys
 
-    code = "from exactrl.rl import warmstart; print(warmstart.ARTIFACTS)"
+    code = "from exactrl.train import warmstart; print(warmstart.ARTIFACTS)"
     env = {**os.environ, "EXACTRL_ARTIFACTS": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(tmp_path / "cache")
@@ -396,7 +396,7 @@ def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):
 def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tmp_path):
     """A model directory given as run_dir (its config.json was overwritten by the run's), a path under a file,
     a dangling link: each is named before anything is loaded."""
-    from exactrl.rl.run_dir import check_run_dir as _run_dir, make_dir as _make_dir
+    from exactrl.train.run_dir import check_run_dir as _run_dir, make_dir as _make_dir
 
     model = tmp_path / "model"
     model.mkdir()

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import exactrl
 from exactrl import cli
 from exactrl.cli import main
-from exactrl.rl import warmstart
+from exactrl.train import warmstart
 
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

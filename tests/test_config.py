@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from exactrl.rl.config import load_config
+from exactrl.train.config import load_config
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -81,7 +81,7 @@ def test_missing_and_malformed_file(tmp_path):
 
 
 def test_settings_switched_off_by_others_are_named():
-    from exactrl.rl.config import ignored_settings
+    from exactrl.train.config import ignored_settings
 
     cfg = load_config(None, ["async.max_staleness=2", "algorithm.kl.kind=k1", "model.path=/m", "sft.steps=3",
                              "algorithm.overlong.penalty_factor=0.5", "optim.fp32_master_weights=false"])
@@ -101,10 +101,10 @@ def test_settings_switched_off_by_others_are_named():
 
 def test_docs_config_md_lists_every_key_as_the_code_defines_it():
     """docs/config.md is `config_reference()`: regenerate it with
-    `python -c "from exactrl.rl.config import config_reference; print(config_reference(), end='')" > docs/config.md`."""
+    `python -c "from exactrl.train.config import config_reference; print(config_reference(), end='')" > docs/config.md`."""
     from pathlib import Path
 
-    from exactrl.rl.config import config_reference, dotted
+    from exactrl.train.config import config_reference, dotted
 
     text = config_reference()
     assert (Path(__file__).parents[1] / "docs" / "config.md").read_text() == text

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exactrl.cli import main
-from exactrl.rl import warmstart
-from exactrl.rl.config import RunConfig, dotted, ignored_settings, load_config
-from exactrl.rl.corrections import CORRECTIONS
-from exactrl.rl.losses import LOSSES
+from exactrl.train import warmstart
+from exactrl.train.config import RunConfig, dotted, ignored_settings, load_config
+from exactrl.algo.corrections import CORRECTIONS
+from exactrl.algo.losses import LOSSES
 
 HSET = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 CLI = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -317,7 +317,7 @@ def _arg_names(factory) -> list[str]:
 def test_component_kwargs_are_checked_before_the_warm_start(data, in_tmp, capsys):
     """A loss, a correction or an advantage estimator with random arguments: refused at once naming it,
     or built (the run goes on to the warm start)."""
-    from exactrl.rl.advantages import ADVANTAGES
+    from exactrl.algo.advantages import ADVANTAGES
 
     what = data.draw(st.sampled_from(["loss", "correction", "advantage"]))
     table = {"loss": LOSSES, "correction": CORRECTIONS, "advantage": ADVANTAGES}[what]

@@ -174,7 +174,7 @@ def server_settings(base_url: str, served_model: str):
     the URL is not a server root. Cheap: the CLI calls it before it loads the model."""
     from pydantic import ValidationError
 
-    from exactrl.rl.external import RolloutBackendSettings
+    from exactrl.rollout.external import RolloutBackendSettings
 
     if base_url.rstrip("/").endswith("/v1"):
         raise ValueError(f"--server must be the server's root URL, without /v1: got {base_url!r}")
@@ -199,8 +199,8 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     """
     from exactrl.engine import SamplingParams
     from exactrl.model.logprobs import sequence_logprobs
-    from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
-    from exactrl.rl.external import ExternalEngine
+    from exactrl.algo.diagnostics import logprob_diff_metrics, mismatch_metrics
+    from exactrl.rollout.external import ExternalEngine
 
     if prompts < 1 or length < 1 or max_tokens < 1:
         raise ValueError(f"prompts, length and max_tokens must be >= 1, got {prompts}, {length}, {max_tokens}")

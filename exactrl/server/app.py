@@ -165,7 +165,7 @@ class ServerState:
         engine's new version.
         """
         from exactrl.model import load_model, read_config
-        from exactrl.rl.checkpoint import verify_digests
+        from exactrl.train.checkpoint import verify_digests
 
         if not model_path:  # Path("") is ".": whatever checkpoint the server's working directory holds
             raise APIError(400, "model_path is empty: give the checkpoint's directory", param="model_path")

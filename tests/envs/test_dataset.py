@@ -138,8 +138,8 @@ def test_evaluation_scores_each_held_out_problem_once(tmp_path):
     """200 draws from the default task's ~40 held-out problems: each distinct one is scored once (they used
     to be scored as often as drawn), and a prompt of a training file is not evaluated."""
     from exactrl.envs import get_task
-    from exactrl.rl.config import load_config
-    from exactrl.rl.setup import _datasets
+    from exactrl.train.config import load_config
+    from exactrl.train.setup import _datasets
 
     cfg = load_config(None, [])
     task = get_task(cfg.task.name, **cfg.task.kwargs)

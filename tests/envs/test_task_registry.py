@@ -90,7 +90,7 @@ def test_strip_reasoning_takes_one_pass_over_degenerate_text():
 def test_a_task_in_a_file_of_its_own_is_named_from_the_run_config(tmp_path):
     """`task.module` imports the user's file first, so `exactrl train --set task.name=...` can name its task."""
     from exactrl.envs import import_task_module
-    from exactrl.rl.config import load_config
+    from exactrl.train.config import load_config
 
     f = tmp_path / "double_task.py"
     f.write_text('''

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from exactrl.envs.base import Problem
 from exactrl.envs.tool_use import calculate
-from exactrl.rl.agent_rollout import agent_train_batch, collect_agent_groups, complete_groups
+from exactrl.rollout.agents import agent_train_batch, collect_agent_groups, complete_groups
 from exactrl.server.app import ServerThread
 
 REGISTERED: dict[str, list[dict]] = {}  # session id -> its trajectories

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import exactrl
-from exactrl.rl.advantages import ADVANTAGES, compute_advantages
-from exactrl.rl.corrections import CORRECTIONS, build_corrections
-from exactrl.rl.losses import LOSSES, build_loss
-from exactrl.rl.trainer import StepSettings, TrainBatch, train_step
+from exactrl.algo.advantages import ADVANTAGES, compute_advantages
+from exactrl.algo.corrections import CORRECTIONS, build_corrections
+from exactrl.algo.losses import LOSSES, build_loss
+from exactrl.train.trainer import StepSettings, TrainBatch, train_step
 
 HSET = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 V = 211  # conftest TINY vocabulary

@@ -14,7 +14,7 @@ import torch
 import exactrl
 from conftest import default_job_model, train_args
 from exactrl.cli import main
-from exactrl.rl import checkpoint as ck
+from exactrl.train import checkpoint as ck
 
 
 def _opt(model):

@@ -348,7 +348,7 @@ def test_a_run_dir_rank_0_cannot_claim_stops_every_rank_without_a_traceback(mode
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('RANK') == '0':\n    import exactrl.rl.setup as s\n"
+        "import os\nif os.environ.get('RANK') == '0':\n    import exactrl.train.setup as s\n"
         "    def refused(*a):\n        raise ValueError('injected: another run took the dir')\n"
         "    s._claim_run_dir = refused\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
@@ -388,8 +388,8 @@ def test_the_settings_check_passes_equal_settings_and_names_each_difference():
     """The check's two sides in one process, as rank 1 of 2 whose collectives hand it rank 0's settings."""
     from dataclasses import dataclass
 
-    from exactrl.rl.config import load_config
-    from exactrl.rl.run import _check_same_settings, settings_leaves
+    from exactrl.train.config import load_config
+    from exactrl.train.run import _check_same_settings, settings_leaves
 
     @dataclass(frozen=True)
     class Rank1(Ranks):
@@ -435,7 +435,7 @@ def test_a_rank_that_dies_mid_run_leaves_one_line_on_the_others_not_a_gloo_trace
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.rl.loop as loop\n"
+        "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.train.loop as loop\n"
         "    real = loop.train_on\n    def dying(c, step, groups):\n        if step == 2:\n"
         "            os.kill(os.getpid(), signal.SIGKILL)\n        return real(c, step, groups)\n"
         "    loop.train_on = dying\n")
@@ -464,7 +464,7 @@ def test_a_rank_that_dies_while_setting_up_leaves_one_line_on_the_others(model_d
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.rl.setup as setup\n"
+        "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.train.setup as setup\n"
         "    def dying(*args, **kwargs):\n        os.kill(os.getpid(), signal.SIGKILL)\n    setup.build = dying\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2", *sets(model_dir, tmp_path / "run", "max_steps=2")]

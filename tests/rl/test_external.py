@@ -1,4 +1,4 @@
-"""The external-engine rollout backend (exactrl/rl/external.py) against real `exactrl serve` apps over HTTP.
+"""The external-engine rollout backend (exactrl/rollout/external.py) against real `exactrl serve` apps over HTTP.
 
 Layers: the answer parser on hand-made vLLM / SGLang / exactrl answers; bitwise equality of the
 backend's logprobs with the trainer's through an exact-kernel server (the HTTP path loses nothing);
@@ -25,10 +25,10 @@ from exactrl.cli import main as cli_main
 from exactrl.engine import Engine, SamplingParams
 from exactrl.envs import get_task
 from exactrl.envs.dataset import make_dataset
-from exactrl.rl import warmstart
-from exactrl.rl.config import load_config
-from exactrl.rl.external import ExternalEngine, ExternalEngineError, RolloutBackendSettings, to_completions
-from exactrl.rl.setup import build
+from exactrl.train import warmstart
+from exactrl.train.config import load_config
+from exactrl.rollout.external import ExternalEngine, ExternalEngineError, RolloutBackendSettings, to_completions
+from exactrl.train.setup import build
 from exactrl.server.app import ServerThread, build_state, create_app
 from exactrl.server.guard import Access
 

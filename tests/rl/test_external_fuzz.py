@@ -1,4 +1,4 @@
-"""Property-based fuzz of how the external rollout backend (exactrl/rl/external.py) reads a server's answers.
+"""Property-based fuzz of how the external rollout backend (exactrl/rollout/external.py) reads a server's answers.
 
 A tiny stdlib HTTP server in a thread answers /v1/completions with what each example planned: a valid
 answer in one of the three dialects (exactrl, vLLM, SGLang), the same with a field dropped, replaced by
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exactrl.engine import SamplingParams
-from exactrl.rl.external import LOGPROB_SLACK, ExternalEngine, ExternalEngineError, RolloutBackendSettings
+from exactrl.rollout.external import LOGPROB_SLACK, ExternalEngine, ExternalEngineError, RolloutBackendSettings
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import exactrl.rl.loop as loop
+import exactrl.train.loop as loop
 from conftest import default_job_model, train_rows
-from exactrl.rl.config import load_config
+from exactrl.train.config import load_config
 
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "task.eval_size=0", "optim.lr=1e-3", "engine.kv_budget_tokens=4096", "rollout.filter_groups=true"]

@@ -14,13 +14,13 @@ import statistics
 import pytest
 import torch
 
-from exactrl.rl.advantages import compute_advantages
-from exactrl.rl.aggregation import aggregate
-from exactrl.rl.corrections import build_corrections
-from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
-from exactrl.rl.kl import kl_estimate, kl_reward_penalty
-from exactrl.rl.losses import build_loss
-from exactrl.rl.types import LossInputs, LossNorm
+from exactrl.algo.advantages import compute_advantages
+from exactrl.algo.aggregation import aggregate
+from exactrl.algo.corrections import build_corrections
+from exactrl.algo.diagnostics import logprob_diff_metrics, mismatch_metrics
+from exactrl.algo.kl import kl_estimate, kl_reward_penalty
+from exactrl.algo.losses import build_loss
+from exactrl.algo.types import LossInputs, LossNorm
 
 F64 = torch.float64
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from exactrl.envs import ArithmeticTask, CountdownTask, get_task
-from exactrl.rl.config import load_config
-from exactrl.rl.corrections import build_corrections
-from exactrl.rl.losses import PPOClipLoss, build_loss
+from exactrl.train.config import load_config
+from exactrl.algo.corrections import build_corrections
+from exactrl.algo.losses import PPOClipLoss, build_loss
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -71,7 +71,7 @@ def test_right_task_kwargs_still_build():
 def test_advantage_kwargs_of_the_wrong_type():
     import torch
 
-    from exactrl.rl.advantages import compute_advantages
+    from exactrl.algo.advantages import compute_advantages
 
     rewards = torch.tensor([[1.0, 0.0]])
     with pytest.raises(ValueError, match="advantage estimator 'grpo' argument normalize_std: expected true or false"):

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import default_job_model, train_args
 from exactrl.cli import main as cli_main
-from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
+from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint
 
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "task.eval_size=8", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096"]
@@ -157,7 +157,7 @@ def stopped_then_resumed(model_dir, d, monkeypatch, code: int, *overrides) -> tu
 
 def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one(model_dir, tmp_path, judge, full_run,
                                                                      monkeypatch):
-    import exactrl.rl.checkpoint as ckpt_mod
+    import exactrl.train.checkpoint as ckpt_mod
 
     real = ckpt_mod.save_model
 
@@ -175,7 +175,7 @@ def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one(model_dir,
 def test_sigterm_between_a_checkpoints_rename_and_its_pointer(model_dir, tmp_path, judge, full_run, monkeypatch):
     """step_000003 is complete but `latest` still names step_000002: the run goes on from what the pointer
     names, and its redone step 3 replaces the directory."""
-    import exactrl.rl.checkpoint as ckpt_mod
+    import exactrl.train.checkpoint as ckpt_mod
 
     real = ckpt_mod.replace_durably
 
@@ -193,7 +193,7 @@ def test_sigterm_between_a_checkpoints_rename_and_its_pointer(model_dir, tmp_pat
 
 
 def test_sigterm_in_the_middle_of_a_training_step(model_dir, tmp_path, judge, full_run, monkeypatch):
-    import exactrl.rl.loop as loop_mod
+    import exactrl.train.loop as loop_mod
 
     real, calls = loop_mod.train_step, []
 
@@ -239,7 +239,7 @@ def test_sigterm_while_the_rollout_thread_samples(model_dir, tmp_path, judge, fu
     """SIGTERM sent while the rollout thread scores or samples step 3's batch: the trainer thread may be
     saving step 2 or waiting for the batch; either way the run stops, its thread ends, what it saved is
     whole, and at max_staleness 0 the resumed run is the uninterrupted one bit for bit."""
-    import exactrl.rl.async_loop as async_mod
+    import exactrl.train.async_loop as async_mod
 
     if where == "reward":
         monkeypatch.setenv("EXACTRL_TEST_STOP", "40:sigterm")  # step 3's batch (16 rewards a step)
@@ -266,7 +266,7 @@ def test_a_reward_that_does_not_return_does_not_keep_a_stopped_run_waiting(model
     """SIGTERM while the rollout thread is stuck in the task's reward: the run waits STOP_WAIT_S for the
     thread, says it goes on without it, and stops keeping what it saved; the thread ends once the reward
     returns, handing the trainer nothing more."""
-    import exactrl.rl.async_loop as async_mod
+    import exactrl.train.async_loop as async_mod
 
     hold = tmp_path / "hold"
     hold.touch()
@@ -289,7 +289,7 @@ def test_a_reward_that_does_not_return_does_not_keep_a_stopped_run_waiting(model
 
 
 def test_a_non_finite_engine_on_the_rollout_thread_is_named_as_divergence(model_dir, tmp_path, capsys, monkeypatch):
-    import exactrl.rl.async_loop as async_mod
+    import exactrl.train.async_loop as async_mod
     from exactrl.engine.engine import NonFiniteLogitsError
 
     real = async_mod.generate_groups
@@ -341,7 +341,7 @@ def test_sigterm_from_outside_stops_an_asynchronous_run_which_then_resumes(model
 def test_inflight_updates_at_max_staleness_zero_are_named_as_having_no_effect(model_dir, tmp_path, capsys):
     """Batch k starts only once version k − 1 is out and version k needs batch k: no weights ever arrive
     in the middle of a batch, which the run says instead of leaving the user to think they did."""
-    from exactrl.rl.config import ignored_settings, load_config
+    from exactrl.train.config import ignored_settings, load_config
 
     cfg = load_config(None, ["async.enabled=true", "async.max_staleness=0", "async.inflight_updates=true"])
     assert ignored_settings(cfg) == ["async.inflight_updates has no effect: async.max_staleness is 0, so no new "
@@ -356,7 +356,7 @@ def test_inflight_updates_at_max_staleness_zero_are_named_as_having_no_effect(mo
 def test_async_without_weight_sync_is_refused_when_it_would_stop_half_way():
     """An external server with weight_sync none samples every token as version 0: the asynchronous loop
     drops it all from step max_staleness + 2 on, so a longer run is refused before it starts."""
-    from exactrl.rl.config import load_config
+    from exactrl.train.config import load_config
 
     server = ["rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1", "rollout_backend.model=m",
               "async.enabled=true", "async.max_staleness=2"]

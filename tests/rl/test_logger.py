@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from exactrl.rl.logger import _keep_steps_up_to
+from exactrl.train.logger import _keep_steps_up_to
 
 
 def _rows(path):
@@ -22,7 +22,7 @@ def test_rows_after_the_checkpoint_and_a_torn_last_row_are_dropped(tmp_path):
 def test_a_whole_last_row_without_its_newline_gets_one_so_the_next_row_does_not_join_it(tmp_path):
     """A full disk can leave the last row complete but without "\n": the resumed run's next row was
     appended to it, and the resume after that dropped both as one torn line."""
-    from exactrl.rl.logger import MetricsLogger
+    from exactrl.train.logger import MetricsLogger
 
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1}\n{"step": 2}')
@@ -51,7 +51,7 @@ def _tb_steps(run_dir):
 def test_tensorboard_keeps_checkpointed_steps_and_purges_redone_ones(tmp_path):
     """flush() (before each checkpoint) puts the steps on disk; a resume, from step 0 too, purges the steps
     past it that a crash left, so each step shows once."""
-    from exactrl.rl.logger import MetricsLogger
+    from exactrl.train.logger import MetricsLogger
 
     first = MetricsLogger(tmp_path, True, False, 4, 0)
     for s in (1, 2):
@@ -70,7 +70,7 @@ def test_flush_fsyncs_the_metrics_file(tmp_path, monkeypatch):
     """Before a checkpoint the rows it covers reach the disk itself, not only the page cache."""
     import os
 
-    from exactrl.rl.logger import MetricsLogger
+    from exactrl.train.logger import MetricsLogger
 
     synced = []
     real = os.fsync
@@ -91,7 +91,7 @@ def test_a_row_of_the_wrong_shape_is_named(tmp_path, bad):
 
 
 def test_a_metrics_file_that_is_a_directory_or_not_utf8_is_named(tmp_path):
-    from exactrl.rl.logger import read_metrics
+    from exactrl.train.logger import read_metrics
 
     (tmp_path / "metrics.jsonl").mkdir()
     with pytest.raises(ValueError, match="is not a file"):
@@ -110,7 +110,7 @@ def test_progress_is_a_live_bar_on_a_terminal_and_a_plain_line_a_step_in_a_pipe(
     no such lines; `progress: false` prints the figures as JSON."""
     import sys
 
-    from exactrl.rl.logger import MetricsLogger
+    from exactrl.train.logger import MetricsLogger
 
     row = {"step": 2, "rollout/reward_mean": 0.5, "train/train_rollout_logprob_abs_diff": 0.0}
     for d in ("pipe", "tty", "quiet"):

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import default_job_model, train_rows
 from exactrl.cli import main as cli_main
-from exactrl.rl.async_loop import drop_stale
-from exactrl.rl.config import load_config
-from exactrl.rl.rollout import Rollout
+from exactrl.train.async_loop import drop_stale
+from exactrl.train.config import load_config
+from exactrl.rollout.groups import Rollout
 
 # a few seconds per run: 4 prompts x 4 samples, short answers, a small eval set
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -325,7 +325,7 @@ def test_resume_after_a_crash_between_checkpoints_has_no_duplicate_rows(model_di
 
 def test_a_run_dir_in_use_by_another_run_is_refused(model_dir, tmp_path, capsys):
     """Another run holds the dir (its lock): a second start on it fails before writing anything."""
-    from exactrl.rl.run_dir import lock_run_dir as _lock_run_dir
+    from exactrl.train.run_dir import lock_run_dir as _lock_run_dir
 
     d = tmp_path / "busy"
     run(model_dir, d, "max_steps=1")
@@ -350,7 +350,7 @@ def test_the_ranks_of_one_run_may_probe_its_lock_at_once_and_a_held_lock_still_r
     """Every rank of a data-parallel resume asks whether a run holds the dir's lock, at the same moment: two
     exclusive probes refused one rank as "in use by another run" (seen in CI). Probes share the lock; a run
     holding it still refuses them, and holds it against the next run."""
-    from exactrl.rl.run_dir import lock_run_dir as _lock_run_dir
+    from exactrl.train.run_dir import lock_run_dir as _lock_run_dir
 
     d = tmp_path / "run"
     d.mkdir()
@@ -387,7 +387,7 @@ def test_resume_refuses_changed_settings_and_names_them(model_dir, tmp_path, cap
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert "model.kernels: 'exact' -> 'fast'" in err and "optim.lr: 0.001 -> 0.5" in err
-    import exactrl.rl.setup as setup_mod  # refused before any model is loaded (or warm-started)
+    import exactrl.train.setup as setup_mod  # refused before any model is loaded (or warm-started)
     real = setup_mod._model_dir
     setup_mod._model_dir = lambda *a: (_ for _ in ()).throw(AssertionError("the model was loaded"))
     try:
@@ -430,7 +430,7 @@ def test_resume_refuses_another_tokenizer(model_dir, tmp_path, capsys):
 
 
 def test_ctrl_c_keeps_the_run_and_says_how_to_resume(model_dir, tmp_path, capsys, monkeypatch):
-    import exactrl.rl.loop as loop_mod
+    import exactrl.train.loop as loop_mod
 
     real = loop_mod.train_on
 
@@ -455,7 +455,7 @@ def test_async_ctrl_c_drops_the_batch_in_flight(model_dir, tmp_path, capsys, mon
     instead of finishing the batch first, and says how to resume."""
     import threading
 
-    import exactrl.rl.async_loop as async_mod
+    import exactrl.train.async_loop as async_mod
 
     started, outcome = threading.Event(), {}
     real_generate = async_mod.generate_groups
@@ -493,7 +493,7 @@ def test_async_ctrl_c_drops_the_batch_in_flight(model_dir, tmp_path, capsys, mon
 def test_failure_before_the_first_step_leaves_no_run_dir(model_dir, tmp_path, capsys, monkeypatch, interrupt):
     import contextlib
 
-    import exactrl.rl.loop as loop_mod
+    import exactrl.train.loop as loop_mod
 
     def fails(c, step, groups):
         raise KeyboardInterrupt if interrupt else RuntimeError("rollout server died")
@@ -518,7 +518,7 @@ def test_failure_before_the_first_step_leaves_no_run_dir(model_dir, tmp_path, ca
 def test_runs_started_in_the_same_second_get_their_own_default_dirs(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from exactrl.rl import run_dir
+    from exactrl.train import run_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run_dir.time, "strftime", lambda fmt: "20260101-000000")
@@ -555,9 +555,9 @@ def test_a_warm_start_leaves_the_runs_random_streams_as_they_were(model_dir, mon
     import numpy as np
     import torch
 
-    import exactrl.rl.warmstart as warmstart
+    import exactrl.train.warmstart as warmstart
     from exactrl.distributed import Ranks
-    from exactrl.rl.setup import _model_dir
+    from exactrl.train.setup import _model_dir
 
     def building(cfg, log):  # an uncached warm start: initialisation and SFT batches draw
         random.random(), np.random.rand(3), torch.rand(100)

@@ -11,9 +11,9 @@ import torch
 
 from conftest import default_job_model, train_args, train_rows
 from exactrl.cli import main as cli_main
-from exactrl.rl.checkpoint import latest_checkpoint
-from exactrl.rl.config import OptimSettings
-from exactrl.rl.setup import scheduled_lr
+from exactrl.train.checkpoint import latest_checkpoint
+from exactrl.train.config import OptimSettings
+from exactrl.train.setup import scheduled_lr
 
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
          "task.eval_size=0", "engine.kv_budget_tokens=4096"]

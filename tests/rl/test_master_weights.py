@@ -17,8 +17,8 @@ import torch
 import exactrl
 from conftest import default_job_model, train_args, train_rows
 from exactrl.cli import main as cli_main
-from exactrl.rl.checkpoint import latest_checkpoint
-from exactrl.rl.master_weights import MasterWeights
+from exactrl.train.checkpoint import latest_checkpoint
+from exactrl.train.master_weights import MasterWeights
 
 SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "task.eval_size=0", "engine.kv_budget_tokens=4096", "model.dtype=bfloat16"]
@@ -165,8 +165,8 @@ def test_the_bf16_warm_start_steps_through_master_weights_and_its_cache_key_says
     from exactrl.envs import get_task
     from exactrl.model import load_model
     from exactrl.model.tokenizer import load_tokenizer
-    from exactrl.rl import warmstart
-    from exactrl.rl.config import load_config
+    from exactrl.train import warmstart
+    from exactrl.train.config import load_config
 
     tok, task = load_tokenizer(model_dir), get_task("arithmetic")
     moved = {}

@@ -20,8 +20,8 @@ import exactrl
 from conftest import default_job_model, train_rows
 from exactrl.distributed import Ranks
 from exactrl.engine import Engine, NonFiniteLogitsError, SamplingParams
-from exactrl.rl.config import load_config
-from exactrl.rl.setup import build, check_ranks
+from exactrl.train.config import load_config
+from exactrl.train.setup import build, check_ranks
 
 ray = pytest.importorskip("ray")
 from exactrl.distributed.ray_engines import RayEngineError, RayEngines, RayEngineSettings  # noqa: E402

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exactrl.cli import main
-from exactrl.rl.report import INITIAL, PANELS, PLOTTABLE, write_report
+from exactrl.train.report import INITIAL, PANELS, PLOTTABLE, write_report
 
 PLOTTED = [INITIAL] + [k for _, keys in PANELS for k in keys]
 FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -146,7 +146,7 @@ def test_keys_in_only_some_rows_and_a_cut_last_line_still_plot(tmp_path):
                                   '{"step": 2, "x": ' + "7" * 5000 + "}"], ids=["nested", "long-int"])
 def test_resume_names_the_same_lines(tmp_path, line):
     """metrics.jsonl is read again when a run resumes: the same lines are named there, not a RecursionError."""
-    from exactrl.rl.logger import MetricsLogger
+    from exactrl.train.logger import MetricsLogger
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' + line + '\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"{tmp_path / 'metrics.jsonl'}:2: "):

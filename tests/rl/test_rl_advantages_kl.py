@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from exactrl.rl.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, reinforce_pp, rloo
-from exactrl.rl.kl import kl_estimate
+from exactrl.algo.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, reinforce_pp, rloo
+from exactrl.algo.kl import kl_estimate
 
 R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
 EPS = 1e-6
@@ -126,7 +126,7 @@ def test_k3_gradient_never_pushes_logp_further_below_the_reference():
 
 
 def test_kl_reward_penalty_refuses_lists_of_different_lengths():
-    from exactrl.rl.kl import kl_reward_penalty
+    from exactrl.algo.kl import kl_reward_penalty
 
     with pytest.raises(ValueError, match="3 behaviour sequences but 2 reference"):  # zip dropped the third
         kl_reward_penalty([torch.tensor([-1.0])] * 3, [torch.tensor([-1.5])] * 2, "k1", 0.1)
@@ -149,7 +149,7 @@ def test_kl_unknown_kind_and_shape():
 
 def test_kl_reward_penalty_hand_computed():
     """penalty_i = β Σ_t kl_t; k1 = logp − logq per token."""
-    from exactrl.rl.kl import kl_reward_penalty
+    from exactrl.algo.kl import kl_reward_penalty
 
     behav = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5]), torch.tensor([])]
     ref = [torch.tensor([-1.5, -1.0]), torch.tensor([-0.5]), torch.tensor([])]
@@ -167,7 +167,7 @@ def test_agent_batches_take_the_advantage_estimators_arguments():
     gives each trajectory its episode's reward minus the group mean."""
     from exactrl.chat.trajectory import Trajectory
     from exactrl.envs.base import Problem
-    from exactrl.rl.agent_rollout import AgentRollout, agent_train_batch
+    from exactrl.rollout.agents import AgentRollout, agent_train_batch
 
     def episode(reward: float) -> AgentRollout:
         t = Trajectory([1, 2], [3, 4], [1, 1], [-0.5, -0.5], [0, 0], 1, [[1.0, -1, 1.0]])

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from exactrl.rl.aggregation import AGG_MODES, aggregate
-from exactrl.rl.types import LossNorm
+from exactrl.algo.aggregation import AGG_MODES, aggregate
+from exactrl.algo.types import LossNorm
 
 NAN = float("nan")
 # row 0: three tokens 1, 2, 3; row 1: one token 4 (5 is masked); row 2: empty, garbage in padding

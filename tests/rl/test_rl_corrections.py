@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from exactrl.rl.corrections import (CORRECTIONS, OPSM, DecoupledIS, GeometricMeanRejection, KLRejection,
+from exactrl.algo.corrections import (CORRECTIONS, OPSM, DecoupledIS, GeometricMeanRejection, KLRejection,
                                     SequenceMaskIS, SequenceTIS, TokenMaskIS, TokenTIS, apply_bypass,
                                     build_corrections, compose)
-from exactrl.rl.losses import PPOClipLoss
-from exactrl.rl.types import LossInputs, LossNorm
+from exactrl.algo.losses import PPOClipLoss
+from exactrl.algo.types import LossInputs, LossNorm
 
 F64 = torch.float64
 L = math.log

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
-from exactrl.rl.types import LossInputs
+from exactrl.algo.diagnostics import logprob_diff_metrics, mismatch_metrics
+from exactrl.algo.types import LossInputs
 
 F64 = torch.float64
 L = math.log

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from exactrl.rl.losses import (LOSSES, CISPOLoss, GSPOLoss, PPOClipLoss, ReinforceLoss, SAPOLoss, TOPRLoss,
+from exactrl.algo.losses import (LOSSES, CISPOLoss, GSPOLoss, PPOClipLoss, ReinforceLoss, SAPOLoss, TOPRLoss,
                                build_loss)
-from exactrl.rl.types import LossInputs, LossNorm
+from exactrl.algo.types import LossInputs, LossNorm
 
 F64 = torch.float64
 L = math.log

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from exactrl.envs.base import Problem
-from exactrl.rl.config import load_config
-from exactrl.rl.rollout import Rollout, overlong_penalty, overlong_shaped, to_train_batch
+from exactrl.train.config import load_config
+from exactrl.rollout.groups import Rollout, overlong_penalty, overlong_shaped, to_train_batch
 
 
 def _rollout(n_tokens: int, reward: float, finish: str = "stop") -> Rollout:
@@ -55,8 +55,8 @@ def test_a_buffer_longer_than_the_completion_limit_is_refused():
 def test_a_step_whose_completions_are_all_masked_learns_nothing(qwen3_dir):
     """Every completion truncated and masked: the loss and the gradient are 0 and the metrics stay finite."""
     import exactrl
-    from exactrl.rl.losses import build_loss
-    from exactrl.rl.trainer import StepSettings, train_step
+    from exactrl.algo.losses import build_loss
+    from exactrl.train.trainer import StepSettings, train_step
 
     model = exactrl.load_model(qwen3_dir)
     before = [p.detach().clone() for p in model.parameters()]
@@ -84,7 +84,7 @@ def test_a_reward_that_is_not_a_finite_number_names_the_task():
     silently accepted "1.0"; bools and numpy numbers are numbers."""
     import numpy as np
 
-    from exactrl.rl.rollout import _reward
+    from exactrl.rollout.groups import _reward
 
     for bad in (None, "1.0", float("nan"), [1]):
         with pytest.raises(ValueError, match=r"task 'mine': reward\(\) returned .* for the prompt '1\+1='"):
@@ -93,7 +93,7 @@ def test_a_reward_that_is_not_a_finite_number_names_the_task():
 
 
 def test_a_correction_name_that_is_not_text_is_named():
-    from exactrl.rl.corrections import build_corrections
+    from exactrl.algo.corrections import build_corrections
 
     with pytest.raises(ValueError, match=r"unknown correction \['a'\]"):
         build_corrections([{"name": ["a"]}])

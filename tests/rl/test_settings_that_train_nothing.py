@@ -7,8 +7,8 @@ import pytest
 
 from conftest import default_job_model
 from exactrl.cli import main
-from exactrl.rl.advantages import ADVANTAGES, GROUP_BASELINE
-from exactrl.rl.config import load_config
+from exactrl.algo.advantages import ADVANTAGES, GROUP_BASELINE
+from exactrl.train.config import load_config
 
 
 @pytest.mark.parametrize("advantage", sorted(GROUP_BASELINE))

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import exactrl
-from exactrl.rl.activation_ckpt import apply_activation_checkpointing
-from exactrl.rl.config import load_config
-from exactrl.rl.losses import build_loss
-from exactrl.rl.trainer import StepSettings, TrainBatch, micro_batches, train_step
+from exactrl.train.activation_ckpt import apply_activation_checkpointing
+from exactrl.train.config import load_config
+from exactrl.algo.losses import build_loss
+from exactrl.train.trainer import StepSettings, TrainBatch, micro_batches, train_step
 from conftest import load_benchmark
 
 

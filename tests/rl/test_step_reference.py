@@ -43,13 +43,13 @@ from conftest import make_hf_model
 from exactrl.distributed import Ranks
 from exactrl.envs.base import Problem
 from exactrl.model.logprobs import token_logprobs
-from exactrl.rl.config import load_config
-from exactrl.rl.corrections import build_corrections
-from exactrl.rl.loop import train_on
-from exactrl.rl.losses import build_loss
-from exactrl.rl.rollout import Rollout, rollout_metrics, to_train_batch
-from exactrl.rl.setup import _step_settings
-from exactrl.rl.trainer import train_step
+from exactrl.train.config import load_config
+from exactrl.algo.corrections import build_corrections
+from exactrl.train.loop import train_on
+from exactrl.algo.losses import build_loss
+from exactrl.rollout.groups import Rollout, rollout_metrics, to_train_batch
+from exactrl.train.setup import _step_settings
+from exactrl.train.trainer import train_step
 
 F64 = torch.float64
 MAX_TOKENS = 8

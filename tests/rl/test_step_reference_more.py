@@ -29,11 +29,11 @@ import torch
 import exactrl
 from exactrl.chat.trajectory import Trajectory
 from exactrl.envs.base import Problem
-from exactrl.rl.agent_rollout import AgentRollout, agent_train_batch
-from exactrl.rl.async_loop import drop_stale
-from exactrl.rl.config import load_config
-from exactrl.rl.loop import train_on
-from exactrl.rl.trainer import train_step
+from exactrl.rollout.agents import AgentRollout, agent_train_batch
+from exactrl.train.async_loop import drop_stale
+from exactrl.train.config import load_config
+from exactrl.train.loop import train_on
+from exactrl.train.trainer import train_step
 from test_step_reference import (BASE, CONFIGS, advantages, assert_grads_close, components, make_groups,  # noqa: F401
                                  models, ref_dir, reference, reference_rows, step_grads)  # (models, ref_dir: fixtures)
 
@@ -169,7 +169,7 @@ def test_the_agent_reference_sees_what_it_tests(models):
 def test_a_kl_term_without_its_reference_model_is_refused(models):
     """StepSettings with kl_coef > 0 and the KL in the loss asks for that term: a step without the reference
     model trained without it, silently (and `agent_train_step` passed none)."""
-    from exactrl.rl.agent_rollout import agent_train_step
+    from exactrl.rollout.agents import agent_train_step
 
     model, ref_model = models
     cfg = load_config(None, AGENT_BASE + AGENT_CONFIGS["token-mean ppo bypass, kl k3 in the loss, entropy"])
@@ -239,7 +239,7 @@ async def tool_episode(base_url, problem, *, seed, seen):
     import openai
 
     from exactrl.envs.tool_use import CALCULATOR_TOOL, first_messages
-    from exactrl.rl.agent_rollout import TURN_SEEDS
+    from exactrl.rollout.agents import TURN_SEEDS
 
     kw = dict(model="agent", tools=[CALCULATOR_TOOL], temperature=0.7, max_tokens=48)
     messages = first_messages(problem)
@@ -257,8 +257,8 @@ async def tool_episode(base_url, problem, *, seed, seen):
 def test_a_live_tool_episode_step_is_the_reference_step(live):
     """`agent_train_step` over a live server: the recorded 2-turn trajectories (tool and template tokens
     masked between the turns) train as the reference computed from them says, with μ the trainer's bitwise."""
-    from exactrl.rl.agent_rollout import TURN_SEEDS, agent_train_step
-    from exactrl.rl.rollout import sampling_seed
+    from exactrl.rollout.agents import TURN_SEEDS, agent_train_step
+    from exactrl.rollout.groups import sampling_seed
 
     cfg = load_config(None, AGENT_BASE + AGENT_CONFIGS["token-mean ppo bypass, kl k3 in the loss, entropy"]
                       + ["rollout.temperature=0.7"])

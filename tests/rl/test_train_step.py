@@ -9,9 +9,9 @@ import torch
 
 import exactrl
 from exactrl.model.logprobs import token_logprobs
-from exactrl.rl.corrections import build_corrections
-from exactrl.rl.losses import build_loss
-from exactrl.rl.trainer import StepSettings, TrainBatch, train_step
+from exactrl.algo.corrections import build_corrections
+from exactrl.algo.losses import build_loss
+from exactrl.train.trainer import StepSettings, TrainBatch, train_step
 from conftest import make_hf_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6]]

@@ -6,8 +6,8 @@ import threading
 import pytest
 
 import exactrl
-from exactrl.rl import warmstart
-from exactrl.rl.config import load_config
+from exactrl.train import warmstart
+from exactrl.train.config import load_config
 
 CFG = ["sft.steps=1", "sft.batch_size=2"]
 

@@ -112,7 +112,7 @@ def test_a_full_disk_in_tensorboard_keeps_the_resume_hint(model_dir, tmp_path, c
 def test_a_full_disk_met_only_by_tensorboards_last_flush_keeps_the_resume_hint(model_dir, tmp_path, capsys,
                                                                                monkeypatch):
     tb = FullDiskTensorBoard(monkeypatch, from_step=10**9)
-    from exactrl.rl.logger import MetricsLogger
+    from exactrl.train.logger import MetricsLogger
 
     real_close = MetricsLogger.close
 

@@ -19,9 +19,9 @@ import torch
 import exactrl
 from exactrl.engine import Engine
 from exactrl.envs.tool_use import CALCULATOR_TOOL, CalculatorTask, calculate, calculator_episode, first_messages
-from exactrl.rl.agent_rollout import agent_train_step
-from exactrl.rl.losses import build_loss
-from exactrl.rl.trainer import StepSettings
+from exactrl.rollout.agents import agent_train_step
+from exactrl.algo.losses import build_loss
+from exactrl.train.trainer import StepSettings
 from exactrl.server.app import ServerConfig, ServerState, ServerThread, create_app
 from serving import check_trajectory, check_turns, model_dir, warm_start
 
@@ -103,7 +103,7 @@ def test_a_failing_episode_takes_only_its_group_out_of_the_step(calc):
     session it opened is deleted. Every group failing is an error carrying the first failure."""
     import asyncio
 
-    from exactrl.rl.agent_rollout import collect_agent_groups, complete_groups
+    from exactrl.rollout.agents import collect_agent_groups, complete_groups
 
     seeds = []
 

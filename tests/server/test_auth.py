@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from exactrl.rl.external import ExternalEngine, RolloutBackendSettings
+from exactrl.rollout.external import ExternalEngine, RolloutBackendSettings
 from exactrl.engine import SamplingParams
 from exactrl.server.app import ServerThread, access_of, build_state, create_app
 from exactrl.server.guard import Access

@@ -80,7 +80,7 @@ def test_a_checkpoint_with_flipped_bytes_is_refused_naming_the_file_and_an_intac
     import torch
 
     import exactrl
-    from exactrl.rl.checkpoint import save_checkpoint
+    from exactrl.train.checkpoint import save_checkpoint
     model = exactrl.load_model(model_dir())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     intact = save_checkpoint(tmp_path / "run", 1, model, opt, {"prompts": {}}, keep=2)

@@ -29,12 +29,12 @@ import torch
 
 from exactrl.distributed import whole_optimizer_state
 from exactrl.model.logprobs import token_logprobs
-from exactrl.rl.checkpoint import save_checkpoint
-from exactrl.rl.kl import kl_reward_penalty
-from exactrl.rl.rollout import (Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups,
+from exactrl.train.checkpoint import save_checkpoint
+from exactrl.algo.kl import kl_reward_penalty
+from exactrl.rollout.groups import (Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups,
                                to_train_batch)
-from exactrl.rl.setup import Components
-from exactrl.rl.trainer import train_step
+from exactrl.train.setup import Components
+from exactrl.train.trainer import train_step
 
 
 def train(c: Components) -> dict[str, float]:

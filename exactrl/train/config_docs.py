@@ -1,5 +1,5 @@
 """`config_reference()`: every run config key with its type, default and docstring, as Markdown
-(`docs/config.md` is its text; a test keeps the two the same). Re-exported by `exactrl.rl.config`."""
+(`docs/config.md` is its text; a test keeps the two the same). Re-exported by `exactrl.train.config`."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ def config_reference() -> str:
     """Every config key with its type, default and docstring, as Markdown (`docs/config.md` is this text;
     a test keeps the two the same)."""
     lines = ["# Run config keys", "",
-             "Generated from `exactrl/rl/config.py` (`config_reference()`); set any key in a YAML file or with",
+             "Generated from `exactrl/train/config.py` (`config_reference()`); set any key in a YAML file or with",
              "`exactrl train --set key=value`. `exactrl train` with no file runs these defaults: the default job.", ""]
 
     def section(model: type[BaseModel], prefix: str) -> None:
@@ -31,7 +31,7 @@ def config_reference() -> str:
             lines.extend([f"## `{key}`", ""] + ([" ".join(doc.split()), ""] if doc else []))
             section(sub, key + ".")
 
-    from exactrl.rl.config import RunConfig
+    from exactrl.train.config import RunConfig
 
     section(RunConfig, "")
     return "\n".join(lines)

@@ -59,11 +59,11 @@ import torch
 from exactrl.distributed import Ranks
 from exactrl.engine import Engine
 from exactrl.model.logprobs import token_logprobs
-from exactrl.rl.config import AsyncSettings
-from exactrl.rl.loop import end_step, engine_metrics, initial_eval, train_on
-from exactrl.rl.rollout import Rollout, generate_groups
-from exactrl.rl.setup import Components, rng_state
-from exactrl.rl.warmstart import prompt_ids
+from exactrl.train.config import AsyncSettings
+from exactrl.train.loop import end_step, engine_metrics, initial_eval, train_on
+from exactrl.rollout.groups import Rollout, generate_groups
+from exactrl.train.setup import Components, rng_state
+from exactrl.train.warmstart import prompt_ids
 
 
 @dataclass

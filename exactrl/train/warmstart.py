@@ -28,7 +28,7 @@ from exactrl.envs import get_task
 from exactrl.model import ModelConfig, build_model, save_model
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer
-from exactrl.rl.master_weights import MasterWeights
+from exactrl.train.master_weights import MasterWeights
 
 # the cache of warm-started default models: ./artifacts, or where EXACTRL_ARTIFACTS points (one cache for
 # runs started from any directory)

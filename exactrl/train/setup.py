@@ -20,19 +20,19 @@ from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
 from exactrl.model.tokenizer import load_tokenizer
 from exactrl.model.transformer import CausalLM
-from exactrl.rl.activation_ckpt import apply_activation_checkpointing
-from exactrl.rl.advantages import compute_advantages
-from exactrl.rl.checkpoint import latest_checkpoint, load_checkpoint
-from exactrl.rl.config import OptimSettings, RunConfig, dotted
-from exactrl.rl.corrections import build_corrections
-from exactrl.rl.external import ExternalEngine
-from exactrl.rl.logger import MetricsLogger, NullLogger
-from exactrl.rl.master_weights import MasterWeights
-from exactrl.rl.run_dir import check_run_dir, default_run_dir
-from exactrl.rl.run_dir import claim_run_dir as _claim_run_dir  # (a test replaces it here)
-from exactrl.rl.losses import build_loss
-from exactrl.rl.trainer import StepSettings
-from exactrl.rl.warmstart import module_sha256
+from exactrl.train.activation_ckpt import apply_activation_checkpointing
+from exactrl.algo.advantages import compute_advantages
+from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint
+from exactrl.train.config import OptimSettings, RunConfig, dotted
+from exactrl.algo.corrections import build_corrections
+from exactrl.rollout.external import ExternalEngine
+from exactrl.train.logger import MetricsLogger, NullLogger
+from exactrl.train.master_weights import MasterWeights
+from exactrl.train.run_dir import check_run_dir, default_run_dir
+from exactrl.train.run_dir import claim_run_dir as _claim_run_dir  # (a test replaces it here)
+from exactrl.algo.losses import build_loss
+from exactrl.train.trainer import StepSettings
+from exactrl.train.warmstart import module_sha256
 
 
 @dataclass
@@ -378,7 +378,7 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
 
 def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
     """model.path, or the default job's model: rank 0 builds it (once, cached), the others read it there."""
-    from exactrl.rl.warmstart import default_model_dir
+    from exactrl.train.warmstart import default_model_dir
 
     if cfg.model.path:
         return Path(cfg.model.path)

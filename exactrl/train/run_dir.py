@@ -11,9 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from exactrl.rl.checkpoint import latest_checkpoint
-from exactrl.rl.config import RunConfig
-from exactrl.rl.logger import MetricsLogger
+from exactrl.train.checkpoint import latest_checkpoint
+from exactrl.train.config import RunConfig
+from exactrl.train.logger import MetricsLogger
 
 
 def check_run_dir(cfg: RunConfig, locked: bool = False) -> Path:

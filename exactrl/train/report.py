@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from exactrl.rl.logger import read_metrics
+from exactrl.train.logger import read_metrics
 
 PANELS = [("reward", ["rollout/reward_mean"]), ("accuracy", ["eval/accuracy", "rollout/accuracy"]),
           ("logprob_diff", ["train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"]),

@@ -30,11 +30,11 @@ import torch
 from exactrl.distributed import Ranks
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.transformer import CausalLM
-from exactrl.rl.aggregation import aggregate, masked_mean
-from exactrl.rl.corrections import apply_bypass
-from exactrl.rl.diagnostics import logprob_diff_metrics, mismatch_metrics
-from exactrl.rl.kl import kl_estimate
-from exactrl.rl.types import LossInputs, LossNorm
+from exactrl.algo.aggregation import aggregate, masked_mean
+from exactrl.algo.corrections import apply_bypass
+from exactrl.algo.diagnostics import logprob_diff_metrics, mismatch_metrics
+from exactrl.algo.kl import kl_estimate
+from exactrl.algo.types import LossInputs, LossNorm
 
 
 @dataclass

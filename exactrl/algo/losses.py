@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from exactrl.argcheck import check_arg_types
-from exactrl.rl.aggregation import aggregate, masked_mean, masked_values, seq_mean, seq_sum
-from exactrl.rl.kl import MAX_LOG_RATIO, exp_ratio, upcast
-from exactrl.rl.types import LossInputs, LossNorm, check_kwargs
+from exactrl.algo.aggregation import aggregate, masked_mean, masked_values, seq_mean, seq_sum
+from exactrl.algo.kl import MAX_LOG_RATIO, exp_ratio, upcast
+from exactrl.algo.types import LossInputs, LossNorm, check_kwargs
 
 Metrics = dict[str, float]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from exactrl.envs.dataset import load_json_line
-from exactrl.rl.checkpoint import replace_durably
+from exactrl.train.checkpoint import replace_durably
 
 # figures shown on the live display, in this order: (metric key, label, format)
 DISPLAY = [("rollout/reward_mean", "reward", "{:.3f}"), ("eval/accuracy", "eval acc", "{:.3f}"),

@@ -21,8 +21,8 @@ from exactrl.envs.settings import TaskSettings
 from exactrl.kernels.rowwise import check_temperature
 from exactrl.model.settings import ModelSettings
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE
-from exactrl.rl.advantages import ADVANTAGES, GROUP_BASELINE
-from exactrl.rl.external import RolloutBackendSettings
+from exactrl.algo.advantages import ADVANTAGES, GROUP_BASELINE
+from exactrl.rollout.external import RolloutBackendSettings
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -495,4 +495,4 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
     return out
 
 
-from exactrl.rl.config_docs import config_reference  # noqa: E402,F401  (docs/config.md's generator)
+from exactrl.train.config_docs import config_reference  # noqa: E402,F401  (docs/config.md's generator)

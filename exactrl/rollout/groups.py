@@ -16,9 +16,9 @@ import torch
 
 from exactrl.distributed import Ranks
 from exactrl.envs.base import Problem
-from exactrl.rl.advantages import compute_advantages
-from exactrl.rl.trainer import TrainBatch
-from exactrl.rl.warmstart import prompt_ids
+from exactrl.algo.advantages import compute_advantages
+from exactrl.train.trainer import TrainBatch
+from exactrl.train.warmstart import prompt_ids
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from exactrl.rl.types import LossNorm, check_mask, check_same_shape
+from exactrl.algo.types import LossNorm, check_mask, check_same_shape
 
 
 def masked_values(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,9 @@ from typing import Sequence
 import torch
 
 from exactrl.argcheck import check_arg_types
-from exactrl.rl.aggregation import masked_mean, masked_values, seq_mean, seq_sum
-from exactrl.rl.kl import KL_ESTIMATORS, exp_ratio, kl_estimate
-from exactrl.rl.types import LossInputs, check_finite, check_kwargs, check_mask, check_same_shape
+from exactrl.algo.aggregation import masked_mean, masked_values, seq_mean, seq_sum
+from exactrl.algo.kl import KL_ESTIMATORS, exp_ratio, kl_estimate
+from exactrl.algo.types import LossInputs, check_finite, check_kwargs, check_mask, check_same_shape
 
 Metrics = dict[str, float]
 

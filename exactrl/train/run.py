@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from exactrl.rl.config import dotted, ignored_settings, load_config
+from exactrl.train.config import dotted, ignored_settings, load_config
 
 
 class Terminated(KeyboardInterrupt):
@@ -93,11 +93,11 @@ def _quiet(*args, **kwargs) -> None:
 
 def _train(cfg, ranks, say) -> int:
     from exactrl.distributed import optimizer_share
-    from exactrl.rl.async_loop import train_async
-    from exactrl.rl.checkpoint import CheckpointWriteError, latest_checkpoint, replace_durably
-    from exactrl.rl.loop import train
-    from exactrl.rl.report import write_report
-    from exactrl.rl.setup import build
+    from exactrl.train.async_loop import train_async
+    from exactrl.train.checkpoint import CheckpointWriteError, latest_checkpoint, replace_durably
+    from exactrl.train.loop import train
+    from exactrl.train.report import write_report
+    from exactrl.train.setup import build
 
     for key in ignored_settings(cfg):
         say(f"note: {key}")
@@ -180,7 +180,7 @@ def _remove_if_empty(c) -> bool:
     (only config.json and TensorBoard's empty event file), so a failed start leaves nothing behind."""
     import shutil
 
-    from exactrl.rl.checkpoint import latest_checkpoint
+    from exactrl.train.checkpoint import latest_checkpoint
 
     metrics = c.run_dir / "metrics.jsonl"
     if not c.new_run_dir or latest_checkpoint(c.run_dir) is not None or (metrics.exists() and metrics.stat().st_size):

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import torch
 
-from exactrl.rl.aggregation import masked_mean, masked_values, seq_mean, seq_sum
-from exactrl.rl.kl import exp_ratio, kl_estimate
-from exactrl.rl.types import check_finite, check_mask, check_same_shape
+from exactrl.algo.aggregation import masked_mean, masked_values, seq_mean, seq_sum
+from exactrl.algo.kl import exp_ratio, kl_estimate
+from exactrl.algo.types import check_finite, check_mask, check_same_shape
 
 
 def _clean(named: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> list[torch.Tensor]:

@@ -40,9 +40,9 @@ import torch
 
 from exactrl.chat.trajectory import Trajectory
 from exactrl.envs.base import Problem
-from exactrl.rl.advantages import compute_advantages
-from exactrl.rl.rollout import sampling_seed
-from exactrl.rl.trainer import TrainBatch
+from exactrl.algo.advantages import compute_advantages
+from exactrl.rollout.groups import sampling_seed
+from exactrl.train.trainer import TrainBatch
 
 TURN_SEEDS = 1000  # seeds per episode: one per turn
 EnvFn = Callable[..., Awaitable[Any]]  # async (base_url, problem, *, seed, **kwargs) -> reward or object with .reward
@@ -199,7 +199,7 @@ def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_u
     `collect_agent_groups`. `ref_model`: the reference policy of `settings.kl_coef`'s KL term, which
     goes in the loss (the episodes' rewards are the environment's own: no KL in the reward).
     """
-    from exactrl.rl.trainer import train_step
+    from exactrl.train.trainer import train_step
 
     if settings.kl_coef and not settings.kl_in_loss:  # checked before any episode runs
         raise ValueError("agent_train_step puts no KL in the reward (settings.kl_in_loss=False): the rewards are "

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from exactrl.argcheck import check_arg_types
-from exactrl.rl.types import check_kwargs
+from exactrl.algo.types import check_kwargs
 
 
 def _check_rewards(rewards_PG: torch.Tensor) -> torch.Tensor:
