@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.kernels import TokenLayout
+from exactrl.seeds import derive_seed
 from exactrl.model.logprobs import pack_layout
 from exactrl.model.transformer import CausalLM
 
@@ -210,10 +211,9 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     rng = random.Random(seed)
     V = model.config.vocab_size
     batch = [[rng.randrange(V) for _ in range(length)] for _ in range(prompts)]
-    # prompt k samples with seed · 1,000,003 + k, wrapped into the sampler's 64 bits: `--seed 10**13` was
-    # refused after the model loaded, naming a seed the user never gave
+    # prompt k samples with derive_seed(seed, k) (exactrl/seeds.py): any --seed fits the sampler
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                             seed=(seed * 1_000_003 + k + 2**63) % 2**64 - 2**63, ignore_eos=True)
+                             seed=derive_seed(seed, k), ignore_eos=True)
               for k in range(prompts)]
     engine = ExternalEngine(server_settings(base_url, served_model))
     try:

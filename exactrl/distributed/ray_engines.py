@@ -141,6 +141,8 @@ class EngineActor:
 class RayEngines:
     """exactrl.Engine's rollout surface (`generate`, `update_weights`, `version`, `stats`) over E engine actors."""
 
+    step_hook = False  # a RolloutBackend (exactrl/rollout/backend.py): the actors step on their own
+
     def __init__(self, s: RayEngineSettings, model, engine_kwargs: dict, stop_token_ids=(), version: int = 0,
                  log=print):
         try:

@@ -89,6 +89,8 @@ class _Batch:
 class Engine:
     """Continuous-batching generator with bitwise-exact logprobs (in `exact` kernel mode)."""
 
+    step_hook = True  # a RolloutBackend (exactrl/rollout/backend.py): generate's on_step runs between steps
+
     def __init__(self, model, *, stop_token_ids=None, kv_budget_tokens: int = 16384,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  decode_graphs: bool = True):

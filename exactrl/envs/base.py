@@ -118,6 +118,24 @@ def import_task_module(module: str) -> None:
         raise _import_failure(module, e) from e
 
 
+def _module_source(module: str) -> bytes:
+    """The source of a task module (a .py path or a dotted name; the name itself if it has no file)."""
+    import importlib.util
+    from pathlib import Path
+
+    if module.endswith(".py"):
+        return Path(module).read_bytes()
+    spec = importlib.util.find_spec(module)
+    origin = Path(spec.origin) if spec is not None and spec.origin else None
+    return origin.read_bytes() if origin is not None and origin.is_file() else module.encode()
+
+
+def module_sha256(module: str | None) -> str | None:
+    """The sha256 of a task module's source (None without one): the warm start's cache key and the
+    resume check (exactrl/train/setup.py) both see an edited task as another task."""
+    return hashlib.sha256(_module_source(module)).hexdigest() if module else None
+
+
 def _import_failure(module: str, e: Exception | SystemExit) -> ValueError:
     """The error for a task module whose own code failed while it was imported, naming it (a `sys.exit` there
     would otherwise end `train` with no message at all)."""

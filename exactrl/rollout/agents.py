@@ -13,7 +13,7 @@ logprobs) interleaved with template, tool and user tokens (mask 0, logprob
 trajectories, all with the episode's advantage.
 
 Seeds: episode j of problem k at step s samples with seed
-`(sampling_seed(run_seed, step, k) * G + j) * TURN_SEEDS` (turns add their
+`derive_seed(run_seed, step, k, j) * TURN_SEEDS` (exactrl/seeds.py; turns add their
 index, below TURN_SEEDS, so no two turns of a step share a seed), so a step's
 episodes do not depend on how many run concurrently.
 
@@ -41,7 +41,8 @@ import torch
 from exactrl.chat.trajectory import Trajectory
 from exactrl.envs.base import Problem
 from exactrl.algo.advantages import compute_advantages
-from exactrl.rollout.groups import sampling_seed
+from exactrl.envs.rewards import as_reward
+from exactrl.seeds import derive_seed
 from exactrl.train.trainer import TrainBatch
 
 TURN_SEEDS = 1000  # seeds per episode: one per turn
@@ -77,25 +78,8 @@ async def run_episode(server_url: str, env: EnvFn, problem: Problem, seed: int, 
 
 
 def _reward(result: Any) -> float:
-    """The episode's reward, a finite real number: a NaN or inf made the whole step's advantages NaN (every
-    group lost, under a misleading 'scale the rewards down'), and float() read a string "1" as 1.0."""
-    r = result.reward if hasattr(result, "reward") else result
-    try:  # a number, a numpy scalar or a one-element tensor; not text, nor a bool meant as a verdict
-        value = None if isinstance(r, (str, bytes)) or _is_bool(r) else float(r)
-    except (TypeError, ValueError, RuntimeError, OverflowError):  # a tensor of several elements; an int past float
-        value = None
-    if value is None or not math.isfinite(value):
-        raise ValueError(f"the environment's reward must be a finite number (returned, or its .reward), got "
-                         f"{reprlib.repr(r)} ({type(r).__name__})")
-    return value
-
-
-def _is_bool(r: Any) -> bool:
-    """Python's, numpy's or torch's bool (`np.isclose(...)`, `pred == answer` on tensors): a verdict, which
-    float() read as 1.0 or 0.0 where Python's own bool was refused."""
-    if isinstance(r, torch.Tensor):
-        return r.dtype == torch.bool
-    return isinstance(r, (bool, np.bool_)) or (isinstance(r, np.ndarray) and r.dtype == np.bool_)
+    """The episode's reward (returned, or its .reward), by the one rule of exactrl/envs/rewards.py."""
+    return as_reward(result.reward if hasattr(result, "reward") else result, "the environment's reward")
 
 
 async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,
@@ -115,7 +99,7 @@ async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Probl
     async with httpx.AsyncClient(timeout=None) as client:
         async def one(k: int, j: int) -> AgentRollout:
             async with sem:
-                episode_seed = (sampling_seed(seed, step, k) * group_size + j) * TURN_SEEDS
+                episode_seed = derive_seed(seed, step, k, j) * TURN_SEEDS
                 episode = run_episode(server_url, env, problems[k], episode_seed, client, **(env_kwargs or {}))
                 if episode_timeout_s is None:
                     return await episode

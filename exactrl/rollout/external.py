@@ -176,6 +176,8 @@ class ExternalEngineError(RuntimeError):
 class ExternalEngine:
     """exactrl.Engine's rollout surface over an OpenAI-compatible HTTP server."""
 
+    step_hook = False  # a RolloutBackend (exactrl/rollout/backend.py): the server has no hook between its steps
+
     def __init__(self, s: RolloutBackendSettings, stop_token_ids=(), version: int = 0,
                  policy: CausalLM | None = None, vocab_size: int | None = None):
         """`policy`: a copy of the policy model, used only to write `disk` checkpoints (required then).

@@ -8,6 +8,7 @@ Legend: P prompts, G samples per prompt.
 """
 from __future__ import annotations
 
+from exactrl.seeds import derive_seed
 import math
 import numbers
 from dataclasses import dataclass, replace
@@ -16,9 +17,10 @@ import torch
 
 from exactrl.distributed import Ranks
 from exactrl.envs.base import Problem
+from exactrl.envs.rewards import as_reward
 from exactrl.algo.advantages import compute_advantages
 from exactrl.train.trainer import TrainBatch
-from exactrl.train.warmstart import prompt_ids
+from exactrl.envs.prompts import prompt_ids
 
 
 @dataclass
@@ -36,7 +38,8 @@ class Rollout:
 
 
 def sampling_seed(run_seed: int, step: int, k: int) -> int:
-    return (run_seed * 1_000_003 + step * 10_007 + k) % (2**31 - 1)
+    """The sampling seed of prompt k at `step` (exactrl/seeds.py)."""
+    return derive_seed(run_seed, step, k)
 
 
 def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int,
@@ -66,12 +69,9 @@ def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: 
 
 
 def _reward(task, problem: Problem, text: str) -> float:
-    """The task's reward of a completion: a finite number, or an error naming the task."""
-    r = task.reward(problem, text)
-    if not isinstance(r, numbers.Real) or not math.isfinite(r):  # a bool or a numpy number is fine
-        raise ValueError(f"task {getattr(task, 'name', type(task).__name__)!r}: reward() returned {r!r} for the "
-                         f"prompt {problem.prompt!r}; it must return a finite number")
-    return float(r)
+    """The task's reward of a completion, by the one rule of exactrl/envs/rewards.py."""
+    return as_reward(task.reward(problem, text), f"task {getattr(task, 'name', type(task).__name__)!r}: reward() "
+                                                 f"for the prompt {problem.prompt!r}")
 
 
 def sample_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int, ranks: Ranks,

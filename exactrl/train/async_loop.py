@@ -62,8 +62,8 @@ from exactrl.model.logprobs import token_logprobs
 from exactrl.train.config import AsyncSettings
 from exactrl.train.loop import end_step, engine_metrics, initial_eval, train_on
 from exactrl.rollout.groups import Rollout, generate_groups
-from exactrl.train.setup import Components, rng_state
-from exactrl.train.warmstart import prompt_ids
+from exactrl.train.setup import Run, rng_state
+from exactrl.envs.prompts import prompt_ids
 
 
 @dataclass
@@ -90,7 +90,7 @@ class _Stopped(Exception):
 class RolloutWorker:
     """Owns the rollout engine on its own thread, at most `max_staleness` steps ahead of the trainer."""
 
-    def __init__(self, c: Components, s: AsyncSettings):
+    def __init__(self, c: Run, s: AsyncSettings):
         self.c, self.s = c, s
         self._cond = threading.Condition()
         self._published = c.start_step  # newest version the trainer has published
@@ -98,7 +98,7 @@ class RolloutWorker:
         self._stopping = False
         self._out: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="exactrl-rollout", daemon=True)
-        self._in_process = isinstance(c.engine, Engine)  # it takes a hook between its steps
+        self._in_process = c.engine.step_hook  # it takes a hook between its steps
 
     def _between_steps(self) -> None:
         """Before each engine step of a batch: stop if told to; apply new weights with in-flight updates."""
@@ -157,15 +157,15 @@ class RolloutWorker:
                         return
                 self._apply_pending()
                 t0 = time.perf_counter()
-                problems = c.prompts.take(cfg.rollout.prompts_per_step)
+                problems = c.data.prompts.take(cfg.rollout.prompts_per_step)
                 mine = c.ranks.shard(len(problems))  # a data-parallel rank's share; the trainer gathers them
-                groups = generate_groups(c.engine, c.tokenizer, c.task, [problems[k] for k in mine], cfg.rollout,
+                groups = generate_groups(c.engine, c.data.tokenizer, c.data.task, [problems[k] for k in mine], cfg.rollout,
                                          cfg.seed, step, on_step=self._between_steps if self._in_process
                                          else None, indices=mine)
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
                 stats = engine_metrics(c.engine)
                 stats = stats if any(k.startswith(("external/", "ray/")) for k in stats) else {}
-                self._out.put(RolloutBatch(step, groups, len(problems), c.prompts.state_dict(), rng_state(),
+                self._out.put(RolloutBatch(step, groups, len(problems), c.data.prompts.state_dict(), rng_state(),
                                            time.perf_counter() - t0, stats))
         except _Stopped:
             return
@@ -230,19 +230,19 @@ class BehaviourCheck:
         return max(checked) if checked else None
 
 
-def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
+def train_async(c: Run, s: AsyncSettings) -> dict[str, float]:
     cfg, last = c.cfg, {}
     # evaluation runs on the trainer thread over the trainer's own weights; the rollout engine is busy. A
     # quarter of its KV budget, but room for the longest held-out problem and its answer
     eval_engine = None
     if cfg.task.eval_size:
         kv = cfg.engine.kv_budget_tokens
-        prompts = [prompt_ids(c.tokenizer, c.task, p) for p in c.eval_problems]
+        prompts = [prompt_ids(c.data.tokenizer, c.data.task, p) for p in c.data.eval_problems]
         longest = max(map(len, prompts), default=0) + cfg.rollout.max_tokens
-        eval_engine = Engine(c.model, stop_token_ids=sorted(c.tokenizer.stop_token_ids),
+        eval_engine = Engine(c.policy.model, stop_token_ids=sorted(c.data.tokenizer.stop_token_ids),
                              kv_budget_tokens=min(kv, max(kv // 4, longest)))
     initial = initial_eval(c, eval_engine)
-    check = BehaviourCheck(c.model, c.start_step) if s.recompute_behaviour else None
+    check = BehaviourCheck(c.policy.model, c.start_step) if s.recompute_behaviour else None
     with RolloutWorker(c, s) as worker:
         t_prev = time.perf_counter()
         for step in range(c.start_step + 1, cfg.max_steps + 1):
@@ -257,9 +257,9 @@ def train_async(c: Components, s: AsyncSettings) -> dict[str, float]:
             metrics |= train_on(c, step, groups)
             if eval_engine is not None:  # it shares the trainer's weights, which the step just wrote
                 eval_engine.weights_changed()
-            worker.publish(step, c.model.state_dict())
+            worker.publish(step, c.policy.model.state_dict())
             if check is not None:  # batch k+1 may hold versions down to k − max_staleness
-                check.keep(step, c.model, step - s.max_staleness)
+                check.keep(step, c.policy.model, step - s.max_staleness)
             t2 = time.perf_counter()
             metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1,
                         "engine/version": step} | item.engine_stats | initial  # in process: the version published

@@ -28,16 +28,17 @@ import numpy as np
 import torch
 
 from exactrl.distributed import whole_optimizer_state
+from exactrl.seeds import derive_seed
 from exactrl.model.logprobs import token_logprobs
 from exactrl.train.checkpoint import save_checkpoint
 from exactrl.algo.kl import kl_reward_penalty
 from exactrl.rollout.groups import (Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups,
                                to_train_batch)
-from exactrl.train.setup import Components
+from exactrl.train.setup import Run
 from exactrl.train.trainer import train_step
 
 
-def train(c: Components) -> dict[str, float]:
+def train(c: Run) -> dict[str, float]:
     cfg, last = c.cfg, {}
     initial = initial_eval(c, c.engine)
     t_prev = time.perf_counter()
@@ -45,15 +46,15 @@ def train(c: Components) -> dict[str, float]:
         groups, sampled, filtered = sample_step(c, step)
         t1 = time.perf_counter()
         metrics = train_on(c, step, groups)
-        c.engine.update_weights(c.model.state_dict(), version=step)
+        c.engine.update_weights(c.policy.model.state_dict(), version=step)
         t2 = time.perf_counter()
         metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1} | engine_metrics(c.engine) | initial
-        last = end_step(c, step, sampled, metrics | filtered, t2 - t_prev, c.engine, c.prompts.state_dict())
+        last = end_step(c, step, sampled, metrics | filtered, t2 - t_prev, c.engine, c.data.prompts.state_dict())
         initial, t_prev = {}, time.perf_counter()
     return last
 
 
-def sample_step(c: Components, step: int) -> tuple[list[list[Rollout]], list[list[Rollout]], dict[str, float]]:
+def sample_step(c: Run, step: int) -> tuple[list[list[Rollout]], list[list[Rollout]], dict[str, float]]:
     """(the groups to train on, every group sampled, the filter's metrics). One batch of P =
     prompts_per_step prompts; with `rollout.filter_groups` (DAPO's dynamic sampling) groups whose task
     rewards are all equal are set aside and more batches sampled, up to `max_sampling_rounds`, until P
@@ -62,7 +63,7 @@ def sample_step(c: Components, step: int) -> tuple[list[list[Rollout]], list[lis
     rs, P = c.cfg.rollout, c.cfg.rollout.prompts_per_step
     sampled, varied = [], []
     for r in range(rs.max_sampling_rounds if rs.filter_groups else 1):
-        new = sample_groups(c.engine, c.tokenizer, c.task, c.prompts.take(P), rs, c.cfg.seed, step, c.ranks,
+        new = sample_groups(c.engine, c.data.tokenizer, c.data.task, c.data.prompts.take(P), rs, c.cfg.seed, step, c.ranks,
                             offset=r * P)
         sampled += new
         varied += [g for g in new if len({x.reward for x in g}) > 1]
@@ -76,7 +77,7 @@ def sample_step(c: Components, step: int) -> tuple[list[list[Rollout]], list[lis
                             "rollout/uniform_groups_trained": max(0, P - len(varied))}
 
 
-def initial_eval(c: Components, eval_engine) -> dict[str, float]:
+def initial_eval(c: Run, eval_engine) -> dict[str, float]:
     """Held-out accuracy before any training, as `eval/initial_accuracy` of the first step's row.
 
     It rides on step 1's row (a run resumed later has it already): every row
@@ -85,7 +86,7 @@ def initial_eval(c: Components, eval_engine) -> dict[str, float]:
     if c.start_step != 0 or not c.cfg.task.eval_size:
         return {}
     with own_random_streams(c.cfg.seed, 0):  # (the asynchronous loop's rollout thread starts after it)
-        acc = evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, c.cfg.rollout, c.cfg.seed,
+        acc = evaluate(eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, c.cfg.rollout, c.cfg.seed,
                        c.ranks)["eval/accuracy"]
     return {"eval/initial_accuracy": acc}
 
@@ -97,9 +98,9 @@ def own_random_streams(seed: int, step: int):
     without moving the training's streams, so when and how often a run evaluates (eval_every, a resume
     with another max_steps) changes none of its training. Only where no other thread draws meanwhile."""
     saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    mixed = (seed * 1_000_003 + step) % 2**63
+    mixed = derive_seed(seed, step)
     random.seed(mixed)
-    np.random.seed(mixed % 2**32)
+    np.random.seed(mixed)
     torch.manual_seed(mixed)
     try:
         yield
@@ -119,10 +120,10 @@ def engine_metrics(engine) -> dict[str, float]:
     return {k: v for k, v in engine.stats().items() if k == "engine/version" or k.startswith(("external/", "ray/"))}
 
 
-def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str, float]:
+def train_on(c: Run, step: int, groups: list[list[Rollout]]) -> dict[str, float]:
     """Advantages, one optimizer step over micro-batches; the step's training metrics."""
     a, shaped = c.cfg.algorithm, {}
-    if c.ref_model is not None and a.kl.coef and a.kl.where == "reward":
+    if c.policy.ref_model is not None and a.kl.coef and a.kl.where == "reward":
         groups, shaped = kl_shaped_rewards(c, groups)
     if a.overlong.buffer_len:
         groups, more = overlong_shaped(groups, c.cfg.rollout.max_tokens, a.overlong.buffer_len,
@@ -130,17 +131,17 @@ def train_on(c: Components, step: int, groups: list[list[Rollout]]) -> dict[str,
         shaped |= more
     batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
     lr = c.set_lr(step)
-    return (train_step(c.model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model, c.ranks)
+    return (train_step(c.policy.model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, c.ranks)
             | {"train/lr": lr} | shaped)
 
 
-def kl_shaped_rewards(c: Components, groups: list[list[Rollout]]) -> tuple[list[list[Rollout]], dict[str, float]]:
+def kl_shaped_rewards(c: Run, groups: list[list[Rollout]]) -> tuple[list[list[Rollout]], dict[str, float]]:
     """The groups with reward − β·Σ_t KL_t(π‖π_ref) (rl/kl.py `kl_reward_penalty`); the task reward stays in
     the rollout metrics, the shaped one only drives the advantages."""
     rs, flat = c.cfg.rollout, [r for g in groups for r in g]
     mine = [flat[k] for k in c.ranks.shard(len(flat))]  # each rank scores its share; all get every score
     with torch.no_grad():
-        ref, _ = token_logprobs(c.ref_model, [r.prompt_ids + r.completion_ids for r in mine], rs.temperature,
+        ref, _ = token_logprobs(c.policy.ref_model, [r.prompt_ids + r.completion_ids for r in mine], rs.temperature,
                                -1, 1.0, first=[len(r.prompt_ids) for r in mine],  # untruncated: kl.py
                                share_prompts=c.cfg.optim.share_prompts)
     ref = c.ranks.gather_sharded(len(flat), [t.clone() for t in ref])  # a view would send its whole batch
@@ -150,7 +151,7 @@ def kl_shaped_rewards(c: Components, groups: list[list[Rollout]]) -> tuple[list[
     return [[replace(r, reward=r.reward - next(it)) for r in g] for g in groups], metrics
 
 
-def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dict[str, float], step_s: float,
+def end_step(c: Run, step: int, groups: list[list[Rollout]], metrics: dict[str, float], step_s: float,
              eval_engine, prompts_state: dict, rng: dict | None = None) -> dict[str, float]:
     """Rollout metrics, throughput, evaluation, logging and checkpointing of a finished step. `rng`: the random
     streams a checkpoint keeps (None: as they are now)."""
@@ -163,12 +164,12 @@ def end_step(c: Components, step: int, groups: list[list[Rollout]], metrics: dic
         # its own streams where the loop is synchronous (`rng` None); the asynchronous loop's rollout thread
         # draws from the global ones meanwhile
         with own_random_streams(cfg.seed, step) if rng is None else contextlib.nullcontext():
-            metrics |= evaluate(eval_engine, c.tokenizer, c.task, c.eval_problems, cfg.rollout, cfg.seed, c.ranks)
-    c.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
+            metrics |= evaluate(eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, cfg.rollout, cfg.seed, c.ranks)
+    c.files.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
         state = c.trainer_state(prompts_state, rng)  # every rank's random streams (a collective)
-        with whole_optimizer_state(c.optimizer):  # optim.shard_state: every rank's moments (a collective)
+        with whole_optimizer_state(c.policy.optimizer):  # optim.shard_state: every rank's moments (a collective)
             if c.ranks.main:
-                c.logger.flush()
-                save_checkpoint(c.run_dir, step, c.model, c.optimizer, state, cfg.keep_checkpoints)
+                c.files.logger.flush()
+                save_checkpoint(c.run_dir, step, c.policy.model, c.policy.optimizer, state, cfg.keep_checkpoints)
     return metrics

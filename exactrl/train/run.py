@@ -113,7 +113,7 @@ def _train(cfg, ranks, say) -> int:
     mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
     say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     if cfg.optim.shard_state and ranks.world > 1:
-        mine, total = optimizer_share(c.optimizer)
+        mine, total = optimizer_share(c.policy.optimizer)
         say(f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
             f"parameter elements")
     try:
@@ -183,7 +183,7 @@ def _remove_if_empty(c) -> bool:
     from exactrl.train.checkpoint import latest_checkpoint
 
     metrics = c.run_dir / "metrics.jsonl"
-    if not c.new_run_dir or latest_checkpoint(c.run_dir) is not None or (metrics.exists() and metrics.stat().st_size):
+    if not c.files.new or latest_checkpoint(c.run_dir) is not None or (metrics.exists() and metrics.stat().st_size):
         return False
     shutil.rmtree(c.run_dir)
     return True

@@ -8,17 +8,18 @@ import platform
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from exactrl.distributed import Ranks, make_optimizer
 from exactrl.envs import get_task, import_task_module
+from exactrl.envs.base import Problem, Task, module_sha256
 from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
 from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
-from exactrl.model.tokenizer import load_tokenizer
+from exactrl.model.tokenizer import Tokenizer, load_tokenizer
 from exactrl.model.transformer import CausalLM
 from exactrl.train.activation_ckpt import apply_activation_checkpointing
 from exactrl.algo.advantages import compute_advantages
@@ -30,48 +31,75 @@ from exactrl.train.logger import MetricsLogger, NullLogger
 from exactrl.train.master_weights import MasterWeights
 from exactrl.train.run_dir import check_run_dir, default_run_dir
 from exactrl.train.run_dir import claim_run_dir as _claim_run_dir  # (a test replaces it here)
-from exactrl.algo.losses import build_loss
+from exactrl.algo.losses import PolicyLoss, build_loss
+from exactrl.rollout.backend import RolloutBackend
 from exactrl.train.trainer import StepSettings
-from exactrl.train.warmstart import module_sha256
 
 
 @dataclass
-class Components:
-    cfg: RunConfig
-    run_dir: Path
+class Policy:
+    """What the trainer updates, and how: the model, its frozen reference, optimizer, loss and step settings."""
+
     model: CausalLM  # the trainer's copy
     ref_model: CausalLM | None  # frozen initial weights, only when KL is on
-    engine: Any  # exactrl.Engine over its own copy of the model, an ExternalEngine (rl/external.py) or RayEngines
-    tokenizer: Any
-    task: Any
-    prompts: PromptSource
-    eval_problems: list
     optimizer: torch.optim.Optimizer
-    loss_fn: Any
+    loss_fn: PolicyLoss
     step_settings: StepSettings
-    logger: MetricsLogger
+
+
+@dataclass
+class Data:
+    """What the run trains and evaluates on."""
+
+    tokenizer: Tokenizer
+    task: Task
+    prompts: PromptSource  # the training stream (its position is checkpointed)
+    eval_problems: list[Problem]  # held out: none of them is trained on
+
+
+@dataclass
+class RunFiles:
+    """The run directory and what the run holds open in it."""
+
+    run_dir: Path
+    logger: MetricsLogger | NullLogger  # rank 0's writes metrics.jsonl; the other ranks' writes nothing
+    new: bool = False  # build created run_dir (a run that fails before its first step removes it)
+    lock: IO[str] | None = None  # the open run_dir/.lock that rank 0 holds for the run (`run_dir.lock_run_dir`)
+    task_sha256: str | None = None  # the source of task.module as the run imported it (resume checks it)
+
+
+@dataclass
+class Run:
+    """Everything a training loop needs, built from the config by `build`."""
+
+    cfg: RunConfig
+    policy: Policy
+    data: Data
+    engine: RolloutBackend  # the in-process exactrl.Engine, an external server or Ray engines
+    files: RunFiles
     start_step: int
-    new_run_dir: bool = False  # build created run_dir (a run that fails before its first step removes it)
     ranks: Ranks = Ranks()  # this process's rank in a data-parallel run (exactrl/distributed); one by default
-    run_lock: Any = None  # the open run_dir/.lock that rank 0 holds for the run (`run_dir.lock_run_dir`)
-    module_sha256: str | None = None  # the source of task.module as the run imported it (resume checks it)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.files.run_dir
 
     def close(self) -> None:
         """Closes the log and the rollout backend (an external server's client, Ray engines), then releases
         the run dir; idempotent."""
         try:
-            self.logger.close()
+            self.files.logger.close()
         finally:
             try:
                 self.engine.close()
             finally:
-                if self.run_lock is not None:
-                    self.run_lock.close()
+                if self.files.lock is not None:
+                    self.files.lock.close()
 
     def set_lr(self, step: int) -> float:
         """The learning rate of `step` (`scheduled_lr`) into the optimizer."""
         lr = scheduled_lr(self.cfg.optim, step, self.cfg.max_steps)
-        for g in self.optimizer.param_groups:
+        for g in self.policy.optimizer.param_groups:
             g["lr"] = lr
         return lr
 
@@ -81,8 +109,8 @@ class Components:
         asynchronous loop's rollouts may already be further: it passes both as they were after that batch."""
         rng = rng_state() if rng is None else rng
         state = {"prompts": prompts_state, **rng, "config": _identity(self.cfg.model_dump(by_alias=True),
-                                                                     self.module_sha256),
-                 "tokenizer": self.tokenizer.fingerprint, "software": software_versions()}
+                                                                     self.files.task_sha256),
+                 "tokenizer": self.data.tokenizer.fingerprint, "software": software_versions()}
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
         return state
@@ -216,7 +244,7 @@ def _check_paths(cfg: RunConfig) -> None:
             raise ValueError(f"{key} {path} {what}: set {key} to {fix}")
 
 
-def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int, log=print):
+def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer: Tokenizer, start: int, log=print) -> RolloutBackend:
     """The in-process exactrl.Engine over its own copy of the model, an external server (rl/external.py), or
     exactrl Engines as Ray actors (distributed/ray_engines.py).
 
@@ -236,7 +264,7 @@ def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer, start: int, log=
     return engine
 
 
-def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
+def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     """Everything that bad input can make fail is checked or loaded before the warm start (~90 s) and
     before the run directory is created, so a failed start costs little and leaves no empty run behind.
 
@@ -292,7 +320,8 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
     # after the engine's copy of the model: its layers run as they are (they never recompute anyway)
     apply_activation_checkpointing(model, cfg.optim.activation_checkpointing)
     try:  # from here on a failure stops the engines too (Ray actors, a server's client)
-        settings = _step_settings(cfg, corrections)
+        policy = Policy(model, ref_model, optimizer, loss_fn, _step_settings(cfg, corrections))
+        data = Data(tokenizer, task, prompts, eval_problems)
         ranks.check_same("starting weights", model.parameters(),
                          "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
                          "path for every rank (the same filesystem)?")
@@ -300,16 +329,14 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Components:
             refused = ranks.broadcast(None)
             if refused is not None:
                 raise ValueError(f"rank 0 could not start the run: {refused}")
-            return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems,
-                              optimizer, loss_fn, settings, NullLogger(), start, False, ranks, module_sha256=task_sha)
+            return Run(cfg, policy, data, engine, RunFiles(run_dir, NullLogger(), task_sha256=task_sha), start, ranks)
         try:
             run_dir, new_run_dir, run_lock, logger = _claim_run_dir(cfg, run_dir, named, ckpt, start)
         except ValueError as e:
             ranks.broadcast(str(e))
             raise
         ranks.broadcast(None)
-        return Components(cfg, run_dir, model, ref_model, engine, tokenizer, task, prompts, eval_problems, optimizer,
-                          loss_fn, settings, logger, start, new_run_dir, ranks, run_lock, task_sha)
+        return Run(cfg, policy, data, engine, RunFiles(run_dir, logger, new_run_dir, run_lock, task_sha), start, ranks)
     except BaseException:
         engine.close()
         raise
@@ -432,3 +459,6 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
     if cfg.rollout.prompts_per_step < ranks.world:
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} gives some of the {ranks.world} "
                          f"ranks no prompt: raise it to at least {ranks.world} or run fewer ranks")
+
+
+Components = Run  # the name before `Run`, kept for one release

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from exactrl.envs import get_task
+from exactrl.envs.base import module_sha256
+from exactrl.envs.prompts import answer_ids, prompt_ids
 from exactrl.model import ModelConfig, build_model, save_model
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer
@@ -38,35 +40,6 @@ ARTIFACTS = Path(os.environ.get("EXACTRL_ARTIFACTS", "artifacts"))
 TINY_QWEN3 = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
                   tie_word_embeddings=True)
-
-
-def prompt_ids(tokenizer, task, problem) -> list[int]:
-    msgs = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else [])
-    msgs.append({"role": "user", "content": problem.prompt})
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-
-
-def answer_ids(tokenizer, problem, echo: bool = False) -> list[int]:
-    """The demonstration: the answer, or (echo) the question restated before it, then end of turn."""
-    text = problem.prompt + problem.answer if echo else problem.answer
-    return tokenizer.encode(text) + [tokenizer.end_of_turn_id]
-
-
-def _module_source(module: str) -> bytes:
-    """The source of a task module (a .py path or a dotted name; the name itself if it has no file)."""
-    if module.endswith(".py"):
-        return Path(module).read_bytes()
-    import importlib.util
-
-    spec = importlib.util.find_spec(module)
-    origin = Path(spec.origin) if spec is not None and spec.origin else None
-    return origin.read_bytes() if origin is not None and origin.is_file() else module.encode()
-
-
-def module_sha256(module: str | None) -> str | None:
-    """The sha256 of a task module's source (None without one): the warm start's cache key and the
-    resume check (rl/setup.py) both see an edited task as another task."""
-    return hashlib.sha256(_module_source(module)).hexdigest() if module else None
 
 
 def _hash(cfg) -> str:

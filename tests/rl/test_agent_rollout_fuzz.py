@@ -132,9 +132,7 @@ def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_l
 
 
 @pytest.mark.parametrize("reward, shown", [(math.nan, "nan"), (math.inf, "inf"), (None, "None"), ("1.0", "'1.0'"),
-                                           (True, "True"), (torch.tensor([1.0, 0.0]), "tensor"),
-                                           (np.True_, "True"), (np.array(False), "array"),
-                                           (torch.tensor(True), "tensor"), (torch.tensor([True]), "tensor"),
+                                           (torch.tensor([1.0, 0.0]), "tensor"), (np.array([True, False]), "array"),
                                            pytest.param(10**400, "1000", id="int_beyond_float")])
 def test_a_reward_that_is_not_a_finite_number_fails_its_episode_only(url, reward, shown):
     """Before: NaN or inf reached the advantages and failed every group of the step ("scale the rewards
@@ -162,13 +160,14 @@ def test_an_episode_whose_trajectories_the_server_cannot_give_fails_instead_of_t
     assert not REGISTERED
 
 
-@pytest.mark.parametrize("reward", [np.float32(0.5), torch.tensor(0.5), torch.tensor([0.5]), 1, 0.5])
+@pytest.mark.parametrize("reward", [np.float32(0.5), torch.tensor(0.5), torch.tensor([0.5]), 1, 0.5, True,
+                                    np.False_, torch.tensor([True])])
 def test_a_reward_of_any_real_number_type_is_taken(url, reward):
     async def env(base_url, problem, *, seed):
         return reward
 
     groups = asyncio.run(collect_agent_groups(url, env, [Problem("good", "1")], 2, 0, 0))
-    assert [r.reward for r in groups[0]] == [float(reward)] * 2
+    assert [r.reward for r in groups[0]] == [float(reward.item() if hasattr(reward, "item") else reward)] * 2
 
 
 def test_a_hung_episode_fails_alone_after_episode_timeout_s_and_its_session_is_deleted(url):

@@ -3,6 +3,7 @@ overlong punishment and overlong filtering, `algorithm.overlong`, against hand-c
 task's reward may be."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,9 +88,21 @@ def test_a_reward_that_is_not_a_finite_number_names_the_task():
     from exactrl.rollout.groups import _reward
 
     for bad in (None, "1.0", float("nan"), [1]):
-        with pytest.raises(ValueError, match=r"task 'mine': reward\(\) returned .* for the prompt '1\+1='"):
+        with pytest.raises(ValueError, match=r"task 'mine': reward\(\) for the prompt '1\+1=' must be a finite number, got "):
             _reward(_FixedReward(bad), Problem("1+1=", "2"), "2")
     assert [_reward(_FixedReward(x), Problem("1+1=", "2"), "2") for x in (True, 0, np.float32(0.5))] == [1.0, 0, 0.5]
+
+
+@pytest.mark.parametrize("verdict, value", [(True, 1.0), (False, 0.0), (np.True_, 1.0), (np.array(False), 0.0),
+                                            (torch.tensor(True), 1.0), (torch.tensor([False]), 0.0)])
+def test_a_bool_reward_is_one_or_zero_for_tasks_and_agents_alike(verdict, value):
+    """One rule (exactrl/envs/rewards.py): a verdict of any bool kind reads as 1.0 or 0.0 wherever a reward
+    comes from."""
+    from exactrl.rollout.agents import _reward as agent_reward
+    from exactrl.rollout.groups import _reward
+
+    assert _reward(_FixedReward(verdict), Problem("1+1=", "2"), "2") == value
+    assert agent_reward(verdict) == value
 
 
 def test_a_correction_name_that_is_not_text_is_named():

@@ -48,7 +48,7 @@ from exactrl.algo.corrections import build_corrections
 from exactrl.train.loop import train_on
 from exactrl.algo.losses import build_loss
 from exactrl.rollout.groups import Rollout, rollout_metrics, to_train_batch
-from exactrl.train.setup import _step_settings
+from exactrl.train.setup import Policy, _step_settings
 from exactrl.train.trainer import train_step
 
 F64 = torch.float64
@@ -343,9 +343,9 @@ def components(model, ref_model, cfg, micro_batch_size=None, ranks=Ranks()):
     s = _step_settings(cfg, build_corrections(a.corrections) if a.corrections else None)
     if micro_batch_size is not None:
         s.micro_batch_size = micro_batch_size
-    return SimpleNamespace(cfg=cfg, model=model, ref_model=ref_model if a.kl.coef else None,
-                           optimizer=_Keep(model.parameters()), loss_fn=build_loss(a.loss, **a.loss_kwargs),
-                           step_settings=s, ranks=ranks, set_lr=lambda step: 0.0)
+    policy = Policy(model, ref_model if a.kl.coef else None, _Keep(model.parameters()),
+                    build_loss(a.loss, **a.loss_kwargs), s)
+    return SimpleNamespace(cfg=cfg, policy=policy, ranks=ranks, set_lr=lambda step: 0.0)
 
 
 def step_grads(model) -> list[torch.Tensor]:
@@ -546,7 +546,7 @@ def test_data_parallel_shares_are_normalised_by_the_whole_batch(models, world, n
         c = components(model, ref_model, cfg, micro_batch_size=2, ranks=ranks)
         model.zero_grad(set_to_none=True)
         try:
-            m = train_step(model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model, ranks)
+            m = train_step(model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, ranks)
         except _RankDone:
             assert rank
             continue
@@ -570,7 +570,7 @@ def _rank_step(rank: int, port: int, dirs, name: str, out) -> None:
     a = cfg.algorithm
     batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
     c = components(model, ref_model, cfg, micro_batch_size=2, ranks=Ranks(rank, 2))
-    m = train_step(model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model, c.ranks)
+    m = train_step(model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, c.ranks)
     out.put((rank, [g.numpy() for g in step_grads(model)], m))  # numpy: a tensor would go by shared memory
     dist.destroy_process_group()
 

@@ -114,7 +114,7 @@ def agent_step(model, ref_model, cfg, groups, mbs):
     c = components(model, ref_model, cfg, mbs)
     batch = agent_train_batch(groups, a.advantage, a.advantage_kwargs)
     model.zero_grad(set_to_none=True)
-    return batch, train_step(model, c.optimizer, c.loss_fn, batch, c.step_settings, c.ref_model)
+    return batch, train_step(model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model)
 
 
 @pytest.mark.parametrize("name", list(AGENT_CONFIGS))
@@ -177,13 +177,13 @@ def test_a_kl_term_without_its_reference_model_is_refused(models):
     batch = agent_train_batch(agent_groups(model), "grpo")
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="kl_coef=0.3 .* no ref_model"):
-        train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), c.loss_fn, batch, c.step_settings)
+        train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), c.policy.loss_fn, batch, c.policy.step_settings)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="kl_coef=0.3 .* no ref_model"):  # before any episode runs
-        agent_train_step(model, c.optimizer, c.loss_fn, c.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1)
-    c.step_settings.kl_in_loss = False  # the KL in the reward: the agent path shapes no reward
+        agent_train_step(model, c.policy.optimizer, c.policy.loss_fn, c.policy.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1)
+    c.policy.step_settings.kl_in_loss = False  # the KL in the reward: the agent path shapes no reward
     with pytest.raises(ValueError, match="KL in the reward"):
-        agent_train_step(model, c.optimizer, c.loss_fn, c.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1,
+        agent_train_step(model, c.policy.optimizer, c.policy.loss_fn, c.policy.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1,
                          ref_model=ref_model)
 
 
@@ -258,16 +258,16 @@ def test_a_live_tool_episode_step_is_the_reference_step(live):
     """`agent_train_step` over a live server: the recorded 2-turn trajectories (tool and template tokens
     masked between the turns) train as the reference computed from them says, with μ the trainer's bitwise."""
     from exactrl.rollout.agents import TURN_SEEDS, agent_train_step
-    from exactrl.rollout.groups import sampling_seed
+    from exactrl.seeds import derive_seed
 
     cfg = load_config(None, AGENT_BASE + AGENT_CONFIGS["token-mean ppo bypass, kl k3 in the loss, entropy"]
                       + ["rollout.temperature=0.7"])
     c = components(live.model, live.ref_model, cfg, micro_batch_size=3)
     problems, seen = live.problems, {}
     live.model.zero_grad(set_to_none=True)
-    m = agent_train_step(live.model, c.optimizer, c.loss_fn, c.step_settings, live.state, live.url, tool_episode,
+    m = agent_train_step(live.model, c.policy.optimizer, c.policy.loss_fn, c.policy.step_settings, live.state, live.url, tool_episode,
                          problems, group_size=2, seed=0, step=1, env_kwargs=dict(seen=seen), ref_model=live.ref_model)
-    groups = [[AgentRollout(p, float(j), seen[(sampling_seed(0, 1, k) * 2 + j) * TURN_SEEDS], None) for j in range(2)]
+    groups = [[AgentRollout(p, float(j), seen[derive_seed(0, 1, k, j) * TURN_SEEDS], None) for j in range(2)]
               for k, p in enumerate(problems)]
     for g in groups:
         for r in g:
@@ -360,10 +360,10 @@ def test_a_bf16_step_is_the_reference_step_to_bf16_rounding(bf16_models, name):
     want32, _ = reference(m32, ref32, groups, cfg)
     for mbs in (1, 64):
         c = components(m16, ref16, cfg, mbs)
-        c.loss_fn = _Seen(c.loss_fn)
+        c.policy.loss_fn = _Seen(c.policy.loss_fn)
         m16.zero_grad(set_to_none=True)
         m = train_on(c, 1, groups)
-        assert {d for _, d in c.loss_fn.dtypes} == {torch.float32}  # no loss input left in bf16
+        assert {d for _, d in c.policy.loss_fn.dtypes} == {torch.float32}  # no loss input left in bf16
         got = step_grads(m16)
         assert {g.dtype for g in got} == {torch.bfloat16}
         assert_grads_close(got, want16, rtol=4e-2)
