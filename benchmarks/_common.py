@@ -1,4 +1,5 @@
 """Shared helpers for the benchmarks: model sizes, timing, machine peak."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,12 +10,36 @@ import torch
 
 # name -> HF Qwen3 config overrides; parameter counts are printed by the benchmarks
 SIZES = {
-    "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
-    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "20M": dict(
+        vocab_size=16384,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "100M": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -88,9 +113,15 @@ def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **val
 def qwen3_config(size: str, max_positions: int = CONTEXT):
     from exactrl.model import ModelConfig
 
-    hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rms_norm_eps": 1e-6,
-          "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-          "max_position_embeddings": max_positions, "hidden_act": "silu", **SIZES[size]}
+    hf = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "max_position_embeddings": max_positions,
+        "hidden_act": "silu",
+        **SIZES[size],
+    }
     return ModelConfig.from_hf(hf)
 
 
@@ -136,8 +167,13 @@ def gemm_floor_s(weights: list[torch.Tensor], rows: int, repeat: int = 5) -> flo
 
         if USE_ONEDNN and all(w.dtype in {torch.float32, *ONEDNN_DTYPES} for w in weights):
             packed = [(xs[w.shape[1]], torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
-            best = min(best, timeit(lambda: [torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
-                                             for x, pw in packed], repeat=repeat))
+            best = min(
+                best,
+                timeit(
+                    lambda: [torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "") for x, pw in packed],
+                    repeat=repeat,
+                ),
+            )
         if all(w.dtype == torch.float32 for w in weights):
             from exactrl.kernels import native
 

@@ -8,6 +8,7 @@ Sections: env, pytest -m cuda, parity (Qwen3-0.6B, Qwen2.5-1.5B, Llama-3.2-1B sh
 engine vs trainer over 256 sequences, a 20-step GRPO run (exact and fast), linear vs cuBLAS, attention vs
 SDPA, engine decode vs transformers `generate`, a GRPO step exact vs fast.
 """
+
 from __future__ import annotations
 
 import gc
@@ -30,18 +31,50 @@ FIGURES: dict[str, object] = {}
 QUICK = "--quick" in sys.argv
 
 SHAPES = {  # the published configs' shapes (RoPE scaling left out: a random-weight parity needs none)
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, hidden_size=1536,
-                         intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True),
-    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
-                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -56,7 +89,9 @@ def section(name):
                 traceback.print_exc()
                 ROWS.append((name, "FAIL", f"{type(e).__name__}: {str(e)[:160]}"))
             print(f"=== {name}: {time.time() - t0:.1f} s", flush=True)
+
         return run
+
     return wrap
 
 
@@ -75,9 +110,10 @@ def engine_vs_trainer(model, prompts, params) -> tuple[float, float, int]:
             seqs.append(p + c.token_ids), got.append(torch.tensor(c.logprobs)), first.append(len(p))
     means, worst = [], 0.0
     for a in range(0, len(seqs), 32):
-        lps, _ = token_logprobs(model, seqs[a:a + 32], params.temperature, params.top_k, params.top_p,
-                                first=first[a:a + 32])
-        for lp, g in zip(lps, got[a:a + 32]):
+        lps, _ = token_logprobs(
+            model, seqs[a : a + 32], params.temperature, params.top_k, params.top_p, first=first[a : a + 32]
+        )
+        for lp, g in zip(lps, got[a : a + 32]):
             d = (lp - g).abs()
             means.append(d.mean().item())
             worst = max(worst, d.max().item())
@@ -92,16 +128,26 @@ def prompts_of(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int
 @section("env")
 def env():
     import triton
+
     p = torch.cuda.get_device_properties(0)
     FIGURES["gpu"] = torch.cuda.get_device_name(0)
-    ROWS.append(("env", "ok", f"{FIGURES['gpu']}, {p.multi_processor_count} SMs, torch {torch.__version__}, "
-                              f"triton {triton.__version__}"))
+    ROWS.append(
+        (
+            "env",
+            "ok",
+            f"{FIGURES['gpu']}, {p.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
+        )
+    )
 
 
 @section("pytest -m cuda")
 def cuda_tests():
-    r = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                        "tests/test_cuda.py"], capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     print(r.stdout[-3000:], r.stderr[-2000:])
     last = [ln for ln in r.stdout.splitlines() if ln.strip()][-1:] or ["no output"]
     ROWS.append(("pytest -m cuda", "ok" if r.returncode == 0 else "FAIL", last[0][:120]))
@@ -116,7 +162,9 @@ def parity():
             mean, worst, n = engine_vs_trainer(model, prompts_of(8, 5, 300, model.config.vocab_size, 1), params)
             FIGURES[f"parity/{shape}/{kernels}"] = {"mean": mean, "max": worst}
             ok = (worst == 0.0) if kernels == "exact" else (worst > 0.0)
-            ROWS.append((f"parity {shape} {kernels}", "ok" if ok else "FAIL", f"{n} seqs, mean {mean:.3g}, max {worst:.3g}"))
+            ROWS.append(
+                (f"parity {shape} {kernels}", "ok" if ok else "FAIL", f"{n} seqs, mean {mean:.3g}, max {worst:.3g}")
+            )
             del model
             gc.collect()
             torch.cuda.empty_cache()
@@ -125,21 +173,44 @@ def parity():
 @section("engine vs trainer, 256 sequences")
 def many():
     model = model_of("qwen3-0.6b", "exact", seed=1)
-    for params in (exactrl.SamplingParams(max_tokens=96, n=4, seed=5, temperature=1.0),
-                   exactrl.SamplingParams(max_tokens=64, n=2, seed=6, temperature=0.7, top_p=0.9, top_k=50)):
+    for params in (
+        exactrl.SamplingParams(max_tokens=96, n=4, seed=5, temperature=1.0),
+        exactrl.SamplingParams(max_tokens=64, n=2, seed=6, temperature=0.7, top_p=0.9, top_k=50),
+    ):
         prompts = prompts_of(64 if params.n == 4 else 32, 3, 400, model.config.vocab_size, params.seed)
         mean, worst, n = engine_vs_trainer(model, prompts, params)
         FIGURES[f"many/T{params.temperature}"] = {"mean": mean, "max": worst, "seqs": n}
-        ROWS.append((f"engine==trainer T={params.temperature} top_p={params.top_p}", "ok" if worst == 0.0 else "FAIL",
-                     f"{n} seqs, mean {mean:.3g}, max {worst:.3g}"))
+        ROWS.append(
+            (
+                f"engine==trainer T={params.temperature} top_p={params.top_p}",
+                "ok" if worst == 0.0 else "FAIL",
+                f"{n} seqs, mean {mean:.3g}, max {worst:.3g}",
+            )
+        )
 
 
 def train_run(kernels: str, steps: int) -> list[dict]:
     run_dir = f"/tmp/cuda_check_run_{kernels}"
     subprocess.run(["rm", "-rf", run_dir])
-    cmd = [sys.executable, "-m", "exactrl", "train", "--set", "model.device=cuda", "--set", f"model.kernels={kernels}",
-           "--set", f"max_steps={steps}", "--set", f"run_dir={run_dir}", "--set", "eval_every=10"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env={**os.environ, "EXACTRL_MALLOC": "default"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "exactrl",
+        "train",
+        "--set",
+        "model.device=cuda",
+        "--set",
+        f"model.kernels={kernels}",
+        "--set",
+        f"max_steps={steps}",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        "eval_every=10",
+    ]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=420, env={**os.environ, "EXACTRL_MALLOC": "default"}
+    )
     print(r.stdout[-2500:], r.stderr[-2500:])
     if r.returncode != 0:
         raise RuntimeError(f"exactrl train exited {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
@@ -153,9 +224,14 @@ def grpo():
     maxes = [r["train/train_rollout_logprob_abs_diff_max"] for r in rows]
     FIGURES["grpo/exact"] = {"steps": len(rows), "diff": diffs, "reward": [r["rollout/reward_mean"] for r in rows]}
     ok = len(rows) == 20 and all(d == 0.0 for d in diffs + maxes)
-    ROWS.append(("GRPO exact 20 steps", "ok" if ok else "FAIL",
-                 f"{len(rows)} steps, max diff {max(maxes):.3g}, reward {rows[0]['rollout/reward_mean']:.2f}"
-                 f" -> {rows[-1]['rollout/reward_mean']:.2f}"))
+    ROWS.append(
+        (
+            "GRPO exact 20 steps",
+            "ok" if ok else "FAIL",
+            f"{len(rows)} steps, max diff {max(maxes):.3g}, reward {rows[0]['rollout/reward_mean']:.2f}"
+            f" -> {rows[-1]['rollout/reward_mean']:.2f}",
+        )
+    )
     rows = train_run("fast", 3)
     d = max(r["train/train_rollout_logprob_abs_diff_max"] for r in rows)
     FIGURES["grpo/fast"] = {"diff_max": d}
@@ -164,16 +240,23 @@ def grpo():
 
 def bench(fn) -> float:
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 @section("linear vs cuBLAS")
 def linear_bench():
     from exactrl.kernels.triton import ops
+
     m = 64 * 768
     worst = 9.0
-    for name, n, k in (("qkv", 4096, 1024), ("o", 1024, 2048), ("gate/up", 3072, 1024), ("down", 1024, 3072),
-                       ("head", 151936, 1024)):
+    for name, n, k in (
+        ("qkv", 4096, 1024),
+        ("o", 1024, 2048),
+        ("gate/up", 3072, 1024),
+        ("down", 1024, 3072),
+        ("head", 151936, 1024),
+    ):
         rows = 8192 if name == "head" else m
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -183,15 +266,20 @@ def linear_bench():
         worst = min(worst, ratio)
         tf = 2 * rows * n * k / t_ex / 1e9
         FIGURES[f"linear/{name}"] = {"rows": rows, "exact_ms": t_ex, "cublas_ms": t_cb, "ratio": ratio, "tflops": tf}
-        ROWS.append((f"linear {name} {rows}x{k}->{n}", "ok" if ratio >= 0.6 else "MISS",
-                     f"exact {t_ex:.3f} ms ({tf:.0f} TFLOP/s), cuBLAS {t_cb:.3f} ms: {ratio:.2f}x"))
+        ROWS.append(
+            (
+                f"linear {name} {rows}x{k}->{n}",
+                "ok" if ratio >= 0.6 else "MISS",
+                f"exact {t_ex:.3f} ms ({tf:.0f} TFLOP/s), cuBLAS {t_cb:.3f} ms: {ratio:.2f}x",
+            )
+        )
 
 
 @section("attention vs SDPA")
 def attention_bench():
-    from exactrl.kernels import TokenLayout
     from exactrl.kernels.triton import TritonKernels
     from exactrl.model.logprobs import pack_layout
+
     for S, L in ((64, 768), (8, 4096)):
         lay, pages = pack_layout([L] * S, 32)
         H, Hk, D = 16, 8, 128
@@ -199,16 +287,22 @@ def attention_bench():
         q = torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16)
         kp = torch.randn(pages, Hk, 32, D, device="cuda", dtype=torch.bfloat16)
         vp = torch.randn(pages, Hk, 32, D, device="cuda", dtype=torch.bfloat16)
-        ex, fa = TritonKernels("exact"), TritonKernels("fast")
+        ex = TritonKernels("exact")
         pe = ex.plan_attention(lay, H, Hk, 32, torch.device("cuda"))
-        t_ex = bench(lambda: ex.attention(q, kp, vp, pe, D ** -0.5))
+        t_ex = bench(lambda: ex.attention(q, kp, vp, pe, D**-0.5))
         qs = torch.randn(S, H, L, D, device="cuda", dtype=torch.bfloat16)
         ks = torch.randn(S, Hk, L, D, device="cuda", dtype=torch.bfloat16)
-        t_sd = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True,
-                                                                              enable_gqa=True))
+        t_sd = bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True, enable_gqa=True)
+        )
         FIGURES[f"attention/{S}x{L}"] = {"exact_ms": t_ex, "sdpa_causal_ms": t_sd}
-        ROWS.append((f"attention {S}x{L} prefill", "info", f"exact {t_ex:.2f} ms, SDPA (flash, causal) {t_sd:.2f} ms: "
-                                                          f"{t_sd / t_ex:.2f}x"))
+        ROWS.append(
+            (
+                f"attention {S}x{L} prefill",
+                "info",
+                f"exact {t_ex:.2f} ms, SDPA (flash, causal) {t_sd:.2f} ms: {t_sd / t_ex:.2f}x",
+            )
+        )
 
 
 def engine_tok_s(model, batch: int, new: int) -> float:
@@ -225,6 +319,7 @@ def engine_tok_s(model, batch: int, new: int) -> float:
 
 def hf_tok_s(batch: int, new: int) -> float:
     import transformers
+
     cfg = transformers.Qwen3Config(**{k: v for k, v in SHAPES["qwen3-0.6b"].items() if k != "architectures"})
     torch.manual_seed(0)
     m = transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
@@ -247,9 +342,14 @@ def engine_bench():
         hf = hf_tok_s(batch, new)
         FIGURES[f"engine/b{batch}"] = {"exact": ex, "fast": fa, "transformers": hf}
         ok = ex >= 0.7 * fa and ex >= 3 * hf if batch == 64 else True
-        ROWS.append((f"engine qwen3-0.6b batch {batch}", ("ok" if ok else "MISS") if batch == 64 else "info",
-                     f"exact {ex:.0f} tok/s, fast {fa:.0f}, transformers {hf:.0f}: {ex / fa:.2f}x fast, "
-                     f"{ex / hf:.2f}x transformers"))
+        ROWS.append(
+            (
+                f"engine qwen3-0.6b batch {batch}",
+                ("ok" if ok else "MISS") if batch == 64 else "info",
+                f"exact {ex:.0f} tok/s, fast {fa:.0f}, transformers {hf:.0f}: {ex / fa:.2f}x fast, "
+                f"{ex / hf:.2f}x transformers",
+            )
+        )
         torch.cuda.empty_cache()
 
 
@@ -275,7 +375,7 @@ def step_bench():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for a in range(0, 64, 16):  # micro-batches of 16 sequences
-                lps, _ = token_logprobs(model, seqs[a:a + 16], first=first[a:a + 16])
+                lps, _ = token_logprobs(model, seqs[a : a + 16], first=first[a : a + 16])
                 loss = -sum(lp.sum() for lp in lps) / 16
                 loss.backward()
             opt.step()
@@ -283,20 +383,37 @@ def step_bench():
             torch.cuda.synchronize()
             t_train.append(time.perf_counter() - t0)
         times[kernels] = (t_roll, min(t_train))
-        FIGURES[f"step/{kernels}"] = {"rollout_s": t_roll, "train_s": min(t_train),
-                                      "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
+        FIGURES[f"step/{kernels}"] = {
+            "rollout_s": t_roll,
+            "train_s": min(t_train),
+            "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+        }
         del model, eng, opt
         torch.cuda.empty_cache()
     ex, fa = sum(times["exact"]), sum(times["fast"])
-    ROWS.append(("GRPO step 64x(256+512) qwen3-0.6b", "ok" if fa / ex >= 0.7 else "MISS",
-                 f"exact {ex:.1f} s (rollout {times['exact'][0]:.1f}, train {times['exact'][1]:.1f}), fast {fa:.1f} s "
-                 f"(rollout {times['fast'][0]:.1f}, train {times['fast'][1]:.1f}): {fa / ex:.2f}x"))
+    ROWS.append(
+        (
+            "GRPO step 64x(256+512) qwen3-0.6b",
+            "ok" if fa / ex >= 0.7 else "MISS",
+            f"exact {ex:.1f} s (rollout {times['exact'][0]:.1f}, train {times['exact'][1]:.1f}), fast {fa:.1f} s "
+            f"(rollout {times['fast'][0]:.1f}, train {times['fast'][1]:.1f}): {fa / ex:.2f}x",
+        )
+    )
 
 
 def main():
     t0 = time.time()
-    sections = dict(env=env, tests=cuda_tests, parity=parity, many=many, grpo=grpo, linear=linear_bench,
-                    attention=attention_bench, engine=engine_bench, step=step_bench)
+    sections = dict(
+        env=env,
+        tests=cuda_tests,
+        parity=parity,
+        many=many,
+        grpo=grpo,
+        linear=linear_bench,
+        attention=attention_bench,
+        engine=engine_bench,
+        step=step_bench,
+    )
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")), list(sections))
     for name in ["env"] + [n for n in only if n != "env"]:
         sections[name]()

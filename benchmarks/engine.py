@@ -43,6 +43,7 @@ Sizes (explicit, tied embeddings, head_dim 64, GQA):
   100M: vocab 32000, hidden 768, 12 layers, 12 heads / 4 kv, MLP 2048  (≈100M params)
   tiny: vocab 512, hidden 64, 2 layers (--quick smoke run only)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,16 +71,45 @@ import exactrl
 from exactrl import Engine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (CONTEXT, apply_quick, check_context, gemm_floor_s, linear_weights, positive_int,  # noqa: E402
-                     positive_ints, size_names)
+from _common import (  # noqa: E402
+    CONTEXT,
+    apply_quick,
+    check_context,
+    gemm_floor_s,
+    linear_weights,
+    positive_int,
+    positive_ints,
+    size_names,
+)
 
 SIZES = {
-    "20M": dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=64),
-    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4, head_dim=64),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "20M": dict(
+        vocab_size=16384,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "100M": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
 }
 
 
@@ -87,8 +117,14 @@ def build_hf_model(path: Path, size: str) -> None:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(**SIZES[size], tie_word_embeddings=True, max_position_embeddings=CONTEXT,
-                                   eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = transformers.Qwen3Config(
+        **SIZES[size],
+        tie_word_embeddings=True,
+        max_position_embeddings=CONTEXT,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
 
 
@@ -134,8 +170,12 @@ class EngineSide:
 
     def start(self) -> None:
         b, L = len(self.prompts), len(self.prompts[0])
-        self.engine = Engine(self.model, kv_budget_tokens=b * (L + self.new + self.model.block_size),
-                             max_num_seqs=b, max_num_batched_tokens=max(2048, b * L))
+        self.engine = Engine(
+            self.model,
+            kv_budget_tokens=b * (L + self.new + self.model.block_size),
+            max_num_seqs=b,
+            max_num_batched_tokens=max(2048, b * L),
+        )
         self.engine.generate(self.prompts, SamplingParams(max_tokens=4, seed=1, ignore_eos=True))  # warm-up
 
     def run(self, r: int) -> float:
@@ -155,8 +195,16 @@ class HFSide:
 
     def __init__(self, hf, prompts, new: int):
         self.hf, self.ids, self.new = hf, torch.tensor(prompts, device=hf.device), new
-        self.kw = dict(attention_mask=torch.ones_like(self.ids), do_sample=True, temperature=1.0, top_k=0,
-                       top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        self.kw = dict(
+            attention_mask=torch.ones_like(self.ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
 
     def start(self) -> None:
         with torch.inference_mode():
@@ -195,23 +243,52 @@ class VLLMServer:
 
     START_TIMEOUT_S = 600  # engine start takes 25-90 s on this machine (docs/design.md §9)
 
-    def __init__(self, python: str, model_dir: str, dtype: str, max_len: int, max_seqs: int,
-                 extra_args: tuple[str, ...] = (), tokenizer: bool = False):
+    def __init__(
+        self,
+        python: str,
+        model_dir: str,
+        dtype: str,
+        max_len: int,
+        max_seqs: int,
+        extra_args: tuple[str, ...] = (),
+        tokenizer: bool = False,
+    ):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
-                    "--port", str(self.port), "--served-model-name", "m", "--max-model-len", str(max_len),
-                    "--max-num-seqs", str(max_seqs), "--disable-log-stats", *([] if tokenizer else ["--skip-tokenizer-init"]), *extra_args]
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{torch.get_num_threads() - 1}"}
+        self.cmd = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--dtype",
+            dtype,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "m",
+            "--max-model-len",
+            str(max_len),
+            "--max-num-seqs",
+            str(max_seqs),
+            "--disable-log-stats",
+            *([] if tokenizer else ["--skip-tokenizer-init"]),
+            *extra_args,
+        ]
+        self.env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{torch.get_num_threads() - 1}",
+        }
 
     def __enter__(self):
         self.log = tempfile.TemporaryFile()
         # its own process group: vLLM starts worker processes, and all of them must go at the end
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             self._wait_healthy()
         except BaseException:  # a failed start, or Ctrl-C while waiting: no server is left behind
@@ -248,16 +325,27 @@ class VLLMServer:
 
     def complete(self, prompts: list[list[int]], new: int, seed: int) -> int:
         """Generates `new` tokens for every prompt in one request; returns the number of tokens received."""
-        body = dict(model="m", prompt=prompts, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0,
-                    top_p=1.0, seed=seed, return_token_ids=True)
-        req = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+        body = dict(
+            model="m",
+            prompt=prompts,
+            max_tokens=new,
+            min_tokens=new,
+            ignore_eos=True,
+            temperature=1.0,
+            top_p=1.0,
+            seed=seed,
+            return_token_ids=True,
+        )
+        req = urllib.request.Request(
+            self.url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=3600) as r:
                 return sum(len(c["token_ids"]) for c in json.load(r)["choices"])
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vLLM answered {e.code}: {e.read().decode(errors='replace')[:500]}\n"
-                               f"server log:\n{self._tail()}") from None
+            raise RuntimeError(
+                f"vLLM answered {e.code}: {e.read().decode(errors='replace')[:500]}\nserver log:\n{self._tail()}"
+            ) from None
 
 
 def run_vllm(server: VLLMServer, prompts, new: int, repeat: int) -> float:
@@ -272,20 +360,42 @@ def run_vllm(server: VLLMServer, prompts, new: int, repeat: int) -> float:
     return best
 
 
-def bench_size(size: str, batches: list[int], prompt_len: int, new: int, dtype: str, with_hf: bool,
-               repeat: int, vllm_python: str | None = None, device: str = "cpu") -> dict:
+def bench_size(
+    size: str,
+    batches: list[int],
+    prompt_len: int,
+    new: int,
+    dtype: str,
+    with_hf: bool,
+    repeat: int,
+    vllm_python: str | None = None,
+    device: str = "cpu",
+) -> dict:
     with tempfile.TemporaryDirectory() as d:
         return _bench_size(d, size, batches, prompt_len, new, dtype, with_hf, repeat, vllm_python, device)
 
 
-def _bench_size(d: str, size: str, batches: list[int], prompt_len: int, new: int, dtype: str, with_hf: bool,
-                repeat: int, vllm_python: str | None, device: str = "cpu") -> dict:
+def _bench_size(
+    d: str,
+    size: str,
+    batches: list[int],
+    prompt_len: int,
+    new: int,
+    dtype: str,
+    with_hf: bool,
+    repeat: int,
+    vllm_python: str | None,
+    device: str = "cpu",
+) -> dict:
     import transformers
 
     build_hf_model(Path(d), size)
     models = {k: exactrl.load_model(d, dtype=dtype, kernels=k, device=device) for k in ("exact", "fast")}
-    hf = (transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
-          if with_hf else None)
+    hf = (
+        transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
+        if with_hf
+        else None
+    )
     res = {"params_M": round(sum(p.numel() for p in models["exact"].parameters()) / 1e6, 1), "batches": {}}
     rng = random.Random(0)
     V = SIZES[size]["vocab_size"]
@@ -334,8 +444,12 @@ def vllm_python_problem(python: str) -> str | None:
     if not Path(python).is_file():
         return "is not a file"
     try:
-        found = subprocess.run([python, "-c", "import importlib.util; print(importlib.util.find_spec('vllm') is not "
-                                "None)"], capture_output=True, text=True, timeout=120).stdout.strip()
+        found = subprocess.run(
+            [python, "-c", "import importlib.util; print(importlib.util.find_spec('vllm') is not None)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout.strip()
     except OSError as e:  # not executable, not a program
         return f"cannot be run ({e.strerror or e})"
     except subprocess.TimeoutExpired:
@@ -350,14 +464,26 @@ def main(argv: list[str]) -> None:
     p.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens")
     p.add_argument("--new", type=positive_int, default=128, help="generated tokens per sequence")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda: where exactrl's engine and transformers run "
-                   "(cuda: the triton backend; benchmarks/cuda_check.sh has the GPU figures)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda: where exactrl's engine and transformers run "
+        "(cuda: the triton backend; benchmarks/cuda_check.sh has the GPU figures)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
-    p.add_argument("--vllm-python", metavar="PATH", default=os.environ.get("EXACTRL_VLLM_PYTHON"),
-                   help="also measure vLLM, run as a server by this Python interpreter (a venv with vllm-cpu; "
-                        "default: $EXACTRL_VLLM_PYTHON)")
-    p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure; the best is kept "
-                   "(filters noise from other processes on the machine)")
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        default=os.environ.get("EXACTRL_VLLM_PYTHON"),
+        help="also measure vLLM, run as a server by this Python interpreter (a venv with vllm-cpu; "
+        "default: $EXACTRL_VLLM_PYTHON)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=2,
+        help="timed runs per figure; the best is kept (filters noise from other processes on the machine)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, batch 1 and 4, 8 tokens")
     a = p.parse_args(argv)
     if a.quick:
@@ -368,12 +494,20 @@ def main(argv: list[str]) -> None:
             p.error(f"--vllm-python {a.vllm_python!r} {problem} (give the python of a venv with vllm-cpu)")
     check_context(p, f"--prompt {a.prompt} + --new {a.new}", a.prompt + a.new)
     sizes = a.sizes
-    out = {"benchmark": "engine", "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "dtype": a.dtype, "prompt_tokens": a.prompt, "new_tokens": a.new, "sampling": "T=1, no top-k/top-p",
-           "models": {}}
+    out = {
+        "benchmark": "engine",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": a.dtype,
+        "prompt_tokens": a.prompt,
+        "new_tokens": a.new,
+        "sampling": "T=1, no top-k/top-p",
+        "models": {},
+    }
     for s in sizes:
-        out["models"][s] = bench_size(s, a.batches, a.prompt, a.new, a.dtype,
-                                      not a.no_hf, a.repeat, a.vllm_python, a.device)
+        out["models"][s] = bench_size(
+            s, a.batches, a.prompt, a.new, a.dtype, not a.no_hf, a.repeat, a.vllm_python, a.device
+        )
     out["process_max_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(out, indent=2))
 

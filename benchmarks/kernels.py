@@ -8,6 +8,7 @@ utilisation (≈ 6·params·tokens for fwd+bwd, 2·params·tokens for decode) ca
 (`train_mfu` is against the fp32 peak also with `--dtype bfloat16`, whose matmuls run
 at up to ~2.3x that peak on a CPU with AVX512-BF16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (apply_quick, check_context, matmul_peak_gflops, peak_rss_mb, positive_int,  # noqa: E402
-                     positive_ints, qwen3_config, size_names, timeit)
+from _common import (  # noqa: E402
+    apply_quick,
+    check_context,
+    matmul_peak_gflops,
+    peak_rss_mb,
+    positive_int,
+    positive_ints,
+    qwen3_config,
+    size_names,
+    timeit,
+)
 
 import exactrl  # noqa: E402
 from exactrl.kernels import TokenLayout  # noqa: E402
@@ -37,6 +47,7 @@ def train_step_time(model, batch: int, seq: int, repeat: int) -> float:
         lps = exactrl.sequence_logprobs(model, ids)
         torch.cat(lps).sum().backward()
         model.zero_grad(set_to_none=True)
+
     return timeit(step, repeat=repeat)
 
 
@@ -49,16 +60,22 @@ def decode_step_time(model, batch: int, ctx: int, repeat: int) -> float:
         step_lay = TokenLayout(torch.arange(batch), torch.full((batch,), ctx), lay.block_table_SJ)
         # one more block per sequence in case ctx starts a new page
         extra = torch.arange(pages, pages + batch)[:, None]
-        step_lay.block_table_SJ = torch.cat([lay.block_table_SJ, extra], 1) if ctx % model.block_size == 0 \
-            else lay.block_table_SJ
+        step_lay.block_table_SJ = (
+            torch.cat([lay.block_table_SJ, extra], 1) if ctx % model.block_size == 0 else lay.block_table_SJ
+        )
         tok = torch.randint(V, (batch,))
         with using_packed(PackedWeights()):  # as the engine runs its steps (kernels/linear.py)
             return timeit(lambda: model.logits(model(tok, step_lay, kv)), repeat=repeat * 3)
 
 
 def run(sizes, train_shape, decode_batches, ctx, repeat, dtype: str = "float32") -> dict:
-    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": dtype,
-           "matmul_peak_gflops_fp32": round(matmul_peak_gflops(), 1), "models": {}}
+    out = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "matmul_peak_gflops_fp32": round(matmul_peak_gflops(), 1),
+        "models": {},
+    }
     for size in sizes:
         cfg = qwen3_config(size)
         res = {}
@@ -67,14 +84,17 @@ def run(sizes, train_shape, decode_batches, ctx, repeat, dtype: str = "float32")
             n_params = sum(p.numel() for p in model.parameters())
             b, s = train_shape
             t = train_step_time(model, b, s, repeat)
-            r = {"train_tokens_per_s": round(b * s / t, 1),
-                 "train_mfu": round(6 * n_params * b * s / t / 1e9 / out["matmul_peak_gflops_fp32"], 3)}
+            r = {
+                "train_tokens_per_s": round(b * s / t, 1),
+                "train_mfu": round(6 * n_params * b * s / t / 1e9 / out["matmul_peak_gflops_fp32"], 3),
+            }
             for db in decode_batches:
                 r[f"decode_b{db}_tokens_per_s"] = round(db / decode_step_time(model, db, ctx, repeat), 1)
             res[mode] = r
         res["params"] = n_params
-        res["ratio_exact_over_fast"] = {k: round(res["exact"][k] / res["fast"][k], 3)
-                                        for k in res["exact"] if k.endswith("per_s")}
+        res["ratio_exact_over_fast"] = {
+            k: round(res["exact"][k] / res["fast"][k], 3) for k in res["exact"] if k.endswith("per_s")
+        }
         out["models"][size] = res
         print(json.dumps({size: res}), file=sys.stderr, flush=True)
     out["train_shape"], out["decode_ctx"], out["peak_rss_mb"] = list(train_shape), ctx, round(peak_rss_mb())

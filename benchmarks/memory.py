@@ -14,13 +14,15 @@ mode (rl/activation_ckpt.py).
 - time: best of `--steps` timed steps after one warm-up, unmetered.
 - the loss and gradient norm of the step per mode, equal across the modes (the recomputation is exact).
 
-Ratios are against `none`; the 1-minute load average at start and end is in the output. Run on one machine, one mode after another, in one process.
+Ratios are against `none`; the 1-minute load average at start and end is in the output. Run on one
+machine, one mode after another, in one process.
 
     exactrl bench memory [--quick] [--size 20M] [--seqs 8] [--prompt 32] [--completion 480] [--steps 2]
                          [--dtype float32]
 
 Legend: B sequences, T tokens per sequence.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,17 +38,30 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import apply_quick, check_context, positive_int, qwen3_config, SIZES  # noqa: E402
+from _common import SIZES, apply_quick, check_context, positive_int, qwen3_config  # noqa: E402
 
+from exactrl.algo.losses import build_loss  # noqa: E402
 from exactrl.model import build_model  # noqa: E402
 from exactrl.train.activation_ckpt import MODES, apply_activation_checkpointing  # noqa: E402
-from exactrl.algo.losses import build_loss  # noqa: E402
 from exactrl.train.trainer import StepSettings, TrainBatch, train_step  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 _libc = ctypes.CDLL(None)
@@ -75,19 +90,36 @@ class PeakHeap(TorchDispatchMode):
 
 def _batch(vocab: int, seqs: int, prompt: int, completion: int) -> TrainBatch:
     rng = random.Random(0)
-    return TrainBatch([[rng.randrange(vocab) for _ in range(prompt)] for _ in range(seqs)],
-                      [[rng.randrange(vocab) for _ in range(completion)] for _ in range(seqs)],
-                      [[-1.0] * completion for _ in range(seqs)], [rng.uniform(-1, 1) for _ in range(seqs)])
+    return TrainBatch(
+        [[rng.randrange(vocab) for _ in range(prompt)] for _ in range(seqs)],
+        [[rng.randrange(vocab) for _ in range(completion)] for _ in range(seqs)],
+        [[-1.0] * completion for _ in range(seqs)],
+        [rng.uniform(-1, 1) for _ in range(seqs)],
+    )
 
 
 def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtype: str) -> dict:
     cfg = qwen3_config(size)
     batch = _batch(cfg.vocab_size, seqs, prompt, completion)
-    s = StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=seqs, agg_mode="token-mean",
-                     agg_constant=None, grad_clip=1.0)
-    out = {"size": size, "dtype": dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "sequences": seqs, "tokens": seqs * (prompt + completion), "load_avg_1m_start": os.getloadavg()[0],
-           "modes": {}}
+    s = StepSettings(
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        micro_batch_size=seqs,
+        agg_mode="token-mean",
+        agg_constant=None,
+        grad_clip=1.0,
+    )
+    out = {
+        "size": size,
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "sequences": seqs,
+        "tokens": seqs * (prompt + completion),
+        "load_avg_1m_start": os.getloadavg()[0],
+        "modes": {},
+    }
     for mode in MODES:
         model = apply_activation_checkpointing(build_model(cfg, dtype=dtype, seed=0), mode)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -100,11 +132,15 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
             t = time.perf_counter()
             train_step(model, opt, build_loss("ppo"), batch, s)
             times.append(time.perf_counter() - t)
-        out["modes"][mode] = {"peak_mb": round(meter.peak / 2**20, 1), "step_s": round(min(times), 3),
-                              "loss": m["train/loss"], "grad_norm": m["train/grad_norm"]}
+        out["modes"][mode] = {
+            "peak_mb": round(meter.peak / 2**20, 1),
+            "step_s": round(min(times), 3),
+            "loss": m["train/loss"],
+            "grad_norm": m["train/grad_norm"],
+        }
     out["load_avg_1m_end"] = os.getloadavg()[0]  # other processes slow the steps, not the peaks
     base = out["modes"]["none"]
-    for mode, r in out["modes"].items():
+    for r in out["modes"].values():
         r["peak_ratio"] = round(r["peak_mb"] / base["peak_mb"], 3)
         r["time_ratio"] = round(r["step_s"] / base["step_s"], 3)
     return out

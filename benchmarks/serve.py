@@ -16,13 +16,13 @@ The model is a random Qwen3 of the `--size` shape with the project tokenizer
     exactrl bench serve [--quick] [--model DIR | --size 20M] [--clients 1,8,32] [--requests 4]
                         [--max-tokens 64] [--kernels exact] [--dtype float32]
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -46,10 +46,18 @@ def build_model_dir(out: Path, size: str, seed: int = 0) -> dict:
     texts = default_tokenizer_corpus([ArithmeticTask()], 300, seed) + [" ".join(PROMPTS)] * 20
     build_tokenizer(out, texts, vocab_size=512)
     tok = load_tokenizer(out)
-    hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rms_norm_eps": 1e-6, "hidden_act": "silu",
-          "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "max_position_embeddings": 2048,
-          **SIZES[size], "vocab_size": tok.vocab_size, "eos_token_id": tok.end_of_turn_id,
-          "pad_token_id": tok.pad_token_id}
+    hf = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "max_position_embeddings": 2048,
+        **SIZES[size],
+        "vocab_size": tok.vocab_size,
+        "eos_token_id": tok.end_of_turn_id,
+        "pad_token_id": tok.pad_token_id,
+    }
     model = build_model(ModelConfig.from_hf(hf), seed=seed)
     save_model(model, out)
     return {"size": size, "params": sum(p.numel() for p in model.parameters()), "vocab_size": tok.vocab_size}
@@ -62,8 +70,22 @@ def free_port() -> int:
 
 
 def start_server(model_dir: str, port: int, kernels: str, dtype: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "exactrl.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--kernels", kernels, "--dtype", dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "exactrl.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kernels",
+        kernels,
+        "--dtype",
+        dtype,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
     t0 = time.time()
     while True:
@@ -93,26 +115,39 @@ async def run_level(url: str, model: str, clients: int, requests: int, max_token
         for r in range(requests):
             t = time.perf_counter()
             resp = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": PROMPTS[(c + r) % len(PROMPTS)]}],
-                max_tokens=max_tokens, temperature=1.0, seed=c * 1000 + r, extra_body={"ignore_eos": True})
+                model=model,
+                messages=[{"role": "user", "content": PROMPTS[(c + r) % len(PROMPTS)]}],
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=c * 1000 + r,
+                extra_body={"ignore_eos": True},
+            )
             latencies.append(time.perf_counter() - t)
             tokens += resp.usage.completion_tokens
 
     m0 = httpx.get(f"{url}/metrics").json()
     limits = httpx.Limits(max_connections=clients + 4)
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0,
-                                  http_client=httpx.AsyncClient(limits=limits, timeout=600)) as client:
+    async with openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="bench", max_retries=0, http_client=httpx.AsyncClient(limits=limits, timeout=600)
+    ) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(c, client) for c in range(clients)))
         wall = time.perf_counter() - t0
     m1 = httpx.get(f"{url}/metrics").json()
     latencies.sort()
     n = len(latencies)
-    return {"clients": clients, "requests": n, "generated_tokens": tokens, "wall_s": round(wall, 3),
-            "requests_per_s": round(n / wall, 2), "gen_tokens_per_s": round(tokens / wall, 1),
-            "latency_p50_s": round(latencies[n // 2], 3), "latency_p90_s": round(latencies[min(n - 1, int(n * 0.9))], 3),
-            "engine_busy_frac": round((m1["engine/busy_s"] - m0["engine/busy_s"]) / wall, 3),
-            "engine_steps": m1["engine/steps"] - m0["engine/steps"]}
+    return {
+        "clients": clients,
+        "requests": n,
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(n / wall, 2),
+        "gen_tokens_per_s": round(tokens / wall, 1),
+        "latency_p50_s": round(latencies[n // 2], 3),
+        "latency_p90_s": round(latencies[min(n - 1, int(n * 0.9))], 3),
+        "engine_busy_frac": round((m1["engine/busy_s"] - m0["engine/busy_s"]) / wall, 3),
+        "engine_steps": m1["engine/steps"] - m0["engine/steps"],
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -154,11 +189,23 @@ def main(argv: list[str]) -> None:
             proc.wait(timeout=30)
     import torch
 
-    print(json.dumps({"benchmark": "serve", "model": info, "kernels": a.kernels, "dtype": a.dtype,
-                      "max_tokens": a.max_tokens, "requests_per_client": a.requests, "cpu_threads": os.cpu_count(),
-                      # the server inherits this process's environment, so torch picks it the same thread count
-                      "server_torch_threads": torch.get_num_threads(),
-                      "results": results}, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "serve",
+                "model": info,
+                "kernels": a.kernels,
+                "dtype": a.dtype,
+                "max_tokens": a.max_tokens,
+                "requests_per_client": a.requests,
+                "cpu_threads": os.cpu_count(),
+                # the server inherits this process's environment, so torch picks it the same thread count
+                "server_torch_threads": torch.get_num_threads(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ transformers `generate`, timed around TRL's call) and the rest of the step.
 (1024² products) reaches in the same run, and `ceiling_over_trl` TRL's step
 time over that floor: what an implementation whose step were nothing but
 products at that speed would gain. It is no hard bound: a GEMM nearer the
-cores' FMA peak (this machine's is ~12% above torch's) would move it. Other processes on the machine slow both sides (and small decode ops the
-most); the 1-minute load average at start and end is in the output.
+cores' FMA peak would move it. Other processes on the machine slow both sides (and small decode
+ops the most); the 1-minute load average at start and end is in the output.
 
 TRL's train/rollout logprob difference. Without vLLM, TRL keeps no sampling
 logprobs (its `sampling/sampling_logp_difference/*` metrics are vLLM-only):
@@ -69,6 +69,7 @@ the warm-up step, so it costs the timed steps nothing.
 
 Legend: P prompts per step, G samples per prompt, B = P·G sequences, N completion tokens, V vocabulary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (CONTEXT, SIZES, apply_quick, check_context, linear_weights, matmul_peak_gflops,  # noqa: E402
-                     positive_float, positive_int, seed_int)
+from _common import (  # noqa: E402
+    CONTEXT,
+    SIZES,
+    apply_quick,
+    check_context,
+    linear_weights,
+    matmul_peak_gflops,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 
 TRL_MISSING = "not installed (pip install 'exactrl[bench]')"
 DIFF, DIFF_MAX = "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"
@@ -112,19 +122,32 @@ def build_model_dir(out: Path, size: str, seed: int) -> dict:
     rng = random.Random(seed)
     # random words give BPE enough distinct pairs to fill the size's vocabulary (16k for 20M)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(20000)]
-    texts = default_tokenizer_corpus([ArithmeticTask()], 300, seed) + [" ".join(rng.choices(words, k=50))
-                                                                       for _ in range(4000)]
+    texts = default_tokenizer_corpus([ArithmeticTask()], 300, seed) + [
+        " ".join(rng.choices(words, k=50)) for _ in range(4000)
+    ]
     build_tokenizer(out, texts, vocab_size=shape["vocab_size"])
     tok = load_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(**{**shape, "vocab_size": tok.vocab_size}, max_position_embeddings=CONTEXT,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = transformers.Qwen3Config(
+        **{**shape, "vocab_size": tok.vocab_size},
+        max_position_embeddings=CONTEXT,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     hf = transformers.Qwen3ForCausalLM(cfg)
     hf.save_pretrained(out)
     body, head = linear_weights(hf)[:-1], linear_weights(hf)[-1]
-    return {"size": size, "params": sum(p.numel() for p in hf.parameters()), "vocab_size": tok.vocab_size,
-            "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "dtype": "float32",
-            "matmul_params_body": sum(w.numel() for w in body), "matmul_params_head": head.numel()}
+    return {
+        "size": size,
+        "params": sum(p.numel() for p in hf.parameters()),
+        "vocab_size": tok.vocab_size,
+        "layers": shape["num_hidden_layers"],
+        "hidden": shape["hidden_size"],
+        "dtype": "float32",
+        "matmul_params_body": sum(w.numel() for w in body),
+        "matmul_params_head": head.numel(),
+    }
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[str]:
@@ -145,8 +168,11 @@ def diff_stats(train: list[torch.Tensor], rollout: list[torch.Tensor]) -> tuple[
 
 
 def throughput(step_s: list[float], tokens_per_step: int) -> dict:
-    return {"completion_tokens_per_s": round(tokens_per_step * len(step_s) / sum(step_s), 1),
-            "step_s_mean": round(sum(step_s) / len(step_s), 3), "step_s": [round(s, 3) for s in step_s]}
+    return {
+        "completion_tokens_per_s": round(tokens_per_step * len(step_s) / sum(step_s), 1),
+        "step_s_mean": round(sum(step_s) / len(step_s), 3),
+        "step_s": [round(s, 3) for s in step_s],
+    }
 
 
 # ---------------------------------------------------------------- exactrl side
@@ -155,8 +181,8 @@ def throughput(step_s: list[float], tokens_per_step: int) -> dict:
 def exactrl_components(model_dir: Path, kernels: str, a) -> dict:
     """What `exactrl.train.setup.build` makes for a run, with the run config's defaults."""
     import exactrl
-    from exactrl.train.config import EngineSettings, RunConfig
     from exactrl.algo.losses import build_loss
+    from exactrl.train.config import EngineSettings, RunConfig
     from exactrl.train.trainer import StepSettings
 
     cfg = RunConfig()
@@ -166,16 +192,32 @@ def exactrl_components(model_dir: Path, kernels: str, a) -> dict:
     # the whole step's batch decodes at once (no preemption), as with the default job's sizes;
     # + 64 tokens per sequence covers its partly filled pages
     eng["kv_budget_tokens"] = max(eng["kv_budget_tokens"], a.prompts * a.group * (a.prompt + a.new + 64))
-    engine = exactrl.Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids),
-                            **eng)
+    engine = exactrl.Engine(
+        copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids), **eng
+    )
     o, alg = cfg.optim, cfg.algorithm
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=o.betas, weight_decay=o.weight_decay)
     # one forward/backward over the whole batch, as TRL's per_device_train_batch_size = P·G does
     micro = max(o.micro_batch_size, a.prompts * a.group)
-    settings = StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=micro, agg_mode=alg.agg_mode,
-                            agg_constant=float(a.new), grad_clip=o.grad_clip, share_prompts=o.share_prompts)
-    return {"model": model, "tokenizer": tok, "engine": engine, "optimizer": optimizer, "settings": settings,
-            "loss_fn": build_loss(alg.loss, **alg.loss_kwargs), "advantage": (alg.advantage, alg.advantage_kwargs)}
+    settings = StepSettings(
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        micro_batch_size=micro,
+        agg_mode=alg.agg_mode,
+        agg_constant=float(a.new),
+        grad_clip=o.grad_clip,
+        share_prompts=o.share_prompts,
+    )
+    return {
+        "model": model,
+        "tokenizer": tok,
+        "engine": engine,
+        "optimizer": optimizer,
+        "settings": settings,
+        "loss_fn": build_loss(alg.loss, **alg.loss_kwargs),
+        "advantage": (alg.advantage, alg.advantage_kwargs),
+    }
 
 
 def exactrl_step(c: dict, prompt_ids_P: list[list[int]], a, step: int) -> tuple[dict, dict]:
@@ -185,8 +227,12 @@ def exactrl_step(c: dict, prompt_ids_P: list[list[int]], a, step: int) -> tuple[
     from exactrl.train.trainer import TrainBatch, train_step
 
     t0 = time.perf_counter()
-    params = [SamplingParams(temperature=1.0, max_tokens=a.new, n=a.group, seed=a.seed * 1000 + step * 100 + k,
-                             ignore_eos=True) for k in range(len(prompt_ids_P))]
+    params = [
+        SamplingParams(
+            temperature=1.0, max_tokens=a.new, n=a.group, seed=a.seed * 1000 + step * 100 + k, ignore_eos=True
+        )
+        for k in range(len(prompt_ids_P))
+    ]
     outs = c["engine"].generate(prompt_ids_P, params)
     t1 = time.perf_counter()
     flat = [(p, o) for p, samples in zip(prompt_ids_P, outs) for o in samples]
@@ -194,8 +240,12 @@ def exactrl_step(c: dict, prompt_ids_P: list[list[int]], a, step: int) -> tuple[
     rewards_PG = torch.tensor([[even_token_reward(o.token_ids) for o in s] for s in outs], dtype=torch.float32)
     name, kwargs = c["advantage"]
     adv = compute_advantages(name, rewards_PG, **kwargs).reshape(-1).tolist()
-    batch = TrainBatch(prompt_ids=[p for p, _ in flat], completion_ids=[list(o.token_ids) for _, o in flat],
-                       behav_logprobs=[list(o.logprobs) for _, o in flat], advantages=adv)
+    batch = TrainBatch(
+        prompt_ids=[p for p, _ in flat],
+        completion_ids=[list(o.token_ids) for _, o in flat],
+        behav_logprobs=[list(o.logprobs) for _, o in flat],
+        advantages=adv,
+    )
     metrics = train_step(c["model"], c["optimizer"], c["loss_fn"], batch, c["settings"])
     t2 = time.perf_counter()
     c["engine"].update_weights(c["model"].state_dict(), version=step)
@@ -214,12 +264,14 @@ class ExactrlRun:
 
     def step(self, step: int) -> None:
         a = self.a
-        metrics, t = exactrl_step(self.c, self.ids[step * a.prompts:(step + 1) * a.prompts], a, step + 1)
+        metrics, t = exactrl_step(self.c, self.ids[step * a.prompts : (step + 1) * a.prompts], a, step + 1)
         self.diffs.append(metrics[DIFF]), self.maxes.append(metrics[DIFF_MAX])
         if step > 0:  # the first step warms up allocator and kernels
             self.times.append(t)
-        log(f"exactrl {self.kernels} step {step + 1}: {t['step_s']:.2f} s (rollout {t['rollout_s']:.2f}, "
-            f"train {t['train_s']:.2f}), diff {metrics[DIFF]:.3g} max {metrics[DIFF_MAX]:.3g}")
+        log(
+            f"exactrl {self.kernels} step {step + 1}: {t['step_s']:.2f} s (rollout {t['rollout_s']:.2f}, "
+            f"train {t['train_s']:.2f}), diff {metrics[DIFF]:.3g} max {metrics[DIFF_MAX]:.3g}"
+        )
 
     def result(self) -> dict:
         a, times = self.a, self.times
@@ -276,8 +328,13 @@ class TRLProbe:
     def _record_rollout(self, seqs_BL: torch.Tensor, logits_N_BV: tuple[torch.Tensor, ...]) -> None:
         N = len(logits_N_BV)
         sampled_BN = seqs_BL[:, -N:]
-        lp_BN = torch.stack([torch.log_softmax(lg.float() / self.temperature, dim=-1)
-                             .gather(1, sampled_BN[:, t:t + 1])[:, 0] for t, lg in enumerate(logits_N_BV)], dim=1)
+        lp_BN = torch.stack(
+            [
+                torch.log_softmax(lg.float() / self.temperature, dim=-1).gather(1, sampled_BN[:, t : t + 1])[:, 0]
+                for t, lg in enumerate(logits_N_BV)
+            ],
+            dim=1,
+        )
         for row, lp in zip(seqs_BL.tolist(), lp_BN):
             self.rollout[tuple(row)] = lp
 
@@ -287,8 +344,10 @@ class TRLProbe:
 
     def diff(self) -> tuple[float, float, int]:
         if not self.rollout or set(self.rollout) != set(self.train):
-            raise RuntimeError(f"TRL probe: {len(self.rollout)} generated vs {len(self.train)} trained sequences "
-                               f"matched by token ids; TRL's generate/_get_per_token_logps_and_entropies changed?")
+            raise RuntimeError(
+                f"TRL probe: {len(self.rollout)} generated vs {len(self.train)} trained sequences "
+                f"matched by token ids; TRL's generate/_get_per_token_logps_and_entropies changed?"
+            )
         keys = sorted(self.rollout)
         mean, mx = diff_stats([self.train[k] for k in keys], [self.rollout[k] for k in keys])
         return mean, mx, len(keys)
@@ -300,8 +359,9 @@ def probed_trainer(probe: TRLProbe):
 
     class ProbedGRPOTrainer(GRPOTrainer):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kw):
-            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                             *args, **kw)
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kw
+            )
             # with beta = 0 and one step per generation, the call with grad is `_compute_loss`'s forward
             if probe.active and torch.is_grad_enabled():
                 assert bool(attention_mask.all()), "equal-length prompts and completions: no padding expected"
@@ -315,13 +375,38 @@ def trl_config(out_dir: str, a):
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, seed=a.seed, max_steps=1 + a.steps,
-        num_generations=a.group, per_device_train_batch_size=a.prompts * a.group, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_iterations=1, beta=0.0, max_completion_length=a.new, temperature=1.0,
-        top_p=1.0, top_k=0, generation_kwargs={"min_new_tokens": a.new}, learning_rate=a.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta2=0.99, max_grad_norm=1.0,
-        gradient_checkpointing=False, disable_dropout=True, dataloader_num_workers=0, log_completions=False)
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=a.seed,
+        max_steps=1 + a.steps,
+        num_generations=a.group,
+        per_device_train_batch_size=a.prompts * a.group,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        beta=0.0,
+        max_completion_length=a.new,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        generation_kwargs={"min_new_tokens": a.new},
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta2=0.99,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
 
 
 def run_trl(model_dir: Path, prompts: list[str], a, between: Callable[[int], None] | None = None) -> dict:
@@ -337,8 +422,7 @@ def run_trl(model_dir: Path, prompts: list[str], a, between: Callable[[int], Non
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.perf_counter())
             probe.active = False
-            log(f"TRL step {len(ends)}" +
-                (f": {ends[-1] - resumes[-1]:.2f} s" if len(ends) > 1 else " (warm-up)"))
+            log(f"TRL step {len(ends)}" + (f": {ends[-1] - resumes[-1]:.2f} s" if len(ends) > 1 else " (warm-up)"))
             if between is not None:
                 between(len(ends) - 1)
             resumes.append(time.perf_counter())
@@ -348,24 +432,35 @@ def run_trl(model_dir: Path, prompts: list[str], a, between: Callable[[int], Non
     probe.wrap_generate(model)
     with tempfile.TemporaryDirectory() as out_dir, contextlib.redirect_stdout(sys.stderr):
         trainer = probed_trainer(probe)(
-            model=model, reward_funcs=[trl_even_token_reward], args=trl_config(out_dir, a),
-            train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok, callbacks=[StepTimes()])
+            model=model,
+            reward_funcs=[trl_even_token_reward],
+            args=trl_config(out_dir, a),
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
+            callbacks=[StepTimes()],
+        )
         trainer.train()
     tokens_per_step = a.prompts * a.group * a.new
     if probe.completion_tokens != [tokens_per_step] * (1 + a.steps):
-        raise RuntimeError(f"TRL generated {probe.completion_tokens} completion tokens per step, expected "
-                           f"{tokens_per_step} each (min_new_tokens should force --new tokens)")
+        raise RuntimeError(
+            f"TRL generated {probe.completion_tokens} completion tokens per step, expected "
+            f"{tokens_per_step} each (min_new_tokens should force --new tokens)"
+        )
     out = throughput([t1 - t0 for t0, t1 in zip(resumes, ends[1:])], tokens_per_step)
     gen_s = probe.generate_s[1:]  # the timed steps' rollouts
     out["generate_s_mean"] = round(sum(gen_s) / len(gen_s), 3)
     out["rest_s_mean"] = round(out["step_s_mean"] - out["generate_s_mean"], 3)  # logprobs, loss, backward, step
     mean, mx, n = probe.diff()
-    out |= {DIFF: mean, DIFF_MAX: mx, "logprob_diff_sequences": n,
-            "logprob_diff_measured": "warm-up step: HF generate raw logits, log_softmax(logits/T) at the sampled "
-                                     "token, vs GRPOTrainer._get_per_token_logps_and_entropies in _compute_loss",
-            "trl_logged_logprob_diff": "none without vLLM (sampling/sampling_logp_difference/* is vLLM-only)",
-            "settings": "transformers generate, beta=0, num_iterations=1, steps_per_generation=1, "
-                        "gradient_checkpointing=False, fp32, constant lr"}
+    out |= {
+        DIFF: mean,
+        DIFF_MAX: mx,
+        "logprob_diff_sequences": n,
+        "logprob_diff_measured": "warm-up step: HF generate raw logits, log_softmax(logits/T) at the sampled "
+        "token, vs GRPOTrainer._get_per_token_logps_and_entropies in _compute_loss",
+        "trl_logged_logprob_diff": "none without vLLM (sampling/sampling_logp_difference/* is vLLM-only)",
+        "settings": "transformers generate, beta=0, num_iterations=1, steps_per_generation=1, "
+        "gradient_checkpointing=False, fp32, constant lr",
+    }
     return out
 
 
@@ -380,8 +475,11 @@ def trl_even_token_reward(completion_ids: list[list[int]], **kwargs) -> list[flo
 def versions(with_trl: bool) -> dict:
     import transformers
 
-    v = {"torch": torch.__version__, "transformers": transformers.__version__,
-         "exactrl": importlib.metadata.version("exactrl")}
+    v = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "exactrl": importlib.metadata.version("exactrl"),
+    }
     if with_trl:
         v["trl"] = importlib.metadata.version("trl")
     return v
@@ -400,7 +498,8 @@ def ratios(exactrl: dict, trl: dict) -> dict:
         out[f"ratio_{k}_over_trl"] = round(r["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 2)
         out[f"phase_ratio_{k}_over_trl"] = {
             "rollout": round(trl["generate_s_mean"] / r["rollout_s_mean"], 2),  # engine vs HF generate
-            "rest": round(trl["rest_s_mean"] / (r["train_s_mean"] + r["sync_s_mean"]), 2)}  # everything else
+            "rest": round(trl["rest_s_mean"] / (r["train_s_mean"] + r["sync_s_mean"]), 2),
+        }  # everything else
     out["target_ratio"] = 3.0
     return out
 
@@ -426,8 +525,12 @@ def flop_floor(model: dict, a, trl: dict | None) -> dict:
     train = 6 * body * (P * a.prompt + B * (N - 1)) + 6 * head * B * N
     peak = matmul_peak_gflops()
     floor_s = (rollout + train) / 1e9 / peak
-    out = {"gflop_rollout": round(rollout / 1e9, 3), "gflop_train": round(train / 1e9, 3),
-           "matmul_peak_gflops_fp32": round(peak, 1), "floor_step_s": float(f"{floor_s:.3g}")}
+    out = {
+        "gflop_rollout": round(rollout / 1e9, 3),
+        "gflop_train": round(train / 1e9, 3),
+        "matmul_peak_gflops_fp32": round(peak, 1),
+        "floor_step_s": float(f"{floor_s:.3g}"),
+    }
     if trl is not None:
         out["ceiling_over_trl"] = round(trl["step_s_mean"] / floor_s, 2)
     return out
@@ -445,15 +548,19 @@ def parse_args(argv: list[str]):
     p.add_argument("--seed", type=seed_int, default=0, help="0..2**32-1 (TRL's seeding of numpy takes no other)")
     p.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer")
     p.add_argument("--fast", action="store_true", help="also run exactrl with fast kernels (non-zero diff)")
-    p.add_argument("--sequential", action="store_true",
-                   help="run exactrl's steps, then TRL's (default: each exactrl step right after TRL's)")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run exactrl's steps, then TRL's (default: each exactrl step right after TRL's)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2x4 sequences, 8+8 tokens, 1 step")
     a = p.parse_args(argv)
     if a.quick:
         apply_quick(p, a, size="tiny", prompts=2, group=4, prompt=8, new=8, steps=1)
     if a.group < 2 or a.prompts < 1 or a.prompt < 1 or a.new < 1 or a.steps < 1:
-        p.error("need --group >= 2 (GRPO compares completions of a prompt) and --prompts, --prompt, --new, "
-                "--steps >= 1")
+        p.error(
+            "need --group >= 2 (GRPO compares completions of a prompt) and --prompts, --prompt, --new, --steps >= 1"
+        )
     check_context(p, f"--prompt {a.prompt} + --new {a.new}", a.prompt + a.new)
     return a
 
@@ -461,14 +568,25 @@ def parse_args(argv: list[str]):
 def main(argv: list[str]) -> None:
     a = parse_args(argv)
     with_trl = not a.no_trl and trl_available()
-    out = {"benchmark": "train", "versions": versions(with_trl), "threads": torch.get_num_threads(),
-           # other processes on the machine slow both sides; the load average says how busy it was
-           "load_avg_1min_start": os.getloadavg()[0],
-           "shapes": {"prompts_per_step": a.prompts, "group_size": a.group, "sequences_per_step": a.prompts * a.group,
-                      "prompt_tokens": a.prompt, "completion_tokens": a.new,
-                      "completion_tokens_per_step": a.prompts * a.group * a.new, "warmup_steps": 1,
-                      "timed_steps": a.steps, "lr": a.lr},
-           "reward": "fraction of even completion token ids (same function both sides)"}
+    out = {
+        "benchmark": "train",
+        "versions": versions(with_trl),
+        "threads": torch.get_num_threads(),
+        # other processes on the machine slow both sides; the load average says how busy it was
+        "load_avg_1min_start": os.getloadavg()[0],
+        "shapes": {
+            "prompts_per_step": a.prompts,
+            "group_size": a.group,
+            "sequences_per_step": a.prompts * a.group,
+            "prompt_tokens": a.prompt,
+            "completion_tokens": a.new,
+            "completion_tokens_per_step": a.prompts * a.group * a.new,
+            "warmup_steps": 1,
+            "timed_steps": a.steps,
+            "lr": a.lr,
+        },
+        "reward": "fraction of even completion token ids (same function both sides)",
+    }
     prompts = make_prompts((1 + a.steps) * a.prompts, a.prompt, a.seed)
     with tempfile.TemporaryDirectory() as d:
         out["model"] = build_model_dir(Path(d), a.size, a.seed)
@@ -480,10 +598,14 @@ def main(argv: list[str]) -> None:
             out["exactrl"] = {k: r.result() for k, r in runs.items()}
         else:
             out["exactrl"] = {k: run_exactrl(Path(d), prompts, a, k) for k in kernels}
-            out["trl"] = run_trl(Path(d), prompts, a) if with_trl else (
-                "skipped (--no-trl)" if a.no_trl else TRL_MISSING)
-        out["order"] = ("interleaved (TRL step, then exactrl's: " + ", ".join(kernels) + ")"
-                        if with_trl and not a.sequential else "sequential")
+            out["trl"] = (
+                run_trl(Path(d), prompts, a) if with_trl else ("skipped (--no-trl)" if a.no_trl else TRL_MISSING)
+            )
+        out["order"] = (
+            "interleaved (TRL step, then exactrl's: " + ", ".join(kernels) + ")"
+            if with_trl and not a.sequential
+            else "sequential"
+        )
     if with_trl:
         out |= ratios(out["exactrl"], out["trl"])
     out["flop_floor"] = flop_floor(out["model"], a, out["trl"] if with_trl else None)

@@ -1,4 +1,5 @@
 """exactrl: RL post-training with bitwise-exact (true on-policy) logprobs."""
+
 from importlib.metadata import PackageNotFoundError, version
 
 from exactrl.model import load_model, save_model, sequence_logprobs

@@ -5,13 +5,15 @@ take free-form `*_kwargs` from YAML; a wrong type there (`eps_low: abc`)
 must be a ValueError naming the component and the argument, not a TypeError
 deep inside the first step.
 """
+
 from __future__ import annotations
 
 import collections.abc
 import math
 import types
 import typing
-from typing import Annotated, Any, Callable
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
@@ -37,8 +39,10 @@ def _plain(value: Any, where: str = "") -> Any:
     elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where or 'the value'} is {value}, not a finite number")
     elif not isinstance(value, (str, int, float, type(None))):  # bool is an int
-        raise ValueError(f"{where or 'the value'} is a {type(value).__name__} ({value!r:.40}), not text, a number, "
-                         f"true/false, null, a list or a mapping; quote it in YAML to pass it as text")
+        raise ValueError(
+            f"{where or 'the value'} is a {type(value).__name__} ({value!r:.40}), not text, a number, "
+            f"true/false, null, a list or a mapping; quote it in YAML to pass it as text"
+        )
     return value
 
 

@@ -3,6 +3,7 @@
 Each command lives in its own module and is imported only when used, so
 `exactrl parity` does not pay for the server's imports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,23 +21,35 @@ def _parity(args) -> int:
     from exactrl.debug.parity import run_parity
 
     if not args.server:  # they would be ignored: a check of the server the user meant would never run
-        given = [flag for flag, value, default in [("--served-model", args.served_model, None),
-                                                   ("--prompts", args.prompts, 8), ("--max-tokens", args.max_tokens, 32),
-                                                   ("--temperature", args.temperature, 1.0)] if value != default]
+        given = [
+            flag
+            for flag, value, default in [
+                ("--served-model", args.served_model, None),
+                ("--prompts", args.prompts, 8),
+                ("--max-tokens", args.max_tokens, 32),
+                ("--temperature", args.temperature, 1.0),
+            ]
+            if value != default
+        ]
         if given:
-            raise ValueError(f"{', '.join(given)} only apply with --server URL (the server's logprobs against "
-                             f"this trainer's); without it parity checks the model's own kernels")
+            raise ValueError(
+                f"{', '.join(given)} only apply with --server URL (the server's logprobs against "
+                f"this trainer's); without it parity checks the model's own kernels"
+            )
     if args.server:  # named before the model loads (a minute for a large one)
         _check_server_flags(args)
-    model = exactrl.load_model(args.model, dtype=args.dtype, kernels=args.kernels, device=args.device,
-                               backend=args.backend)
+    model = exactrl.load_model(
+        args.model, dtype=args.dtype, kernels=args.kernels, device=args.device, backend=args.backend
+    )
     if args.server:
         return _server_parity(args, model)
     results = run_parity(model, length=args.length, seed=args.seed)
     for r in results:
         line = f"{r.name:12s} {'exact' if r.exact else 'DIFFERS'}"
         if not r.exact:
-            line += f"  max|Δlogit|={r.max_abs_diff:.3e}  first divergent op: {r.first_divergent_op} (|Δ|={r.op_diff:.3e})"
+            line += (
+                f"  max|Δlogit|={r.max_abs_diff:.3e}  first divergent op: {r.first_divergent_op} (|Δ|={r.op_diff:.3e})"
+            )
         print(line)
     ok = all(r.exact for r in results)
     print(f"verdict: {'BITWISE EXACT' if ok else 'NOT EXACT'} ({args.kernels} kernels, {args.dtype})")
@@ -63,29 +76,42 @@ def _server_parity(args, model) -> int:
     from exactrl.rollout.external import ExternalEngineError
 
     if args.max_tokens >= model.config.max_position_embeddings:
-        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
-                         f"{model.config.max_position_embeddings} tokens")
+        raise ValueError(
+            f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
+            f"{model.config.max_position_embeddings} tokens"
+        )
     length = min(args.length, model.config.max_position_embeddings - args.max_tokens)
     try:
-        m = server_mismatch(model, args.server, args.served_model or args.model, prompts=args.prompts,
-                            length=length, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        m = server_mismatch(
+            model,
+            args.server,
+            args.served_model or args.model,
+            prompts=args.prompts,
+            length=length,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
     except ExternalEngineError as e:  # down, or answered an error: its message names the URL
         # in the training loop's words, which name config keys: here --server, and a timeout no flag sets
         text = str(e).replace("rollout_backend.base_url / base_urls", "--server")
         text = text.replace("rollout_backend.timeout_s=", "")
         return _fail(args.command, ValueError(text))
     diff, worst = m["train/train_rollout_logprob_abs_diff"], m["train/train_rollout_logprob_abs_diff_max"]
-    print(f"server {args.server}: {int(m['parity/tokens'])} tokens of {args.prompts} prompts ({length} prompt "
-          f"tokens, T={args.temperature})")
-    print(f"|logprob diff|  mean {diff:.3e}  max {worst:.3e}   k3 {m['mismatch/k3']:.3e}   "
-          f"ess {m['mismatch/ess']:.6f}")
+    print(
+        f"server {args.server}: {int(m['parity/tokens'])} tokens of {args.prompts} prompts ({length} prompt "
+        f"tokens, T={args.temperature})"
+    )
+    print(f"|logprob diff|  mean {diff:.3e}  max {worst:.3e}   k3 {m['mismatch/k3']:.3e}   ess {m['mismatch/ess']:.6f}")
     tokens = int(m["parity/tokens"])
     if tokens < args.prompts * args.max_tokens:  # ignore_eos asks for every token; a server may stop early
         print(f"note: the server returned {tokens} of the {args.prompts * args.max_tokens} tokens asked for")
     ok = tokens > 0 and worst == 0.0  # no token compared proves nothing
     verdict = "BITWISE EXACT" if ok else "NOT EXACT" if tokens else "NOTHING COMPARED (no tokens returned)"
-    print(f"verdict: {verdict} (the server vs this trainer, {args.kernels} kernels, {args.dtype}, the model at "
-          f"{args.model})")
+    print(
+        f"verdict: {verdict} (the server vs this trainer, {args.kernels} kernels, {args.dtype}, the model at "
+        f"{args.model})"
+    )
     if args.json:
         print(json.dumps(m))
     return 0 if ok else 1
@@ -93,9 +119,11 @@ def _server_parity(args, model) -> int:
 
 def _bench(args) -> int:
     if not BENCH_DIR.is_dir():  # the wheel packages exactrl/ only
-        raise ValueError(f"benchmarks run from a source checkout of exactrl: the benchmarks/ folder is not "
-                         f"installed with the package (looked in {BENCH_DIR}); clone the repository and run "
-                         f"exactrl bench there")
+        raise ValueError(
+            f"benchmarks run from a source checkout of exactrl: the benchmarks/ folder is not "
+            f"installed with the package (looked in {BENCH_DIR}); clone the repository and run "
+            f"exactrl bench there"
+        )
     known = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
     if args.name is None:
         print(f"available benchmarks: {', '.join(known)}  (exactrl bench NAME [options]; NAME --help lists them)")
@@ -119,17 +147,20 @@ def _train(args) -> int:
     from exactrl.train.run import train_main
 
     if args.nproc > 1 and "WORLD_SIZE" in os.environ:
-        raise ValueError(f"--nproc {args.nproc} starts its own ranks, but WORLD_SIZE={os.environ['WORLD_SIZE']} says "
-                         f"this process already is one (torchrun): leave out --nproc under torchrun, or unset "
-                         f"WORLD_SIZE")
+        raise ValueError(
+            f"--nproc {args.nproc} starts its own ranks, but WORLD_SIZE={os.environ['WORLD_SIZE']} says "
+            f"this process already is one (torchrun): leave out --nproc under torchrun, or unset "
+            f"WORLD_SIZE"
+        )
     if args.nproc > 1:  # this process starts the ranks and waits for them
         from exactrl.distributed import Ranks, launch
         from exactrl.train.config import load_config
         from exactrl.train.setup import check_ranks
 
         check_ranks(load_config(args.config, args.set), Ranks(0, args.nproc))  # refused once, before ranks start
-        return launch(["train", *([args.config] if args.config else []), *[x for s in args.set for x in ("--set", s)]],
-                      args.nproc)
+        return launch(
+            ["train", *([args.config] if args.config else []), *[x for s in args.set for x in ("--set", s)]], args.nproc
+        )
     try:
         return train_main(args.config, args.set)
     except (ExternalEngineError, RayEngineError) as e:  # a rollout server or engine failed: the message says which
@@ -159,12 +190,15 @@ def _report(args) -> int:
 
 def _int_in(lo: int, hi: int | None = None):
     """An argparse type: an integer in [lo, hi]."""
+
     def parse(text: str) -> int:
         value = int(text)
         if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"must be {f'in {lo}..{hi}' if hi is not None else f'>= {lo}'}, "
-                                             f"got {value}")
+            raise argparse.ArgumentTypeError(
+                f"must be {f'in {lo}..{hi}' if hi is not None else f'>= {lo}'}, got {value}"
+            )
         return value
+
     parse.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
     return parse
 
@@ -196,11 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run an RL training job (default job without a config)")
     t.add_argument("config", nargs="?", default=None, type=_path, help="YAML run config")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (every key, type and default: docs/config.md)")
-    t.add_argument("--nproc", type=_int_in(1), default=1,
-                   help="data-parallel ranks on this machine, >= 1 (torch.distributed, gloo; the cores are split "
-                        "between them); across machines start ranks with torchrun -m exactrl train")
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (every key, type and default: docs/config.md)",
+    )
+    t.add_argument(
+        "--nproc",
+        type=_int_in(1),
+        default=1,
+        help="data-parallel ranks on this machine, >= 1 (torch.distributed, gloo; the cores are split "
+        "between them); across machines start ranks with torchrun -m exactrl train",
+    )
     t.set_defaults(fn=_train)
     _add_serve(sub)
     _add_parity(sub)
@@ -209,92 +252,170 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
     b.set_defaults(fn=_bench)
     r = sub.add_parser("report", help="PNG plots of a run directory")
-    r.add_argument("run_dir", type=_path, help="the run directory (it holds metrics.jsonl); the plots go to "
-                                               "RUN_DIR/report/")
+    r.add_argument(
+        "run_dir", type=_path, help="the run directory (it holds metrics.jsonl); the plots go to RUN_DIR/report/"
+    )
     r.set_defaults(fn=_report)
     return p
 
 
 def _model_placement(parser: argparse.ArgumentParser) -> None:
     """--device and --backend, as `load_model` takes them."""
-    parser.add_argument("--device", default="cpu", metavar="DEVICE",
-                        help="cpu, cuda or cuda:N: where the model runs (cuda needs a GPU and triton)")
-    parser.add_argument("--backend", default=None, choices=["native", "triton"],
-                        help="kernel implementation (default: native on cpu, triton on cuda; triton on cpu needs "
-                             "TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        help="cpu, cuda or cuda:N: where the model runs (cuda needs a GPU and triton)",
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=["native", "triton"],
+        help="kernel implementation (default: native on cpu, triton on cuda; triton on cpu needs TRITON_INTERPRET=1)",
+    )
 
 
 def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible server over the engine")
-    s.add_argument("--model", required=True, type=_path,
-                   help="Hugging Face model directory to serve (config.json + safetensors)")
+    s.add_argument(
+        "--model", required=True, type=_path, help="Hugging Face model directory to serve (config.json + safetensors)"
+    )
     s.add_argument("--tokenizer", default=None, type=_path, help="tokenizer directory (default: the model directory)")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: all interfaces)")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: all interfaces)",
+    )
     s.add_argument("--port", type=_int_in(0, 65535), default=8000, help="TCP port to listen on, 0..65535")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="parameter and activation dtype")
-    s.add_argument("--kernels", default="exact", choices=["exact", "fast"],
-                   help="exact: logprobs bitwise equal to the trainer's (and batch-invariant); fast: plain torch")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and activation dtype")
+    s.add_argument(
+        "--kernels",
+        default="exact",
+        choices=["exact", "fast"],
+        help="exact: logprobs bitwise equal to the trainer's (and batch-invariant); fast: plain torch",
+    )
     _model_placement(s)
-    s.add_argument("--monotonicity", default="raise", choices=["raise", "split", "truncate"],
-                   help="when a chat history no longer matches the tokens the server returned: raise (HTTP 400), "
-                        "split (render it afresh as a new segment) or truncate (keep the tokens up to the last "
-                        "matching turn, render the rest); a request's `monotonicity` field overrides it")
-    s.add_argument("--kv-budget-tokens", type=_int_in(1), default=16384, metavar="N",
-                   help="the engine's KV cache, in tokens (allocated once); requests beyond it wait or are "
-                        "preempted and resumed")
-    s.add_argument("--max-num-seqs", type=_int_in(1), default=64, metavar="N",
-                   help="sequences in one engine step (a request's n counts each); a request's n above it is "
-                        "refused")
-    s.add_argument("--session-ttl", type=_int_in(0), default=3600, metavar="SECONDS",
-                   help="drop a /sessions/{id} record no request has used for this long (a crashed trainer never "
-                        "deletes its own), >= 0; 0 keeps sessions until they are deleted")
-    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every route (repeat for several keys); default: "
-                        "the comma-separated keys in EXACTRL_API_KEY, which other users cannot read in the "
-                        "process list")
-    s.add_argument("--enable-weight-updates", action="store_true",
-                   help="turn on POST /update_weights_from_disk (the external rollout backend's weight_sync: "
-                        "disk), which lets a client swap the served weights")
-    s.add_argument("--weights-root", default=None, type=_path, metavar="DIR",
-                   help="with --enable-weight-updates: load only checkpoints under DIR")
-    s.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST...]",
-                   help="Host header names to accept besides localhost, 127.0.0.1 and [::1] on a loopback --host "
-                        "(which refuses others: DNS rebinding); on another --host, the only names accepted")
-    s.add_argument("--max-body-mb", type=_positive_float, default=8.0, metavar="MB",
-                   help="refuse a request body larger than this (HTTP 413)")
-    s.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="SECONDS",
-                   help="close a connection that has not sent a whole request head (line and headers) in this "
-                        "long")
+    s.add_argument(
+        "--monotonicity",
+        default="raise",
+        choices=["raise", "split", "truncate"],
+        help="when a chat history no longer matches the tokens the server returned: raise (HTTP 400), "
+        "split (render it afresh as a new segment) or truncate (keep the tokens up to the last "
+        "matching turn, render the rest); a request's `monotonicity` field overrides it",
+    )
+    s.add_argument(
+        "--kv-budget-tokens",
+        type=_int_in(1),
+        default=16384,
+        metavar="N",
+        help="the engine's KV cache, in tokens (allocated once); requests beyond it wait or are preempted and resumed",
+    )
+    s.add_argument(
+        "--max-num-seqs",
+        type=_int_in(1),
+        default=64,
+        metavar="N",
+        help="sequences in one engine step (a request's n counts each); a request's n above it is refused",
+    )
+    s.add_argument(
+        "--session-ttl",
+        type=_int_in(0),
+        default=3600,
+        metavar="SECONDS",
+        help="drop a /sessions/{id} record no request has used for this long (a crashed trainer never "
+        "deletes its own), >= 0; 0 keeps sessions until they are deleted",
+    )
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route (repeat for several keys); default: "
+        "the comma-separated keys in EXACTRL_API_KEY, which other users cannot read in the "
+        "process list",
+    )
+    s.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="turn on POST /update_weights_from_disk (the external rollout backend's weight_sync: "
+        "disk), which lets a client swap the served weights",
+    )
+    s.add_argument(
+        "--weights-root",
+        default=None,
+        type=_path,
+        metavar="DIR",
+        help="with --enable-weight-updates: load only checkpoints under DIR",
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=None,
+        metavar="HOST[,HOST...]",
+        help="Host header names to accept besides localhost, 127.0.0.1 and [::1] on a loopback --host "
+        "(which refuses others: DNS rebinding); on another --host, the only names accepted",
+    )
+    s.add_argument(
+        "--max-body-mb",
+        type=_positive_float,
+        default=8.0,
+        metavar="MB",
+        help="refuse a request body larger than this (HTTP 413)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection that has not sent a whole request head (line and headers) in this long",
+    )
     s.set_defaults(fn=_serve)
 
 
 def _add_parity(sub) -> None:
-    q = sub.add_parser("parity", help="check the exactness contract on a model",
-                       epilog="exit code: 0 bitwise exact, 1 not exact (or, with --server, no token returned), "
-                              "2 an error")
+    q = sub.add_parser(
+        "parity",
+        help="check the exactness contract on a model",
+        epilog="exit code: 0 bitwise exact, 1 not exact (or, with --server, no token returned), 2 an error",
+    )
     q.add_argument("--model", required=True, type=_path, help="Hugging Face model directory")
-    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="parameter and activation dtype")
-    q.add_argument("--kernels", default="exact", choices=["exact", "fast"],
-                   help="exact: the kernels the contract is for; fast: plain torch, which must differ")
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and activation dtype")
+    q.add_argument(
+        "--kernels",
+        default="exact",
+        choices=["exact", "fast"],
+        help="exact: the kernels the contract is for; fast: plain torch, which must differ",
+    )
     _model_placement(q)
-    q.add_argument("--length", type=_int_in(1), default=80,
-                   help="target sequence length, >= 1 (capped at the model's context)")
-    q.add_argument("--seed", type=int, default=0, help="seed of the random token sequences (and, with --server, "
-                                                       "of the server's sampling)")
+    q.add_argument(
+        "--length", type=_int_in(1), default=80, help="target sequence length, >= 1 (capped at the model's context)"
+    )
+    q.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random token sequences (and, with --server, of the server's sampling)",
+    )
     q.add_argument("--json", action="store_true", help="also print the results as JSON")
-    q.add_argument("--server", default=None, metavar="URL", type=_path,
-                   help="instead: compare a rollout server's logprobs (exactrl serve, vLLM, SGLang; its root URL, "
-                        "serving the same weights) with this trainer's on random prompts of --length tokens")
-    q.add_argument("--served-model", default=None, type=_path,
-                   help="--server: the model name it serves (default: --model)")
-    q.add_argument("--prompts", type=_int_in(1, 100_000), default=8,  # all are built before the first is sent
-                   help="--server: random prompts to send, 1..100000")
+    q.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        type=_path,
+        help="instead: compare a rollout server's logprobs (exactrl serve, vLLM, SGLang; its root URL, "
+        "serving the same weights) with this trainer's on random prompts of --length tokens",
+    )
+    q.add_argument(
+        "--served-model", default=None, type=_path, help="--server: the model name it serves (default: --model)"
+    )
+    q.add_argument(
+        "--prompts",
+        type=_int_in(1, 100_000),
+        default=8,  # all are built before the first is sent
+        help="--server: random prompts to send, 1..100000",
+    )
     q.add_argument("--max-tokens", type=_int_in(1), default=32, help="--server: tokens generated per prompt, >= 1")
-    q.add_argument("--temperature", type=float, default=1.0,
-                   help="--server: sampling temperature (0: greedy)")
+    q.add_argument("--temperature", type=float, default=1.0, help="--server: sampling temperature (0: greedy)")
     q.set_defaults(fn=_parity)
 
 
@@ -327,9 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a clear message, no traceback
         code = _fail(args.command, e)
     except (FloatingPointError, NonFiniteLogitsError) as e:  # a run that diverged: what it saved stays
-        code = _fail(args.command, f"{e}. The training diverged; its checkpoints are kept. Try a new run with "
-                                   f"a lower optim.lr or optim.grad_clip" if args.command == "train"
-                     else e)
+        code = _fail(
+            args.command,
+            f"{e}. The training diverged; its checkpoints are kept. Try a new run with "
+            f"a lower optim.lr or optim.grad_clip"
+            if args.command == "train"
+            else e,
+        )
     except OSError as e:  # a full disk, a file gone: one line (a run's checkpoints say what is kept)
         code = _fail(args.command, e)
     except KeyboardInterrupt as e:  # outside a training loop (loading, a report): nothing to save, no traceback

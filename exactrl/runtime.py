@@ -29,6 +29,7 @@ A tunable is read when the process starts, so the `exactrl` command runs
 itself again with it set (`exec`, before any work); EXACTRL_MALLOC=default
 turns this off too.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -2,6 +2,7 @@
 an agent episode's turns, an evaluation's random streams, a parity check's prompts) is
 `derive_seed(seed, *parts)` of what names it, so it depends on nothing else (batch composition,
 concurrency, how often a run evaluates)."""
+
 from __future__ import annotations
 
 SEED_PRIME = 1_000_003

@@ -21,6 +21,7 @@ Variants (config overrides on top of the default job):
 Async vs sync throughput is read off `perf/tokens_per_s` and `time/step_s`
 of `sync-exact` and `async-s2` (same job, same machine, same run of this script).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,16 +35,20 @@ VARIANTS: dict[str, list[str]] = {
     "fast": ["model.kernels=fast"],
     "fast-tis": ["model.kernels=fast", "algorithm.corrections=[{name: token_tis, upper: 2.0}]"],
     "async-s2": ["async.enabled=true", "async.max_staleness=2"],
-    "async-s2-decoupled": ["async.enabled=true", "async.max_staleness=2",
-                           "algorithm.corrections=[{name: decoupled, upper: 2.0}, "
-                           "{name: token_mask_is, lower: 0.5, upper: 2.0}]"],
+    "async-s2-decoupled": [
+        "async.enabled=true",
+        "async.max_staleness=2",
+        "algorithm.corrections=[{name: decoupled, upper: 2.0}, {name: token_mask_is, lower: 0.5, upper: 2.0}]",
+    ],
 }
 
 FLOOR = 1e-17  # where an exact 0.0 is drawn on the log axes (below fp32's smallest k3 of a 1-ulp gap)
-PLOTS = [("rollout/reward_mean", "reward (mean over samples)", False),
-         ("eval/accuracy", "held-out accuracy (greedy)", False),
-         ("train/train_rollout_logprob_abs_diff", "|logprob train − rollout| (mean)", True),
-         ("mismatch/k3", "k3 KL(π_old ‖ μ) estimate", True)]
+PLOTS = [
+    ("rollout/reward_mean", "reward (mean over samples)", False),
+    ("eval/accuracy", "held-out accuracy (greedy)", False),
+    ("train/train_rollout_logprob_abs_diff", "|logprob train − rollout| (mean)", True),
+    ("mismatch/k3", "k3 KL(π_old ‖ μ) estimate", True),
+]
 
 
 def run_variant(name: str, overrides: list[str], out: Path, steps: int) -> list[dict]:
@@ -55,8 +60,18 @@ def run_variant(name: str, overrides: list[str], out: Path, steps: int) -> list[
     run_dir = out / name
     if (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} already holds a run: pass another --out or remove it")
-    cfg = load_config(None, [f"max_steps={steps}", f"run_dir={run_dir}", "progress=false", "tensorboard=false",
-                             f"save_every={steps}", "eval_every=5", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"max_steps={steps}",
+            f"run_dir={run_dir}",
+            "progress=false",
+            "tensorboard=false",
+            f"save_every={steps}",
+            "eval_every=5",
+            *overrides,
+        ],
+    )
     c = build(cfg, log=lambda *a: print(*a, file=sys.stderr))
     t0 = time.perf_counter()
     try:
@@ -69,26 +84,31 @@ def run_variant(name: str, overrides: list[str], out: Path, steps: int) -> list[
 
 def summarise(rows: list[dict]) -> dict[str, float]:
     steps = [r for r in rows if r.get("step", 0) > 0]
-    evals = ([r["eval/initial_accuracy"] for r in rows if "eval/initial_accuracy" in r]
-             + [r["eval/accuracy"] for r in rows if "eval/accuracy" in r])
+    evals = [r["eval/initial_accuracy"] for r in rows if "eval/initial_accuracy" in r] + [
+        r["eval/accuracy"] for r in rows if "eval/accuracy" in r
+    ]
     last = steps[-5:]
 
     def mean(key, rs):
         vals = [r[key] for r in rs if key in r]
         return sum(vals) / len(vals) if vals else float("nan")
-    return {"eval_accuracy_first": evals[0] if evals else float("nan"),
-            "eval_accuracy_last": evals[-1] if evals else float("nan"),
-            "reward_mean_last5": mean("rollout/reward_mean", last),
-            "logprob_abs_diff_mean": mean("train/train_rollout_logprob_abs_diff", steps),
-            "logprob_abs_diff_max": max((r["train/train_rollout_logprob_abs_diff_max"] for r in steps), default=0.0),
-            "k3_mean": mean("mismatch/k3", steps),
-            "staleness_mean": mean("async/staleness_mean", steps),
-            "tokens_per_s": mean("perf/tokens_per_s", steps[1:]),
-            "step_s": mean("time/step_s", steps[1:])}
+
+    return {
+        "eval_accuracy_first": evals[0] if evals else float("nan"),
+        "eval_accuracy_last": evals[-1] if evals else float("nan"),
+        "reward_mean_last5": mean("rollout/reward_mean", last),
+        "logprob_abs_diff_mean": mean("train/train_rollout_logprob_abs_diff", steps),
+        "logprob_abs_diff_max": max((r["train/train_rollout_logprob_abs_diff_max"] for r in steps), default=0.0),
+        "k3_mean": mean("mismatch/k3", steps),
+        "staleness_mean": mean("async/staleness_mean", steps),
+        "tokens_per_s": mean("perf/tokens_per_s", steps[1:]),
+        "step_s": mean("time/step_s", steps[1:]),
+    }
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -134,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         results = {n: run_variant(n, VARIANTS[n], out, a.steps) for n in names}
     summary = {n: summarise(rows) for n, rows in results.items()}
     if "sync-exact" in summary and "async-s2" in summary:
-        summary["async_over_sync_tokens_per_s"] = (summary["async-s2"]["tokens_per_s"]
-                                                   / summary["sync-exact"]["tokens_per_s"])
+        summary["async_over_sync_tokens_per_s"] = (
+            summary["async-s2"]["tokens_per_s"] / summary["sync-exact"]["tokens_per_s"]
+        )
     # a figure a variant does not have (NaN) is null: strict JSON has no NaN
-    summary = {n: {k: (None if isinstance(v, float) and v != v else v) for k, v in s.items()}
-               if isinstance(s, dict) else s for n, s in summary.items()}
+    summary = {
+        n: {k: (None if isinstance(v, float) and v != v else v) for k, v in s.items()} if isinstance(s, dict) else s
+        for n, s in summary.items()
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     plot(results, out / "offpolicy.png")
     print(json.dumps(summary, indent=2))

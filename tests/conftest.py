@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random Hugging Face models built and saved locally (no hub)."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,16 @@ import random
 import pytest
 import torch
 
-TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
 
 
 def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
@@ -16,10 +25,12 @@ def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
     import transformers
 
     kw = {**TINY, **over}
-    cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+    cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
     if arch == "llama":
         kw.setdefault("attention_bias", True)
     torch.manual_seed(seed)
@@ -55,8 +66,9 @@ def default_job_model(tmp_path_factory, sft_steps: int):
 
 def train_args(settings: list[str], model_dir, run_dir, *overrides: str) -> list[str]:
     """`exactrl train` argv: a test's settings, the model and the run dir, then `overrides`, each a --set."""
-    return ["train"] + [x for o in [*settings, f"model.path={model_dir}", f"run_dir={run_dir}", *overrides]
-                        for x in ("--set", o)]
+    return ["train"] + [
+        x for o in [*settings, f"model.path={model_dir}", f"run_dir={run_dir}", *overrides] for x in ("--set", o)
+    ]
 
 
 def train_rows(settings: list[str], model_dir, run_dir, *overrides: str) -> list[dict]:
@@ -88,8 +100,17 @@ def onednn_dir(tmp_path_factory):
     """Wide weights (q/o, the MLP, the LM head): packed for the exact linear (kernels/linear.py): native fp32
     panels, and in bf16 the oneDNN path with its big-tile products."""
     d = tmp_path_factory.mktemp("onednn")
-    make_hf_model(d, "qwen3", hidden_size=512, intermediate_size=512, vocab_size=512, num_hidden_layers=1,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    make_hf_model(
+        d,
+        "qwen3",
+        hidden_size=512,
+        intermediate_size=512,
+        vocab_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     return d
 
 

@@ -1,4 +1,5 @@
 """`exactrl bench kernels --quick` runs end to end and prints its figures as JSON."""
+
 from __future__ import annotations
 
 import importlib.util

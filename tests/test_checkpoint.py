@@ -1,4 +1,5 @@
 """Atomic checkpoints: a crash mid-save leaves the previous checkpoint usable."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,6 +32,7 @@ def test_save_load_keep_and_crash(qwen3_dir, tmp_path, monkeypatch):
 
     def crash(*a, **k):  # the process dies while writing the optimizer state
         raise KeyboardInterrupt("killed mid-save")
+
     monkeypatch.setattr(ck.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {"pos": 4}}, keep=2)
@@ -48,9 +50,13 @@ def test_a_full_disk_is_named_with_the_checkpoint_that_is_kept(qwen3_dir, tmp_pa
 
     def full(*a, **k):  # what torch's zip writer raises when the disk fills under it
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2576768 vs 2576656")
+
     monkeypatch.setattr(ck.torch, "save", full)
-    with pytest.raises(OSError, match=r"the checkpoint of step 4 could not be written .*unexpected pos.*"
-                                      r"step_000002 is intact: free disk space and resume"):
+    with pytest.raises(
+        OSError,
+        match=r"the checkpoint of step 4 could not be written .*unexpected pos.*"
+        r"step_000002 is intact: free disk space and resume",
+    ):
         ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
     assert ck.latest_checkpoint(tmp_path).name == "step_000002"
     (tmp_path / "checkpoints" / "latest").unlink()  # the kept one is found as a resume finds it
@@ -59,12 +65,14 @@ def test_a_full_disk_is_named_with_the_checkpoint_that_is_kept(qwen3_dir, tmp_pa
 
     def denied(*a, **k):
         raise PermissionError(13, "Permission denied")
+
     monkeypatch.setattr(ck.torch, "save", denied)
     with pytest.raises(OSError, match=r"Permission denied\); step_000002 is intact: fix that and resume"):
         ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
 
     def bug(*a, **k):  # not the disk: no advice about it
         raise RuntimeError("some other failure")
+
     monkeypatch.setattr(ck.torch, "save", bug)
     with pytest.raises(RuntimeError, match="^some other failure$"):
         ck.save_checkpoint(tmp_path, 4, model, opt, {"prompts": {}}, keep=2)
@@ -114,6 +122,7 @@ def test_a_pruned_checkpoint_cut_short_never_looks_complete(qwen3_dir, tmp_path,
             (path / "model.safetensors").unlink()
             raise KeyboardInterrupt
         return real(path, *a, **kw)
+
     monkeypatch.setattr(ck.shutil, "rmtree", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(tmp_path, 2, model, opt, {"prompts": {}}, keep=1)
@@ -125,7 +134,8 @@ def test_a_pruned_checkpoint_cut_short_never_looks_complete(qwen3_dir, tmp_path,
 
 
 def test_a_step_saved_again_replaces_the_old_one_by_renaming_and_a_failed_prune_stops_nothing(
-        qwen3_dir, tmp_path, monkeypatch):
+    qwen3_dir, tmp_path, monkeypatch
+):
     """A complete step_N a crash left unnamed (after its rename, before the pointer) is renamed away before
     it is deleted, as pruning does; an old checkpoint that cannot be removed leaves a warning, not a failed
     run (the new checkpoint and its pointer are already on disk)."""
@@ -141,6 +151,7 @@ def test_a_step_saved_again_replaces_the_old_one_by_renaming_and_a_failed_prune_
     def watch(path, *a, **kw):
         removed.append(path.name)
         return real(path, *a, **kw)
+
     monkeypatch.setattr(ck.shutil, "rmtree", watch)
     ck.save_checkpoint(tmp_path, 2, model, opt, {"prompts": {"pos": 2}}, keep=2)
     assert ".old_step_000002" in removed and "step_000002" not in removed
@@ -148,16 +159,28 @@ def test_a_step_saved_again_replaces_the_old_one_by_renaming_and_a_failed_prune_
 
     def refuse(src, dst):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(ck.os, "replace", lambda src, dst, real=ck.os.replace: (
-        refuse(src, dst) if ".old_" in str(dst) else real(src, dst)))
+
+    monkeypatch.setattr(
+        ck.os,
+        "replace",
+        lambda src, dst, real=ck.os.replace: refuse(src, dst) if ".old_" in str(dst) else real(src, dst),
+    )
     assert ck.save_checkpoint(tmp_path, 3, model, opt, {"prompts": {}}, keep=2).name == "step_000003"
     assert ck.latest_checkpoint(tmp_path).name == "step_000003"
     assert [p.name for p in ck._step_dirs(root)] == ["step_000001", "step_000002", "step_000003"]  # left, warned
     assert (root / "latest").read_text() == "step_000003\n" and not list(root.glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("state", ["[]", "{}", '{"step": "3", "prompts": {}}', '{"step": -5, "prompts": {}}',
-                                   '{"step": 3, "prompts": {}, "config": [1]}'])
+@pytest.mark.parametrize(
+    "state",
+    [
+        "[]",
+        "{}",
+        '{"step": "3", "prompts": {}}',
+        '{"step": -5, "prompts": {}}',
+        '{"step": 3, "prompts": {}, "config": [1]}',
+    ],
+)
 def test_a_damaged_state_json_is_named(qwen3_dir, tmp_path, state):
     model = exactrl.load_model(qwen3_dir)
     path = ck.save_checkpoint(tmp_path, 3, model, _opt(model), {"prompts": {}}, keep=1)

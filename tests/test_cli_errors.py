@@ -4,6 +4,7 @@ Every test goes through `exactrl.cli.main` in process. Runs that train use the d
 and tiny model without the warm start (a few seconds at most); runs that must fail before the warm start
 replace it with a function that fails the test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,15 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import default_job_model
+
 from exactrl import cli
 from exactrl.cli import main
 from exactrl.train import warmstart
 from exactrl.train.config import load_config
 
-TINY = ["progress=false", "tensorboard=false", "task.eval_size=0", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=2", "engine.kv_budget_tokens=2048"]
+TINY = [
+    "progress=false",
+    "tensorboard=false",
+    "task.eval_size=0",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "engine.kv_budget_tokens=2048",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +45,7 @@ def no_warm_start(monkeypatch, tmp_path):
 
     def fail(*_a, **_k):
         raise AssertionError("the warm start ran before the config was checked")
+
     monkeypatch.setattr(warmstart, "default_model_dir", fail)
 
 
@@ -67,24 +75,27 @@ def test_unreachable_rollout_server_is_a_one_line_error(model_dir, no_warm_start
 # ---------------------------------------------------------------- 3. checked before the run dir and the warm start
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("algorithm.advantage=nosuch", "unknown advantage estimator 'nosuch'"),
-    ("algorithm.advantage_kwargs={foo: 1}", "advantage estimator 'grpo' got unknown arguments ['foo']"),
-    ("algorithm.advantage_kwargs={eps: abc}", "advantage estimator 'grpo' argument eps"),
-    ("algorithm.loss=bad", "unknown loss 'bad'"),
-    ("task.name=nosuch", "unknown task 'nosuch'"),
-    ("algorithm.corrections=[{name: nosuch}]", "unknown correction 'nosuch'"),
-    ("task.train_jsonl=/nonexistent.jsonl", "dataset file /nonexistent.jsonl does not exist"),
-    ("model.path=/nonexistent", "model.path /nonexistent does not exist"),
-    ("model.tokenizer=/nonexistent", "model.tokenizer /nonexistent does not exist"),
-    ("task.module=no_such_pkg.tasks", "cannot import task module 'no_such_pkg.tasks'"),
-    ("task.module=.tasks", "task module '.tasks' is a relative name"),
-    ("rollout.temperature=1.0e-9", "rollout.temperature"),
-    ("algorithm.advantage_kwargs={eps: 0}", "algorithm.advantage_kwargs: eps must be a number > 0"),
-    ("optim.betas=[1.5, 0.9]", "bad value for 'optim.betas.0'"),
-    ("seed=100000000000000000000", "bad value for 'seed'"),
-    ("engine.max_num_seqs=2", "rollout.samples_per_prompt=8 exceeds engine.max_num_seqs=2"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("algorithm.advantage=nosuch", "unknown advantage estimator 'nosuch'"),
+        ("algorithm.advantage_kwargs={foo: 1}", "advantage estimator 'grpo' got unknown arguments ['foo']"),
+        ("algorithm.advantage_kwargs={eps: abc}", "advantage estimator 'grpo' argument eps"),
+        ("algorithm.loss=bad", "unknown loss 'bad'"),
+        ("task.name=nosuch", "unknown task 'nosuch'"),
+        ("algorithm.corrections=[{name: nosuch}]", "unknown correction 'nosuch'"),
+        ("task.train_jsonl=/nonexistent.jsonl", "dataset file /nonexistent.jsonl does not exist"),
+        ("model.path=/nonexistent", "model.path /nonexistent does not exist"),
+        ("model.tokenizer=/nonexistent", "model.tokenizer /nonexistent does not exist"),
+        ("task.module=no_such_pkg.tasks", "cannot import task module 'no_such_pkg.tasks'"),
+        ("task.module=.tasks", "task module '.tasks' is a relative name"),
+        ("rollout.temperature=1.0e-9", "rollout.temperature"),
+        ("algorithm.advantage_kwargs={eps: 0}", "algorithm.advantage_kwargs: eps must be a number > 0"),
+        ("optim.betas=[1.5, 0.9]", "bad value for 'optim.betas.0'"),
+        ("seed=100000000000000000000", "bad value for 'seed'"),
+        ("engine.max_num_seqs=2", "rollout.samples_per_prompt=8 exceeds engine.max_num_seqs=2"),
+    ],
+)
 def test_bad_config_fails_before_warm_start_and_leaves_no_run_dir(override, needle, no_warm_start, tmp_path, capsys):
     assert train("progress=false", override) == 2
     assert needle in error_of(capsys, "train")
@@ -96,17 +107,29 @@ def test_a_training_file_row_the_task_cannot_score_fails_at_the_start(no_warm_st
     resume stopped there again); now before the run dir and the warm start, naming the file and its line (it
     said "problem 6 of the file", which blank lines made another line than the 6th)."""
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n\n" for a in range(5))
-                    + json.dumps({"prompt": "2+1=", "answer": "3.0"}) + "\n")
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n\n" for a in range(5))
+        + json.dumps({"prompt": "2+1=", "answer": "3.0"})
+        + "\n"
+    )
     assert train("progress=false", f"task.train_jsonl={data}") == 2
-    assert f"task.train_jsonl: {data}:11: arithmetic problem '2+1=' has a non-integer answer" \
-        in error_of(capsys, "train")
+    assert f"task.train_jsonl: {data}:11: arithmetic problem '2+1=' has a non-integer answer" in error_of(
+        capsys, "train"
+    )
     assert not (tmp_path / "runs").exists()
 
 
 def test_max_tokens_beyond_the_models_context_fails_before_the_run_dir(model_dir, tmp_path, capsys):
-    assert train(*TINY, f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "rollout.max_tokens=100000",
-                 "engine.kv_budget_tokens=200000") == 2  # (a smaller budget is refused first, by the config)
+    assert (
+        train(
+            *TINY,
+            f"model.path={model_dir}",
+            f"run_dir={tmp_path / 'r'}",
+            "rollout.max_tokens=100000",
+            "engine.kv_budget_tokens=200000",
+        )
+        == 2
+    )  # (a smaller budget is refused first, by the config)
     assert "rollout.max_tokens=100000 leaves no room for a prompt" in error_of(capsys, "train")
     assert not (tmp_path / "r").exists()
 
@@ -215,13 +238,16 @@ def test_bench_serve_refuses_a_size_beside_its_model(capsys):
 # ---------------------------------------------------------------- 11. small ones
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["parity", "--model", "m", "--length", "0"], "argument --length: must be >= 1, got 0"),
-    (["parity", "--model", "m", "--length", "-5"], "argument --length: must be >= 1, got -5"),
-    (["serve", "--model", "m", "--port", "99999"], "argument --port: must be in 0..65535, got 99999"),
-    (["serve", "--model", "m", "--port", "-1"], "argument --port: must be in 0..65535, got -1"),
-    (["serve", "--model", "m", "--port", "x"], "argument --port: invalid int value: 'x'"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["parity", "--model", "m", "--length", "0"], "argument --length: must be >= 1, got 0"),
+        (["parity", "--model", "m", "--length", "-5"], "argument --length: must be >= 1, got -5"),
+        (["serve", "--model", "m", "--port", "99999"], "argument --port: must be in 0..65535, got 99999"),
+        (["serve", "--model", "m", "--port", "-1"], "argument --port: must be in 0..65535, got -1"),
+        (["serve", "--model", "m", "--port", "x"], "argument --port: invalid int value: 'x'"),
+    ],
+)
 def test_integer_flags_are_range_checked(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -256,9 +282,8 @@ def test_run_parity_refuses_a_length_below_one(model_dir):
 def test_parity_names_a_model_whose_logits_are_not_finite(tmp_path, capsys):
     """Finite weights whose logits overflow: NaN != NaN, and every check said DIFFERS (max|Δlogit|=nan), naming
     `logits` as the first divergent op, with exit code 1 as for a kernel that breaks the contract."""
-    from safetensors.torch import load_file, save_file
-
     from conftest import make_hf_model
+    from safetensors.torch import load_file, save_file
 
     make_hf_model(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
@@ -293,8 +318,9 @@ def test_report_refuses_empty_metrics_and_rows_without_a_step(tmp_path, capsys):
 
 
 def test_report_names_a_metric_that_is_not_a_number_and_a_report_path_it_cannot_use(tmp_path, capsys):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n'
-                                            '{"step": 2, "rollout/reward_mean": {"mean": 1}}\n')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "rollout/reward_mean": 0.5}\n{"step": 2, "rollout/reward_mean": {"mean": 1}}\n'
+    )
     assert main(["report", str(tmp_path)]) == 2
     assert "row 2: 'rollout/reward_mean' is {'mean': 1}, not a number" in error_of(capsys, "report")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n')
@@ -312,9 +338,18 @@ def test_report_skips_a_last_row_cut_while_written(tmp_path, capsys):
 
 
 def test_set_keeps_the_text_of_numbers_and_dates_for_string_fields():
-    cfg = load_config(None, ["run_dir=123", "rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1",
-                             "rollout_backend.model=007", "model.path=1.10",
-                             "algorithm.advantage=2024-01-01", "algorithm.loss_kwargs={eps_low: 0.1}"])
+    cfg = load_config(
+        None,
+        [
+            "run_dir=123",
+            "rollout_backend.kind=openai",
+            "rollout_backend.base_url=http://h:1",
+            "rollout_backend.model=007",
+            "model.path=1.10",
+            "algorithm.advantage=2024-01-01",
+            "algorithm.loss_kwargs={eps_low: 0.1}",
+        ],
+    )
     assert (cfg.run_dir, cfg.rollout_backend.model, cfg.model.path) == ("123", "007", "1.10")
     assert cfg.algorithm.advantage == "2024-01-01"
     assert cfg.algorithm.loss_kwargs == {"eps_low": 0.1}  # free-form dicts keep YAML's types
@@ -396,7 +431,8 @@ def test_warm_start_cache_location_follows_exactrl_artifacts(tmp_path):
 def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tmp_path):
     """A model directory given as run_dir (its config.json was overwritten by the run's), a path under a file,
     a dangling link: each is named before anything is loaded."""
-    from exactrl.train.run_dir import check_run_dir as _run_dir, make_dir as _make_dir
+    from exactrl.train.run_dir import check_run_dir as _run_dir
+    from exactrl.train.run_dir import make_dir as _make_dir
 
     model = tmp_path / "model"
     model.mkdir()
@@ -414,14 +450,22 @@ def test_run_dir_that_holds_something_else_or_cannot_be_made_is_refused_first(tm
     with pytest.raises(ValueError, match="run_dir /proc/exactrl-run cannot be created"):
         _make_dir(Path("/proc/exactrl-run"))
     if os.access("/proc", os.W_OK):  # root: os.access says yes, every mkdir says no; named before the warm start
-        with pytest.raises(ValueError, match=r"run_dir /proc/exactrl-run cannot be created: a directory cannot be made"):
+        with pytest.raises(
+            ValueError, match=r"run_dir /proc/exactrl-run cannot be created: a directory cannot be made"
+        ):
             _run_dir(load_config(None, ["run_dir=/proc/exactrl-run"]))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exactrl-probe")]  # the probes are gone
 
 
 def test_non_finite_settings_are_refused_naming_the_key():
-    for key in ("algorithm.entropy_coef", "algorithm.kl.coef", "optim.lr", "optim.weight_decay",
-                "rollout_backend.timeout_s", "algorithm.overlong.penalty_factor"):
+    for key in (
+        "algorithm.entropy_coef",
+        "algorithm.kl.coef",
+        "optim.lr",
+        "optim.weight_decay",
+        "rollout_backend.timeout_s",
+        "algorithm.overlong.penalty_factor",
+    ):
         with pytest.raises(ValueError, match=f"bad value for '{key}': Input should be a finite number"):
             load_config(None, [f"{key}=.nan"])
 
@@ -429,6 +473,7 @@ def test_non_finite_settings_are_refused_naming_the_key():
 def test_a_diverged_run_and_a_ctrl_c_before_training_are_named_without_a_traceback(monkeypatch, capsys):
     def diverged(args):
         raise FloatingPointError("gradient norm is nan: refusing to step (check lr / data)")
+
     parser = cli.build_parser()
     monkeypatch.setattr(cli, "build_parser", lambda: _with_fn(parser, "train", diverged))
     assert main(["train"]) == 2
@@ -436,6 +481,7 @@ def test_a_diverged_run_and_a_ctrl_c_before_training_are_named_without_a_traceba
 
     def interrupted(args):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(cli, "build_parser", lambda: _with_fn(parser, "report", interrupted))
     assert main(["report", "x"]) == 130
     assert "exactrl report: interrupted" in capsys.readouterr().err
@@ -455,14 +501,18 @@ def test_a_kv_budget_beyond_memory_is_named(qwen3_dir):
 
 
 def test_config_files_that_are_not_a_mapping_of_unique_utf8_keys_are_named(tmp_path):
-    cases = {"list.yaml": (b"[]\n", "must hold a mapping of settings at the top level, got list"),
-             "zero.yaml": (b"0\n", "got int 0"),
-             "twice.yaml": (b"optim:\n  lr: 1\n  lr: 2\n", "line 3: not valid YAML (the key 'lr' appears twice)"),
-             "latin1.yaml": (b"run_dir: caf\xe9\n", "is not UTF-8 text (byte 12)"),
-             "listkey.yaml": (b"optim:\n  ? [1]\n  : 2\n", "line 2: not valid YAML (while constructing a mapping found "
-                                                          "unhashable key)"),  # was a TypeError
-             "deep.yaml": (b"[" * 3000, "not valid YAML (lists or mappings nested too deeply)"),  # was a RecursionError
-             "nullkey.yaml": (b"null: 1\n", "bad key None at the top level: a key must be a name (text)")}
+    cases = {
+        "list.yaml": (b"[]\n", "must hold a mapping of settings at the top level, got list"),
+        "zero.yaml": (b"0\n", "got int 0"),
+        "twice.yaml": (b"optim:\n  lr: 1\n  lr: 2\n", "line 3: not valid YAML (the key 'lr' appears twice)"),
+        "latin1.yaml": (b"run_dir: caf\xe9\n", "is not UTF-8 text (byte 12)"),
+        "listkey.yaml": (
+            b"optim:\n  ? [1]\n  : 2\n",
+            "line 2: not valid YAML (while constructing a mapping found unhashable key)",
+        ),  # was a TypeError
+        "deep.yaml": (b"[" * 3000, "not valid YAML (lists or mappings nested too deeply)"),  # was a RecursionError
+        "nullkey.yaml": (b"null: 1\n", "bad key None at the top level: a key must be a name (text)"),
+    }
     for name, (content, words) in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=re.escape(words)):
@@ -487,8 +537,9 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(model_dir, tmp_path):
     run = tmp_path / "r"
     sets = [*TINY, f"model.path={model_dir}", f"run_dir={run}", "max_steps=1000", "save_every=1"]
     cmd = [sys.executable, "-m", "exactrl", "train"] + [x for o in sets for x in ("--set", o)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         t0 = time.monotonic()
         while not (run / "checkpoints" / "latest").is_file():  # a step saved, the loop running

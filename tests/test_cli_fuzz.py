@@ -4,6 +4,7 @@ Each property holds for any argv hypothesis draws: a non-zero exit, a one-line e
 (or the value, the file), no traceback, nothing left behind, and nothing expensive (a model load, the warm
 start, a benchmark's model) done first. All in process: argparse errors are a SystemExit(2).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,6 +54,7 @@ def nothing_expensive(monkeypatch, tmp_path):
 
     def fail(*_a, **_k):
         raise AssertionError("expensive work ran before the arguments were checked")
+
     monkeypatch.setattr(exactrl, "load_model", fail)
     monkeypatch.setattr(warmstart, "default_model_dir", fail)
     return tmp_path
@@ -60,8 +62,10 @@ def nothing_expensive(monkeypatch, tmp_path):
 
 not_an_int = st.one_of(
     st.sampled_from(["", " ", "nan", "inf", "-inf", "1e3", "1.5", "0x10", "--", "١٢x", "∞", "1,x", "None"]),
-    st.text(st.characters(blacklist_categories=("Nd", "Cs"), blacklist_characters=","), min_size=1, max_size=8)
-    .filter(lambda s: s.strip()))  # no comma: "1,2" is a fine value of the list flags (--batches)
+    st.text(st.characters(blacklist_categories=("Nd", "Cs"), blacklist_characters=","), min_size=1, max_size=8).filter(
+        lambda s: s.strip()
+    ),
+)  # no comma: "1,2" is a fine value of the list flags (--batches)
 blank = st.text(" \t\n\r", max_size=3)
 
 # (command argv before the flag, the flag, the smallest value it takes, the largest or None)
@@ -88,9 +92,13 @@ def test_integer_flags_refuse_non_integers_and_out_of_range_values(head, flag, l
     assert not any(nothing_expensive.iterdir())
 
 
-PATH_ARGS = [(["serve"], "--model"), (["serve", "--model", "m"], "--tokenizer"), (["parity"], "--model"),
-             (["parity", "--model", "m"], "--server"), (["parity", "--model", "m", "--server", "http://h:1"],
-                                                       "--served-model")]
+PATH_ARGS = [
+    (["serve"], "--model"),
+    (["serve", "--model", "m"], "--tokenizer"),
+    (["parity"], "--model"),
+    (["parity", "--model", "m"], "--server"),
+    (["parity", "--model", "m", "--server", "http://h:1"], "--served-model"),
+]
 
 
 @pytest.mark.parametrize("head,flag", PATH_ARGS, ids=[" ".join(h[:1] + [f]) for h, f in PATH_ARGS])
@@ -109,32 +117,46 @@ def test_empty_paths_are_named_not_read_as_the_current_directory(head, flag, val
 @given(value=blank)
 def test_empty_positional_paths_are_named(value, nothing_expensive):
     assert f"argument config: must not be empty or only spaces, got {value!r}" in failed(["train", value], "train")
-    assert f"argument run_dir: must not be empty or only spaces, got {value!r}" in failed(["report", value],
-                                                                                         "report")
+    assert f"argument run_dir: must not be empty or only spaces, got {value!r}" in failed(["report", value], "report")
     assert not any(nothing_expensive.iterdir())
 
 
 @FUZZ
-@given(temperature=st.one_of(st.sampled_from(["nan", "inf", "-inf", "-1", "1e-9", "1e39"]),
-                             st.floats(max_value=-1e-300).map(repr)))
+@given(
+    temperature=st.one_of(
+        st.sampled_from(["nan", "inf", "-inf", "-1", "1e-9", "1e39"]), st.floats(max_value=-1e-300).map(repr)
+    )
+)
 def test_parity_server_temperature_is_named_before_the_model_loads(temperature, nothing_expensive):
-    err = failed(["parity", "--model", "m", "--server", "http://127.0.0.1:1", f"--temperature={temperature}"],
-                 "parity")
+    err = failed(["parity", "--model", "m", "--server", "http://127.0.0.1:1", f"--temperature={temperature}"], "parity")
     assert f"--temperature {float(temperature)}: temperature must be 0 (greedy) or a number in" in err
 
 
 @FUZZ
-@given(url=st.one_of(st.sampled_from(["x", "ftp://h", "http://", "http://:8000", "https:///x", "h:8000", "http://h:1/v1", "http://h:1/v1/"]),
-                     st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=10)
-                     .filter(lambda s: s.strip() and "://" not in s)))
+@given(
+    url=st.one_of(
+        st.sampled_from(
+            ["x", "ftp://h", "http://", "http://:8000", "https:///x", "h:8000", "http://h:1/v1", "http://h:1/v1/"]
+        ),
+        st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=10).filter(
+            lambda s: s.strip() and "://" not in s
+        ),
+    )
+)
 def test_parity_server_url_is_named_before_the_model_loads(url, nothing_expensive):
     err = failed(["parity", "--model", "m", f"--server={url}"], "parity")
     assert "--server" in err and repr(url) in err, err
 
 
 @FUZZ
-@given(flags=st.lists(st.sampled_from([("--prompts", "3"), ("--max-tokens", "5"), ("--temperature", "0.5"),
-                                       ("--served-model", "x")]), min_size=1, max_size=4, unique=True))
+@given(
+    flags=st.lists(
+        st.sampled_from([("--prompts", "3"), ("--max-tokens", "5"), ("--temperature", "0.5"), ("--served-model", "x")]),
+        min_size=1,
+        max_size=4,
+        unique=True,
+    )
+)
 def test_server_only_flags_without_a_server_are_all_named(flags, nothing_expensive):
     err = failed(["parity", "--model", "m", *[x for f in flags for x in f]], "parity")
     assert all(f in err for f, _ in flags) and "only apply with --server URL" in err
@@ -150,25 +172,40 @@ def test_serve_refuses_a_port_in_use_before_loading_the_model(nothing_expensive)
 
 
 @FUZZ
-@given(host=st.one_of(st.sampled_from(["", "\x00", "é", "256.0.0.1", "-", "a b", "::g"]),
-                      st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6)
-                      .filter(lambda s: not s.isascii())))
+@given(
+    host=st.one_of(
+        st.sampled_from(["", "\x00", "é", "256.0.0.1", "-", "a b", "::g"]),
+        st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6).filter(lambda s: not s.isascii()),
+    )
+)
 def test_serve_names_a_host_it_cannot_listen_on(host, nothing_expensive):
-    assert f"cannot listen on --host {host!r} --port 0" in failed(["serve", "--model", "m", "--host", host,
-                                                                   "--port", "0"], "serve")
+    assert f"cannot listen on --host {host!r} --port 0" in failed(
+        ["serve", "--model", "m", "--host", host, "--port", "0"], "serve"
+    )
 
 
 # ---------------------------------------------------------------- train --set
 
 
-INT_KEYS = ["max_steps", "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_tokens",
-            "engine.max_num_seqs", "engine.kv_budget_tokens", "save_every"]
+INT_KEYS = [
+    "max_steps",
+    "rollout.prompts_per_step",
+    "rollout.samples_per_prompt",
+    "rollout.max_tokens",
+    "engine.max_num_seqs",
+    "engine.kv_budget_tokens",
+    "save_every",
+]
 
 
 @FUZZ
-@given(key=st.sampled_from(INT_KEYS),
-       value=st.one_of(st.sampled_from([".nan", ".inf", "-.inf", "abc", "[1]", "{a: 1}", "true", "1.5", "~x"]),
-                       st.integers(max_value=-1).map(str)))
+@given(
+    key=st.sampled_from(INT_KEYS),
+    value=st.one_of(
+        st.sampled_from([".nan", ".inf", "-.inf", "abc", "[1]", "{a: 1}", "true", "1.5", "~x"]),
+        st.integers(max_value=-1).map(str),
+    ),
+)
 def test_set_with_a_bad_integer_names_the_key_and_leaves_no_run_dir(key, value, nothing_expensive):
     err = failed(["train", "--set", "progress=false", "--set", f"{key}={value}"], "train")
     assert f"'{key}'" in err, err
@@ -176,9 +213,13 @@ def test_set_with_a_bad_integer_names_the_key_and_leaves_no_run_dir(key, value, 
 
 
 @FUZZ
-@given(item=st.one_of(st.text(max_size=8).filter(lambda s: "=" not in s),
-                      st.text(st.characters(whitelist_categories=("Zs", "P")), max_size=3).map(lambda k: f"{k}=1"),
-                      st.sampled_from(["=1", ".=1", "a..b=1", "rollout.=1", ".max_steps=1"])))
+@given(
+    item=st.one_of(
+        st.text(max_size=8).filter(lambda s: "=" not in s),
+        st.text(st.characters(whitelist_categories=("Zs", "P")), max_size=3).map(lambda k: f"{k}=1"),
+        st.sampled_from(["=1", ".=1", "a..b=1", "rollout.=1", ".max_steps=1"]),
+    )
+)
 def test_set_without_a_dotted_key_is_named(item, nothing_expensive):
     err = failed(["train", "--set", item], "train")
     assert "--set" in err or "config key" in err, err
@@ -195,8 +236,16 @@ def test_config_paths_that_are_not_a_yaml_file_are_named(config, nothing_expensi
     assert sorted(p.name for p in nothing_expensive.iterdir()) == ["a_dir", "file.yaml"]
 
 
-@pytest.mark.parametrize("argv", [["serve", "--model", "m", "--port=--"], ["parity", "--model=--"],
-                                  ["train", "--set=--"], ["train", "--nproc=--"], ["bench", "engine", "--repeat=--"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--model", "m", "--port=--"],
+        ["parity", "--model=--"],
+        ["train", "--set=--"],
+        ["train", "--nproc=--"],
+        ["bench", "engine", "--repeat=--"],
+    ],
+)
 def test_a_flag_given_only_dashes_is_named(argv, nothing_expensive):
     """Python 3.11's argparse read `--port=--` as a port of [] (then 'Int or String expected' from the socket),
     and `bench engine --repeat=--` ran the benchmark with repeat []."""
@@ -215,19 +264,28 @@ def test_a_value_that_ends_in_dashes_is_kept(monkeypatch):
 def test_nproc_under_torchrun_is_refused(monkeypatch, nothing_expensive):
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, err = run(["train", "--nproc", "2"])
-    assert code == 2 and err.startswith("exactrl train (rank ?): error: --nproc 2 starts its own ranks, but "
-                                        "WORLD_SIZE=2"), err
+    assert code == 2 and err.startswith(
+        "exactrl train (rank ?): error: --nproc 2 starts its own ranks, but WORLD_SIZE=2"
+    ), err
 
 
 # ---------------------------------------------------------------- report
 
 
 @FUZZ
-@given(content=st.one_of(st.binary(max_size=40),
-                         st.lists(st.dictionaries(st.sampled_from(["step", "rollout/reward_mean", "x"]),
-                                                  st.one_of(st.integers(-2**70, 2**70), st.floats(), st.text(max_size=3),
-                                                            st.none(), st.booleans()), max_size=3),
-                                  max_size=4).map(lambda rs: "".join(json.dumps(r) + "\n" for r in rs).encode())))
+@given(
+    content=st.one_of(
+        st.binary(max_size=40),
+        st.lists(
+            st.dictionaries(
+                st.sampled_from(["step", "rollout/reward_mean", "x"]),
+                st.one_of(st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=3), st.none(), st.booleans()),
+                max_size=3,
+            ),
+            max_size=4,
+        ).map(lambda rs: "".join(json.dumps(r) + "\n" for r in rs).encode()),
+    )
+)
 def test_report_of_any_metrics_file_plots_or_names_the_problem(content, tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
     (d / "metrics.jsonl").write_bytes(content)
@@ -248,10 +306,12 @@ def bench_main(name: str):
     return mod.main
 
 
-BENCH_INT_FLAGS = [("kernels", f) for f in ("--train-batch", "--train-seq", "--ctx", "--repeat", "--decode-batches")] \
-    + [("engine", f) for f in ("--batches", "--prompt", "--new", "--repeat")] \
-    + [("train", f) for f in ("--prompts", "--group", "--prompt", "--new", "--steps")] \
+BENCH_INT_FLAGS = (
+    [("kernels", f) for f in ("--train-batch", "--train-seq", "--ctx", "--repeat", "--decode-batches")]
+    + [("engine", f) for f in ("--batches", "--prompt", "--new", "--repeat")]
+    + [("train", f) for f in ("--prompts", "--group", "--prompt", "--new", "--steps")]
     + [("serve", f) for f in ("--clients", "--requests", "--max-tokens")]
+)
 
 
 @pytest.mark.parametrize("name,flag", BENCH_INT_FLAGS, ids=[" ".join(b) for b in BENCH_INT_FLAGS])
@@ -262,13 +322,18 @@ def test_bench_integer_flags_are_refused_naming_the_flag(name, flag, value, noth
     assert f"argument {flag}: " in err, err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["engine", "--prompt", "2041", "--new", "8"], "--prompt 2041 + --new 8 = 2049 tokens exceeds the benchmark "
-                                                   "models' context of 2048 tokens"),
-    (["train", "--prompt", "2000", "--new", "49"], "--prompt 2000 + --new 49 = 2049 tokens exceeds"),
-    (["kernels", "--ctx", "2048"], "--ctx 2048 + the decoded token = 2049 tokens exceeds"),
-    (["kernels", "--train-seq", "100000"], "--train-seq 100000 = 100000 tokens exceeds"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["engine", "--prompt", "2041", "--new", "8"],
+            "--prompt 2041 + --new 8 = 2049 tokens exceeds the benchmark models' context of 2048 tokens",
+        ),
+        (["train", "--prompt", "2000", "--new", "49"], "--prompt 2000 + --new 49 = 2049 tokens exceeds"),
+        (["kernels", "--ctx", "2048"], "--ctx 2048 + the decoded token = 2049 tokens exceeds"),
+        (["kernels", "--train-seq", "100000"], "--train-seq 100000 = 100000 tokens exceeds"),
+    ],
+)
 def test_bench_lengths_beyond_the_context_are_named_before_a_model_is_built(argv, needle, nothing_expensive):
     """They failed after the model was built, in the engine's words (`prompts[0]: prompt_token_ids ...`,
     `position 2048 is beyond max_position_embeddings`), naming no flag."""
@@ -281,8 +346,9 @@ def test_bench_lengths_beyond_the_context_are_named_before_a_model_is_built(argv
 def test_bench_train_seed_is_one_numpy_takes(seed, nothing_expensive):
     """`--seed -1` (or 2**32) failed in TRL's setup, after the model was built: `Seed must be between 0 and
     2**32 - 1`, naming no flag."""
-    assert "argument --seed: " in failed(["bench", "train", f"--seed={seed}"], "bench" if seed == "--" else
-                                         "bench train")
+    assert "argument --seed: " in failed(
+        ["bench", "train", f"--seed={seed}"], "bench" if seed == "--" else "bench train"
+    )
 
 
 @FUZZ
@@ -301,8 +367,11 @@ def test_a_kv_budget_beyond_any_memory_is_named_not_a_type_error(tokens, qwen3_d
     """`serve --kv-budget-tokens 99999999999999999999999` was a TypeError from torch.zeros (the size overflows
     int64) with a C++ stack in the message."""
     model = _model(qwen3_dir)
-    with pytest.raises(ValueError, match=r"KV budget of \d+ tokens does not fit in memory \(.* GiB of KV cache, "
-                                         r"the machine has .* GiB\): lower kv_budget_tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"KV budget of \d+ tokens does not fit in memory \(.* GiB of KV cache, "
+        r"the machine has .* GiB\): lower kv_budget_tokens",
+    ):
         exactrl.Engine(model, kv_budget_tokens=tokens)
 
 

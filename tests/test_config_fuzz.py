@@ -4,6 +4,7 @@ Bad input is a ValueError naming the config key (or the file), and `exactrl trai
 and exits 2, with no traceback and no run directory; a config that is accepted round-trips: its dump
 (as a run's config.json holds it) read back as a config file is the same config.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,11 +18,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from exactrl.algo.corrections import CORRECTIONS
+from exactrl.algo.losses import LOSSES
 from exactrl.cli import main
 from exactrl.train import warmstart
 from exactrl.train.config import RunConfig, dotted, ignored_settings, load_config
-from exactrl.algo.corrections import CORRECTIONS
-from exactrl.algo.losses import LOSSES
 
 HSET = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 CLI = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -33,37 +34,131 @@ FS_KEYS = ("run_dir", "model.path", "model.tokenizer", "task.module", "task.trai
 
 def _typo(key: str, i: int, c: str) -> str:
     i %= len(key)
-    return key[:i] + c + key[i + 1:]
+    return key[:i] + c + key[i + 1 :]
 
 
 keys = st.one_of(
     st.sampled_from(LEAVES + SECTIONS + ["async_.enabled"]),
     st.builds(_typo, st.sampled_from(LEAVES), st.integers(0, 40), st.sampled_from("xz_.0 ")),
-    st.builds(lambda k, s: k + s, st.sampled_from(LEAVES + SECTIONS),
-              st.sampled_from([".", "..", ".x", ".0", ".0.name", "[0]", ".a.b", " "])),
+    st.builds(
+        lambda k, s: k + s,
+        st.sampled_from(LEAVES + SECTIONS),
+        st.sampled_from([".", "..", ".x", ".0", ".0.name", "[0]", ".a.b", " "]),
+    ),
     st.builds(lambda s, k: s + k, st.sampled_from([".", " ", "x."]), st.sampled_from(LEAVES)),
-    st.sampled_from(["algorithm.loss_kwargs.eps_low", "algorithm.corrections.0.name", "optim.betas.0",
-                     "task.kwargs.max_value", "a..b", "", " ", "."]),
+    st.sampled_from(
+        [
+            "algorithm.loss_kwargs.eps_low",
+            "algorithm.corrections.0.name",
+            "optim.betas.0",
+            "task.kwargs.max_value",
+            "a..b",
+            "",
+            " ",
+            ".",
+        ]
+    ),
     st.text("abcdefghijklmnopqrstuvwxyz_.[]0", min_size=1, max_size=12),
 )
 
-YAMLISH = ["", " ", "null", "~", "true", "no", "yes", "0", "1", "-1", "2", "1.0", "0.5", "1e-3", "1.0e-3", "1e400",
-           "-1e400", ".nan", ".inf", "-.inf", "NaN", "9" * 30, "-" + "9" * 30, str(2**63), str(2**63 - 1), "0x10",
-           "1_000", "1:30", "2024-01-01", "2024-01-01T10:00:00", "'5'", '"x"', "''", "[]", "{}", "[1, 2]",
-           "[0.9, 0.99]", "[true, 0.9]", "[[1]]", "{a: 1}", "{eps_low: .nan}", "{1: 2}", "{null: 1}", "{? [1] : 2}",
-           "[{name: token_tis}]", "[{}]", "[1,", "{a: ", "]", "}", "'", '"', "!!python/object:os.system x",
-           "!!python/name:os.system", "!!binary aGVsbG8=", "!!set {a}", "&a 1", "*a", "%YAML 1.1", "---", "...",
-           "a: b: c", "- 1", "\t", "#comment", "x #c", "@", "`", "|", ">", "fast", "exact", "openai", "ray", "disk",
-           "k1", "loss", "reward", "token-mean", "bfloat16", "grpo", "gspo", "/nonexistent", "http://h:1",
-           "[" * 2000 + "]" * 2000, "{a: " * 2000 + "1" + "}" * 2000]
+YAMLISH = [
+    "",
+    " ",
+    "null",
+    "~",
+    "true",
+    "no",
+    "yes",
+    "0",
+    "1",
+    "-1",
+    "2",
+    "1.0",
+    "0.5",
+    "1e-3",
+    "1.0e-3",
+    "1e400",
+    "-1e400",
+    ".nan",
+    ".inf",
+    "-.inf",
+    "NaN",
+    "9" * 30,
+    "-" + "9" * 30,
+    str(2**63),
+    str(2**63 - 1),
+    "0x10",
+    "1_000",
+    "1:30",
+    "2024-01-01",
+    "2024-01-01T10:00:00",
+    "'5'",
+    '"x"',
+    "''",
+    "[]",
+    "{}",
+    "[1, 2]",
+    "[0.9, 0.99]",
+    "[true, 0.9]",
+    "[[1]]",
+    "{a: 1}",
+    "{eps_low: .nan}",
+    "{1: 2}",
+    "{null: 1}",
+    "{? [1] : 2}",
+    "[{name: token_tis}]",
+    "[{}]",
+    "[1,",
+    "{a: ",
+    "]",
+    "}",
+    "'",
+    '"',
+    "!!python/object:os.system x",
+    "!!python/name:os.system",
+    "!!binary aGVsbG8=",
+    "!!set {a}",
+    "&a 1",
+    "*a",
+    "%YAML 1.1",
+    "---",
+    "...",
+    "a: b: c",
+    "- 1",
+    "\t",
+    "#comment",
+    "x #c",
+    "@",
+    "`",
+    "|",
+    ">",
+    "fast",
+    "exact",
+    "openai",
+    "ray",
+    "disk",
+    "k1",
+    "loss",
+    "reward",
+    "token-mean",
+    "bfloat16",
+    "grpo",
+    "gspo",
+    "/nonexistent",
+    "http://h:1",
+    "[" * 2000 + "]" * 2000,
+    "{a: " * 2000 + "1" + "}" * 2000,
+]
 values = st.one_of(
     st.sampled_from(YAMLISH),
     st.integers(-(2**70), 2**70).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.text(max_size=8),
-    st.recursive(st.none() | st.booleans() | st.integers(-5, 300) | st.floats() | st.text(max_size=3),
-                 lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
-                 max_leaves=6).map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip()),
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-5, 300) | st.floats() | st.text(max_size=3),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+        max_leaves=6,
+    ).map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip()),
 )
 
 
@@ -76,7 +171,7 @@ def where_wrong(key: str) -> str:
     for i, part in enumerate(parts):
         field = next((f for n, f in node.model_fields.items() if part in (n, f.alias)), None)
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return ".".join(parts[:i + 1])
+            return ".".join(parts[: i + 1])
         node = field.annotation
     return key
 
@@ -102,8 +197,9 @@ def round_trips(cfg: RunConfig, tmp: Path) -> None:
 def _finite_leaves(cfg: RunConfig) -> None:
     """Every number of the typed config is finite (free-form kwargs are checked by their component)."""
     for k, v in dotted(cfg.model_dump(by_alias=True)).items():
-        if isinstance(v, float) and not k.startswith(("algorithm.loss_kwargs", "algorithm.advantage_kwargs",
-                                                      "algorithm.corrections", "task.kwargs")):
+        if isinstance(v, float) and not k.startswith(
+            ("algorithm.loss_kwargs", "algorithm.advantage_kwargs", "algorithm.corrections", "task.kwargs")
+        ):
             assert math.isfinite(v), (k, v)
 
 
@@ -148,6 +244,7 @@ def in_tmp(monkeypatch, tmp_path):
 
     def stop(*_a, **_k):
         raise _ReachedWarmStart
+
     monkeypatch.setattr(warmstart, "default_model_dir", stop)
     return tmp_path
 
@@ -180,11 +277,18 @@ def test_cli_set_is_one_line_naming_the_key_with_nothing_written(key, raw, in_tm
 
 
 documents = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=5)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=5)
     | st.sampled_from(LEAVES + SECTIONS),
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(LEAVES + SECTIONS) | st.text(max_size=4),
-                                                        c, max_size=4),
-    max_leaves=12)
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(st.sampled_from(LEAVES + SECTIONS) | st.text(max_size=4), c, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 def _config_text(doc) -> str:
@@ -200,14 +304,45 @@ def _config_text(doc) -> str:
     return yaml.safe_dump(doc, allow_unicode=True)
 
 
-RAW = [b"", b"\n", b"# only a comment\n", b"---\n...\n", b"\xff\xfe\x00", b"run_dir: caf\xe9\n", b"\xef\xbb\xbfseed: 1\n",
-       b"\x00", b"seed: \x07\n", b"[" * 3000, b"a: " * 2000 + b"1", b"- " * 2000 + b"1", b"? [a, b]\n: 1\n",
-       b"? {a: 1}\n: 1\n", b"optim:\n  ? [1]\n  : 2\n", b"task: {kwargs: {? [1] : 2}}\n", b"? !!set {a}\n: 1\n",
-       b"seed: 1\nseed: 2\n", b"optim: {lr: 1, lr: 2}\n", b"<<: {seed: 1}\n", b"!!python/object:os.system {}\n",
-       b"seed: !!python/name:os.system\n", b"seed: 1\n---\nseed: 2\n", b"seed: 1\n\t- x\n", b"1: 2\n", b"null: 1\n",
-       b"2024-01-01: 1\n", b"optim:\n", b"optim: 3\n", b"model: {path: null}\n", b"async: {enabled: 1}\n",
-       b"rollout: {top_k: 99999999999999999999}\n", b"rollout_backend: {timeout_s: 1.0e+300}\n",
-       b"rollout_backend: {ray: {call_timeout_s: 1.0e+300}}\n", b"seed: &a 1\nmax_steps: *a\n", b"'text'\n", b"3.5\n"]
+RAW = [
+    b"",
+    b"\n",
+    b"# only a comment\n",
+    b"---\n...\n",
+    b"\xff\xfe\x00",
+    b"run_dir: caf\xe9\n",
+    b"\xef\xbb\xbfseed: 1\n",
+    b"\x00",
+    b"seed: \x07\n",
+    b"[" * 3000,
+    b"a: " * 2000 + b"1",
+    b"- " * 2000 + b"1",
+    b"? [a, b]\n: 1\n",
+    b"? {a: 1}\n: 1\n",
+    b"optim:\n  ? [1]\n  : 2\n",
+    b"task: {kwargs: {? [1] : 2}}\n",
+    b"? !!set {a}\n: 1\n",
+    b"seed: 1\nseed: 2\n",
+    b"optim: {lr: 1, lr: 2}\n",
+    b"<<: {seed: 1}\n",
+    b"!!python/object:os.system {}\n",
+    b"seed: !!python/name:os.system\n",
+    b"seed: 1\n---\nseed: 2\n",
+    b"seed: 1\n\t- x\n",
+    b"1: 2\n",
+    b"null: 1\n",
+    b"2024-01-01: 1\n",
+    b"optim:\n",
+    b"optim: 3\n",
+    b"model: {path: null}\n",
+    b"async: {enabled: 1}\n",
+    b"rollout: {top_k: 99999999999999999999}\n",
+    b"rollout_backend: {timeout_s: 1.0e+300}\n",
+    b"rollout_backend: {ray: {call_timeout_s: 1.0e+300}}\n",
+    b"seed: &a 1\nmax_steps: *a\n",
+    b"'text'\n",
+    b"3.5\n",
+]
 
 
 def _check_file(p: Path, tmp: Path, top_keys=()) -> None:
@@ -279,19 +414,38 @@ def test_config_paths_that_are_no_file(make, in_tmp, capsys):
 
 
 @HSET
-@given(spp=st.integers(1, 300), seqs=st.integers(1, 300), kind=st.sampled_from(["engine", "ray", "openai"]),
-       buf=st.integers(0, 40), max_tokens=st.integers(1, 40), resume=st.booleans(), run_dir=st.booleans(),
-       top_k=st.sampled_from([-2, -1, 0, 1, 5, 2**63 - 1, 2**63, 10**30]))
-def test_rules_across_keys_are_checked_when_the_config_is_read(spp, seqs, kind, buf, max_tokens, resume, run_dir,
-                                                               top_k):
-    over = [f"rollout.samples_per_prompt={spp}", f"engine.max_num_seqs={seqs}", f"rollout_backend.kind={kind}",
-            f"algorithm.overlong.buffer_len={buf}", f"rollout.max_tokens={max_tokens}", f"resume={resume}",
-            f"rollout.top_k={top_k}"]
-    over += ["run_dir=r"] * run_dir + ["rollout_backend.base_url=http://h:1", "rollout_backend.model=m"] * (kind == "openai")
+@given(
+    spp=st.integers(1, 300),
+    seqs=st.integers(1, 300),
+    kind=st.sampled_from(["engine", "ray", "openai"]),
+    buf=st.integers(0, 40),
+    max_tokens=st.integers(1, 40),
+    resume=st.booleans(),
+    run_dir=st.booleans(),
+    top_k=st.sampled_from([-2, -1, 0, 1, 5, 2**63 - 1, 2**63, 10**30]),
+)
+def test_rules_across_keys_are_checked_when_the_config_is_read(
+    spp, seqs, kind, buf, max_tokens, resume, run_dir, top_k
+):
+    over = [
+        f"rollout.samples_per_prompt={spp}",
+        f"engine.max_num_seqs={seqs}",
+        f"rollout_backend.kind={kind}",
+        f"algorithm.overlong.buffer_len={buf}",
+        f"rollout.max_tokens={max_tokens}",
+        f"resume={resume}",
+        f"rollout.top_k={top_k}",
+    ]
+    over += ["run_dir=r"] * run_dir + ["rollout_backend.base_url=http://h:1", "rollout_backend.model=m"] * (
+        kind == "openai"
+    )
     # one sample per prompt under the default grpo: every advantage would be 0
-    broken = {"rollout.samples_per_prompt": (spp > seqs and kind != "openai") or spp == 1,
-              "resume": resume and not run_dir,
-              "algorithm.overlong.buffer_len": buf > max_tokens, "rollout.top_k": not (top_k == -1 or 1 <= top_k < 2**63)}
+    broken = {
+        "rollout.samples_per_prompt": (spp > seqs and kind != "openai") or spp == 1,
+        "resume": resume and not run_dir,
+        "algorithm.overlong.buffer_len": buf > max_tokens,
+        "rollout.top_k": not (top_k == -1 or 1 <= top_k < 2**63),
+    }
     try:
         cfg = load_config(None, over)
     except ValueError as e:
@@ -302,8 +456,13 @@ def test_rules_across_keys_are_checked_when_the_config_is_read(spp, seqs, kind, 
     assert cfg.rollout.top_k == top_k
 
 
-junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.sampled_from([0.0, 0.2, 1.0, 1.5, 3.0, -1.0, 1e308]),
-                 st.sampled_from([".nan", ".inf", "abc", "[1]", "{a: 1}", "1e-3", "token", "sequence", "k2", "nope"]))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 5),
+    st.sampled_from([0.0, 0.2, 1.0, 1.5, 3.0, -1.0, 1e308]),
+    st.sampled_from([".nan", ".inf", "abc", "[1]", "{a: 1}", "1e-3", "token", "sequence", "k2", "nope"]),
+)
 
 
 def _arg_names(factory) -> list[str]:
@@ -325,14 +484,31 @@ def test_component_kwargs_are_checked_before_the_warm_start(data, in_tmp, capsys
     args = _arg_names(table[name]) + ["nosuch"]
     kwargs = data.draw(st.dictionaries(st.sampled_from(args), junk, max_size=3))
     flow = "{" + ", ".join(f"{k}: {v if isinstance(v, str) else json.dumps(v)}" for k, v in kwargs.items()) + "}"
-    sets = {"loss": [f"algorithm.loss={name}", f"algorithm.loss_kwargs={flow}"],
-            "correction": [f"algorithm.corrections=[{{name: {name}{', ' + flow[1:-1] if kwargs else ''}}}]"],
-            "advantage": [f"algorithm.advantage={name}", f"algorithm.advantage_kwargs={flow}"]}[what]
-    sets += data.draw(st.lists(st.sampled_from(["algorithm.bypass=true", "async.enabled=true",
-                                                "async.inflight_updates=true", "rollout_backend.kind=ray"]),
-                               unique=True, max_size=2))
+    sets = {
+        "loss": [f"algorithm.loss={name}", f"algorithm.loss_kwargs={flow}"],
+        "correction": [f"algorithm.corrections=[{{name: {name}{', ' + flow[1:-1] if kwargs else ''}}}]"],
+        "advantage": [f"algorithm.advantage={name}", f"algorithm.advantage_kwargs={flow}"],
+    }[what]
+    sets += data.draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "algorithm.bypass=true",
+                    "async.enabled=true",
+                    "async.inflight_updates=true",
+                    "rollout_backend.kind=ray",
+                ]
+            ),
+            unique=True,
+            max_size=2,
+        )
+    )
     code, err = train(capsys, *[x for s in ["progress=false", *sets] for x in ("--set", s)])
     if code is not None:
-        assert f"{what} {name!r}" in err or f"{what}s[0] ({name!r})" in err or "algorithm." in err \
-               or "rollout_backend" in err, err
+        assert (
+            f"{what} {name!r}" in err
+            or f"{what}s[0] ({name!r})" in err
+            or "algorithm." in err
+            or "rollout_backend" in err
+        ), err
     assert sorted(p.name for p in in_tmp.iterdir()) == []

@@ -4,6 +4,7 @@ The same properties as the interpreter tests (tests/test_triton_backend.py) at t
 matter on a GPU: every kernel against a float64 reference, batch invariance at real model widths, engine ==
 trainer bitwise, and the fast twins that must differ.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,7 @@ import torch
 import exactrl
 from exactrl.model import ModelConfig, build_model
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def rel(a, ref):
@@ -24,6 +24,7 @@ def rel(a, ref):
 @pytest.mark.parametrize("n,k", [(2048, 1024), (1024, 3072), (151936, 1024)])
 def test_linear_matches_float64_and_is_row_invariant(dtype, n, k):
     from exactrl.kernels.triton import ops
+
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dtype)
     x = torch.randn(300, k, device="cuda", generator=g).to(dtype)
@@ -44,9 +45,19 @@ def test_fast_linear_differs_with_the_row_count():
 
 
 def tiny_cfg(**over):
-    base = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=4096, hidden_size=256,
-                intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                max_position_embeddings=4096, tie_word_embeddings=True)
+    base = dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     return ModelConfig.from_hf({**base, **over})
 
 
@@ -61,7 +72,7 @@ def test_engine_equals_trainer_on_cuda(dtype):
     k = 0
     for p, cs in zip(prompts, outs):
         for c in cs:
-            assert torch.equal(torch.tensor(c.logprobs), lps[k][len(p) - 1:])
+            assert torch.equal(torch.tensor(c.logprobs), lps[k][len(p) - 1 :])
             k += 1
 
 
@@ -73,7 +84,7 @@ def test_fast_engine_differs_from_its_trainer():
     seqs = [p + c.token_ids for p, cs in zip(prompts, outs) for c in cs]
     lps = exactrl.sequence_logprobs(model, seqs)
     got = torch.cat([torch.tensor(c.logprobs) for cs in outs for c in cs])
-    want = torch.cat([lp[len(p) - 1:] for lp, p in zip(lps, [p for p in prompts for _ in range(3)])])
+    want = torch.cat([lp[len(p) - 1 :] for lp, p in zip(lps, [p for p in prompts for _ in range(3)])])
     assert (got - want).abs().max().item() > 0
 
 

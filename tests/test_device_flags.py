@@ -1,5 +1,6 @@
 """`device` and `backend` where users give them: the CLI flags and config keys, refused by name where they
 cannot run (this machine has no GPU; tests/test_cuda.py runs them on one)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,15 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusa
 
 
 @no_gpu
-@pytest.mark.parametrize("argv", [["parity", "--model", "{d}", "--device", "cuda"],
-                                  ["serve", "--model", "{d}", "--device", "cuda", "--port", "0"],
-                                  ["bench", "engine", "--device", "cuda", "--quick", "--no-hf"],
-                                  ["train", "--set", "model.device=cuda", "--set", "run_dir={d}/run"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["parity", "--model", "{d}", "--device", "cuda"],
+        ["serve", "--model", "{d}", "--device", "cuda", "--port", "0"],
+        ["bench", "engine", "--device", "cuda", "--quick", "--no-hf"],
+        ["train", "--set", "model.device=cuda", "--set", "run_dir={d}/run"],
+    ],
+)
 def test_cuda_without_a_gpu_is_one_line_naming_it(argv, qwen3_dir, capsys):
     assert main([a.replace("{d}", str(qwen3_dir)) for a in argv]) == 2
     err = capsys.readouterr().err

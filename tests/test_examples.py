@@ -1,4 +1,5 @@
 """The examples run: a tiny version of each, so they do not rot as the API they show moves."""
+
 from __future__ import annotations
 
 import importlib.util

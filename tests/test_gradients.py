@@ -6,6 +6,7 @@ backward in C starts from its own forward's output and log-sum-exp) must
 still be the gradients of that forward, to fp32 rounding. The references differentiate the unchunked, untiled ops with
 autograd (attention: token by token in plain torch ops).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,7 @@ import torch
 import exactrl
 import exactrl.model.logprobs as LP
 from exactrl.kernels import attention as A
-from exactrl.kernels import native
-from exactrl.kernels import sampling_logprobs
+from exactrl.kernels import native, sampling_logprobs
 from exactrl.model.logprobs import pack_layout, pack_shared, token_logprobs
 
 
@@ -38,16 +38,18 @@ def _math_attention(q_NHD, k_pages, v_pages, plan, scale, window=0):
 
 def _reference_head(model, h, w, tgt, temp, top_k, top_p, ent_coef):
     n = h.shape[0]
-    lp_NV = sampling_logprobs(model.kernels.linear(h, w).float(), torch.full((n,), temp), torch.full((n,), top_k),
-                              torch.full((n,), top_p))
+    lp_NV = sampling_logprobs(
+        model.kernels.linear(h, w).float(), torch.full((n,), temp), torch.full((n,), top_k), torch.full((n,), top_p)
+    )
     lp = lp_NV.gather(1, tgt[:, None]).squeeze(1)
     p = lp_NV.exp()
     ent = -(p * lp_NV.masked_fill(p == 0, 0.0)).sum(-1)
     return lp, ent
 
 
-@pytest.mark.parametrize("temp,top_k,top_p,ent_coef", [(1.0, -1, 1.0, 0.0), (0.7, 20, 1.0, 0.3),
-                                                        (1.3, -1, 0.8, 0.5), (0.0, -1, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "temp,top_k,top_p,ent_coef", [(1.0, -1, 1.0, 0.0), (0.7, 20, 1.0, 0.3), (1.3, -1, 0.8, 0.5), (0.0, -1, 1.0, 0.0)]
+)
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
 def test_head_logprobs_values_and_gradients(qwen3_dir, monkeypatch, kernels, temp, top_k, top_p, ent_coef):
     monkeypatch.setattr(LP, "HEAD_CHUNK_ROWS", 7)  # several chunks, a ragged last one
@@ -67,8 +69,12 @@ def test_head_logprobs_values_and_gradients(qwen3_dir, monkeypatch, kernels, tem
         assert torch.equal(lp, ref_lp)
         # the entropy is pointwise.c's sum over the unchunked rows, bit for bit; the torch formula to rounding
         with torch.no_grad():
-            ref_NV = sampling_logprobs(model.kernels.linear(h, w).float(), torch.full((30,), temp),
-                                       torch.full((30,), top_k), torch.full((30,), top_p))
+            ref_NV = sampling_logprobs(
+                model.kernels.linear(h, w).float(),
+                torch.full((30,), temp),
+                torch.full((30,), top_k),
+                torch.full((30,), top_p),
+            )
         assert torch.equal(ent, native.entropy(ref_NV))
         assert torch.allclose(ent, ref_ent, rtol=1e-6, atol=1e-6)
     else:
@@ -108,8 +114,9 @@ def test_exact_attention_gradient_is_the_attention_gradient(dtype):
     w = torch.randn(n, H, D, generator=g)
 
     def run(attend):
-        kp, vp = A.write_kv(torch.zeros(pages, Hk, B, D, dtype=dtype), torch.zeros(pages, Hk, B, D, dtype=dtype),
-                            k, v, lay)
+        kp, vp = A.write_kv(
+            torch.zeros(pages, Hk, B, D, dtype=dtype), torch.zeros(pages, Hk, B, D, dtype=dtype), k, v, lay
+        )
         o = attend(q, kp, vp, A.plan_exact(lay, B), 0.25)
         return o, torch.autograd.grad((o.float() * w).sum(), (q, k, v))
 
@@ -172,6 +179,7 @@ def test_trainer_path_gradients_match_unchunked_autograd(qwen3_dir, monkeypatch)
 
     def plain(model, h, w, tgt, dist, with_entropy, entropy_grad):
         return _reference_head(model, h, w, tgt, *dist, 0.0)[0], None
+
     monkeypatch.setattr(LP, "_head_logprobs", plain)
     ref, _ = token_logprobs(model, seqs, first=first)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(lps, ref))
@@ -191,6 +199,7 @@ def test_head_logprobs_keeps_nothing_without_grad(qwen3_dir, monkeypatch):
         out = orig(ctx, *args)
         kept.append(len(ctx.chunks))
         return out
+
     monkeypatch.setattr(LP._HeadLogprobs, "forward", staticmethod(spy))
     with torch.no_grad():
         token_logprobs(model, [[1, 2, 3] * 10])

@@ -3,12 +3,14 @@
 Every exact-mode property here has a twin asserting that the `fast` kernels
 produce a difference in the same scenario — proof that the comparison can fail.
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from conftest import make_hf_model, random_sequences
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,15 +18,17 @@ import exactrl
 from exactrl.debug.parity import full_path, incremental_path, run_parity
 from exactrl.kernels import linear as linear_mod
 from exactrl.kernels.linear import exact_linear, fast_linear
-from conftest import make_hf_model, random_sequences
 
 HSET = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")
 def models(qwen3_dir):
-    return {(k, d): exactrl.load_model(qwen3_dir, dtype=d, kernels=k)
-            for k in ("exact", "fast") for d in ("float32", "bfloat16")}
+    return {
+        (k, d): exactrl.load_model(qwen3_dir, dtype=d, kernels=k)
+        for k in ("exact", "fast")
+        for d in ("float32", "bfloat16")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +41,15 @@ def wide_dir(tmp_path_factory):
 
 # ---------------------------------------------------------------- kernels
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # fp32: the native linear (K = 2048: eight sum blocks; N = 33, 4700: a partial last panel).
 # bf16, batched-matmul path: (64, 96), (256, 768), (100, 33), (48, 4700) (column blocks, ragged last);
 # oneDNN path (K x N >= ONEDNN_MIN_WEIGHT_BF16): the others (a one-row product of some shapes takes another
 # kernel than a tile: `short_rows` pads it)
-@pytest.mark.parametrize("K,N", [(64, 96), (256, 768), (100, 33), (48, 4700), (96, 4700), (512, 768), (2048, 768),
-                                 (64, 1), (7, 2)])  # 1 output: a matrix-vector product (a value head)
+@pytest.mark.parametrize(
+    "K,N", [(64, 96), (256, 768), (100, 33), (48, 4700), (96, 4700), (512, 768), (2048, 768), (64, 1), (7, 2)]
+)  # 1 output: a matrix-vector product (a value head)
 def test_exact_linear_row_invariant(dtype, K, N):
     g = torch.Generator().manual_seed(K)
     W, X = torch.randn(N, K, generator=g).to(dtype), torch.randn(300, K, generator=g).to(dtype)
@@ -53,7 +59,7 @@ def test_exact_linear_row_invariant(dtype, K, N):
         for M in list(range(1, 40)) + [63, 64, 65, 95, 96, 97, 128, 193, 299]:
             assert torch.equal(exact_linear(X[:M], W)[0], ref), (M, threads)
         for p in (1, 5, 15, 16, 17, 40, 95, 96, 100, 200):  # the same row elsewhere in a tile or row block
-            assert torch.equal(exact_linear(torch.cat([X[1:1 + p], X[:1]]), W)[p], ref)
+            assert torch.equal(exact_linear(torch.cat([X[1 : 1 + p], X[:1]]), W)[p], ref)
 
 
 # (13, 40, 600): a partial panel of columns, three blocks of k's (the last partial); (100, 40, 1024): K a
@@ -83,21 +89,26 @@ def test_native_linear_sums_in_the_documented_order(M, N, K):
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
-@pytest.mark.parametrize("M,N,K", [(1, 384, 384), (37, 100, 1030), (130, 640, 256), (5, 3, 7),
-                                   (100, 40, 1024)])  # K % 512 == 0: x read from a padded copy
+@pytest.mark.parametrize(
+    "M,N,K", [(1, 384, 384), (37, 100, 1030), (130, 640, 256), (5, 3, 7), (100, 40, 1024)]
+)  # K % 512 == 0: x read from a padded copy
 def test_native_linear_other_builds_give_this_machines_bits(build, M, N, K):
     """An AVX2-only CPU runs gemm.c's AVX2 micro-kernel (6 x 16), one without AVX2 its plain-C build:
     the same sums, so the same bits as this machine's own build."""
     from exactrl.kernels import native
 
     own = native.library().exactrl_gemm_build()
-    if own == build.encode() or own == b"portable" or (
-            build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"):
+    if (
+        own == build.encode()
+        or own == b"portable"
+        or (build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2")
+    ):
         pytest.skip(f"this CPU cannot run both builds ({own.decode()} here): one build against itself could not fail")
     g = torch.Generator().manual_seed(M + N)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-    assert torch.equal(native.linear(x, native.PackedLinearWeight(w)),
-                       native.linear(x, native.PackedLinearWeight(w, build)))
+    assert torch.equal(
+        native.linear(x, native.PackedLinearWeight(w)), native.linear(x, native.PackedLinearWeight(w, build))
+    )
 
 
 def test_native_linear_columns_do_not_depend_on_the_other_columns():
@@ -153,7 +164,9 @@ def test_fused_projections_only_where_the_packed_cache_is_and_follow_changes():
             assert all(torch.equal(y, exact_linear(x, w)) for y, w in zip(before, ws))
             ws[1].add_(0.5)  # the version counter moves: packed again
             after = kern.linears(x, ws)
-            assert torch.equal(after[1], exact_linear(x, ws[1].detach().clone())) and not torch.equal(after[1], before[1])
+            assert torch.equal(after[1], exact_linear(x, ws[1].detach().clone())) and not torch.equal(
+                after[1], before[1]
+            )
             assert torch.equal(after[0], before[0])
 
 
@@ -179,16 +192,18 @@ def test_native_kernels_compute_in_the_callers_denormal_mode():
 def test_short_row_check_catches_a_product_that_reduces_in_another_order(monkeypatch):
     """Twin of the sweep above for `short_rows`: a short product that sums K in two parts (another order,
     rounded to the output dtype as the real one is) is caught for every r, so it is padded to a tile."""
+
     def split_k(x_rK, w_NK):  # stands in for a kernel that takes another path for short calls
         x, w = x_rK.float(), w_NK.float()
         if x.shape[0] == linear_mod.ROW_TILE:
             return (x @ w.t()).to(x_rK.dtype)
         h = x.shape[1] // 3
         return (x[:, :h] @ w[:, :h].t() + x[:, h:] @ w[:, h:].t()).to(x_rK.dtype)
+
     monkeypatch.setattr(linear_mod, "_pack", lambda w: w)
     monkeypatch.setattr(linear_mod, "_onednn_product", split_k)
     ok = linear_mod._rows_like_tile(True, 96, 256, torch.bfloat16)
-    assert ok[linear_mod.ROW_TILE] and not any(ok[1:linear_mod.ROW_TILE])
+    assert ok[linear_mod.ROW_TILE] and not any(ok[1 : linear_mod.ROW_TILE])
     monkeypatch.setattr(linear_mod, "_SHORT_OK", {})
     w = torch.randn(96, 256).to(torch.bfloat16)
     assert linear_mod.short_rows(True, w, 1) == linear_mod.ROW_TILE
@@ -204,12 +219,14 @@ def test_exact_linear_row_invariant_over_big_tiles(K, N):
     if not linear_mod._uses_onednn(w, w):
         pytest.skip(f"{dtype} {N}x{K} takes the batched-matmul path here (one call whatever the rows)")
     if not linear_mod.big_tile_ok(w):
-        pytest.skip(f"this CPU's oneDNN {dtype} {linear_mod.BIG_TILE}-row product of {N}x{K} differs from its "
-                    f"tiles: kept in tiles")
+        pytest.skip(
+            f"this CPU's oneDNN {dtype} {linear_mod.BIG_TILE}-row product of {N}x{K} differs from its "
+            f"tiles: kept in tiles"
+        )
     B = linear_mod.BIG_TILE
     X = torch.randn(3 * B, K, generator=torch.Generator().manual_seed(N)).to(dtype)
     with torch.no_grad():
-        ref = torch.cat([exact_linear(X[i:i + linear_mod.ROW_TILE], w) for i in range(0, 3 * B, linear_mod.ROW_TILE)])
+        ref = torch.cat([exact_linear(X[i : i + linear_mod.ROW_TILE], w) for i in range(0, 3 * B, linear_mod.ROW_TILE)])
         for M in (B - 1, B, B + 1, B + 40, 2 * B + 13, 3 * B):
             assert torch.equal(exact_linear(X[:M], w), ref[:M]), M
         for p in (1, 31, B - 5):  # the same rows at other places in the big tile
@@ -219,12 +236,14 @@ def test_exact_linear_row_invariant_over_big_tiles(K, N):
 def test_big_tile_check_catches_a_product_that_reduces_in_another_order(monkeypatch):
     """Twin of the sweep above: a BIG_TILE-row product that sums K in two parts is refused by the check,
     and such a weight's calls stay in tiles, so their rows keep a tile's bits."""
+
     def split_k(x_rK, w_NK):  # stands in for a kernel that splits K for many rows
         x, w = x_rK.float(), w_NK.float()
         if x.shape[0] <= linear_mod.ROW_TILE:
             return (x @ w.t()).to(x_rK.dtype)
         h = x.shape[1] // 3
         return (x[:, :h] @ w[:, :h].t() + x[:, h:] @ w[:, h:].t()).to(x_rK.dtype)
+
     monkeypatch.setattr(linear_mod, "_pack", lambda w: w)
     monkeypatch.setattr(linear_mod, "_onednn_product", split_k)
     monkeypatch.setattr(linear_mod, "ONEDNN_DTYPES", (torch.bfloat16,))
@@ -236,7 +255,7 @@ def test_big_tile_check_catches_a_product_that_reduces_in_another_order(monkeypa
     x = torch.randn(linear_mod.BIG_TILE + 32, 512).to(dtype)
     y = exact_linear(x, w)
     assert not linear_mod.big_tile_ok(w)
-    assert torch.equal(y, torch.cat([split_k(x[i:i + 32], w) for i in range(0, x.shape[0], 32)]))
+    assert torch.equal(y, torch.cat([split_k(x[i : i + 32], w) for i in range(0, x.shape[0], 32)]))
     monkeypatch.setattr(linear_mod, "_BIG_OK", {(tuple(w.shape), dtype, torch.get_num_threads()): True})
     assert not torch.equal(exact_linear(x, w), y)  # forced through the big product, the rows do change
 
@@ -255,6 +274,7 @@ def test_packed_weights_cache_is_used_only_where_activated_and_follows_changes(d
 
     def fresh():  # the same kernel on a new tensor with the current values: nothing cached for it
         return exact_linear(x, w.detach().clone())
+
     before = exact_linear(x, w)
     w.data.add_(0.25)  # a write the version counter does not see (as a fused optimizer's)
     assert torch.equal(exact_linear(x, w), fresh()) and not torch.equal(exact_linear(x, w), before)
@@ -294,6 +314,7 @@ def test_exact_linear_gradients_match_plain_autograd():
 
 
 # ---------------------------------------------------------------- batch invariance (trainer path)
+
 
 def _batch_case(model, data, dtype_name):
     rng = random.Random(data.draw(st.integers(0, 10**6)))
@@ -351,8 +372,11 @@ def test_bf16_batch_twin_a_row_dependent_linear(models, monkeypatch):
     def row_dependent(self, x, weight, bias=None):
         x_MK, w = x.reshape(-1, x.shape[-1]).float(), weight.float()
         h = x_MK.shape[1] // 2
-        y = ((x_MK @ w.t()).to(x.dtype) if x_MK.shape[0] <= 8
-             else (x_MK[:, :h] @ w[:, :h].t()).to(x.dtype) + (x_MK[:, h:] @ w[:, h:].t()).to(x.dtype))
+        y = (
+            (x_MK @ w.t()).to(x.dtype)
+            if x_MK.shape[0] <= 8
+            else (x_MK[:, :h] @ w[:, :h].t()).to(x.dtype) + (x_MK[:, h:] @ w[:, h:].t()).to(x.dtype)
+        )
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -380,6 +404,7 @@ def test_autograd_gradients_flow(models):
 
 
 # ---------------------------------------------------------------- prefill / chunked / decode
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @given(data=st.data())
@@ -423,6 +448,7 @@ def test_bf16_long_chunked_prefill(wide_dir, kernels):
 
 # ---------------------------------------------------------------- parity command
 
+
 def test_parity_exact_passes_and_fast_names_first_op(models):
     assert all(r.exact for r in run_parity(models[("exact", "float32")], length=50))
     bad = [r for r in run_parity(models[("fast", "float32")], length=50) if not r.exact]
@@ -439,6 +465,7 @@ def test_parity_runs_the_head_beside_other_rows_and_names_it(models, monkeypatch
     def row_dependent(x, weight, bias=None):
         out = real(x, weight, bias)
         return out + 1e-6 if weight is head and x.shape[0] > 3 else out
+
     monkeypatch.setattr(type(model.kernels), "linear", lambda self, x, w, b=None: row_dependent(x, w, b))
     bad = {r.name: r for r in run_parity(model, length=3) if not r.exact}
     assert "batch" in bad and bad["batch"].first_divergent_op == "logits"
@@ -475,7 +502,7 @@ def test_token_logprobs_first_selects_rows_bitwise(models):
     full = exactrl.sequence_logprobs(model, seqs)
     part, ents = token_logprobs(model, seqs, first=first, with_entropy=True)
     for k, f in enumerate(first):
-        assert torch.equal(part[k].detach(), full[k][f - 1:].detach())
+        assert torch.equal(part[k].detach(), full[k][f - 1 :].detach())
         assert len(ents[k]) == len(seqs[k]) - f
     with pytest.raises(ValueError, match=r"first\[0\]"):
         token_logprobs(model, [[1, 2, 3]], first=[4])
@@ -511,8 +538,7 @@ def test_shared_prompts_same_logprobs_and_gradients(qwen3_dir):
     out = {}
     for share in (False, True):
         model.zero_grad()
-        lps, ents = token_logprobs(model, seqs, first=first, with_entropy=True, entropy_grad=True,
-                                   share_prompts=share)
+        lps, ents = token_logprobs(model, seqs, first=first, with_entropy=True, entropy_grad=True, share_prompts=share)
         (torch.cat(lps).sum() + 0.1 * torch.cat(ents).sum()).backward()
         out[share] = lps, ents, [p.grad.clone() for p in model.parameters()]
     for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):

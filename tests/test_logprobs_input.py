@@ -1,4 +1,5 @@
 """`sequence_logprobs` takes the same token ids the engine takes, and names what is wrong otherwise."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,14 +13,17 @@ def model(qwen3_dir):
     return exactrl.load_model(qwen3_dir)
 
 
-@pytest.mark.parametrize("token_ids, match", [
-    ([[1.5, 2, 3]], r"token_ids\[0\] holds 1.5"),  # used to be truncated to 1 silently
-    ([[True, 2, 3]], r"token_ids\[0\] holds True"),
-    ([1, 2, 3], r"token_ids\[0\] is 1, not a list of token ids \(for one sequence pass \[\[\.\.\.\]\]\)"),
-    ("123", "token_ids must be a list of sequences"),
-    (torch.tensor([1, 2, 3]), "must be 2-D"),
-    ([[1, 2], []], r"token_ids\[1\] is empty"),
-])
+@pytest.mark.parametrize(
+    "token_ids, match",
+    [
+        ([[1.5, 2, 3]], r"token_ids\[0\] holds 1.5"),  # used to be truncated to 1 silently
+        ([[True, 2, 3]], r"token_ids\[0\] holds True"),
+        ([1, 2, 3], r"token_ids\[0\] is 1, not a list of token ids \(for one sequence pass \[\[\.\.\.\]\]\)"),
+        ("123", "token_ids must be a list of sequences"),
+        (torch.tensor([1, 2, 3]), "must be 2-D"),
+        ([[1, 2], []], r"token_ids\[1\] is empty"),
+    ],
+)
 def test_bad_token_ids_are_named(model, token_ids, match):
     with pytest.raises(ValueError, match=match):
         exactrl.sequence_logprobs(model, token_ids)

@@ -1,4 +1,5 @@
 """The decoder against transformers (test-only oracle) and checkpoint I/O."""
+
 from __future__ import annotations
 
 import json
@@ -6,11 +7,11 @@ import random
 
 import pytest
 import torch
+from conftest import make_hf_model, random_sequences
 from safetensors.torch import load_file, save_file
 
 import exactrl
 from exactrl.model import forward_logits
-from conftest import make_hf_model, random_sequences
 
 
 def _hf_logprobs(hf, seq):
@@ -56,8 +57,9 @@ def test_checkpoint_round_trip_and_transformers_loads_ours(tmp_path):
         a, b = forward_logits(model, seqs), forward_logits(again, seqs)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-        err = max((o - _hf_logprobs(hf, s)).abs().max().item()
-                  for o, s in zip(exactrl.sequence_logprobs(model, seqs), seqs))
+        err = max(
+            (o - _hf_logprobs(hf, s)).abs().max().item() for o, s in zip(exactrl.sequence_logprobs(model, seqs), seqs)
+        )
     assert err <= 1e-4
 
 
@@ -165,7 +167,7 @@ def test_rotary_tables_grow_as_far_as_a_forward_reaches_with_the_bits_of_one_tab
     assert err <= 1e-4, err  # the positions past the first chunk rotate as transformers' do
     ahead = exactrl.load_model(tmp_path)
     ahead.rope_reach(7 * ROPE_CHUNK)  # a table grown otherwise holds the same bits
-    assert torch.equal(ahead.rope_cos[:3 * ROPE_CHUNK], cos)
+    assert torch.equal(ahead.rope_cos[: 3 * ROPE_CHUNK], cos)
     with torch.no_grad():
         assert torch.equal(exactrl.sequence_logprobs(ahead, [seq])[0], lazy)
     with pytest.raises(ValueError, match="position 2147483647 is beyond max_position_embeddings=2147483647"):

@@ -2,6 +2,7 @@
 missing a key or not JSON, a truncated or absent safetensors file); the server names a bad --model
 as the model and points a tokenizer-less checkpoint at --tokenizer. Also the transformers-style
 calls of `Tokenizer`: tok(text), batch_decode, apply_chat_template(..., tokenize=False)."""
+
 from __future__ import annotations
 
 import json
@@ -37,34 +38,51 @@ def test_config_missing_a_key(damaged, value):
         exactrl.load_model(damaged)
 
 
-@pytest.mark.parametrize("changes, words", [
-    (dict(num_attention_heads=0, num_key_value_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
-    (dict(vocab_size=-5), "vocab_size must be an integer >= 1, got -5"),
-    (dict(num_hidden_layers=1.5), "num_hidden_layers must be an integer >= 1, got 1.5"),
-    (dict(hidden_size="abc"), "hidden_size must be an integer >= 1, got 'abc'"),
-    (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1, got 0"),
-    (dict(rms_norm_eps="x"), "rms_norm_eps must be a positive number, got 'x'"),
-    (dict(rope_parameters=[1]), "rope_parameters must be an object, got [1]"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}), "rope_theta must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(num_attention_heads=0, num_key_value_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
+        (dict(vocab_size=-5), "vocab_size must be an integer >= 1, got -5"),
+        (dict(num_hidden_layers=1.5), "num_hidden_layers must be an integer >= 1, got 1.5"),
+        (dict(hidden_size="abc"), "hidden_size must be an integer >= 1, got 'abc'"),
+        (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1, got 0"),
+        (dict(rms_norm_eps="x"), "rms_norm_eps must be a positive number, got 'x'"),
+        (dict(rope_parameters=[1]), "rope_parameters must be an object, got [1]"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}), "rope_theta must be a positive number"),
+    ],
+)
 def test_config_values_of_the_wrong_type_or_range_are_named(damaged, changes, words):
     _edit_config(damaged, **changes)
     with pytest.raises(ValueError, match=re.escape(f"model directory {damaged}: config.json: {words}")):
         exactrl.load_model(damaged)
 
 
-@pytest.mark.parametrize("changes, words", [
-    # transformers >= 5 writes rope_parameters; a long-context recipe adds rope_scaling beside it, and
-    # transformers then applies rope_scaling alone, dropping rope_parameters' rope_theta
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
-     "rope_parameters and rope_scaling give different factor [None, 4.0]"),
-    (dict(rope_parameters=..., rope_scaling={"type": "dynamic", "factor": 4}),
-     "unsupported rope_scaling.rope_type='dynamic'"),
-    (dict(rope_parameters={"rope_type": "longrope"}), "unsupported rope_parameters.rope_type='longrope'"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-          rope_scaling={"rope_type": "default", "rope_theta": 1e4}), "give different rope_theta [1000000.0, 10000.0]"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        # transformers >= 5 writes rope_parameters; a long-context recipe adds rope_scaling beside it, and
+        # transformers then applies rope_scaling alone, dropping rope_parameters' rope_theta
+        (
+            dict(
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+            ),
+            "rope_parameters and rope_scaling give different factor [None, 4.0]",
+        ),
+        (
+            dict(rope_parameters=..., rope_scaling={"type": "dynamic", "factor": 4}),
+            "unsupported rope_scaling.rope_type='dynamic'",
+        ),
+        (dict(rope_parameters={"rope_type": "longrope"}), "unsupported rope_parameters.rope_type='longrope'"),
+        (
+            dict(
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                rope_scaling={"rope_type": "default", "rope_theta": 1e4},
+            ),
+            "give different rope_theta [1000000.0, 10000.0]",
+        ),
+    ],
+)
 def test_rope_variants_not_implemented_are_refused_whichever_key_holds_them(damaged, changes, words):
     _edit_config(damaged, **changes)
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -84,7 +102,7 @@ def test_config_not_json(damaged):
 def test_truncated_safetensors(damaged, keep):
     f = damaged / "model.safetensors"
     data = f.read_bytes()
-    f.write_bytes(data[:keep] if keep > 0 else data[:len(data) + keep])
+    f.write_bytes(data[:keep] if keep > 0 else data[: len(data) + keep])
     with pytest.raises(ValueError, match=f"{f} is not a valid safetensors file"):
         exactrl.load_model(damaged)
 
@@ -167,8 +185,7 @@ def test_tokenizer_with_a_broken_config_json_is_named(tok, tmp_path):
 
 def test_apply_chat_template_tokenize_false_gives_the_text(tok):
     text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
-    assert text == tok.render_chat(MSGS) == tok.hf.apply_chat_template(MSGS, tokenize=False,
-                                                                        add_generation_prompt=True)
+    assert text == tok.render_chat(MSGS) == tok.hf.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
     assert tok.apply_chat_template(MSGS) == tok.encode(text)  # the default is still token ids
     assert tok.apply_chat_template(MSGS, None, False, False) == tok.render_chat(MSGS, add_generation_prompt=False)
 
@@ -200,8 +217,11 @@ def test_a_tied_checkpoint_that_also_stores_its_head(damaged):
     save_file(sd | {"lm_head.weight": embed.clone()}, f, metadata={"format": "pt"})
     ref = exactrl.load_model(damaged)
     assert torch.equal(ref.model.embed_tokens.weight, embed)
-    save_file({k: v for k, v in sd.items() if k != "model.embed_tokens.weight"} | {"lm_head.weight": embed.clone()},
-              f, metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in sd.items() if k != "model.embed_tokens.weight"} | {"lm_head.weight": embed.clone()},
+        f,
+        metadata={"format": "pt"},
+    )
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), exactrl.load_model(damaged).parameters()))
 
 

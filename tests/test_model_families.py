@@ -1,6 +1,7 @@
 """RoPE scaling (linear, llama3, yarn), sliding-window attention and the Mistral family, against
 transformers (test-only oracle), and the window in each attention kernel: the exact one's bits fixed by a
 row's own position, prefill = decode past the window, its gradient = autograd through SDPA."""
+
 from __future__ import annotations
 
 import json
@@ -8,15 +9,20 @@ import random
 
 import pytest
 import torch
+from conftest import make_hf_model, random_sequences
 
 import exactrl
 from exactrl.kernels import attention as A
 from exactrl.kernels import native
-from conftest import make_hf_model, random_sequences
 
 V = 211
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 
@@ -35,11 +41,17 @@ def _check_against_hf(hf, path, seqs):
     return model
 
 
-@pytest.mark.parametrize("arch, rope", [
-    ("llama", LLAMA3), ("llama", {"rope_type": "linear", "factor": 4.0}), ("llama", YARN),
-    ("qwen2", {**YARN, "attention_factor": 0.8, "beta_fast": 16}), ("qwen3", {**YARN, "truncate": False}),
-    ("mistral", {"rope_type": "linear", "factor": 2.0}),
-])
+@pytest.mark.parametrize(
+    "arch, rope",
+    [
+        ("llama", LLAMA3),
+        ("llama", {"rope_type": "linear", "factor": 4.0}),
+        ("llama", YARN),
+        ("qwen2", {**YARN, "attention_factor": 0.8, "beta_fast": 16}),
+        ("qwen3", {**YARN, "truncate": False}),
+        ("mistral", {"rope_type": "linear", "factor": 2.0}),
+    ],
+)
 def test_rope_scaling_matches_transformers(tmp_path, arch, rope):
     from exactrl.model.rope import rope_frequencies
 
@@ -69,13 +81,16 @@ def test_rope_scaling_in_either_key_of_an_older_or_newer_config(tmp_path):
         assert (exactrl.sequence_logprobs(old, [seq])[0] - _hf_logprobs(hf, seq)).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("rope, words", [
-    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic': transformers recomputes its frequencies"),
-    ({"rope_type": "longrope", "factor": 2.0}, "rope_type='longrope'; implemented: default, linear, llama3, yarn"),
-    ({"rope_type": "linear"}, "rope_parameters.factor must be a positive number, got None"),
-    ({**LLAMA3, "high_freq_factor": 1.0}, "low_freq_factor and high_freq_factor must differ"),
-    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-])
+@pytest.mark.parametrize(
+    "rope, words",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic': transformers recomputes its frequencies"),
+        ({"rope_type": "longrope", "factor": 2.0}, "rope_type='longrope'; implemented: default, linear, llama3, yarn"),
+        ({"rope_type": "linear"}, "rope_parameters.factor must be a positive number, got None"),
+        ({**LLAMA3, "high_freq_factor": 1.0}, "low_freq_factor and high_freq_factor must differ"),
+        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ],
+)
 def test_rope_variants_not_implemented_or_malformed_are_named(tmp_path, rope, words):
     make_hf_model(tmp_path, "llama")
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -84,18 +99,24 @@ def test_rope_variants_not_implemented_or_malformed_are_named(tmp_path, rope, wo
         exactrl.load_model(tmp_path)
 
 
-@pytest.mark.parametrize("arch, over", [
-    ("mistral", dict(sliding_window=7)),
-    ("mistral", dict(sliding_window=None)),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=9, layer_types=["sliding_attention", "full_attention"])),
-])
+@pytest.mark.parametrize(
+    "arch, over",
+    [
+        ("mistral", dict(sliding_window=7)),
+        ("mistral", dict(sliding_window=None)),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=9, layer_types=["sliding_attention", "full_attention"])),
+    ],
+)
 def test_sliding_window_matches_transformers(tmp_path, arch, over):
     hf = make_hf_model(tmp_path, arch, **over)
     seqs = random_sequences(random.Random(2), 3, 40, 90, V)
     model = _check_against_hf(hf, tmp_path, seqs)
-    want = [hf.model.layers[i].self_attn.sliding_window or 0 for i in range(2)] if arch != "mistral" \
+    want = (
+        [hf.model.layers[i].self_attn.sliding_window or 0 for i in range(2)]
+        if arch != "mistral"
         else [hf.config.sliding_window or 0] * 2
+    )
     assert [layer.self_attn.window for layer in model.model.layers] == want
 
 
@@ -105,8 +126,14 @@ def test_mistral_loads_without_biases_and_round_trips(tmp_path):
     make_hf_model(tmp_path / "src", "mistral", sliding_window=11)
     model = exactrl.load_model(tmp_path / "src")
     c = model.config
-    assert (c.model_type, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, c.windows) == \
-        ("mistral", False, False, False, False, (11, 11))
+    assert (c.model_type, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, c.windows) == (
+        "mistral",
+        False,
+        False,
+        False,
+        False,
+        (11, 11),
+    )
     exactrl.save_model(model, tmp_path / "out")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(hf).__name__ == "MistralForCausalLM"
@@ -139,9 +166,10 @@ def test_exact_window_row_bits_are_those_of_the_row_alone(window):
     kp, vp = A.write_kv(torch.zeros(pages, Hk, B, D), torch.zeros(pages, Hk, B, D), k, v, lay)
     full = native.attention(q, kp, vp, lay.seq_N, lay.pos_N, lay.block_table_SJ, 0.25, window=window)
     for i in range(n):
-        one = native.attention(q[i:i + 1], kp, vp, lay.seq_N[i:i + 1], lay.pos_N[i:i + 1], lay.block_table_SJ, 0.25,
-                               window=window)
-        assert torch.equal(one, full[i:i + 1])
+        one = native.attention(
+            q[i : i + 1], kp, vp, lay.seq_N[i : i + 1], lay.pos_N[i : i + 1], lay.block_table_SJ, 0.25, window=window
+        )
+        assert torch.equal(one, full[i : i + 1])
     sdpa = A.fast_attention(q, kp, vp, A.plan_fast(lay, B), 0.25, window)
     assert torch.allclose(full, sdpa, rtol=1e-5, atol=1e-6)
     unwindowed = native.attention(q, kp, vp, lay.seq_N, lay.pos_N, lay.block_table_SJ, 0.25)

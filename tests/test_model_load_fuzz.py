@@ -8,10 +8,10 @@ damaged. The property: it loads and the forward runs (giving the valid model's l
 cannot matter), or it is a ValueError that names the file or the key, never an error from deep inside
 torch, safetensors or json.
 """
+
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import tempfile
@@ -32,21 +32,113 @@ from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, l
 HSET = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 SEQS = [[1, 5, 9, 2], [7, 3, 0]]
 # keys whose value cannot change the model's logits (ids the engine stops on, bookkeeping)
-IRRELEVANT = {"bos_token_id", "torch_dtype", "dtype", "architectures", "transformers_version", "use_cache",
-              "initializer_range", "attention_dropout", "pad_token_id", "_name_or_path", "foo"}
+IRRELEVANT = {
+    "bos_token_id",
+    "torch_dtype",
+    "dtype",
+    "architectures",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "pad_token_id",
+    "_name_or_path",
+    "foo",
+}
 BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
-SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "max_position_embeddings")
-KEYS = sorted({*SIZE_KEYS, *IRRELEVANT, "model_type", "rms_norm_eps", "rope_theta", "rope_parameters",
-               "rope_scaling", "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "eos_token_id",
-               "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
-VALUES = [..., None, 0, 1, -1, 2, 3, 4, 7, 16, 64, 10**13, 2**70, -(10**13), 1.5, 16.0, 0.0, -0.5, 1e-6, 1e6,
-          float("nan"), float("inf"), -float("inf"), True, False, "", "64", "abc", "qwen3", "llama", "qwen2",
-          "gpt2", "silu", "gelu", "true", [], [1], ["qwen3"], ["sliding_attention"], ["full_attention"] * 2, {},
-          {"rope_type": "default"}, {"rope_type": "yarn"}, {"rope_theta": 0}, {"rope_type": ["x"]},
-          {"rope_theta": "1e6"}, {"a": {"b": 1}}]
-TEXTS = ["", " ", "{", "[]", "[1, 2]", "null", "1", '"x"', "{}", "\x00\xff", "[" * 5000 + "]" * 5000,
-         '{"a": ' * 5000 + "1" + "}" * 5000]
+SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+KEYS = sorted(
+    {
+        *SIZE_KEYS,
+        *IRRELEVANT,
+        "model_type",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "hidden_act",
+        "eos_token_id",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+    }
+)
+VALUES = [
+    ...,
+    None,
+    0,
+    1,
+    -1,
+    2,
+    3,
+    4,
+    7,
+    16,
+    64,
+    10**13,
+    2**70,
+    -(10**13),
+    1.5,
+    16.0,
+    0.0,
+    -0.5,
+    1e-6,
+    1e6,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    True,
+    False,
+    "",
+    "64",
+    "abc",
+    "qwen3",
+    "llama",
+    "qwen2",
+    "gpt2",
+    "silu",
+    "gelu",
+    "true",
+    [],
+    [1],
+    ["qwen3"],
+    ["sliding_attention"],
+    ["full_attention"] * 2,
+    {},
+    {"rope_type": "default"},
+    {"rope_type": "yarn"},
+    {"rope_theta": 0},
+    {"rope_type": ["x"]},
+    {"rope_theta": "1e6"},
+    {"a": {"b": 1}},
+]
+TEXTS = [
+    "",
+    " ",
+    "{",
+    "[]",
+    "[1, 2]",
+    "null",
+    "1",
+    '"x"',
+    "{}",
+    "\x00\xff",
+    "[" * 5000 + "]" * 5000,
+    '{"a": ' * 5000 + "1" + "}" * 5000,
+]
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +197,21 @@ def test_any_consistent_small_config_runs_or_is_refused(tmp_path_factory, data):
     """A checkpoint saved from a config (so its tensors match it), odd sizes included: it loads and runs,
     or the config is refused by name."""
     heads = data.draw(st.integers(1, 4))
-    hf = dict(model_type=data.draw(st.sampled_from(["qwen3", "qwen2", "llama"])),
-              vocab_size=data.draw(st.integers(1, 40)), hidden_size=data.draw(st.integers(1, 12)),
-              intermediate_size=data.draw(st.integers(1, 12)), num_hidden_layers=data.draw(st.integers(1, 2)),
-              num_attention_heads=heads, num_key_value_heads=data.draw(st.integers(1, 4)),
-              head_dim=data.draw(st.integers(1, 7)), max_position_embeddings=data.draw(st.integers(1, 16)),
-              rms_norm_eps=data.draw(st.sampled_from([1e-6, 1e-30, 1.0, 1e30])),
-              rope_theta=data.draw(st.sampled_from([1e-30, 0.5, 1.0, 1e4, 1e300])),
-              tie_word_embeddings=data.draw(st.booleans()), attention_bias=data.draw(st.booleans()))
+    hf = dict(
+        model_type=data.draw(st.sampled_from(["qwen3", "qwen2", "llama"])),
+        vocab_size=data.draw(st.integers(1, 40)),
+        hidden_size=data.draw(st.integers(1, 12)),
+        intermediate_size=data.draw(st.integers(1, 12)),
+        num_hidden_layers=data.draw(st.integers(1, 2)),
+        num_attention_heads=heads,
+        num_key_value_heads=data.draw(st.integers(1, 4)),
+        head_dim=data.draw(st.integers(1, 7)),
+        max_position_embeddings=data.draw(st.integers(1, 16)),
+        rms_norm_eps=data.draw(st.sampled_from([1e-6, 1e-30, 1.0, 1e30])),
+        rope_theta=data.draw(st.sampled_from([1e-30, 0.5, 1.0, 1e4, 1e300])),
+        tie_word_embeddings=data.draw(st.booleans()),
+        attention_bias=data.draw(st.booleans()),
+    )
     try:
         cfg = ModelConfig.from_hf(hf)
     except ValueError as e:
@@ -131,8 +230,24 @@ def test_any_consistent_small_config_runs_or_is_refused(tmp_path_factory, data):
 
 # --------------------------------------------------------------------------- safetensors
 
-TENSOR_EDITS = ["drop", "extra", "rename", "transpose", "slice", "unsqueeze", "scalar", "int32", "int64", "bool",
-                "uint8", "float16", "bfloat16", "float64", "nan", "inf"]
+TENSOR_EDITS = [
+    "drop",
+    "extra",
+    "rename",
+    "transpose",
+    "slice",
+    "unsqueeze",
+    "scalar",
+    "int32",
+    "int64",
+    "bool",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "float64",
+    "nan",
+    "inf",
+]
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -182,8 +297,12 @@ def test_damaged_tensors_load_or_are_named(qwen3_dir, ref, picks):
 
 
 @HSET
-@given(cut=st.integers(0, 10**9), where=st.integers(0, 10**9), junk=st.binary(min_size=1, max_size=8),
-       how=st.sampled_from(["truncate", "overwrite", "header_length", "append"]))
+@given(
+    cut=st.integers(0, 10**9),
+    where=st.integers(0, 10**9),
+    junk=st.binary(min_size=1, max_size=8),
+    how=st.sampled_from(["truncate", "overwrite", "header_length", "append"]),
+)
 def test_damaged_safetensors_bytes_are_named(qwen3_dir, ref, cut, where, junk, how):
     tmp, d = _copy(qwen3_dir)
     with tmp:
@@ -191,10 +310,10 @@ def test_damaged_safetensors_bytes_are_named(qwen3_dir, ref, cut, where, junk, h
         data = f.read_bytes()
         header = 8 + int.from_bytes(data[:8], "little")
         if how == "truncate":
-            data = data[:cut % len(data)]
+            data = data[: cut % len(data)]
         elif how == "overwrite":  # inside the header: the tensor data can hold any bytes
             at = where % header
-            data = data[:at] + junk + data[at + len(junk):]
+            data = data[:at] + junk + data[at + len(junk) :]
         elif how == "header_length":
             data = (cut % 2**64).to_bytes(8, "little") + data[8:]
         else:
@@ -207,10 +326,28 @@ def test_damaged_safetensors_bytes_are_named(qwen3_dir, ref, cut, where, junk, h
 
 # --------------------------------------------------------------------------- sharded checkpoints
 
+
 @HSET
-@given(shards=st.integers(1, 3), seed=st.integers(0, 10**6),
-       how=st.sampled_from(["valid", "missing_file", "drop_entry", "int_value", "absolute", "dotdot", "subdir",
-                            "duplicate", "remove_shard", "map_list", "empty_name", "wrong_shard"]))
+@given(
+    shards=st.integers(1, 3),
+    seed=st.integers(0, 10**6),
+    how=st.sampled_from(
+        [
+            "valid",
+            "missing_file",
+            "drop_entry",
+            "int_value",
+            "absolute",
+            "dotdot",
+            "subdir",
+            "duplicate",
+            "remove_shard",
+            "map_list",
+            "empty_name",
+            "wrong_shard",
+        ]
+    ),
+)
 def test_damaged_shard_index_loads_or_is_named(qwen3_dir, ref, shards, seed, how):
     tmp, d = _copy(qwen3_dir)
     with tmp:
@@ -257,6 +394,7 @@ def test_damaged_shard_index_loads_or_is_named(qwen3_dir, ref, shards, seed, how
 
 # --------------------------------------------------------------------------- tokenizer
 
+
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
@@ -268,11 +406,28 @@ TOK_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(file=st.sampled_from(TOK_FILES), how=st.sampled_from(["delete", "text", "truncate", "edit"]),
-       text=st.sampled_from(TEXTS), cut=st.integers(0, 10**6),
-       key=st.sampled_from(["eos_token", "pad_token", "chat_template", "model", "added_tokens", "tokenizer_class",
-                            "model_max_length", "normalizer", "pre_tokenizer", "decoder", "model_type"]),
-       value=st.sampled_from(VALUES[1:]))
+@given(
+    file=st.sampled_from(TOK_FILES),
+    how=st.sampled_from(["delete", "text", "truncate", "edit"]),
+    text=st.sampled_from(TEXTS),
+    cut=st.integers(0, 10**6),
+    key=st.sampled_from(
+        [
+            "eos_token",
+            "pad_token",
+            "chat_template",
+            "model",
+            "added_tokens",
+            "tokenizer_class",
+            "model_max_length",
+            "normalizer",
+            "pre_tokenizer",
+            "decoder",
+            "model_type",
+        ]
+    ),
+    value=st.sampled_from(VALUES[1:]),
+)
 def test_a_damaged_tokenizer_loads_or_is_named(tok_dir, file, how, text, cut, key, value):
     tmp, d = _copy(tok_dir)
     with tmp:
@@ -283,7 +438,7 @@ def test_a_damaged_tokenizer_loads_or_is_named(tok_dir, file, how, text, cut, ke
             f.write_text(text)
         elif how == "truncate" and f.is_file():
             data = f.read_bytes()
-            f.write_bytes(data[:cut % len(data)])
+            f.write_bytes(data[: cut % len(data)])
         elif how == "edit":
             obj = json.loads(f.read_text()) if f.is_file() else {}
             obj[key] = value

@@ -3,6 +3,7 @@
 The model-level invariance suites (test_invariance.py, tests/engine/) run it through every
 path; these tests pin the kernel's own contract.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ def test_matches_causal_softmax_attention(dtype, D, H, Hk):
     q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (H, Hk, Hk))
     kp, vp, table = _paged(k, v, B, random.Random(0))
     o = native.attention(q, kp, vp, torch.zeros(n, dtype=torch.int64), torch.arange(n), table, D**-0.5)
-    ref = F.scaled_dot_product_attention(*(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
-                                         enable_gqa=True)[0].transpose(0, 1)
+    ref = F.scaled_dot_product_attention(
+        *(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
+    )[0].transpose(0, 1)
     assert o.dtype == torch.float32
     # bf16 operands widen to fp32 exactly and the reference takes the same rounded values: only fp32's
     # accumulation error is left in either dtype
@@ -59,7 +61,7 @@ def _attention_by_its_formula(q_HD, k_LHD, v_LHD, scale):
     acc = torch.zeros(k.shape[0], H, 8)
     for d0 in range(0, D, 8):
         w = min(8, D - d0)
-        acc[..., :w] = acc[..., :w] + qs[None, :, d0:d0 + w] * k[..., d0:d0 + w]
+        acc[..., :w] = acc[..., :w] + qs[None, :, d0 : d0 + w] * k[..., d0 : d0 + w]
     a = acc.unbind(-1)
     s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))  # [L, H]
     e = native.exp(s - s.max(0).values)
@@ -69,8 +71,9 @@ def _attention_by_its_formula(q_HD, k_LHD, v_LHD, scale):
     return o / l[:, None]
 
 
-@pytest.mark.parametrize("D,B,H,Hk", [(64, 16, 6, 2), (64, 8, 6, 2), (20, 8, 6, 2), (16, 4, 6, 2),
-                                       (16, 4, 18, 1)])  # 18 query heads per kv head: the sums' generic loop
+@pytest.mark.parametrize(
+    "D,B,H,Hk", [(64, 16, 6, 2), (64, 8, 6, 2), (20, 8, 6, 2), (16, 4, 6, 2), (16, 4, 18, 1)]
+)  # 18 query heads per kv head: the sums' generic loop
 def test_attention_computes_its_documented_order_bit_for_bit(D, B, H, Hk):
     """Scores of 8 keys at once (fp32, D a multiple of 8, 8 keys left in a page) and one key at a time give
     the bits of the formula in exact.c's header: rows whose keys end anywhere in a page. Some query heads
@@ -83,7 +86,7 @@ def test_attention_computes_its_documented_order_bit_for_bit(D, B, H, Hk):
     kp, vp, table = _paged(k, v, B, random.Random(2))
     o = native.attention(q, kp, vp, torch.zeros(n, dtype=torch.int64), torch.arange(n), table, D**-0.5)
     for t in (0, 6, 7, 8, 15, 16, 23, 24, 31, 40):
-        assert torch.equal(o[t], _attention_by_its_formula(q[t], k[:t + 1], v[:t + 1], D**-0.5)), t
+        assert torch.equal(o[t], _attention_by_its_formula(q[t], k[: t + 1], v[: t + 1], D**-0.5)), t
 
 
 def test_sdpa_does_not_compute_the_documented_order():
@@ -97,7 +100,7 @@ def test_sdpa_does_not_compute_the_documented_order():
     kp, vp, table = _paged(k, v, B, random.Random(2))
     lay = TokenLayout(torch.zeros(n, dtype=torch.int64), torch.arange(n), table)
     o = fast_attention(q, kp, vp, plan_fast(lay, B), D**-0.5)
-    rows = [_attention_by_its_formula(q[t], k[:t + 1], v[:t + 1], D**-0.5) for t in range(8, n)]
+    rows = [_attention_by_its_formula(q[t], k[: t + 1], v[: t + 1], D**-0.5) for t in range(8, n)]
     assert all(torch.allclose(o[t], r, atol=1e-5) for t, r in zip(range(8, n), rows))
     assert not all(torch.equal(o[t], r) for t, r in zip(range(8, n), rows))
 
@@ -115,14 +118,15 @@ def test_a_row_depends_only_on_its_own_keys_whatever_else_is_in_the_call():
     try:
         for t in range(0, n, 7):
             torch.set_num_threads(rng.choice([1, 2]))
-            one = native.attention(q[t:t + 1], kp, vp, seq[:1], pos[t:t + 1], table, 0.2)
+            one = native.attention(q[t : t + 1], kp, vp, seq[:1], pos[t : t + 1], table, 0.2)
             assert torch.equal(one[0], full[t]), t
             # the same row inside a call with another sequence's rows before it (its own pages elsewhere)
             kp2, vp2, table2 = _paged(k, v, B, rng, spare=8)
-            qq = torch.cat([torch.randn(5, H, D, generator=g), q[t:t + 1]])
+            qq = torch.cat([torch.randn(5, H, D, generator=g), q[t : t + 1]])
             both = torch.cat([table2, torch.roll(table2, 1, dims=1)])
-            out = native.attention(qq, kp2, vp2, torch.tensor([1] * 5 + [0]), torch.tensor([3, 9, 0, 60, 11, t]),
-                                   both, 0.2)
+            out = native.attention(
+                qq, kp2, vp2, torch.tensor([1] * 5 + [0]), torch.tensor([3, 9, 0, 60, 11, t]), both, 0.2
+            )
             assert torch.equal(out[-1], full[t]), t
     finally:
         torch.set_num_threads(threads)
@@ -141,7 +145,7 @@ def test_rms_norm_rows_are_invariant_and_close_to_torch(dtype):
     try:
         for i, n, t in [(0, 1, 1), (17, 3, 2), (250, 50, 2), (299, 1, 2)]:
             torch.set_num_threads(t)
-            assert torch.equal(exact_rms_norm(x[i:i + n], w, 1e-6), full[i:i + n]), (i, n, t)
+            assert torch.equal(exact_rms_norm(x[i : i + n], w, 1e-6), full[i : i + n]), (i, n, t)
     finally:
         torch.set_num_threads(threads)
 
@@ -269,21 +273,33 @@ def test_a_missing_compiler_stops_the_cli_in_one_line_as_the_model_loads(qwen3_d
     import sys
 
     env = {**os.environ, "CC": "no-such-compiler-exactrl", "EXACTRL_CACHE": str(tmp_path / "empty-cache")}
-    done = subprocess.run([sys.executable, "-m", "exactrl", "parity", "--model", str(qwen3_dir)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "exactrl", "parity", "--model", str(qwen3_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "error: exactrl's exact kernels are compiled on first use and need a C compiler" in done.stderr
     # fast kernels too: the engine's KV cache is written by C code in either mode
     from conftest import make_hf_model
+
     from exactrl.model.tokenizer import build_tokenizer, load_tokenizer
 
     served = tmp_path / "served"
     build_tokenizer(served, ["1 + 2 = 3, hello world"] * 20)
     tok = load_tokenizer(served)
-    make_hf_model(served, "qwen3", vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id,
-                  pad_token_id=tok.pad_token_id)
-    done = subprocess.run([sys.executable, "-m", "exactrl", "serve", "--model", str(served), "--kernels", "fast",
-                           "--port", "0"], env=env, capture_output=True, text=True, timeout=300)
+    make_hf_model(
+        served, "qwen3", vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id, pad_token_id=tok.pad_token_id
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "exactrl", "serve", "--model", str(served), "--kernels", "fast", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "error: exactrl's exact kernels are compiled on first use and need a C compiler" in done.stderr
 
@@ -294,7 +310,7 @@ def test_a_missing_compiler_stops_the_cli_in_one_line_as_the_model_loads(qwen3_d
 def test_exp_is_within_one_ulp_and_keeps_the_special_values():
     x = torch.linspace(-86.0, 88.72, 400_001)
     want = x.double().exp()
-    ulp = (want.float().nextafter(torch.tensor(math.inf)).double() - want.float().double())
+    ulp = want.float().nextafter(torch.tensor(math.inf)).double() - want.float().double()
     assert ((native.exp(x).double() - want).abs() / ulp).max() <= 1.0
     special = torch.tensor([math.nan, math.inf, -math.inf, 89.0, -86.5, 0.0, -0.0])
     got = native.exp(special)
@@ -336,9 +352,9 @@ def test_draw_and_entropy_of_a_row_do_not_depend_on_the_other_rows_or_the_thread
     try:
         torch.set_num_threads(1)
         for r in range(9):
-            one, one_lp = native.draw(lp[r:r + 1], 64, u[r:r + 1], greedy[r:r + 1])
+            one, one_lp = native.draw(lp[r : r + 1], 64, u[r : r + 1], greedy[r : r + 1])
             assert one == tok[r] and one_lp == tlp[r]
-            assert torch.equal(native.entropy(lp[r:r + 1]), ent[r:r + 1])
+            assert torch.equal(native.entropy(lp[r : r + 1]), ent[r : r + 1])
     finally:
         torch.set_num_threads(threads)
     p = lp.double().exp()
@@ -360,8 +376,8 @@ def test_log_softmax_rows_do_not_depend_on_the_batch_or_the_threads_and_match_to
         for t in (1, 2):
             torch.set_num_threads(t)
             for r in (0, 2, 32):
-                assert torch.equal(native.log_softmax(z[r:r + 1]), lp[r:r + 1])
-                assert torch.equal(native.log_softmax(torch.cat([z[r:r + 1], z[:5]])[:1]), lp[r:r + 1])
+                assert torch.equal(native.log_softmax(z[r : r + 1]), lp[r : r + 1])
+                assert torch.equal(native.log_softmax(torch.cat([z[r : r + 1], z[:5]])[:1]), lp[r : r + 1])
     finally:
         torch.set_num_threads(threads)
     bad = torch.randn(3, 40, generator=g)
@@ -391,8 +407,9 @@ def test_draw_marks_a_row_it_cannot_draw_from():
     lp = torch.log_softmax(torch.randn(4, 50), -1)
     lp[1], lp[2, 9] = -math.inf, math.nan
     for greedy in (False, True):
-        tok, tlp = native.draw(lp, 16, torch.full((4,), 0.5, dtype=torch.float64),
-                               torch.full((4,), greedy, dtype=torch.bool))
+        tok, tlp = native.draw(
+            lp, 16, torch.full((4,), 0.5, dtype=torch.float64), torch.full((4,), greedy, dtype=torch.bool)
+        )
         assert tok[0] >= 0 and tok[3] >= 0 and tok[1] == -1 and torch.isnan(tlp[1])
         assert (tok[2] == -1) == (not greedy)  # greedy takes the max of the rest; the engine's rows are all NaN
 
@@ -416,7 +433,7 @@ def test_sample_is_log_softmax_then_draw_bit_for_bit(build):
         try:
             torch.set_num_threads(1)
             for r in (0, 3, 11):
-                one, one_lp = native.sample(z[r:r + 1], 64, u[r:r + 1], greedy[r:r + 1], build)
+                one, one_lp = native.sample(z[r : r + 1], 64, u[r : r + 1], greedy[r : r + 1], build)
                 assert one == tok[r] and one_lp == tlp[r]
         finally:
             torch.set_num_threads(threads)
@@ -428,17 +445,21 @@ def test_log_softmax_entropy_is_the_two_calls_bit_for_bit(build):
     `log_softmax` then `entropy` on every build: ordinary, truncated (-inf), NaN and all -inf rows, lengths
     that are not a multiple of the lanes; a row alone gives its bits among others."""
     if build.encode() == native.library().exactrl_gemm_build() or (
-            build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"):
-        pytest.skip(f"this CPU cannot run the {build} build beside another one (its own is "
-                    f"{native.library().exactrl_gemm_build().decode()})")
+        build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"
+    ):
+        pytest.skip(
+            f"this CPU cannot run the {build} build beside another one (its own is "
+            f"{native.library().exactrl_gemm_build().decode()})"
+        )
     g = torch.Generator().manual_seed(7)
     z = torch.randn(10, 3001, generator=g) * 6
     z[3, 100:], z[4, 17], z[5] = -math.inf, math.nan, -math.inf
     ref_lp = native.log_softmax(z, build)
     ref_ent = native.entropy(ref_lp, build)
     lp, ent = native.log_softmax_entropy(z, build=build)
-    assert torch.equal(lp.nan_to_num(7.0), ref_lp.nan_to_num(7.0)) and torch.equal(ent.nan_to_num(7.0),
-                                                                                  ref_ent.nan_to_num(7.0))
+    assert torch.equal(lp.nan_to_num(7.0), ref_lp.nan_to_num(7.0)) and torch.equal(
+        ent.nan_to_num(7.0), ref_ent.nan_to_num(7.0)
+    )
     assert ent[0] > 0 and torch.isnan(ent[4]) and torch.isfinite(ent[3])
     zc = z.clone()
     lp_in, ent_in = native.log_softmax_entropy(zc, inplace=True, build=build)
@@ -461,9 +482,12 @@ def test_write_rows_is_index_copy_and_refuses_a_row_outside_the_store():
 def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
     """pointwise.c's exp is plain arithmetic: vectorised 16 or 8 wide, or not at all, the same bits."""
     if build.encode() == native.library().exactrl_gemm_build() or (
-            build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"):
-        pytest.skip(f"this CPU cannot run the {build} build beside another one (its own is "
-                    f"{native.library().exactrl_gemm_build().decode()})")
+        build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"
+    ):
+        pytest.skip(
+            f"this CPU cannot run the {build} build beside another one (its own is "
+            f"{native.library().exactrl_gemm_build().decode()})"
+        )
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 3001, generator=g) * 30
     lp = torch.log_softmax(x, -1)
@@ -471,13 +495,16 @@ def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
     tgt = torch.randint(3001, (5,), generator=g)
     g_lp, g_ent = torch.randn(5, generator=g), torch.randn(5, generator=g)
     ent = native.entropy(lp)
-    for f in (lambda b: native.exp(x, b), lambda b: native.swiglu(x, x.flip(0), b),
-              lambda b: torch.cat(native.swiglu_backward(x, x.flip(0), x.flip(1), b)),
-              lambda b: native.draw(lp, 256, u, torch.zeros(5, dtype=torch.bool), b)[0],
-              lambda b: native.log_softmax(x, b),
-              lambda b: native.entropy(lp, b),
-              lambda b: native.head_grad(lp, g_lp, g_lp, tgt, g_ent, ent, 0.7, b),
-              lambda b: native.head_grad(lp.clone(), g_lp, g_lp, tgt, g_ent, ent, 0.7, b, inplace=True)):
+    for f in (
+        lambda b: native.exp(x, b),
+        lambda b: native.swiglu(x, x.flip(0), b),
+        lambda b: torch.cat(native.swiglu_backward(x, x.flip(0), x.flip(1), b)),
+        lambda b: native.draw(lp, 256, u, torch.zeros(5, dtype=torch.bool), b)[0],
+        lambda b: native.log_softmax(x, b),
+        lambda b: native.entropy(lp, b),
+        lambda b: native.head_grad(lp, g_lp, g_lp, tgt, g_ent, ent, 0.7, b),
+        lambda b: native.head_grad(lp.clone(), g_lp, g_lp, tgt, g_ent, ent, 0.7, b, inplace=True),
+    ):
         assert torch.equal(f(""), f(build))
     # in place (the trainer's LM head backward writes the gradient over its kept logprobs): the same bits,
     # the target's own entry included (read before the row is overwritten)
@@ -492,9 +519,12 @@ def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
 def test_attention_gives_the_same_bits_in_every_build(build):
     """exact.c's attention on exp_f (no libm expf): another vector width, or none, the same bits."""
     if build.encode() == native.library().exactrl_gemm_build() or (
-            build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"):
-        pytest.skip(f"this CPU cannot run the {build} build beside another one (its own is "
-                    f"{native.library().exactrl_gemm_build().decode()})")
+        build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"
+    ):
+        pytest.skip(
+            f"this CPU cannot run the {build} build beside another one (its own is "
+            f"{native.library().exactrl_gemm_build().decode()})"
+        )
     g = torch.Generator().manual_seed(3)
     P, Hk, B, D, H = 6, 2, 4, 20, 6
     k, v = torch.randn(P, Hk, B, D, generator=g), torch.randn(P, Hk, B, D, generator=g)
@@ -505,9 +535,26 @@ def test_attention_gives_the_same_bits_in_every_build(build):
     outs = []
     for b in ("", build):
         out = torch.empty(9, H, D)
-        native.library(b).exactrl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, seq.data_ptr(),
-                                            pos.data_ptr(), table.data_ptr(), 9, H, Hk, D, B, 3, 0, 0.125,
-                                            out.data_ptr(), None, torch.get_num_threads())
+        native.library(b).exactrl_attention(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            0,
+            seq.data_ptr(),
+            pos.data_ptr(),
+            table.data_ptr(),
+            9,
+            H,
+            Hk,
+            D,
+            B,
+            3,
+            0,
+            0.125,
+            out.data_ptr(),
+            None,
+            torch.get_num_threads(),
+        )
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], native.attention(q, k, v, seq, pos, table, 0.125))
@@ -534,14 +581,16 @@ def test_an_installed_package_ships_every_file_the_kernels_compile_from():
     every header a source includes, must match them (the headers once did not, and nothing compiled)."""
     import fnmatch
     import re
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     from exactrl.kernels import native
 
     root = Path(native.__file__).parents[3]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "exactrl.kernels.native"]
+        "exactrl.kernels.native"
+    ]
     included = {m for f in native.SOURCES for m in re.findall(r'#include "([^"]+)"', f.read_text())}
     assert included == {h.name for h in native.HEADERS}
     for f in (*native.SOURCES, *native.HEADERS):

@@ -6,6 +6,7 @@ the backend, and the `fast` twin that differs. The interpreter runs a tl.dot as 
 (kernels/triton/ops.py INTERPRETED), so on CPU these check the tiles, masks and loops; the matrix
 instructions themselves are checked on a GPU. Kept small: the interpreter is slow.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,18 @@ pytest.importorskip("triton")
 if os.environ["TRITON_INTERPRET"] != "1":
     pytest.skip("TRITON_INTERPRET is set to something else", allow_module_level=True)
 
-import exactrl  # noqa: E402
-from exactrl.kernels.triton import ops  # noqa: E402
-from exactrl.model.checkpoint import resolve_device  # noqa: E402
 from conftest import make_hf_model  # noqa: E402
 
+import exactrl  # noqa: E402
+from exactrl.kernels.triton import attention as tattn  # noqa: E402
+from exactrl.kernels.triton import ops  # noqa: E402
+from exactrl.model.checkpoint import resolve_device  # noqa: E402
+
 # numpy's inf - inf in masked lanes; the interpreter's int() of one-element arrays
-pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 def rel(a, ref):
@@ -41,7 +46,7 @@ def test_linear_matches_float64_and_each_row_is_its_own(dtype, tol):
     x = torch.randn(37, 80, generator=g).to(dtype)
     y = ops.linear(x, w)
     assert rel(y, x.double() @ w.double().T) < tol
-    assert torch.equal(torch.cat([ops.linear(x[i:i + 1], w) for i in range(37)]), y)
+    assert torch.equal(torch.cat([ops.linear(x[i : i + 1], w) for i in range(37)]), y)
     other = torch.randn(140, 80, generator=g).to(dtype)
     assert torch.equal(ops.linear(torch.cat([other, x]), w)[140:], y)
 
@@ -84,7 +89,7 @@ def test_draw_is_a_function_of_the_row_alone():
     tok, out = ops.draw(lp, keys, greedy)
     assert tok[5] == lp[5].argmax() and torch.equal(out, lp[torch.arange(6), tok])
     for i in range(6):
-        t, o = ops.draw(lp[i:i + 1], keys[i:i + 1], greedy[i:i + 1])
+        t, o = ops.draw(lp[i : i + 1], keys[i : i + 1], greedy[i : i + 1])
         assert t.item() == tok[i] and o.item() == out[i]
     bad = lp[:1].clone()
     bad[0, 3] = float("nan")
@@ -108,21 +113,23 @@ def test_attention_matches_float64_and_prefill_chunks_decode_agree(dtype):
     table = torch.full((3, 4), -1, dtype=torch.int64)
     perm, c = torch.randperm(P, generator=g), 0
     for s, n in enumerate(lens):
-        table[s, :-(-n // B)] = perm[c:c - (-n // B)]
+        table[s, : -(-n // B)] = perm[c : c - (-n // B)]
         c -= -n // B
     seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lens)])
     pos = torch.cat([torch.arange(n) for n in lens])
     q = torch.randn(len(seq), H, D, generator=g).to(dtype)
 
     def att(idx):
-        return ops.attention(q[idx], kp, vp, ops.attention_tiles(seq[idx], H // Hk), seq[idx], pos[idx], table,
-                             1 / math.sqrt(D))[0]
+        return tattn.attention(
+            q[idx], kp, vp, tattn.attention_tiles(seq[idx], H // Hk), seq[idx], pos[idx], table, 1 / math.sqrt(D)
+        )[0]
+
     full = att(torch.arange(len(seq)))
     ref = torch.empty(len(seq), H, D, dtype=torch.float64)
     for i in range(len(seq)):
         s, p = seq[i].item(), pos[i].item()
-        keys = torch.cat([kp[table[s, j]] for j in range(p // B + 1)], 1)[:, :p + 1].double()
-        vals = torch.cat([vp[table[s, j]] for j in range(p // B + 1)], 1)[:, :p + 1].double()
+        keys = torch.cat([kp[table[s, j]] for j in range(p // B + 1)], 1)[:, : p + 1].double()
+        vals = torch.cat([vp[table[s, j]] for j in range(p // B + 1)], 1)[:, : p + 1].double()
         for h in range(H):
             w = torch.softmax(keys[h // 2] @ q[i, h].double() / math.sqrt(D), 0)
             ref[i, h] = w @ vals[h // 2]
@@ -145,8 +152,10 @@ def test_windowed_attention_pages_before_a_rows_window_leave_it_unchanged():
     q = torch.randn(n, H, D, generator=g)
 
     def att(idx):
-        return ops.attention(q[idx], kp, vp, ops.attention_tiles(seq[idx], H // Hk), seq[idx], pos[idx], table,
-                             0.25, window)[0]
+        return tattn.attention(
+            q[idx], kp, vp, tattn.attention_tiles(seq[idx], H // Hk), seq[idx], pos[idx], table, 0.25, window
+        )[0]
+
     full = att(torch.arange(n))
     assert torch.isfinite(full).all()
     assert torch.equal(torch.cat([att(torch.tensor([i])) for i in (17, 20, 23)]), full[[17, 20, 23]])
@@ -165,7 +174,8 @@ def engine_vs_trainer(model) -> float:
     rng = random.Random(0)
     prompts = [[rng.randrange(211) for _ in range(rng.randint(3, 40))] for _ in range(4)]
     outs = exactrl.Engine(model, kv_budget_tokens=2048).generate(
-        prompts, exactrl.SamplingParams(max_tokens=10, n=2, seed=1, temperature=0.9))
+        prompts, exactrl.SamplingParams(max_tokens=10, n=2, seed=1, temperature=0.9)
+    )
     seqs = [p + c.token_ids for p, cs in zip(prompts, outs) for c in cs]
     lps = exactrl.sequence_logprobs(model, seqs, temperature=0.9)
     got = [torch.tensor(c.logprobs) for cs in outs for c in cs]

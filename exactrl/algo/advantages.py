@@ -18,20 +18,23 @@ float64.
 
 Legend: P prompts, G samples per prompt.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from exactrl.argcheck import check_arg_types
 from exactrl.algo.types import check_kwargs
+from exactrl.argcheck import check_arg_types
 
 
 def _check_rewards(rewards_PG: torch.Tensor) -> torch.Tensor:
     if not isinstance(rewards_PG, torch.Tensor) or rewards_PG.dim() != 2:
-        raise ValueError("rewards_PG must be a 2-D [P prompts, G samples] tensor, "
-                         f"got {getattr(rewards_PG, 'shape', type(rewards_PG))}")
+        raise ValueError(
+            "rewards_PG must be a 2-D [P prompts, G samples] tensor, "
+            f"got {getattr(rewards_PG, 'shape', type(rewards_PG))}"
+        )
     if rewards_PG.numel() == 0:
         raise ValueError(f"rewards_PG is empty (shape {tuple(rewards_PG.shape)})")
     if not bool(torch.isfinite(rewards_PG).all()):
@@ -57,8 +60,11 @@ def _check_eps(eps: float) -> None:
 def _centre(x: torch.Tensor, dim: int | None) -> torch.Tensor:
     """x − mean(x) along `dim` (None: the whole tensor); exactly 0 where the values are all equal."""
     keep = dim is not None
-    mean, same = ((x.mean(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True) == x.amin(dim=dim, keepdim=True))
-                  if keep else (x.mean(), x.max() == x.min()))
+    mean, same = (
+        (x.mean(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True) == x.amin(dim=dim, keepdim=True))
+        if keep
+        else (x.mean(), x.max() == x.min())
+    )
     return torch.where(same, torch.zeros_like(x), x - mean)
 
 
@@ -146,6 +152,8 @@ def compute_advantages(name: str, rewards_PG: torch.Tensor, **kwargs) -> torch.T
     advantages_PG = fn(rewards_PG, **kwargs)
     assert advantages_PG.shape == rewards_PG.shape
     if not bool(torch.isfinite(advantages_PG).all()):  # finite rewards near float64's max overflow mean or std
-        raise ValueError(f"rewards_PG up to {rewards_PG.abs().max().item():g} overflow the {name!r} advantages "
-                         f"(NaN or inf): scale the rewards down")
+        raise ValueError(
+            f"rewards_PG up to {rewards_PG.abs().max().item():g} overflow the {name!r} advantages "
+            f"(NaN or inf): scale the rewards down"
+        )
     return advantages_PG

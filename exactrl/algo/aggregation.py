@@ -34,9 +34,10 @@ sequence contributes exactly 0.
 
 Legend: B sequences, T tokens.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -96,8 +97,9 @@ AGG_MODES: dict[str, Callable[..., torch.Tensor]] = {  # (values_BT, mask_BT, no
 }
 
 
-def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm: LossNorm,
-              lengths_B: torch.Tensor | None = None) -> torch.Tensor:
+def aggregate(
+    values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm: LossNorm, lengths_B: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scalar aggregate of the unmasked `values_BT` under `mode` (see the module table). `lengths_B`: each
     sequence's tokens as sampled, n_b of `seq-mean-token-mean` (None: Σ_t m); at least its unmasked ones."""
     if mode not in AGG_MODES:
@@ -106,9 +108,13 @@ def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm: L
     check_same_shape({"values_BT": values_BT, "mask_BT": mask_BT})
     tokens, seqs = int(mask_BT.sum().item()), mask_BT.shape[0]
     if tokens > norm.total_tokens or seqs > norm.total_seqs:
-        raise ValueError(f"this micro-batch has {tokens} tokens / {seqs} sequences but LossNorm counts "
-                         f"{norm.total_tokens} / {norm.total_seqs}: build LossNorm over the whole step batch")
+        raise ValueError(
+            f"this micro-batch has {tokens} tokens / {seqs} sequences but LossNorm counts "
+            f"{norm.total_tokens} / {norm.total_seqs}: build LossNorm over the whole step batch"
+        )
     if lengths_B is not None and (lengths_B.shape != (seqs,) or bool((lengths_B < mask_BT.sum(dim=1)).any())):
-        raise ValueError(f"lengths_B must hold each of the {seqs} sequences' sampled tokens, at least its "
-                         f"unmasked ones: got {lengths_B.tolist()} for {mask_BT.sum(dim=1).tolist()} unmasked")
+        raise ValueError(
+            f"lengths_B must hold each of the {seqs} sequences' sampled tokens, at least its "
+            f"unmasked ones: got {lengths_B.tolist()} for {mask_BT.sum(dim=1).tolist()} unmasked"
+        )
     return AGG_MODES[mode](values_BT, mask_BT, norm, lengths_B)

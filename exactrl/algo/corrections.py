@@ -33,18 +33,19 @@ Two modes of using μ:
 
 Legend: B sequences, T tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from exactrl.argcheck import check_arg_types
 from exactrl.algo.aggregation import masked_mean, masked_values, seq_mean, seq_sum
 from exactrl.algo.kl import KL_ESTIMATORS, exp_ratio, kl_estimate
 from exactrl.algo.types import LossInputs, check_finite, check_kwargs, check_mask, check_same_shape
+from exactrl.argcheck import check_arg_types
 
 Metrics = dict[str, float]
 
@@ -124,8 +125,7 @@ class Correction:
     def __call__(self, old_logprobs_BT, behav_logprobs_BT, mask_BT, advantages_BT=None):
         b = _prepare(old_logprobs_BT, behav_logprobs_BT, mask_BT, advantages_BT)
         w_BT, keep_BT, metrics = self.compute(b)
-        weights_BT = torch.ones_like(mask_BT) if w_BT is None else \
-            torch.where(mask_BT > 0, w_BT, 1.0).to(mask_BT.dtype)
+        weights_BT = torch.ones_like(mask_BT) if w_BT is None else torch.where(mask_BT > 0, w_BT, 1.0).to(mask_BT.dtype)
         new_mask_BT = mask_BT if keep_BT is None else mask_BT * keep_BT.to(mask_BT.dtype)
         if keep_BT is not None:
             n = float(mask_BT.sum().item())
@@ -181,9 +181,14 @@ class SequenceTIS(Correction):
         lr_B = seq_sum(b.log_ratio_BT, b.mask_BT)
         w_B = _truncate(exp_ratio(lr_B), self.lower, self.upper)
         has_B = b.mask_BT.sum(dim=1) > 0
-        return w_B[:, None].expand_as(b.mask_BT), None, {
-            "clip_frac": _seq_frac(~_inside(lr_B, self.lower, self.upper), b.mask_BT),
-            "weight_mean": float(w_B[has_B].mean().item()) if bool(has_B.any()) else 1.0}
+        return (
+            w_B[:, None].expand_as(b.mask_BT),
+            None,
+            {
+                "clip_frac": _seq_frac(~_inside(lr_B, self.lower, self.upper), b.mask_BT),
+                "weight_mean": float(w_B[has_B].mean().item()) if bool(has_B.any()) else 1.0,
+            },
+        )
 
 
 class TokenMaskIS(Correction):
@@ -278,8 +283,10 @@ class Composed:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate corrections {keys}: each kind (and KL level) may appear once")
         if {"token_tis", "decoupled"} <= set(keys):
-            raise ValueError("corrections token_tis and decoupled both weigh each token by π_old/μ: together they "
-                             "would apply the ratio twice; keep one (decoupled takes bounds too)")
+            raise ValueError(
+                "corrections token_tis and decoupled both weigh each token by π_old/μ: together they "
+                "would apply the ratio twice; keep one (decoupled takes bounds too)"
+            )
         self.corrections = list(corrections)
         weighs = {c.weighs for c in self.corrections}
         # the applied weight is each token's own (truncated) ratio: a weight ≠ ρ_t marks a truncated token
@@ -322,8 +329,10 @@ def build_corrections(specs: Sequence[dict]) -> Composed:
         kwargs = {k: v for k, v in spec.items() if k != "name"}
         name = spec["name"]
         if not isinstance(name, str) or name not in CORRECTIONS:
-            raise ValueError(f"unknown correction {name!r}; valid: {sorted(CORRECTIONS)} "
-                             "(bypass mode is algorithm.bypass=true, not a correction)")
+            raise ValueError(
+                f"unknown correction {name!r}; valid: {sorted(CORRECTIONS)} "
+                "(bypass mode is algorithm.bypass=true, not a correction)"
+            )
         check_kwargs(CORRECTIONS[name], kwargs, f"correction {name!r}")
         check_arg_types(CORRECTIONS[name], kwargs, f"correction {name!r}")
         try:

@@ -29,7 +29,8 @@ difference can never round to zero.
 
 χ² and k1 are sample estimates over the batch's tokens, so they can be
 slightly negative when the mismatch is tiny. Ratios go through kl.exp_ratio, so
-a sequence whose Σ_t log ρ_t passes ±20 counts in chi2_seq as e^±40, not ∞. w is the applied weight (`weights_BT`, e.g. from `corrections`) on the tokens
+a sequence whose Σ_t log ρ_t passes ±20 counts in chi2_seq as e^±40, not ∞. w is the applied
+weight (`weights_BT`, e.g. from `corrections`) on the tokens
 that survived (`final_mask_BT`), or ρ_t itself when no weights are given. The
 χ² and KL figures always describe the raw, uncorrected mismatch. With no
 tokens at all every figure takes its on-policy value (0, or 1 for ess and
@@ -37,6 +38,7 @@ weights).
 
 Legend: B sequences, T tokens.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,26 +62,38 @@ def _mean_over_nonempty(values_B: torch.Tensor, mask_BT: torch.Tensor) -> float:
     return float(values_B[has_B].mean().item()) if bool(has_B.any()) else 0.0
 
 
-def logprob_diff_metrics(train_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor,
-                         mask_BT: torch.Tensor) -> dict[str, float]:
+def logprob_diff_metrics(
+    train_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> dict[str, float]:
     """The public train/rollout mismatch keys (slime's definition; 0.0 when no tokens)."""
-    train, rollout = _clean({"train_logprobs_BT": train_logprobs_BT,
-                             "rollout_logprobs_BT": rollout_logprobs_BT}, mask_BT)
+    train, rollout = _clean(
+        {"train_logprobs_BT": train_logprobs_BT, "rollout_logprobs_BT": rollout_logprobs_BT}, mask_BT
+    )
     abs_BT = (train - rollout).abs()
-    return {"train/train_rollout_logprob_abs_diff": _mean_over_nonempty(seq_mean(abs_BT, mask_BT), mask_BT),
-            "train/train_rollout_logprob_abs_diff_max": float(abs_BT.max().item()) if abs_BT.numel() else 0.0}
+    return {
+        "train/train_rollout_logprob_abs_diff": _mean_over_nonempty(seq_mean(abs_BT, mask_BT), mask_BT),
+        "train/train_rollout_logprob_abs_diff_max": float(abs_BT.max().item()) if abs_BT.numel() else 0.0,
+    }
 
 
 def _weight_stats(w_BT: torch.Tensor, keep_BT: torch.Tensor) -> dict[str, float]:
     """ess and is_weight_* of w over the kept tokens."""
     w = w_BT[keep_BT > 0]
     if w.numel() == 0:
-        return {"mismatch/ess": 1.0, "mismatch/is_weight_mean": 1.0,
-                "mismatch/is_weight_min": 1.0, "mismatch/is_weight_max": 1.0}
+        return {
+            "mismatch/ess": 1.0,
+            "mismatch/is_weight_mean": 1.0,
+            "mismatch/is_weight_min": 1.0,
+            "mismatch/is_weight_max": 1.0,
+        }
     sq = float(w.square().sum().item())
     ess = float(w.sum().item()) ** 2 / (w.numel() * sq) if sq > 0 else 0.0
-    return {"mismatch/ess": ess, "mismatch/is_weight_mean": float(w.mean().item()),
-            "mismatch/is_weight_min": float(w.min().item()), "mismatch/is_weight_max": float(w.max().item())}
+    return {
+        "mismatch/ess": ess,
+        "mismatch/is_weight_mean": float(w.mean().item()),
+        "mismatch/is_weight_min": float(w.min().item()),
+        "mismatch/is_weight_max": float(w.max().item()),
+    }
 
 
 def _differs(w, ratio):
@@ -97,22 +111,29 @@ def _correction_fracs(ratio_BT, weights_BT, mask_BT, final_BT, weighted_BT, toke
         seq_clip = float(differs_BT.any(dim=1).sum().item()) / max(int(weighed_B.sum().item()), 1)
     has_B = mask_BT.sum(dim=1) > 0
     removed_B = has_B & (final_BT.sum(dim=1) == 0)
-    return {"mismatch/token_clip_frac": clipped, "mismatch/seq_clip_frac": seq_clip,
-            "mismatch/token_mask_frac": 1.0 - float(final_BT.sum().item()) / n if mask_BT.sum() > 0 else 0.0,
-            "mismatch/seq_mask_frac": float(removed_B.sum().item()) / max(int(has_B.sum().item()), 1)}
+    return {
+        "mismatch/token_clip_frac": clipped,
+        "mismatch/seq_clip_frac": seq_clip,
+        "mismatch/token_mask_frac": 1.0 - float(final_BT.sum().item()) / n if mask_BT.sum() > 0 else 0.0,
+        "mismatch/seq_mask_frac": float(removed_B.sum().item()) / max(int(has_B.sum().item()), 1),
+    }
 
 
-def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
-                     weights_BT: torch.Tensor | None = None,
-                     final_mask_BT: torch.Tensor | None = None, weights_are_token_ratios: bool = True,
-                     weighted_mask_BT: torch.Tensor | None = None) -> dict[str, float]:
+def mismatch_metrics(
+    old_logprobs_BT: torch.Tensor,
+    behav_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    weights_BT: torch.Tensor | None = None,
+    final_mask_BT: torch.Tensor | None = None,
+    weights_are_token_ratios: bool = True,
+    weighted_mask_BT: torch.Tensor | None = None,
+) -> dict[str, float]:
     """Flat `mismatch/...` metrics (see the module docstring for each key). `weights_are_token_ratios`:
     whether `weights_BT` are the tokens' own (truncated) ratios, which token_clip_frac compares with ρ_t.
     `weighted_mask_BT`: the tokens the weights were computed for, over which ess, is_weight_* and
     token_clip_frac are taken (default `final_mask_BT`; a trainer that keeps tokens out of the loss
     before the corrections run, as overlong.mask_truncated does, passes those the corrections saw)."""
-    old_BT, behav_BT = _clean({"old_logprobs_BT": old_logprobs_BT, "behav_logprobs_BT": behav_logprobs_BT},
-                              mask_BT)
+    old_BT, behav_BT = _clean({"old_logprobs_BT": old_logprobs_BT, "behav_logprobs_BT": behav_logprobs_BT}, mask_BT)
     final_BT = mask_BT if final_mask_BT is None else final_mask_BT
     check_mask("final_mask_BT", final_BT)
     if bool(((final_BT > 0) & (mask_BT == 0)).any()):
@@ -127,7 +148,8 @@ def mismatch_metrics(old_logprobs_BT: torch.Tensor, behav_logprobs_BT: torch.Ten
         "mismatch/k3": float(masked_mean(kl_estimate(behav_BT, old_BT, "k3"), mask_BT).item()),
         "mismatch/log_ppl_diff": _mean_over_nonempty(seq_mean(lr_BT, mask_BT), mask_BT),
         "mismatch/chi2_token": float(masked_mean(ratio_BT.square(), mask_BT).item()) - 1.0
-        if mask_BT.sum() > 0 else 0.0,
+        if mask_BT.sum() > 0
+        else 0.0,
         "mismatch/chi2_seq": _mean_over_nonempty(seq_ratio_B.square() - 1.0, mask_BT),
     }
     weighted_BT = final_BT if weighted_mask_BT is None else weighted_mask_BT

@@ -48,9 +48,10 @@ Numerics shared by the losses and corrections:
 
 Legend: B sequences, T tokens.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -90,11 +91,7 @@ def _k3(logp_BT: torch.Tensor, logq_BT: torch.Tensor) -> torch.Tensor:
     return exp_ratio(r_BT) - r_BT - 1.0
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": _k1,
-    "k2": _k2,
-    "k3": _k3,
-}
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
 def kl_estimate(logp_BT: torch.Tensor, logq_BT: torch.Tensor, kind: str) -> torch.Tensor:
@@ -110,8 +107,9 @@ def kl_estimate(logp_BT: torch.Tensor, logq_BT: torch.Tensor, kind: str) -> torc
     return KL_ESTIMATORS[kind](logp_BT, logq_BT)
 
 
-def kl_reward_penalty(behav_lps: list[torch.Tensor], ref_lps: list[torch.Tensor], kind: str,
-                      coef: float) -> tuple[list[float], dict[str, float]]:
+def kl_reward_penalty(
+    behav_lps: list[torch.Tensor], ref_lps: list[torch.Tensor], kind: str, coef: float
+) -> tuple[list[float], dict[str, float]]:
     """KL to the reference in the reward (`algorithm.kl.where: reward`): one penalty per sequence.
 
         penalty_i = β · Σ_t kl_t,   kl_t = kind-estimate of KL(π‖π_ref) at token t of sequence i
@@ -123,9 +121,11 @@ def kl_reward_penalty(behav_lps: list[torch.Tensor], ref_lps: list[torch.Tensor]
     """
     if len(behav_lps) != len(ref_lps):
         raise ValueError(f"kl_reward_penalty: {len(behav_lps)} behaviour sequences but {len(ref_lps)} reference ones")
-    per_seq = [kl_estimate(b.double(), r.double(), kind).sum().item() if len(b) else 0.0
-               for b, r in zip(behav_lps, ref_lps)]
+    per_seq = [
+        kl_estimate(b.double(), r.double(), kind).sum().item() if len(b) else 0.0 for b, r in zip(behav_lps, ref_lps)
+    ]
     n = max(len(per_seq), 1)
-    return [coef * k for k in per_seq], {"rollout/kl_ref_per_seq": sum(per_seq) / n,
-                                         "rollout/kl_penalty_mean": coef * sum(per_seq) / n}
-
+    return [coef * k for k in per_seq], {
+        "rollout/kl_ref_per_seq": sum(per_seq) / n,
+        "rollout/kl_penalty_mean": coef * sum(per_seq) / n,
+    }

@@ -21,14 +21,15 @@ means over the unmasked tokens of this micro-batch.
 
 Legend: B sequences, T tokens.
 """
+
 from __future__ import annotations
 
 import torch
 
-from exactrl.argcheck import check_arg_types
 from exactrl.algo.aggregation import aggregate, masked_mean, masked_values, seq_mean, seq_sum
 from exactrl.algo.kl import MAX_LOG_RATIO, exp_ratio, upcast
 from exactrl.algo.types import LossInputs, LossNorm, check_kwargs
+from exactrl.argcheck import check_arg_types
 
 Metrics = dict[str, float]
 
@@ -56,8 +57,9 @@ class PolicyLoss:
         adv_BT = masked_values(upcast(inp.advantages_BT), mask_BT)
         loss_BT, metrics = self.token_loss(lp_BT, old_BT, adv_BT, mask_BT)
         assert loss_BT.shape == lp_BT.shape, (loss_BT.shape, lp_BT.shape)
-        loss = aggregate(loss_BT * upcast(inp.weights_BT), mask_BT, agg_mode, norm,
-                         lengths_B=inp.sampled_mask_BT.sum(dim=1))
+        loss = aggregate(
+            loss_BT * upcast(inp.weights_BT), mask_BT, agg_mode, norm, lengths_B=inp.sampled_mask_BT.sum(dim=1)
+        )
         metrics["loss/weight_mean"] = _mean(inp.weights_BT, mask_BT)
         return loss, metrics
 
@@ -90,9 +92,11 @@ class PPOClipLoss(PolicyLoss):
         clipped_BT = ratio_BT.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
         loss_BT = torch.maximum(-adv_BT * ratio_BT, -adv_BT * clipped_BT)
         r = ratio_BT.detach()
-        metrics = {"loss/ratio_mean": _mean(r, mask_BT),
-                   "loss/clip_frac_low": _mean((adv_BT < 0) & (r < 1.0 - self.eps_low), mask_BT),
-                   "loss/clip_frac_high": _mean((adv_BT > 0) & (r > 1.0 + self.eps_high), mask_BT)}
+        metrics = {
+            "loss/ratio_mean": _mean(r, mask_BT),
+            "loss/clip_frac_low": _mean((adv_BT < 0) & (r < 1.0 - self.eps_low), mask_BT),
+            "loss/clip_frac_high": _mean((adv_BT > 0) & (r > 1.0 + self.eps_high), mask_BT),
+        }
         if self.dual_clip is not None:
             neg_BT = adv_BT < 0
             loss_BT = torch.where(neg_BT, torch.minimum(loss_BT, -self.dual_clip * adv_BT), loss_BT)
@@ -125,9 +129,11 @@ class GSPOLoss(PolicyLoss):
         clipped_BT = s_BT.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
         loss_BT = torch.maximum(-adv_BT * s_BT, -adv_BT * clipped_BT)
         s = s_BT.detach()
-        return loss_BT, {"loss/ratio_mean": _mean(s, mask_BT),
-                         "loss/clip_frac_low": _mean((adv_BT < 0) & (s < 1.0 - self.eps_low), mask_BT),
-                         "loss/clip_frac_high": _mean((adv_BT > 0) & (s > 1.0 + self.eps_high), mask_BT)}
+        return loss_BT, {
+            "loss/ratio_mean": _mean(s, mask_BT),
+            "loss/clip_frac_low": _mean((adv_BT < 0) & (s < 1.0 - self.eps_low), mask_BT),
+            "loss/clip_frac_high": _mean((adv_BT > 0) & (s > 1.0 + self.eps_high), mask_BT),
+        }
 
 
 class CISPOLoss(PolicyLoss):
@@ -148,9 +154,11 @@ class CISPOLoss(PolicyLoss):
     def token_loss(self, lp_BT, old_BT, adv_BT, mask_BT):
         r = exp_ratio(lp_BT - old_BT).detach()
         w_BT = r.clamp(1.0 - self.eps_low_is, 1.0 + self.eps_high_is)
-        return -w_BT * adv_BT * lp_BT, {"loss/ratio_mean": _mean(r, mask_BT),
-                                        "loss/clip_frac_low": _mean(r < 1.0 - self.eps_low_is, mask_BT),
-                                        "loss/clip_frac_high": _mean(r > 1.0 + self.eps_high_is, mask_BT)}
+        return -w_BT * adv_BT * lp_BT, {
+            "loss/ratio_mean": _mean(r, mask_BT),
+            "loss/clip_frac_low": _mean(r < 1.0 - self.eps_low_is, mask_BT),
+            "loss/clip_frac_high": _mean(r > 1.0 + self.eps_high_is, mask_BT),
+        }
 
 
 class ReinforceLoss(PolicyLoss):
@@ -184,8 +192,10 @@ class SAPOLoss(PolicyLoss):
         tau_BT = torch.full_like(ratio_BT, self.tau_neg).masked_fill(adv_BT > 0, self.tau_pos)
         sig_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0))
         s = sig_BT.detach()
-        return -(4.0 / tau_BT) * sig_BT * adv_BT, {"loss/ratio_mean": _mean(ratio_BT, mask_BT),
-                                                   "loss/gate_mean": _mean(4.0 * s * (1.0 - s), mask_BT)}
+        return -(4.0 / tau_BT) * sig_BT * adv_BT, {
+            "loss/ratio_mean": _mean(ratio_BT, mask_BT),
+            "loss/gate_mean": _mean(4.0 * s * (1.0 - s), mask_BT),
+        }
 
 
 class TOPRLoss(PolicyLoss):
@@ -214,8 +224,10 @@ class TOPRLoss(PolicyLoss):
         rho_BT = exp_ratio(log_ratio_BT)
         neg_BT = adv_BT < 0
         w_BT = torch.where(neg_BT, rho_BT.clamp(0.0, self.upper), torch.ones_like(rho_BT))
-        return -w_BT * adv_BT * lp_BT, {"loss/ratio_mean": _mean(rho_BT, mask_BT),
-                                        "loss/clip_frac_high": _mean(neg_BT & (rho_BT > self.upper), mask_BT)}
+        return -w_BT * adv_BT * lp_BT, {
+            "loss/ratio_mean": _mean(rho_BT, mask_BT),
+            "loss/clip_frac_high": _mean(neg_BT & (rho_BT > self.upper), mask_BT),
+        }
 
 
 LOSSES: dict[str, type[PolicyLoss]] = {

@@ -17,11 +17,12 @@ the tensor and, for non-finite values, the first bad (row, col).
 
 Legend: B sequences, T tokens.
 """
+
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -59,18 +60,27 @@ class LossInputs:
             if not x.is_floating_point():
                 raise ValueError(f"LossInputs.{name} must be a floating tensor, got {x.dtype}")
             if name != "logprobs_BT" and x.requires_grad:
-                raise ValueError(f"LossInputs.{name} requires grad: pass it .detach()ed; "
-                                 "only logprobs_BT (π_θ) may carry the graph")
+                raise ValueError(
+                    f"LossInputs.{name} requires grad: pass it .detach()ed; only logprobs_BT (π_θ) may carry the graph"
+                )
             if name not in ("mask_BT", "sampled_mask_BT"):
                 check_finite(f"LossInputs.{name}", x, self.mask_BT)
         if bool((self.mask_BT > self.sampled_mask_BT).any()):
-            raise ValueError("LossInputs.mask_BT keeps a token that sampled_mask_BT does not: a correction "
-                             "may only remove sampled tokens")
+            raise ValueError(
+                "LossInputs.mask_BT keeps a token that sampled_mask_BT does not: a correction "
+                "may only remove sampled tokens"
+            )
 
     def _named(self) -> dict[str, torch.Tensor]:
-        return {"logprobs_BT": self.logprobs_BT, "old_logprobs_BT": self.old_logprobs_BT,
-                "behav_logprobs_BT": self.behav_logprobs_BT, "advantages_BT": self.advantages_BT,
-                "mask_BT": self.mask_BT, "weights_BT": self.weights_BT, "sampled_mask_BT": self.sampled_mask_BT}
+        return {
+            "logprobs_BT": self.logprobs_BT,
+            "old_logprobs_BT": self.old_logprobs_BT,
+            "behav_logprobs_BT": self.behav_logprobs_BT,
+            "advantages_BT": self.advantages_BT,
+            "mask_BT": self.mask_BT,
+            "weights_BT": self.weights_BT,
+            "sampled_mask_BT": self.sampled_mask_BT,
+        }
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,7 @@ class LossNorm:
             raise ValueError(f"LossNorm.constant must be > 0 (e.g. max_tokens) or None, got {self.constant!r}")
 
     @classmethod
-    def from_masks(cls, masks_BT: Iterable[torch.Tensor], constant: float | None = None) -> "LossNorm":
+    def from_masks(cls, masks_BT: Iterable[torch.Tensor], constant: float | None = None) -> LossNorm:
         """Counts over every micro-batch mask of the step (they may differ in T).
 
         Every row counts as a sequence, even an empty one, so that a sequence's
@@ -108,7 +118,7 @@ class LossNorm:
         return cls(total_tokens=tokens, total_seqs=seqs, constant=constant)
 
     @classmethod
-    def from_mask(cls, mask_BT: torch.Tensor, constant: float | None = None) -> "LossNorm":
+    def from_mask(cls, mask_BT: torch.Tensor, constant: float | None = None) -> LossNorm:
         return cls.from_masks([mask_BT], constant)
 
 
@@ -134,8 +144,10 @@ def check_finite(name: str, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
     bad_BT = ~torch.isfinite(x_BT) & (mask_BT > 0)
     if bool(bad_BT.any()):
         row, col = (int(i) for i in bad_BT.nonzero()[0])
-        raise ValueError(f"{name} is non-finite ({x_BT[row, col].item()}) at unmasked (row {row}, col {col}); "
-                         f"{int(bad_BT.sum())} such tokens in total: fix the producer or mask them out")
+        raise ValueError(
+            f"{name} is non-finite ({x_BT[row, col].item()}) at unmasked (row {row}, col {col}); "
+            f"{int(bad_BT.sum())} such tokens in total: fix the producer or mask them out"
+        )
 
 
 def check_kwargs(factory: Callable, kwargs: dict, what: str, positional: tuple[str, ...] = ()) -> None:
@@ -147,7 +159,12 @@ def check_kwargs(factory: Callable, kwargs: dict, what: str, positional: tuple[s
     unknown = sorted(set(kwargs) - set(params))
     if unknown:
         raise ValueError(f"{what} got unknown arguments {unknown}; accepted: {sorted(params)}")
-    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kwargs
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and n not in kwargs
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     if missing:
         raise ValueError(f"{what} needs arguments {missing}")

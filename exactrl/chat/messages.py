@@ -16,6 +16,7 @@ message (token fields present) keeps what the model wrote, since its tokens,
 not its text, are the history. A tool message must answer a call of the
 assistant turn just before its run of tool messages (`check_tool_replies`).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,12 +33,36 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # takes itself (a clash is a TypeError there), the functions a template calls (transformers' and Jinja's globals:
 # a value would replace them), and the special tokens it passes (`bos_token`, ...: a client's value would be
 # rendered as that token)
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                                      "tokenize", "chat_template", "padding", "truncation", "max_length",
-                                      "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                                      "tokenizer_kwargs", "conversation", "conversations", "self",
-                                      "sanitize_control_tokens", "raise_exception", "strftime_now", "range", "dict",
-                                      "lipsum", "cycler", "joiner", "namespace"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "conversation",
+        "conversations",
+        "self",
+        "sanitize_control_tokens",
+        "raise_exception",
+        "strftime_now",
+        "range",
+        "dict",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "namespace",
+    }
+)
 # JSON nesting allowed in tool arguments and tool schemas: the chat template renders them recursively, and a
 # few hundred levels exhaust Python's recursion (a 500 for what is the request's fault)
 MAX_NESTING = 64
@@ -75,8 +100,7 @@ def _text(content: Any, where: str) -> str | None:
         parts = []
         for k, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"{where}[{k}]: only text parts ({{'type': 'text', 'text': ...}}) "
-                                 f"are supported")
+                raise ValueError(f"{where}[{k}]: only text parts ({{'type': 'text', 'text': ...}}) are supported")
             parts.append(part["text"])
         return "".join(parts)
     raise ValueError(f"{where} must be a string, a list of text parts or null")
@@ -90,11 +114,13 @@ def token_fields(msg: dict, index: int, vocab_size: int) -> TokenFields | None:
     where = f"messages[{index}]"
     if len(present) != len(TOKEN_FIELDS):
         missing = [f for f in TOKEN_FIELDS if f not in present]
-        raise InconsistentTokenFieldsError(f"{where} has {present} but not {missing}: send all three token fields "
-                                           f"exactly as returned, or none")
+        raise InconsistentTokenFieldsError(
+            f"{where} has {present} but not {missing}: send all three token fields exactly as returned, or none"
+        )
     if msg.get("role") != "assistant":
-        raise InconsistentTokenFieldsError(f"{where}: token fields are only valid on assistant messages, "
-                                           f"not role {msg.get('role')!r}")
+        raise InconsistentTokenFieldsError(
+            f"{where}: token fields are only valid on assistant messages, not role {msg.get('role')!r}"
+        )
     ids = {}
     for f in ("prompt_token_ids", "generation_token_ids"):
         v = msg[f]
@@ -102,7 +128,9 @@ def token_fields(msg: dict, index: int, vocab_size: int) -> TokenFields | None:
             raise InconsistentTokenFieldsError(f"{where}.{f} must be a list of integer token ids")
         bad = [t for t in v if not 0 <= t < vocab_size]
         if bad:
-            raise InconsistentTokenFieldsError(f"{where}.{f} holds id {bad[0]} outside the vocabulary [0, {vocab_size})")
+            raise InconsistentTokenFieldsError(
+                f"{where}.{f} holds id {bad[0]} outside the vocabulary [0, {vocab_size})"
+            )
         ids[f] = v
     lps = msg["generation_log_probs"]
     if not isinstance(lps, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
@@ -111,7 +139,8 @@ def token_fields(msg: dict, index: int, vocab_size: int) -> TokenFields | None:
         raise InconsistentTokenFieldsError(f"{where}: prompt_token_ids and generation_token_ids must be non-empty")
     if len(lps) != len(ids["generation_token_ids"]):
         raise InconsistentTokenFieldsError(
-            f"{where}: {len(ids['generation_token_ids'])} generation_token_ids but {len(lps)} generation_log_probs")
+            f"{where}: {len(ids['generation_token_ids'])} generation_token_ids but {len(lps)} generation_log_probs"
+        )
     if not all(math.isfinite(x) and x <= 0 for x in lps):
         raise InconsistentTokenFieldsError(f"{where}.generation_log_probs must be finite and <= 0")
     return TokenFields(ids["prompt_token_ids"], ids["generation_token_ids"], [float(x) for x in lps])
@@ -124,11 +153,15 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     for k, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+            raise ValueError(
+                f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}"
+            )
         if not TOOL_NAME.fullmatch(fn["name"]):  # the name is rendered raw: it could close the turn; the parser
             # would never read such a call back from the model's text either
-            raise ValueError(f"{where}.tool_calls[{k}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got "
-                             f"{reprlib.repr(fn['name'])}")
+            raise ValueError(
+                f"{where}.tool_calls[{k}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got "
+                f"{reprlib.repr(fn['name'])}"
+            )
         if c.get("type", "function") != "function":
             raise ValueError(f"{where}.tool_calls[{k}].type must be 'function', got {reprlib.repr(c['type'])}")
         if c.get("id") is not None and not isinstance(c["id"], str):
@@ -139,8 +172,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}.tool_calls[{k}].function.arguments is not valid JSON: {e}") from None
         except RecursionError:
-            raise ValueError(f"{where}.tool_calls[{k}].function.arguments is nested deeper than "
-                             f"{MAX_NESTING} levels") from None
+            raise ValueError(
+                f"{where}.tool_calls[{k}].function.arguments is nested deeper than {MAX_NESTING} levels"
+            ) from None
         if not isinstance(args, dict):
             raise ValueError(f"{where}.tool_calls[{k}].function.arguments must encode a JSON object")
         _check_nesting(args, f"{where}.tool_calls[{k}].function.arguments")
@@ -160,8 +194,10 @@ def template_message(msg: dict, index: int) -> dict:
     role = msg.get("role")
     if role not in ROLES:
         raise ValueError(f"{where}.role must be one of {list(ROLES)}, got {reprlib.repr(role)}")
-    out: dict = {"role": "system" if role == "developer" else role,
-                 "content": _text(msg.get("content"), where + ".content")}
+    out: dict = {
+        "role": "system" if role == "developer" else role,
+        "content": _text(msg.get("content"), where + ".content"),
+    }
     for key, owner in (("tool_calls", "assistant"), ("reasoning_content", "assistant"), ("tool_call_id", "tool")):
         if msg.get(key) and role != owner:  # the template would drop it without a word
             raise ValueError(f"{where}.{key} belongs on {owner!r} messages, not on role {role!r}")
@@ -193,7 +229,9 @@ def validate_tools(tools: Any) -> list[dict] | None:
     for k, t in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}")
+            raise ValueError(
+                f"{where} must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}"
+            )
         _check_nesting(t, where)
         fn = t["function"]
         name = fn.get("name")
@@ -207,8 +245,10 @@ def validate_tools(tools: Any) -> list[dict] | None:
         params = fn.get("parameters")
         if params is not None:
             if not isinstance(params, dict) or params.get("type", "object") != "object":
-                raise ValueError(f"{where}.function.parameters must be a JSON Schema object "
-                                 f"({{'type': 'object', 'properties': ...}})")
+                raise ValueError(
+                    f"{where}.function.parameters must be a JSON Schema object "
+                    f"({{'type': 'object', 'properties': ...}})"
+                )
             if "properties" in params and not isinstance(params["properties"], dict):
                 raise ValueError(f"{where}.function.parameters.properties must be an object")
             req = params.get("required", [])
@@ -223,12 +263,18 @@ def validate_template_kwargs(kwargs: Any) -> dict:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
-        raise ValueError(f"chat_template_kwargs must be an object of template variables, got "
-                         f"{type(kwargs).__name__}")
+        raise ValueError(f"chat_template_kwargs must be an object of template variables, got {type(kwargs).__name__}")
     for key in kwargs:
-        if not isinstance(key, str) or not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS or key.endswith("_token"):
-            raise ValueError(f"chat_template_kwargs may not set {reprlib.repr(key)}: the server sets the "
-                             f"template's messages, tools, generation prompt, special tokens and functions itself")
+        if (
+            not isinstance(key, str)
+            or not key.isidentifier()
+            or key in RESERVED_TEMPLATE_KWARGS
+            or key.endswith("_token")
+        ):
+            raise ValueError(
+                f"chat_template_kwargs may not set {reprlib.repr(key)}: the server sets the "
+                f"template's messages, tools, generation prompt, special tokens and functions itself"
+            )
     _check_nesting(kwargs, "chat_template_kwargs")
     return dict(kwargs)
 
@@ -244,10 +290,13 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> bool:
             raise ValueError("tool_choice='auto' needs tools")
         return True
     if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise ValueError("tool_choice 'required' or a named function needs constrained decoding, which this server "
-                         "does not implement (it would put forced tokens into the generation); use 'auto' or 'none'")
-    raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got "
-                     f"{reprlib.repr(tool_choice)}")
+        raise ValueError(
+            "tool_choice 'required' or a named function needs constrained decoding, which this server "
+            "does not implement (it would put forced tokens into the generation); use 'auto' or 'none'"
+        )
+    raise ValueError(
+        f"tool_choice must be 'auto', 'none', 'required' or a named function, got {reprlib.repr(tool_choice)}"
+    )
 
 
 def _strings(obj: Any, where: str):
@@ -263,8 +312,13 @@ def _strings(obj: Any, where: str):
             yield from _strings(v, f"{where}[{k}]")
 
 
-def check_rendered_text(tmsgs: list[dict], tools: list[dict] | None, specials: tuple[str, ...],
-                        generated: set[int] = frozenset(), template_kwargs: dict | None = None) -> None:
+def check_rendered_text(
+    tmsgs: list[dict],
+    tools: list[dict] | None,
+    specials: tuple[str, ...],
+    generated: set[int] = frozenset(),
+    template_kwargs: dict | None = None,
+) -> None:
     """Every string the template renders is valid Unicode, and none a client wrote spells a special token
     (`specials`, their texts); `generated`: indices of messages carrying token fields, whose text the model
     wrote (see the module docstring). Names the field, so the client knows what to escape."""
@@ -276,13 +330,16 @@ def check_rendered_text(tmsgs: list[dict], tools: list[dict] | None, specials: t
             try:
                 s.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"{where} is not valid Unicode: a lone surrogate {s[e.start]!r} at character "
-                                 f"{e.start}") from None
+                raise ValueError(
+                    f"{where} is not valid Unicode: a lone surrogate {s[e.start]!r} at character {e.start}"
+                ) from None
             hits = sorted((s.find(t), t) for t in specials if t in s) if written else []
             if hits:
-                raise ValueError(f"{where} holds the text of the special token {hits[0][1]!r} (at character "
-                                 f"{hits[0][0]}), which would be encoded as that token (a forged turn boundary); "
-                                 f"escape or remove it")
+                raise ValueError(
+                    f"{where} holds the text of the special token {hits[0][1]!r} (at character "
+                    f"{hits[0][0]}), which would be encoded as that token (a forged turn boundary); "
+                    f"escape or remove it"
+                )
 
 
 def check_tool_replies(tmsgs: list[dict]) -> None:
@@ -294,9 +351,13 @@ def check_tool_replies(tmsgs: list[dict]) -> None:
             calls = [c.get("id") for c in m.get("tool_calls", [])] or None
             continue
         if calls is None:
-            raise ValueError(f"messages[{i}] (role 'tool') answers no tool call: the message before its run of tool "
-                             f"messages must be an assistant message with tool_calls")
+            raise ValueError(
+                f"messages[{i}] (role 'tool') answers no tool call: the message before its run of tool "
+                f"messages must be an assistant message with tool_calls"
+            )
         cid = m.get("tool_call_id")
         if cid is not None and None not in calls and cid not in calls:
-            raise ValueError(f"messages[{i}].tool_call_id {reprlib.repr(cid)} matches none of the calls it answers "
-                             f"({', '.join(calls)})")
+            raise ValueError(
+                f"messages[{i}].tool_call_id {reprlib.repr(cid)} matches none of the calls it answers "
+                f"({', '.join(calls)})"
+            )

@@ -34,6 +34,7 @@ In `LLAMA3_JSON` the calls are known only when the text is complete (one more
 then, text that no longer can is content at once (but a value that does not
 decode yet, such as a number past Python's digit limit, is held to the end too).
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,11 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
 
 
 @dataclass
@@ -121,11 +125,11 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     """(reasoning or None, rest). Reasoning only when the text opens with `<think>`."""
     if not text.startswith(THINK_OPEN):
         return None, text
-    body = text[len(THINK_OPEN):]
+    body = text[len(THINK_OPEN) :]
     end = body.find(THINK_CLOSE)
     if end < 0:
         return body.strip("\n"), ""
-    return body[:end].strip("\n"), body[end + len(THINK_CLOSE):]
+    return body[:end].strip("\n"), body[end + len(THINK_CLOSE) :]
 
 
 def split_tool_calls(text: str) -> tuple[list[str], list[ToolCall]]:
@@ -140,8 +144,8 @@ def split_tool_calls(text: str) -> tuple[list[str], list[ToolCall]]:
         if end < 0:  # unclosed: plain text
             pieces.append(text[i:])
             return pieces, calls
-        call = parse_tool_call_body(text[start + len(CALL_OPEN):end])
-        pieces.append(text[i:start] if call else text[i:end + len(CALL_CLOSE)])
+        call = parse_tool_call_body(text[start + len(CALL_OPEN) : end])
+        pieces.append(text[i:start] if call else text[i : end + len(CALL_CLOSE)])
         if call:
             calls.append(call)
         i = end + len(CALL_CLOSE)
@@ -159,7 +163,7 @@ def _json_calls(text: str, partial: bool = False):
     if partial and PYTHON_TAG.startswith(t):
         return _UNDECIDED
     if t.startswith(PYTHON_TAG):
-        t = t[len(PYTHON_TAG):]
+        t = t[len(PYTHON_TAG) :]
     calls = []
     while True:
         t = t.lstrip()
@@ -191,7 +195,7 @@ def json_call_ends(text: str) -> list[int]:
     after them cut it at one of these (and whitespace)."""
     t = text.lstrip()
     if t.startswith(PYTHON_TAG):
-        t = t[len(PYTHON_TAG):]
+        t = t[len(PYTHON_TAG) :]
     ends = []
     while (t := t.lstrip()).startswith("{"):
         try:
@@ -278,10 +282,10 @@ class StreamParser:
         if reasoning is not None:
             closed = THINK_CLOSE in text
             if not closed and not final:
-                body = text[len(THINK_OPEN):]
-                body = body[:len(body) - _held_tag_prefix(body, (THINK_CLOSE,))]
+                body = text[len(THINK_OPEN) :]
+                body = body[: len(body) - _held_tag_prefix(body, (THINK_CLOSE,))]
                 reasoning = body.lstrip("\n").rstrip("\n")  # trailing newlines may be stripped at the end
-            d.reasoning = reasoning[self._sent_reasoning:]
+            d.reasoning = reasoning[self._sent_reasoning :]
             self._sent_reasoning = len(reasoning)
             if not closed and not final:
                 return d
@@ -289,10 +293,10 @@ class StreamParser:
             rest = self._decided_prefix(rest)
         pieces, calls = _split(rest, self.parse_tools, self.tool_format)
         content = "".join(pieces).lstrip()
-        content = content.rstrip() if final else content[:len(content.rstrip())]
-        d.content = content[self._sent_content:]
+        content = content.rstrip() if final else content[: len(content.rstrip())]
+        d.content = content[self._sent_content :]
         self._sent_content = len(content)
-        d.tool_calls = calls[self._sent_calls:]
+        d.tool_calls = calls[self._sent_calls :]
         self._sent_calls = len(calls)
         return d
 
@@ -304,5 +308,5 @@ class StreamParser:
             open_at = rest.rfind(CALL_OPEN)
             if open_at >= 0 and rest.find(CALL_CLOSE, open_at) < 0:
                 return rest[:open_at]  # inside an open tool call: undecided
-            return rest[:len(rest) - _held_tag_prefix(rest, (CALL_OPEN,))]
+            return rest[: len(rest) - _held_tag_prefix(rest, (CALL_OPEN,))]
         return rest

@@ -56,14 +56,21 @@ one whose text alone is too long for the context before it is tokenized
 (`min_tokens`: a token stands for at most `max_token_chars` characters of the
 normalized text, so a multi-megabyte message is not tokenized).
 """
+
 from __future__ import annotations
 
 import bisect
 import functools
 from dataclasses import dataclass
 
-from exactrl.chat.messages import (TokenFields, check_rendered_text, check_tool_replies, template_message,
-                                   token_fields, validate_template_kwargs)
+from exactrl.chat.messages import (
+    TokenFields,
+    check_rendered_text,
+    check_tool_replies,
+    template_message,
+    token_fields,
+    validate_template_kwargs,
+)
 from exactrl.chat.parsing import LLAMA3_JSON, TOOL_FORMATS, json_call_ends, parse_assistant_text, split_reasoning
 
 POLICIES = ("raise", "split", "truncate")
@@ -86,7 +93,8 @@ class MonotonicityError(ValueError):
         super().__init__(
             f"conversation does not extend its earlier tokens: first differing token at position {position} "
             f"of the previous turn's prompt_token_ids + generation_token_ids ({detail}). Send the assistant "
-            f"messages back unchanged, or choose the monotonicity policy 'split' or 'truncate'")
+            f"messages back unchanged, or choose the monotonicity policy 'split' or 'truncate'"
+        )
 
 
 @dataclass
@@ -129,8 +137,9 @@ class Splicer:
         # ending with one is a stopped turn whose text does not show it
         self.stop_ids = frozenset(tokenizer.stop_token_ids) | {self.eot} | frozenset(stop_token_ids)
         # texts the encoder turns into special tokens: refused in what a client wrote (messages.py)
-        self.special_texts = tuple(t.content for t in tokenizer.hf.added_tokens_decoder.values()
-                                   if t.special and t.content)
+        self.special_texts = tuple(
+            t.content for t in tokenizer.hf.added_tokens_decoder.values() if t.special and t.content
+        )
         # how the template writes a tool call, so how generated text is read (here, not on first use: the
         # probe's renders are not the cost of whichever request comes first)
         self.tool_call_format = self._tool_call_format()
@@ -153,8 +162,9 @@ class Splicer:
             try:
                 need = -(-len(normalizer.normalize_str(text)) // self.max_token_chars)
             except UnicodeEncodeError as e:
-                raise ValueError(f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                                 f"{e.start}") from None
+                raise ValueError(
+                    f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+                ) from None
         return need
 
     def _tool_call_format(self) -> str | None:
@@ -162,11 +172,21 @@ class Splicer:
         Qwen2.5, Qwen3, ours) or LLAMA3_JSON (bare `{"name": ..., "parameters": ...}`: Llama 3.1, 3.2), found
         by rendering one call and parsing it back; None if neither reads it back (the template refuses tools,
         or writes calls some other way: its calls would come back as content)."""
-        tools = [{"type": "function", "function": {"name": "probe", "parameters": {
-            "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "probe",
+                    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                },
+            }
+        ]
         user = {"role": "user", "content": "probe"}
-        call = {"role": "assistant", "content": None, "tool_calls": [
-            {"type": "function", "id": "call_0", "function": {"name": "probe", "arguments": {"x": 1}}}]}
+        call = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "id": "call_0", "function": {"name": "probe", "arguments": {"x": 1}}}],
+        }
         try:
             prompt = self.tok.render_chat([user], tools)
             turn = self.tok.render_chat([user, call], tools, add_generation_prompt=False)
@@ -174,15 +194,21 @@ class Splicer:
             return None
         if not turn.startswith(prompt):
             return None
-        text = turn[len(prompt):].split(self.eot_text)[0]
+        text = turn[len(prompt) :].split(self.eot_text)[0]
         for fmt in TOOL_FORMATS:
             calls = parse_assistant_text(text, tool_format=fmt).tool_calls
             if [(c.name, c.arguments) for c in calls] == [("probe", {"x": 1})]:
                 return fmt
         return None
 
-    def build(self, messages: list[dict], tools: list[dict] | None = None, policy: str = "raise",
-              max_len: int | None = None, template_kwargs: dict | None = None) -> PromptPlan:
+    def build(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        policy: str = "raise",
+        max_len: int | None = None,
+        template_kwargs: dict | None = None,
+    ) -> PromptPlan:
         """The prompt; with `max_len`, PromptTooLongError if no prompt of the conversation would be shorter.
         `template_kwargs`: more chat template variables (`validate_template_kwargs`), for every render."""
         if policy not in POLICIES:
@@ -190,8 +216,7 @@ class Splicer:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         tmsgs = [template_message(m, i) for i, m in enumerate(messages)]
-        fields = {i: f for i, m in enumerate(messages)
-                  if (f := token_fields(m, i, self.vocab_size)) is not None}
+        fields = {i: f for i, m in enumerate(messages) if (f := token_fields(m, i, self.vocab_size)) is not None}
         check_tool_replies(tmsgs)
         kw = validate_template_kwargs(template_kwargs)
         check_rendered_text(tmsgs, tools, self.special_texts, set(fields), kw)
@@ -208,8 +233,11 @@ class Splicer:
         # real end-of-turn token and shift every later turn. The turns are counted without it (those
         # messages' rendered tokens are never part of a spliced prompt: the history holds their tokens)
         rmsgs = [self._without_spelled_eots(m, fields[i]) if i in fields else m for i, m in enumerate(tmsgs)]
-        counted = full if rmsgs == tmsgs else self.tok.apply_chat_template(rmsgs, tools=tools,
-                                                                           add_generation_prompt=True, **kw)
+        counted = (
+            full
+            if rmsgs == tmsgs
+            else self.tok.apply_chat_template(rmsgs, tools=tools, add_generation_prompt=True, **kw)
+        )
         if max_len is not None:  # every policy's prompt ends with R after its k-th end-of-turn token (or all of R)
             r_ends = _ends(full, self.eot)
             k = min(len(_ends(hist, self.eot)), len(r_ends))
@@ -251,15 +279,18 @@ class Splicer:
         shown = content.count(self.eot_text) + (tmsg.get("reasoning_content") or "").count(self.eot_text)
         if shown != gen.count(self.eot):  # the stop token is not in the text: the ending one is generated text
             return tmsg
-        return tmsg | {"content": content[:-len(self.eot_text)]}
+        return tmsg | {"content": content[: -len(self.eot_text)]}
 
     def _without_spelled_eots(self, tmsg: dict, f: TokenFields) -> dict:
         """The message with the end-of-turn marker's text removed where its generation holds no end-of-turn
         token before its last one: every such text was spelled by the model in ordinary tokens."""
         if self.eot in f.generation_token_ids[:-1]:  # ignore_eos: real ones are shown in the text too
             return tmsg
-        return tmsg | {k: tmsg[k].replace(self.eot_text, "") for k in ("content", "reasoning_content")
-                       if isinstance(tmsg.get(k), str) and self.eot_text in tmsg[k]}
+        return tmsg | {
+            k: tmsg[k].replace(self.eot_text, "")
+            for k in ("content", "reasoning_content")
+            if isinstance(tmsg.get(k), str) and self.eot_text in tmsg[k]
+        }
 
     def history(self, f: TokenFields) -> list[int]:
         """The exact tokens of the conversation up to the end of that assistant turn."""
@@ -267,15 +298,16 @@ class Splicer:
         return h if h[-1] == self.eot else h + [self.eot]
 
     # ------------------------------------------------------------ monotonicity
-    def _check(self, tmsgs, rmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int],
-               kw: dict) -> _Mismatch | None:
+    def _check(
+        self, tmsgs, rmsgs, tools, fields: dict[int, TokenFields], hist: list[int], full: list[int], kw: dict
+    ) -> _Mismatch | None:
         """The first mismatch of H against R (`full`, rendered from `rmsgs`); `tmsgs`: the messages as sent."""
         h_ends, r_ends = _ends(hist, self.eot), _ends(full, self.eot)
         h_start = [0] + [e + 1 for e in h_ends]
         r_start = [0] + [e + 1 for e in r_ends]
         found: list[_Mismatch] = []
         # what the template puts between a turn's end and a generation (as this request renders it)
-        gen_prompt = self._text(full[r_start[-1]:])
+        gen_prompt = self._text(full[r_start[-1] :])
 
         def seg_of(pos: int) -> int:  # segment of H holding position pos
             return bisect.bisect_left(h_ends, pos)
@@ -288,33 +320,59 @@ class Splicer:
             if _first_diff(h, hist) < len(h):  # from before a split: H holds its text, compared below
                 continue
             first, last = seg_of(len(f.prompt_token_ids)), seg_of(len(h) - 1)
-            if self._text(hist[h_start[first]:len(f.prompt_token_ids)]) != gen_prompt:
-                found.append(_Mismatch(first, h_start[first], f"the tokens before messages[{i}]'s generation are "
-                                                              f"not the chat template's generation prompt"))
+            if self._text(hist[h_start[first] : len(f.prompt_token_ids)]) != gen_prompt:
+                found.append(
+                    _Mismatch(
+                        first,
+                        h_start[first],
+                        f"the tokens before messages[{i}]'s generation are not the chat template's generation prompt",
+                    )
+                )
                 break
             if first <= covered:  # cheap: no render for a duplicated or reordered turn
-                found.append(_Mismatch(first, h_start[first], f"messages[{i}] was generated at turn {first}, "
-                                                              f"which an earlier message's tokens already cover"))
+                found.append(
+                    _Mismatch(
+                        first,
+                        h_start[first],
+                        f"messages[{i}] was generated at turn {first}, which an earlier message's tokens already cover",
+                    )
+                )
                 break
             spans[i], covered = (first, last), last
         # which segment of R each token-carrying message ends in (one render per such message)
         gen_seg = {}
         for i, (first, last) in spans.items():
-            now = self.tok.render_chat(rmsgs[:i + 1], tools=tools, add_generation_prompt=False,
-                                       **kw).count(self.eot_text) - 1
+            now = (
+                self.tok.render_chat(rmsgs[: i + 1], tools=tools, add_generation_prompt=False, **kw).count(
+                    self.eot_text
+                )
+                - 1
+            )
             gen_seg |= {j: i for j in range(first, last + 1)}
             if last != now:
                 seg = max(0, min(first, now))
-                found.append(_Mismatch(seg, h_start[seg], f"messages[{i}] was generated as turn {last} but is now "
-                                                          f"turn {now}: messages were inserted or removed"))
+                found.append(
+                    _Mismatch(
+                        seg,
+                        h_start[seg],
+                        f"messages[{i}] was generated as turn {last} but is now "
+                        f"turn {now}: messages were inserted or removed",
+                    )
+                )
         matched: dict[int, bool] = {}
         for j in range(len(h_ends)):
-            hseg = hist[h_start[j]:h_start[j + 1]]
+            hseg = hist[h_start[j] : h_start[j + 1]]
             if j >= len(r_ends):
-                found.append(_Mismatch(j, h_start[j], f"the conversation now has only {len(r_ends)} turns before "
-                                                      f"the generation prompt, the token history has {len(h_ends)}"))
+                found.append(
+                    _Mismatch(
+                        j,
+                        h_start[j],
+                        f"the conversation now has only {len(r_ends)} turns before "
+                        f"the generation prompt, the token history has {len(h_ends)}",
+                    )
+                )
                 break
-            rseg = full[r_start[j]:r_start[j + 1]]
+            rseg = full[r_start[j] : r_start[j + 1]]
             if j in gen_seg:
                 i = gen_seg[j]
                 if i not in matched:
@@ -350,10 +408,12 @@ class Splicer:
         parses = [(True, fmt), (False, fmt)] if fmt else [(False, TOOL_FORMATS[0])]
 
         def same(t: str, content_prefix: bool) -> bool:
-            return any(((p := parse_assistant_text(t, tools, f)).reasoning or "").strip() == want_reasoning
-                       and [(c.name, c.arguments) for c in p.tool_calls] == want_calls
-                       and (p.content == want_content or (content_prefix and p.content.startswith(want_content)))
-                       for tools, f in parses)
+            return any(
+                ((p := parse_assistant_text(t, tools, f)).reasoning or "").strip() == want_reasoning
+                and [(c.name, c.arguments) for c in p.tool_calls] == want_calls
+                and (p.content == want_content or (content_prefix and p.content.startswith(want_content)))
+                for tools, f in parses
+            )
 
         # the response parsed calls only if tools were enabled; a stop string ends the content early without
         # a stop token: its text is cut from the content
@@ -366,7 +426,7 @@ class Splicer:
         # characters later)
         if want_calls and fmt == LLAMA3_JSON:  # calls, and only calls, after the reasoning: cut just past one
             rest = split_reasoning(text)[1]
-            return any(same(text[:len(text) - len(rest) + k], False) for k in json_call_ends(rest))
+            return any(same(text[: len(text) - len(rest) + k], False) for k in json_call_ends(rest))
         anchor = want_content or want_reasoning
         at = text.find(anchor) if anchor else 0
         if at < 0:

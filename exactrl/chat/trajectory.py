@@ -38,6 +38,7 @@ per turn on the server's event loop.
 
 Legend: T tokens of a record.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -105,8 +106,16 @@ class Session:
     def __post_init__(self):
         self.index = sorted((r.tokens_T, i) for i, r in enumerate(self.records))
 
-    def record(self, prompt: list[int], generated: list[int], logprobs: list[float], versions: list[int],
-               kind: str = "spliced", sampling: tuple = (1.0, -1, 1.0), cut_history: list[int] | None = None) -> None:
+    def record(
+        self,
+        prompt: list[int],
+        generated: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        kind: str = "spliced",
+        sampling: tuple = (1.0, -1, 1.0),
+        cut_history: list[int] | None = None,
+    ) -> None:
         """Adds one completion. `kind` is the PromptPlan kind of its prompt; `sampling` (T, top_k, top_p);
         `cut_history`: with `truncate`, the token history it cut (PromptPlan.history)."""
         _check_turn(prompt, generated, logprobs, versions)
@@ -130,8 +139,14 @@ class Session:
                 prompt_len = parent.prompt_len
             if any(mask[:lcp]):
                 used |= set(parent.sampling)
-        r = Record(prompt + generated, mask + [1] * len(generated), lps + list(logprobs), vers + list(versions),
-                   prompt_len, tuple(sorted(used)))
+        r = Record(
+            prompt + generated,
+            mask + [1] * len(generated),
+            lps + list(logprobs),
+            vers + list(versions),
+            prompt_len,
+            tuple(sorted(used)),
+        )
         bisect.insort(self.index, (r.tokens_T, len(self.records)))
         self.records.append(r)
 
@@ -147,7 +162,7 @@ class Session:
         if lcp == 0:
             return None, 0
         shared = prompt[:lcp]  # every record starting with it: one run around the prompt's place
-        run = index[bisect.bisect_left(index, (shared,)):bisect.bisect_left(index, (shared + [_PAST],))]
+        run = index[bisect.bisect_left(index, (shared,)) : bisect.bisect_left(index, (shared + [_PAST],))]
         best = self.records[min(i for _, i in run)]
         if lcp == len(best.tokens_T) or best.retired:
             return best, lcp
@@ -173,11 +188,11 @@ class Session:
                 continue
             if n <= longer_than:
                 return
-            for _, i in index[bisect.bisect_left(index, (prev,)):end]:
+            for _, i in index[bisect.bisect_left(index, (prev,)) : end]:
                 yield self.records[i]
             if n == 0:
                 return
-            q = prev[:n - 1]
+            q = prev[: n - 1]
 
     def trajectories(self) -> list[Trajectory]:
         """The maximal records (no other record extends them), in order of recording."""
@@ -188,7 +203,7 @@ class Session:
             while end < len(index) and index[end][0] == tokens:
                 end += 1
             # a record extending these tokens sorts right after them (after their copies) if any does
-            extended = end < len(index) and index[end][0][:len(tokens)] == tokens
+            extended = end < len(index) and index[end][0][: len(tokens)] == tokens
             if not extended:
                 # of identical records, the first still live: a copy is trained once (compared by position:
                 # a copy equal in every field is another record)
@@ -198,8 +213,17 @@ class Session:
         for i in sorted(i for i in keep if i is not None):
             r = self.records[i]
             p = r.prompt_len
-            out.append(Trajectory(r.tokens_T[:p], r.tokens_T[p:], r.mask_T[p:], r.logprobs_T[p:], r.versions_T[p:],
-                                  num_turns=_turns(r.mask_T), sampling=[list(x) for x in r.sampling]))
+            out.append(
+                Trajectory(
+                    r.tokens_T[:p],
+                    r.tokens_T[p:],
+                    r.mask_T[p:],
+                    r.logprobs_T[p:],
+                    r.versions_T[p:],
+                    num_turns=_turns(r.mask_T),
+                    sampling=[list(x) for x in r.sampling],
+                )
+            )
         return out
 
 
@@ -213,8 +237,10 @@ def _check_turn(prompt: list[int], generated: list[int], logprobs: list[float], 
         if bad is not None:
             raise ValueError(f"Session.record: {name} holds {bad!r}, not a token id (an integer >= 0)")
     if len(logprobs) != len(generated) or len(versions) != len(generated):
-        raise ValueError(f"Session.record: {len(generated)} generated tokens but {len(logprobs)} logprobs and "
-                         f"{len(versions)} versions: one of each per generated token")
+        raise ValueError(
+            f"Session.record: {len(generated)} generated tokens but {len(logprobs)} logprobs and "
+            f"{len(versions)} versions: one of each per generated token"
+        )
     bad = next((x for x in logprobs if not (isinstance(x, (int, float)) and math.isfinite(x) and x <= 0)), None)
     if bad is not None:
         raise ValueError(f"Session.record: logprobs holds {bad!r}, not a finite log-probability <= 0")

@@ -14,6 +14,7 @@ paths and the first module (in execution order) whose outputs differ is named.
 
 Legend: N tokens, V vocabulary, L target length.
 """
+
 from __future__ import annotations
 
 import random
@@ -22,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.kernels import TokenLayout
-from exactrl.seeds import derive_seed
 from exactrl.model.logprobs import pack_layout
 from exactrl.model.transformer import CausalLM
+from exactrl.seeds import derive_seed
 
 
 @dataclass
@@ -56,8 +57,9 @@ class _Recorder:
         self.outputs[name].append(out.detach()[self.rows].clone())
 
 
-def _forward(model: CausalLM, tokens: list[int], layout: TokenLayout, kv, rec: _Recorder | None,
-             rows: torch.Tensor) -> torch.Tensor:
+def _forward(
+    model: CausalLM, tokens: list[int], layout: TokenLayout, kv, rec: _Recorder | None, rows: torch.Tensor
+) -> torch.Tensor:
     if rec is not None:
         rec.rows = rows
     hidden = model(torch.tensor(tokens, dtype=torch.int64), layout, kv)
@@ -92,7 +94,7 @@ def incremental_path(model, target, chunks, rec=None, seed=0):
     while i < len(target):
         c = min(sizes.pop(0) if sizes else 1, len(target) - i)
         lay = TokenLayout(torch.zeros(c, dtype=torch.int64), torch.arange(i, i + c), table)
-        out.append(_forward(model, target[i:i + c], lay, kv, rec, torch.arange(c)))
+        out.append(_forward(model, target[i : i + c], lay, kv, rec, torch.arange(c)))
         i += c
     return torch.cat(out)
 
@@ -135,6 +137,7 @@ def _threads(n, fn):
             return fn(rec)
         finally:
             torch.set_num_threads(old)
+
     return run
 
 
@@ -153,19 +156,30 @@ def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckRe
     with torch.no_grad():
         bad = int((~full_path(model, target).isfinite()).sum())
     if bad:  # NaN != NaN: every check said DIFFERS (max |Δ| nan), naming the first op that made a NaN
-        raise ValueError(f"the model's logits are not finite ({bad} of {length * V} NaN or infinite on a random "
-                         f"sequence, in {str(model.dtype).removeprefix('torch.')}): its weights overflow, and "
-                         f"parity compares finite numbers")
+        raise ValueError(
+            f"the model's logits are not finite ({bad} of {length * V} NaN or infinite on a random "
+            f"sequence, in {str(model.dtype).removeprefix('torch.')}): its weights overflow, and "
+            f"parity compares finite numbers"
+        )
     checks = [
         ("batch", lambda r: full_path(model, target, rec=r), lambda r: full_path(model, target, others, 2, rec=r)),
         ("batch_short", lambda r: full_path(model, short, rec=r), lambda r: full_path(model, short, others, 1, rec=r)),
-        ("padded", lambda r: full_path(model, target, rec=r),
-         lambda r: full_path(model, target, others, 1, pad_to=longest, rec=r)),
+        (
+            "padded",
+            lambda r: full_path(model, target, rec=r),
+            lambda r: full_path(model, target, others, 1, pad_to=longest, rec=r),
+        ),
         ("decode", lambda r: full_path(model, target, rec=r), lambda r: incremental_path(model, target, [1], r)),
-        ("chunked", lambda r: full_path(model, target, rec=r),
-         lambda r: incremental_path(model, target, [5, 33, 17, 2], r, seed=1)),
-        ("threads", _threads(1, lambda r: full_path(model, target, others, 1, rec=r)),
-         _threads(2, lambda r: full_path(model, target, others, 1, rec=r))),
+        (
+            "chunked",
+            lambda r: full_path(model, target, rec=r),
+            lambda r: incremental_path(model, target, [5, 33, 17, 2], r, seed=1),
+        ),
+        (
+            "threads",
+            _threads(1, lambda r: full_path(model, target, others, 1, rec=r)),
+            _threads(2, lambda r: full_path(model, target, others, 1, rec=r)),
+        ),
     ]
     return [_compare(model, name, a, b) for name, a, b in checks]
 
@@ -182,13 +196,24 @@ def server_settings(base_url: str, served_model: str):
     try:
         return RolloutBackendSettings(kind="openai", base_url=base_url, model=served_model)
     except ValidationError as e:  # its message names rollout_backend's keys: here they are --server's
-        raise ValueError(f"--server {base_url!r}: " + "; ".join(
-            err["msg"].removeprefix("Value error, ").replace("rollout_backend.base_url", "it")
-            for err in e.errors())) from None
+        raise ValueError(
+            f"--server {base_url!r}: "
+            + "; ".join(
+                err["msg"].removeprefix("Value error, ").replace("rollout_backend.base_url", "it") for err in e.errors()
+            )
+        ) from None
 
 
-def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: int = 8, length: int = 32,
-                    max_tokens: int = 32, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
+def server_mismatch(
+    model: CausalLM,
+    base_url: str,
+    served_model: str,
+    prompts: int = 8,
+    length: int = 32,
+    max_tokens: int = 32,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> dict[str, float]:
     """How far a rollout server's logprobs are from this trainer's, on the same weights (docs/design.md §9).
 
     `prompts` random token-id prompts of `length` tokens go to `base_url`'s /v1/completions (the
@@ -198,23 +223,26 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
     ...) plus `parity/tokens`: 0.0 differences from an `exactrl serve --kernels exact` over the same
     weights, non-zero from any other engine (vLLM, SGLang, `--kernels fast`).
     """
+    from exactrl.algo.diagnostics import logprob_diff_metrics, mismatch_metrics
     from exactrl.engine import SamplingParams
     from exactrl.model.logprobs import sequence_logprobs
-    from exactrl.algo.diagnostics import logprob_diff_metrics, mismatch_metrics
     from exactrl.rollout.external import ExternalEngine
 
     if prompts < 1 or length < 1 or max_tokens < 1:
         raise ValueError(f"prompts, length and max_tokens must be >= 1, got {prompts}, {length}, {max_tokens}")
     if length + max_tokens > model.config.max_position_embeddings:
-        raise ValueError(f"length + max_tokens = {length + max_tokens} exceeds the model's context of "
-                         f"{model.config.max_position_embeddings} tokens")
+        raise ValueError(
+            f"length + max_tokens = {length + max_tokens} exceeds the model's context of "
+            f"{model.config.max_position_embeddings} tokens"
+        )
     rng = random.Random(seed)
     V = model.config.vocab_size
     batch = [[rng.randrange(V) for _ in range(length)] for _ in range(prompts)]
     # prompt k samples with derive_seed(seed, k) (exactrl/seeds.py): any --seed fits the sampler
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                             seed=derive_seed(seed, k), ignore_eos=True)
-              for k in range(prompts)]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=derive_seed(seed, k), ignore_eos=True)
+        for k in range(prompts)
+    ]
     engine = ExternalEngine(server_settings(base_url, served_model))
     try:
         outs = [o[0] for o in engine.generate(batch, params)]
@@ -222,16 +250,21 @@ def server_mismatch(model: CausalLM, base_url: str, served_model: str, prompts: 
         engine.close()
     bad = next((t for o in outs for t in o.token_ids if not 0 <= t < V), None)
     if bad is not None:  # the server holds another model (or vocabulary) than --model
-        raise ValueError(f"--server {base_url!r} returned token id {bad}, outside --model's vocabulary [0, {V}): "
-                         f"it does not serve the weights given as --model")
+        raise ValueError(
+            f"--server {base_url!r} returned token id {bad}, outside --model's vocabulary [0, {V}): "
+            f"it does not serve the weights given as --model"
+        )
     seqs = [p + o.token_ids for p, o in zip(batch, outs)]
     trainer = sequence_logprobs(model, seqs, temperature or 1.0)
     T = max(1, max(len(o.token_ids) for o in outs))
     old_BT, behav_BT, mask_BT = torch.zeros(prompts, T), torch.zeros(prompts, T), torch.zeros(prompts, T)
     for k, (o, lp) in enumerate(zip(outs, trainer)):
         n = len(o.token_ids)
-        old_BT[k, :n] = lp[length - 1:length - 1 + n]
+        old_BT[k, :n] = lp[length - 1 : length - 1 + n]
         behav_BT[k, :n] = torch.tensor(o.logprobs, dtype=torch.float32)
         mask_BT[k, :n] = 1.0
-    return (logprob_diff_metrics(old_BT, behav_BT, mask_BT) | mismatch_metrics(old_BT, behav_BT, mask_BT)
-            | {"parity/tokens": float(mask_BT.sum())})
+    return (
+        logprob_diff_metrics(old_BT, behav_BT, mask_BT)
+        | mismatch_metrics(old_BT, behav_BT, mask_BT)
+        | {"parity/tokens": float(mask_BT.sum())}
+    )

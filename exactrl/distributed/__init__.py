@@ -40,6 +40,7 @@ number of ranks.
 
 Legend: W ranks (world size), r this rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,7 +129,7 @@ class Ranks:
         at = 0
         for p, h in zip(ps, has.tolist()):
             n = p.numel()
-            p.grad = flat[at:at + n].view_as(p).to(p.dtype) if h else None
+            p.grad = flat[at : at + n].view_as(p).to(p.dtype) if h else None
             at += n
 
     def check_same(self, what: str, tensors: Iterable[torch.Tensor], why: str) -> None:
@@ -137,8 +139,9 @@ class Ranks:
         if self.world == 1:
             return
         ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-        prints = self.gather([int(t.detach().contiguous().view(ints[t.element_size()]).sum(dtype=torch.int64))
-                              for t in tensors])
+        prints = self.gather(
+            [int(t.detach().contiguous().view(ints[t.element_size()]).sum(dtype=torch.int64)) for t in tensors]
+        )
         if any(p != prints[0] for p in prints):
             bad = next(i for i, xs in enumerate(zip(*prints)) if len(set(xs)) > 1)
             raise RuntimeError(f"ranks hold different {what} (tensor {bad} differs): {why}")
@@ -227,8 +230,10 @@ def _env_int(name: str, default: str | None) -> int:
     """An integer environment variable of torchrun's, or a ValueError naming it."""
     raw = os.environ.get(name, default)
     if raw is None:
-        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the environment variable {name} is not set "
-                         f"(launch the ranks with torchrun or exactrl train --nproc N)")
+        raise ValueError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the environment variable {name} is not set "
+            f"(launch the ranks with torchrun or exactrl train --nproc N)"
+        )
     try:
         return int(raw)
     except ValueError:
@@ -238,6 +243,7 @@ def _env_int(name: str, default: str | None) -> int:
 def _dies_with(parent: int):
     """A preexec_fn: the child gets SIGTERM when `parent` dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG),
     so a killed launcher leaves no rank behind holding the run dir's lock."""
+
     def arm():
         if sys.platform.startswith("linux"):
             import ctypes
@@ -245,6 +251,7 @@ def _dies_with(parent: int):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
             if os.getppid() != parent:  # the parent died before the line above
                 os._exit(1)
+
     return arm
 
 
@@ -262,24 +269,35 @@ def launch(argv: list[str], nproc: int) -> int:
     cores = len(os.sched_getaffinity(0))
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
     if nproc > cores:  # correct, but the ranks take turns on the cores and every collective waits for the last
-        print(f"exactrl train: warning: --nproc {nproc} on {cores} core{'s' * (cores > 1)}: the ranks take turns "
-              f"on the cores, so the run is slower than with at most {cores} rank{'s' * (cores > 1)}",
-              file=sys.stderr)
+        print(
+            f"exactrl train: warning: --nproc {nproc} on {cores} core{'s' * (cores > 1)}: the ranks take turns "
+            f"on the cores, so the run is slower than with at most {cores} rank{'s' * (cores > 1)}",
+            file=sys.stderr,
+        )
     signals: list[int] = []  # the signals the launcher was sent, in order: set by the handler, read by the loop
 
     def note(signum, frame):  # a flag only: an exception raised at an arbitrary point (inside Popen, between
         signals.append(signum)  # a rank's start and its record) would lose a rank, left running unstopped
+
     previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     procs: list[subprocess.Popen] = []
     try:
         for r in range(nproc):
             if signals:  # told to stop while the ranks start: no more start, the ones started are stopped
                 break
-            env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": threads}
-            procs.append(subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env,
-                                          preexec_fn=_dies_with(os.getpid())))
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": threads,
+            }
+            procs.append(
+                subprocess.Popen([sys.executable, "-m", "exactrl", *argv], env=env, preexec_fn=_dies_with(os.getpid()))
+            )
         return _wait_for_ranks(procs, signals)
     finally:
         for sig, handler in previous.items():
@@ -307,8 +325,11 @@ def _wait_for_ranks(procs: list[subprocess.Popen], signals: list[int]) -> int:
             how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
             if code == 0:  # the first to fail: the others follow (the order is a race: each is named)
                 code = rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
-                print(f"exactrl train: rank {procs.index(p)} {how}; the other ranks stop at their next "
-                      f"collective (or in {FAILED_RANK_GRACE_S} s)", file=sys.stderr)
+                print(
+                    f"exactrl train: rank {procs.index(p)} {how}; the other ranks stop at their next "
+                    f"collective (or in {FAILED_RANK_GRACE_S} s)",
+                    file=sys.stderr,
+                )
                 term_at = time.monotonic() + FAILED_RANK_GRACE_S
             else:
                 print(f"exactrl train: rank {procs.index(p)} {how}", file=sys.stderr)

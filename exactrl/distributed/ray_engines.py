@@ -32,6 +32,7 @@ other caller's sync from landing inside a batch, so every token's version is kno
 
 Legend: E engines.
 """
+
 from __future__ import annotations
 
 import os
@@ -85,15 +86,18 @@ def _init_ray(ray, s: RayEngineSettings) -> None:
     but warnings."""
     address = s.address or os.environ.get("RAY_ADDRESS") or "local"
     key = "rollout_backend.ray.address" if s.address else "the environment variable RAY_ADDRESS"
-    fix = (f"start one (ray start --head) or "
-           f"{'leave the address unset for a private instance' if s.address else 'unset RAY_ADDRESS'}")
+    fix = (
+        f"start one (ray start --head) or "
+        f"{'leave the address unset for a private instance' if s.address else 'unset RAY_ADDRESS'}"
+    )
     host, colon, port = address.rpartition(":")
     if colon and host and port.isdigit() and "://" not in address:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
         except OSError as e:
-            raise ValueError(f"no Ray cluster at {key}={address!r} (nothing accepts a connection there: {e}): "
-                             f"{fix}") from None
+            raise ValueError(
+                f"no Ray cluster at {key}={address!r} (nothing accepts a connection there: {e}): {fix}"
+            ) from None
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     except (ConnectionError, ValueError) as e:  # ValueError: an address Ray cannot parse
@@ -103,8 +107,18 @@ def _init_ray(ray, s: RayEngineSettings) -> None:
 class EngineActor:
     """One exactrl.Engine in a Ray worker process (wrapped by `ray.remote` in RayEngines)."""
 
-    def __init__(self, config: ModelConfig, dtype: str, kernels: str, block_size: int, weights: dict,
-                 engine_kwargs: dict, stop_token_ids: list[int], version: int, threads: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: str,
+        kernels: str,
+        block_size: int,
+        weights: dict,
+        engine_kwargs: dict,
+        stop_token_ids: list[int],
+        version: int,
+        threads: int,
+    ):
         torch.set_num_threads(threads)
         self.error: ValueError | None = None  # bad settings: reported by `where` as a ValueError, not a crash
         try:
@@ -143,13 +157,15 @@ class RayEngines:
 
     step_hook = False  # a RolloutBackend (exactrl/rollout/backend.py): the actors step on their own
 
-    def __init__(self, s: RayEngineSettings, model, engine_kwargs: dict, stop_token_ids=(), version: int = 0,
-                 log=print):
+    def __init__(
+        self, s: RayEngineSettings, model, engine_kwargs: dict, stop_token_ids=(), version: int = 0, log=print
+    ):
         try:
             import ray
         except ImportError:
-            raise ValueError("rollout_backend.kind=ray needs Ray: pip install 'exactrl[ray]' (in this repo: "
-                             "make dev)") from None
+            raise ValueError(
+                "rollout_backend.kind=ray needs Ray: pip install 'exactrl[ray]' (in this repo: make dev)"
+            ) from None
 
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         if len(dtypes) != 1:  # an actor builds the model in one dtype; loading another would cast the weights
@@ -163,24 +179,41 @@ class RayEngines:
             log(f"starting {s.num_engines} Ray engine(s) of {threads} thread(s) each ...")
             weights = ray.put({k: v.detach() for k, v in model.state_dict().items()})
             actor = ray.remote(EngineActor).options(num_cpus=threads, scheduling_strategy="SPREAD")
-            self.actors = [actor.remote(model.config, dtypes[0], model.kernels.mode, model.block_size, weights,
-                                        engine_kwargs, sorted(stop_token_ids), version, threads)
-                           for _ in range(s.num_engines)]
+            self.actors = [
+                actor.remote(
+                    model.config,
+                    dtypes[0],
+                    model.kernels.mode,
+                    model.block_size,
+                    weights,
+                    engine_kwargs,
+                    sorted(stop_token_ids),
+                    version,
+                    threads,
+                )
+                for _ in range(s.num_engines)
+            ]
             starts = [a.where.remote() for a in self.actors]
             ready, _ = ray.wait(starts, num_returns=len(starts), timeout=s.start_timeout_s)
             if len(ready) < len(starts):
                 free = ray.available_resources().get("CPU", 0)
-                raise RayEngineError(f"{len(starts) - len(ready)} of {len(starts)} Ray engines did not start within "
-                                     f"rollout_backend.ray.start_timeout_s={s.start_timeout_s:g} s; the cluster has "
-                                     f"{free:g} CPUs free now (other Ray jobs may hold the rest)")
+                raise RayEngineError(
+                    f"{len(starts) - len(ready)} of {len(starts)} Ray engines did not start within "
+                    f"rollout_backend.ray.start_timeout_s={s.start_timeout_s:g} s; the cluster has "
+                    f"{free:g} CPUs free now (other Ray jobs may hold the rest)"
+                )
             self.places = self._get(starts, "starting")
         except BaseException:
             self.close()
             raise
         self.version = version
         self._lock = threading.Lock()  # a weight sync never overlaps a batch: every token's version is known
-        self._stats = {"ray/engines": s.num_engines, "ray/generate_s": 0.0, "ray/weight_syncs": 0,
-                       "ray/weight_sync_s": 0.0}
+        self._stats = {
+            "ray/engines": s.num_engines,
+            "ray/generate_s": 0.0,
+            "ray/weight_syncs": 0,
+            "ray/weight_sync_s": 0.0,
+        }
 
     def _threads(self) -> int:
         """Threads per engine; refused if the engines cannot all be placed (Ray would wait forever)."""
@@ -188,9 +221,11 @@ class RayEngines:
         per_node = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]]
         threads = s.threads_per_engine or max(1, sum(per_node) // s.num_engines)
         if sum(c // threads for c in per_node) < s.num_engines:  # an engine's threads are on one machine
-            raise ValueError(f"rollout_backend.ray.num_engines={s.num_engines} engines of {threads} thread(s) each "
-                             f"do not fit the Ray cluster's machines ({', '.join(map(str, per_node))} CPUs): lower "
-                             f"num_engines or threads_per_engine, or add machines")
+            raise ValueError(
+                f"rollout_backend.ray.num_engines={s.num_engines} engines of {threads} thread(s) each "
+                f"do not fit the Ray cluster's machines ({', '.join(map(str, per_node))} CPUs): lower "
+                f"num_engines or threads_per_engine, or add machines"
+            )
         return threads
 
     def close(self) -> None:
@@ -209,12 +244,15 @@ class RayEngines:
         if self._closed:
             raise RayEngineError("the Ray engines are closed (RayEngines.close): start new ones")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_step=None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None, on_step=None
+    ) -> list[list[Completion]]:
         """Blocking: outs[k][j] is sample j of prompt k, sampled by engine k mod E."""
         if on_step is not None:
-            raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: a Ray "
-                             "engine runs a whole batch before it takes new weights")
+            raise ValueError(
+                "in-flight weight updates (async.inflight_updates) need the in-process engine: a Ray "
+                "engine runs a whole batch before it takes new weights"
+            )
         if not isinstance(prompts, (list, tuple, torch.Tensor)):  # as Engine.generate: before len() fails on it
             raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
         self._check_open()
@@ -225,8 +263,10 @@ class RayEngines:
             t0 = time.perf_counter()
             self._get([self.actors[0].check.remote(prompts, plist)], "checking the batch")  # all engines alike
             busy = [e for e in range(E) if shares[e]]
-            calls = [self.actors[e].generate.remote([prompts[k] for k in shares[e]], [plist[k] for k in shares[e]])
-                     for e in busy]
+            calls = [
+                self.actors[e].generate.remote([prompts[k] for k in shares[e]], [plist[k] for k in shares[e]])
+                for e in busy
+            ]
             answers = self._get(calls, "sampling", busy)
             self._stats["ray/generate_s"] += time.perf_counter() - t0
         outs: list[Any] = [None] * len(prompts)
@@ -239,8 +279,9 @@ class RayEngines:
         """Every engine copies the weights bit for bit; returns the new version (as `Engine.update_weights`)."""
         self._check_open()
         with self._lock:
-            if version is not None and not (isinstance(version, int) and not isinstance(version, bool)
-                                            and version > self.version):
+            if version is not None and not (
+                isinstance(version, int) and not isinstance(version, bool) and version > self.version
+            ):
                 raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
             version = self.version + 1 if version is None else version
             t0 = time.perf_counter()
@@ -269,9 +310,11 @@ class RayEngines:
         while waiting:
             done, _ = self._ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                raise RayEngineError(f"{self._where(min(waiting.values()))} did not finish {doing} within "
-                                     f"rollout_backend.ray.call_timeout_s={self.s.call_timeout_s:g} s (a training "
-                                     f"run keeps its checkpoints: resume it with --set resume=true)")
+                raise RayEngineError(
+                    f"{self._where(min(waiting.values()))} did not finish {doing} within "
+                    f"rollout_backend.ray.call_timeout_s={self.s.call_timeout_s:g} s (a training "
+                    f"run keeps its checkpoints: resume it with --set resume=true)"
+                )
             e = waiting.pop(done[0])
             out[e] = self._result(done[0], e, doing)
         return [out[e] for e in engines]
@@ -290,8 +333,11 @@ class RayEngines:
                 raise err.cause from None  # trainer names it as it does the in-process engine's (cli.py)
             raise RayEngineError(f"{self._where(e)} failed while {doing}: {err.cause!r}") from None
         except exc.RayActorError as err:
-            hint = "" if doing == "starting" else \
-                " (a training run keeps its checkpoints: resume it with --set resume=true)"
+            hint = (
+                ""
+                if doing == "starting"
+                else " (a training run keeps its checkpoints: resume it with --set resume=true)"
+            )
             raise RayEngineError(f"{self._where(e)} died while {doing}: {err}{hint}") from None
 
     def _where(self, e: int) -> str:

@@ -1,4 +1,5 @@
 """Rollout engine: paged KV cache, continuous batching, seeded sampling, weight updates."""
+
 from exactrl.engine.engine import Completion, Engine, NonFiniteLogitsError, RequestOutput
 from exactrl.engine.sampling import SamplingParams
 

@@ -13,6 +13,7 @@ sample is about to write into a page another sample still reads
 so full pages are shared read-only and each sample gets its own copy of the
 partial one, lazily, on its first decode step.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,14 +37,18 @@ class PagePool:
         else:
             ram, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine has"
         if need > ram:  # a budget beyond torch's int64 sizes is a TypeError; one beyond RAM may be OOM-killed
-            raise ValueError(f"a KV budget of {num_pages * self.block_size} tokens does not fit in memory "
-                             f"({need / 2**30:.4g} GiB of KV cache, {where} {ram / 2**30:.4g} GiB): lower "
-                             f"kv_budget_tokens")
+            raise ValueError(
+                f"a KV budget of {num_pages * self.block_size} tokens does not fit in memory "
+                f"({need / 2**30:.4g} GiB of KV cache, {where} {ram / 2**30:.4g} GiB): lower "
+                f"kv_budget_tokens"
+            )
         try:
             self.kv = model.new_kv(num_pages + 1)
         except (RuntimeError, MemoryError) as e:  # torch's allocator: "can't allocate memory"
-            raise ValueError(f"a KV budget of {num_pages * self.block_size} tokens does not fit in memory "
-                             f"({type(e).__name__}: {str(e).splitlines()[0]}): lower kv_budget_tokens") from None
+            raise ValueError(
+                f"a KV budget of {num_pages * self.block_size} tokens does not fit in memory "
+                f"({type(e).__name__}: {str(e).splitlines()[0]}): lower kv_budget_tokens"
+            ) from None
         self.scratch_page = num_pages
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids are reused first

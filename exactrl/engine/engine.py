@@ -17,73 +17,29 @@ weights of version `versions[i]`.
 Legend: N tokens of the step, S scheduled sequences, J pages per sequence,
 R sampled rows, V vocabulary.
 """
+
 from __future__ import annotations
 
 import contextlib
 import itertools
 import secrets
 import threading
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from exactrl.engine.cache import PagePool
 from exactrl.engine.graph import DecodeGraphs
+from exactrl.engine.outputs import (  # noqa: F401 (re-exported)
+    Completion,
+    NonFiniteLogitsError,
+    RequestOutput,
+    _Batch,
+)
 from exactrl.engine.sampling import SampleRows, SamplingParams, params_per_prompt, sample_uniform
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
 from exactrl.kernels.linear import PackedWeights, using_packed
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """The logits of some requests hold NaN/inf (non-finite weights, e.g. a diverged update).
-
-    Those requests are aborted; the engine keeps every other request and can keep stepping.
-    """
-
-    def __init__(self, request_ids: list[str]):
-        self.request_ids = request_ids
-        super().__init__(f"non-finite logits (NaN or inf) for request(s) {request_ids}: the model's weights or "
-                         f"activations are not finite (a diverged update?); those requests were aborted")
-
-    def __reduce__(self):
-        """Pickled as its request ids (a Ray engine's error reaching the trainer): the default, its message,
-        would be taken for the ids and the message said twice."""
-        return type(self), (self.request_ids,)
-
-
-@dataclass
-class Completion:
-    """One sample of one prompt."""
-
-    index: int  # j, which of the prompt's n samples
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens; a stop token is included
-    logprobs: list[float]  # logprob of each token under the distribution it was sampled from
-    versions: list[int]  # engine.version that sampled each token
-    finish_reason: str | None  # "stop" | "length" | "abort" (abort(request_id, index)); None while running
-
-
-@dataclass
-class RequestOutput:
-    """State of a request after a step (returned by `Engine.step`)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    completions: list[Completion]  # its n samples by index, cumulative
-    finished: bool  # all samples finished
-
-
-@dataclass
-class _Batch:
-    """Model inputs of one step and where the sampled rows go."""
-
-    tokens_N: torch.Tensor
-    layout: TokenLayout
-    rows_R: torch.Tensor  # row of the step's hidden states each sample reads
-    targets: list[Sequence]  # sequence receiving each sampled token (R of them)
-    decode: bool  # one token per sequence, each row sampled once, in order: a step a decode graph replays
 
 
 class Engine:
@@ -91,20 +47,33 @@ class Engine:
 
     step_hook = True  # a RolloutBackend (exactrl/rollout/backend.py): generate's on_step runs between steps
 
-    def __init__(self, model, *, stop_token_ids=None, kv_budget_tokens: int = 16384,
-                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
-                 decode_graphs: bool = True):
+    def __init__(
+        self,
+        model,
+        *,
+        stop_token_ids=None,
+        kv_budget_tokens: int = 16384,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        decode_graphs: bool = True,
+    ):
         model.kernels.ensure_built()  # what stepping needs in either kernel mode: a missing compiler is named now
         self.model = model
         cfg = model.config
         self.vocab_size = cfg.vocab_size
-        for name, v in (("kv_budget_tokens", kv_budget_tokens), ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+        for name, v in (
+            ("kv_budget_tokens", kv_budget_tokens),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+        ):
             if not (v is None and name == "max_model_len") and (type(v) is not int or v < 1):
                 raise ValueError(f"Engine {name} must be an int >= 1, got {v!r}")
         if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} must be in [1, max_position_embeddings="
-                             f"{cfg.max_position_embeddings}]")
+            raise ValueError(
+                f"max_model_len={max_model_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]"
+            )
         # prompt + max_tokens of a request must fit in it
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         # kv_budget_tokens: KV memory in tokens, allocated once (rounded up to whole pages)
@@ -121,9 +90,16 @@ class Engine:
         self._packed = PackedWeights()
         # decode_graphs: replay recorded decode steps (engine/graph.py; exact fp32 kernels), else run every
         # step's forward eagerly. The same bits either way.
-        self._graphs = (DecodeGraphs(model, self.pool.kv, self.pool.scratch_page,
-                                     min(-(-self.max_model_len // model.block_size), self.pool.num_pages))
-                        if decode_graphs and DecodeGraphs.supported(model) else None)
+        self._graphs = (
+            DecodeGraphs(
+                model,
+                self.pool.kv,
+                self.pool.scratch_page,
+                min(-(-self.max_model_len // model.block_size), self.pool.num_pages),
+            )
+            if decode_graphs and DecodeGraphs.supported(model)
+            else None
+        )
         model.kernels.prepare(model.linear_weights())  # at start, so that no request waits for them
         self._requests: dict[str, Request] = {}
         self._weights_broken: str | None = None  # why stepping is refused: a failed update_weights
@@ -132,8 +108,9 @@ class Engine:
         self._unclaimed: list[RequestOutput] = []  # other requests' outputs finished inside generate()
 
     # ------------------------------------------------------------ requests
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queues a prompt; returns its id. Raises ValueError (engine untouched) on bad input."""
         params = SamplingParams() if params is None else params
         prompt = self._validate(prompt_token_ids, params, request_id)
@@ -173,12 +150,16 @@ class Engine:
         self._check_ids("stop_token_ids", params.stop_token_ids)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt_token_ids ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds the model's context max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds the model's context max_model_len={self.max_model_len}"
+            )
         capacity = self.pool.capacity_tokens
         if total > capacity:
-            raise ValueError(f"prompt_token_ids + max_tokens = {total} exceeds the engine's KV budget of "
-                             f"{capacity} tokens (raise kv_budget_tokens)")
+            raise ValueError(
+                f"prompt_token_ids + max_tokens = {total} exceeds the engine's KV budget of "
+                f"{capacity} tokens (raise kv_budget_tokens)"
+            )
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds the engine's max_num_seqs={self.scheduler.max_num_seqs}")
         return prompt
@@ -201,8 +182,9 @@ class Engine:
             return False
         if index is not None:
             if not (type(index) is int and 0 <= index < len(req.seqs)):  # not a bool
-                raise ValueError(f"index must be a sample of request {request_id!r}, 0..{len(req.seqs) - 1}, "
-                                 f"got {index!r}")
+                raise ValueError(
+                    f"index must be a sample of request {request_id!r}, 0..{len(req.seqs) - 1}, got {index!r}"
+                )
             seq = req.seqs[index]
             if seq.status is Status.FINISHED or seq.followers:
                 return False
@@ -228,10 +210,14 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Flat gauges and counters for metrics logging."""
         sch = self.scheduler
-        return {"engine/version": self.version, "engine/num_requests": len(self._requests),
-                "engine/num_running": len(sch.running), "engine/num_waiting": len(sch.waiting),
-                "engine/num_preemptions": sch.num_preemptions,
-                "engine/kv_usage": 1.0 - self.pool.num_free / self.pool.num_pages}
+        return {
+            "engine/version": self.version,
+            "engine/num_requests": len(self._requests),
+            "engine/num_running": len(sch.running),
+            "engine/num_waiting": len(sch.waiting),
+            "engine/num_preemptions": sch.num_preemptions,
+            "engine/kv_usage": 1.0 - self.pool.num_free / self.pool.num_pages,
+        }
 
     # ------------------------------------------------------------ stepping
     @contextlib.contextmanager
@@ -239,8 +225,10 @@ class Engine:
         """One caller drives the engine at a time: another thread waits its turn; the driving thread itself
         (a `generate` or `step` from inside `on_step`) is refused, as its steps would take the outer call's."""
         if self._driver == threading.get_ident():
-            raise RuntimeError(f"Engine.{what} called while this thread is already driving the engine (from "
-                               f"generate's on_step?): add requests with add_request instead")
+            raise RuntimeError(
+                f"Engine.{what} called while this thread is already driving the engine (from "
+                f"generate's on_step?): add requests with add_request instead"
+            )
         with self._drive_lock:
             self._driver = threading.get_ident()
             try:
@@ -255,8 +243,12 @@ class Engine:
         outs, self._unclaimed = self._unclaimed, []
         return outs + [self._output(r) for r in touched]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_step: Callable[[], object] | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        on_step: Callable[[], object] | None = None,
+    ) -> list[list[Completion]]:
         """Blocking: outs[k][j] is sample j of prompt k.
 
         `on_step` runs before every engine step, on this thread: the place for
@@ -352,7 +344,7 @@ class Engine:
         rows: list[int] = []
         targets: list[Sequence] = []
         for s, c in enumerate(sched.chunks):
-            tokens += c.seq.tokens[c.start:c.start + c.length]
+            tokens += c.seq.tokens[c.start : c.start + c.length]
             pos += range(c.start, c.start + c.length)
             seq_idx += [s] * c.length
             if c.samples:
@@ -369,10 +361,12 @@ class Engine:
     def _sample_rows(self, targets: list[Sequence]) -> SampleRows:
         ps = [s.request.params for s in targets]
         return SampleRows(
-            temperature=[float(p.temperature) for p in ps], top_k=[p.top_k for p in ps],
+            temperature=[float(p.temperature) for p in ps],
+            top_k=[p.top_k for p in ps],
             top_p=[float(p.top_p) for p in ps],
             uniform=[sample_uniform(s.request.seed, s.index, len(s.tokens)) for s in targets],
-            flags=[s.request.flags for s in targets])
+            flags=[s.request.flags for s in targets],
+        )
 
     def _commit(self, targets: list[Sequence], toks: list[int], lps: list[float]) -> list[Request]:
         touched: dict[str, Request] = {}
@@ -394,8 +388,12 @@ class Engine:
         return list(touched.values())
 
     def _output(self, req: Request) -> RequestOutput:
-        comps = [Completion(s.index, list(req.prompt), s.tokens[s.num_prompt:], list(s.logprobs),
-                            list(s.versions), s.finish_reason) for s in req.seqs]
+        comps = [
+            Completion(
+                s.index, list(req.prompt), s.tokens[s.num_prompt :], list(s.logprobs), list(s.versions), s.finish_reason
+            )
+            for s in req.seqs
+        ]
         return RequestOutput(req.request_id, list(req.prompt), comps, req.finished)
 
     def weights_changed(self) -> None:
@@ -428,12 +426,15 @@ class Engine:
         dtypes are checked before anything is copied (a dtype cast would not be bitwise).
         """
         if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict must be a mapping of parameter name -> tensor, got {type(state_dict).__name__}")
+            raise ValueError(
+                f"state_dict must be a mapping of parameter name -> tensor, got {type(state_dict).__name__}"
+            )
         params = dict(self.model.named_parameters())
         tied = self.model.config.tie_word_embeddings
         sd = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
-        if version is not None and not (isinstance(version, int) and not isinstance(version, bool)
-                                        and version > self.version):
+        if version is not None and not (
+            isinstance(version, int) and not isinstance(version, bool) and version > self.version
+        ):
             raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
         missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
         if missing or unexpected:
@@ -444,13 +445,20 @@ class Engine:
             if tuple(v.shape) != tuple(params[k].shape):
                 raise ValueError(f"state_dict[{k!r}] has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}")
             if v.dtype != params[k].dtype:  # a cast is not the bitwise copy exactness needs (docs/design.md §3)
-                raise ValueError(f"state_dict[{k!r}] is {v.dtype}, the engine's model is {params[k].dtype}: the copy "
-                                 f"would not be bitwise; cast it yourself (v.to({params[k].dtype})) if you mean it")
-            if (type(v) not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided
-                    or v.device != params[k].device):
-                raise ValueError(f"state_dict[{k!r}] must be a dense tensor on {params[k].device}, got a "
-                                 f"{type(v).__name__} ({v.layout}) on {v.device}: pass plain tensors (a DTensor's "
-                                 f"full_tensor(), .to_dense(), .to('{params[k].device}'))")
+                raise ValueError(
+                    f"state_dict[{k!r}] is {v.dtype}, the engine's model is {params[k].dtype}: the copy "
+                    f"would not be bitwise; cast it yourself (v.to({params[k].dtype})) if you mean it"
+                )
+            if (
+                type(v) not in (torch.Tensor, torch.nn.Parameter)
+                or v.layout != torch.strided
+                or v.device != params[k].device
+            ):
+                raise ValueError(
+                    f"state_dict[{k!r}] must be a dense tensor on {params[k].device}, got a "
+                    f"{type(v).__name__} ({v.layout}) on {v.device}: pass plain tensors (a DTensor's "
+                    f"full_tensor(), .to_dense(), .to('{params[k].device}'))"
+                )
         try:
             with torch.no_grad():
                 for k, v in sd.items():
@@ -460,8 +468,10 @@ class Engine:
             self._packed.clear()
             if self._graphs is not None:
                 self._graphs.clear()
-            self._weights_broken = (f"the engine's weights are partly updated: update_weights failed copying them "
-                                    f"({type(e).__name__}: {e}); call update_weights again with a whole state_dict")
+            self._weights_broken = (
+                f"the engine's weights are partly updated: update_weights failed copying them "
+                f"({type(e).__name__}: {e}); call update_weights again with a whole state_dict"
+            )
             raise
         self._weights_broken = None
         # packed again in place, so the decode graphs that point at the packed copies stay valid

@@ -30,6 +30,7 @@ Steps with prefill chunks, and any other kernels or dtype, run eagerly.
 Legend: N rows of the step (one token per sequence), Nb rows of its bucket, D hidden,
 Dh head dim, Hk kv heads, J block-table columns.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -45,8 +46,20 @@ from exactrl.kernels.native.graph import Graph, recording
 
 MAX_GRAPHS = 8  # buckets kept (the least recently used goes): a bucket's graph holds its activations and logits
 
-_READS = {"item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__", "__repr__",
-          "__str__", "__format__", "__setitem__"}  # value reads a replay would not redo, and writes
+_READS = {
+    "item",
+    "tolist",
+    "numpy",
+    "__array__",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__repr__",
+    "__str__",
+    "__format__",
+    "__setitem__",
+}  # value reads a replay would not redo, and writes
 _ALLOCATES = {"empty", "empty_like"}
 
 
@@ -110,8 +123,10 @@ class DecodeGraphs:
         to these very dicts)."""
         if any(self._hook_dicts) or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             hooked = [n or "the model" for n, mod in self._modules if mod._forward_hooks or mod._forward_pre_hooks]
-            raise GraphCaptureError(f"forward hooks (on {hooked[:3] or 'every module'}) would not run in a replayed "
-                                    f"decode step: remove them or use Engine(decode_graphs=False)")
+            raise GraphCaptureError(
+                f"forward hooks (on {hooked[:3] or 'every module'}) would not run in a replayed "
+                f"decode step: remove them or use Engine(decode_graphs=False)"
+            )
 
     def _weights(self) -> list[tuple[int, int]]:
         return [(p.data_ptr(), p._version) for p in self._params]
@@ -143,8 +158,8 @@ class DecodeGraphs:
         g.sin_ND[:N].copy_(sin_ND)
         g.seq_N[:N].copy_(layout.seq_N)
         g.pos_N[:N].copy_(layout.pos_N)
-        g.table_NJ[:N, :layout.block_table_SJ.shape[1]].copy_(layout.block_table_SJ)
-        g.kv_rows_x[:N * Hk].copy_(rows_x)
+        g.table_NJ[:N, : layout.block_table_SJ.shape[1]].copy_(layout.block_table_SJ)
+        g.kv_rows_x[: N * Hk].copy_(rows_x)
         if fresh:
             self._capture(g)
             self._graphs[key] = g
@@ -160,10 +175,18 @@ class DecodeGraphs:
         """A bucket's input buffers, every row padding."""
         c, m = self.model.config, self.model
         Hk, Dh = c.num_key_value_heads, c.head_dim
-        g = _Captured(None, torch.zeros(Nb, c.hidden_size, dtype=m.dtype), torch.empty(Nb, Dh), torch.empty(Nb, Dh),
-                      torch.arange(Nb), torch.empty(Nb, dtype=torch.int64),
-                      torch.empty(Nb, self.max_blocks, dtype=torch.int64), torch.empty(Nb * Hk, dtype=torch.int64),
-                      None, [])
+        g = _Captured(
+            None,
+            torch.zeros(Nb, c.hidden_size, dtype=m.dtype),
+            torch.empty(Nb, Dh),
+            torch.empty(Nb, Dh),
+            torch.arange(Nb),
+            torch.empty(Nb, dtype=torch.int64),
+            torch.empty(Nb, self.max_blocks, dtype=torch.int64),
+            torch.empty(Nb * Hk, dtype=torch.int64),
+            None,
+            [],
+        )
         self._pad(g, 0, Nb)
         return g
 
@@ -176,7 +199,7 @@ class DecodeGraphs:
         g.pos_N[start:end] = 0
         g.table_NJ[start:end] = -1
         g.table_NJ[start:end, 0] = self.scratch_page
-        g.kv_rows_x[start * Hk:end * Hk] = ((self.scratch_page * Hk + torch.arange(Hk)) * B).repeat(end - start)
+        g.kv_rows_x[start * Hk : end * Hk] = ((self.scratch_page * Hk + torch.arange(Hk)) * B).repeat(end - start)
 
     def _capture(self, g: _Captured) -> None:
         """Runs the step eagerly on g's buffers while recording its kernel calls."""
@@ -208,29 +231,38 @@ class _NativeOnly(TorchFunctionMode):
             out = native.add(*args)
             self.kept.append(out)
             return out
-        if (name in _READS or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
-                or "out" in kwargs):
-            raise GraphCaptureError(f"a decode graph cannot record {name!r}: the forward must make only kernel "
-                                    f"calls, views and allocations (Engine(decode_graphs=False) runs it eagerly)")
+        if (
+            name in _READS
+            or (name.endswith("_") and not name.endswith("__"))
+            or name.startswith("__i")
+            or "out" in kwargs
+        ):
+            raise GraphCaptureError(
+                f"a decode graph cannot record {name!r}: the forward must make only kernel "
+                f"calls, views and allocations (Engine(decode_graphs=False) runs it eagerly)"
+            )
         out = func(*args, **kwargs)
         made = _tensors(out)
         if made and name not in _ALLOCATES:
             inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
             if any(t.untyped_storage().data_ptr() not in inputs for t in made):
-                raise GraphCaptureError(f"a decode graph cannot record torch's {name!r}, which computes: the "
-                                        f"forward must make only kernel calls, views and allocations "
-                                        f"(Engine(decode_graphs=False) runs it eagerly)")
+                raise GraphCaptureError(
+                    f"a decode graph cannot record torch's {name!r}, which computes: the "
+                    f"forward must make only kernel calls, views and allocations "
+                    f"(Engine(decode_graphs=False) runs it eagerly)"
+                )
         self.kept += made
         return out
 
 
 def _native_add(*args) -> bool:
     """Whether `native.add` computes a + b: fp32, contiguous, b of a's shape or of its last dimensions (a bias)."""
-    if len(args) != 2 or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_contiguous()
-                                 for t in args):
+    if len(args) != 2 or not all(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_contiguous() for t in args
+    ):
         return False
     a, b = args
-    return b.dim() <= a.dim() and a.shape[a.dim() - b.dim():] == b.shape
+    return b.dim() <= a.dim() and a.shape[a.dim() - b.dim() :] == b.shape
 
 
 def _tensors(x) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ Two details keep a row's result independent of the other rows of the step:
 
 Legend: R sampled rows, V vocabulary.
 """
+
 from __future__ import annotations
 
 import struct
@@ -94,8 +95,7 @@ class SamplingParams:
         return 0 < self.top_k < vocab_size, struct.unpack("f", struct.pack("f", self.top_p))[0] < 1.0
 
 
-def params_per_prompt(params: "SamplingParams | list[SamplingParams] | None", n_prompts: int
-                      ) -> list[SamplingParams]:
+def params_per_prompt(params: SamplingParams | list[SamplingParams] | None, n_prompts: int) -> list[SamplingParams]:
     """`generate`'s params argument as one SamplingParams per prompt: None is the defaults, one is shared."""
     params = SamplingParams() if params is None else params
     plist = params if isinstance(params, list) else [params] * n_prompts

@@ -25,6 +25,7 @@ forked from it once its prompt is computed (see cache.py for page sharing).
 
 Legend: B page size.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -50,7 +51,7 @@ class Request:
     seed: int  # resolved (a fresh one when params.seed is None)
     stop_ids: frozenset[int]  # params.stop_token_ids + the engine's (unless ignore_eos)
     flags: tuple[bool, bool] = (False, False)  # params.branch_flags(vocab size), asked once per request
-    seqs: list["Sequence"] = field(default_factory=list)  # sample j at index j
+    seqs: list[Sequence] = field(default_factory=list)  # sample j at index j
 
     @property
     def finished(self) -> bool:
@@ -69,7 +70,7 @@ class Sequence:
     versions: list[int] = field(default_factory=list)  # policy version per generated token
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" once finished
-    followers: list["Sequence"] = field(default_factory=list)  # samples to fork after prefill
+    followers: list[Sequence] = field(default_factory=list)  # samples to fork after prefill
 
     @property
     def num_prompt(self) -> int:
@@ -206,15 +207,15 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(chunks, self.max_num_batched_tokens - budget, copies, preempted)
 
-    def _reserve(self, seq: Sequence, n: int, scheduled: set[int], copies: list[tuple[int, int]],
-                 preempted: list[Sequence]) -> bool:
+    def _reserve(
+        self, seq: Sequence, n: int, scheduled: set[int], copies: list[tuple[int, int]], preempted: list[Sequence]
+    ) -> bool:
         """Pages for computing n more tokens of a running sequence; may preempt (even itself)."""
         first = seq.num_computed // self.pool.block_size
         cow = first < len(seq.pages) and self.pool.is_shared(seq.pages[first])
         need = self.pages_for(seq.num_computed + n) - len(seq.pages) + int(cow)
         while self.pool.num_free < need:
-            victim = next((s for s in reversed(self.running)
-                           if s.seq_id not in scheduled and s is not seq), None)
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled and s is not seq), None)
             if victim is None or victim.seq_id < seq.seq_id:
                 victim = seq
             self.preempt(victim)

@@ -16,6 +16,7 @@ teaches the model to answer rather than to echo the question. An integer is a
 whole number on its own: not the start of "19.5" or "19,000" (those hold no
 integer), not a piece of a word ("Step-1"), and "−19" (U+2212) is −19.
 """
+
 from __future__ import annotations
 
 import random
@@ -65,8 +66,14 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     system_prompt = None  # the prompt is the bare expression
 
-    def __init__(self, min_value: int = 0, max_value: int = 9, ops: Sequence[str] = ("+", "-"),
-                 num_terms: int = 2, nonnegative: bool = False):
+    def __init__(
+        self,
+        min_value: int = 0,
+        max_value: int = 9,
+        ops: Sequence[str] = ("+", "-"),
+        num_terms: int = 2,
+        nonnegative: bool = False,
+    ):
         ops = tuple(ops)
         if min_value < 0:
             raise ValueError(f"min_value must be >= 0 (operands are written without a sign), got {min_value}")
@@ -77,9 +84,11 @@ class ArithmeticTask(Task):
         if not 2 <= num_terms <= MAX_TERMS:
             raise ValueError(f"num_terms must be in [2, {MAX_TERMS}], got {num_terms}")
         if (digits := answer_digits_bound(max_value, num_terms, ops)) > MAX_ANSWER_DIGITS:
-            raise ValueError(f"max_value, num_terms={num_terms} and ops={ops} allow answers of up to "
-                             f"{digits} digits; at most {MAX_ANSWER_DIGITS} can be scored (lower max_value or "
-                             f"num_terms)")
+            raise ValueError(
+                f"max_value, num_terms={num_terms} and ops={ops} allow answers of up to "
+                f"{digits} digits; at most {MAX_ANSWER_DIGITS} can be scored (lower max_value or "
+                f"num_terms)"
+            )
         self.min_value = min_value  # smallest operand
         self.max_value = max_value  # largest operand
         self.ops = ops  # operators drawn uniformly between operands
@@ -94,8 +103,10 @@ class ArithmeticTask(Task):
             if value >= 0 or not self.nonnegative:
                 expr = str(terms[0]) + "".join(op + str(x) for op, x in zip(ops, terms[1:]))
                 return Problem(prompt=expr + "=", answer=str(value))
-        raise ValueError(f"no non-negative expression found in {_MAX_ATTEMPTS} draws with ops={self.ops} over "
-                         f"[{self.min_value}, {self.max_value}]; add '+' to ops or set nonnegative=False")
+        raise ValueError(
+            f"no non-negative expression found in {_MAX_ATTEMPTS} draws with ops={self.ops} over "
+            f"[{self.min_value}, {self.max_value}]; add '+' to ops or set nonnegative=False"
+        )
 
     def check(self, problem: Problem) -> None:
         check_integer_answer("arithmetic", problem)
@@ -118,8 +129,10 @@ def check_integer_answer(task: str, problem: Problem) -> None:
     if not _INT.fullmatch(answer):
         raise ValueError(f"{task} problem {problem.prompt!r} has a non-integer answer {problem.answer!r}")
     if len(answer.lstrip("-")) > MAX_ANSWER_DIGITS:
-        raise ValueError(f"{task} problem {problem.prompt!r:.60} has an answer of {len(answer.lstrip('-'))} digits; "
-                         f"at most {MAX_ANSWER_DIGITS} can be scored")
+        raise ValueError(
+            f"{task} problem {problem.prompt!r:.60} has an answer of {len(answer.lstrip('-'))} digits; "
+            f"at most {MAX_ANSWER_DIGITS} can be scored"
+        )
 
 
 def integer_reward(answer: str, completion: str) -> float:

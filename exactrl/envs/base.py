@@ -16,9 +16,10 @@ Adding a task:
         def reward(self, problem, completion): ...
 
 after which `get_task("my_task", **kwargs)` builds it (the run config names
-tasks this way: `--set task.module=path/to/my_task.py --set task.name=my_task`). Departure from tinker-cookbook's `Env`: our tasks are
-single-turn and stateless; multi-turn tool use goes through the chat server.
+tasks this way: `--set task.module=path/to/my_task.py --set task.name=my_task`). Unlike
+tinker-cookbook's `Env`, these tasks are single-turn and stateless; multi-turn tool use goes through the chat server.
 """
+
 from __future__ import annotations
 
 import abc
@@ -54,7 +55,7 @@ class Task(abc.ABC):
     def reward(self, problem: Problem, completion: str) -> float:
         """Scores `completion` (decoded text, special tokens dropped) in [0, 1]; never raises on bad text."""
 
-    def check(self, problem: Problem) -> None:
+    def check(self, problem: Problem) -> None:  # noqa: B027 (optional: a task without needs keeps it)
         """Raises ValueError if `reward` cannot score `problem` (a training-file row without what the task
         needs). Run on every row of `task.train_jsonl` at the start; the default checks nothing."""
 
@@ -112,8 +113,9 @@ def import_task_module(module: str) -> None:
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as e:
-        raise ValueError(f"cannot import task module {module!r}: {e} (give a module on sys.path or a .py file path)") \
-            from None
+        raise ValueError(
+            f"cannot import task module {module!r}: {e} (give a module on sys.path or a .py file path)"
+        ) from None
     except (Exception, SystemExit) as e:
         raise _import_failure(module, e) from e
 
@@ -140,9 +142,11 @@ def _import_failure(module: str, e: Exception | SystemExit) -> ValueError:
     """The error for a task module whose own code failed while it was imported, naming it (a `sys.exit` there
     would otherwise end `train` with no message at all)."""
     if isinstance(e, SystemExit):
-        return ValueError(f"task module {module} called sys.exit({e.code!r}) while it was imported: a module that "
-                          f"registers tasks must not exit (guard a script's own code with "
-                          f"`if __name__ == '__main__':`)")
+        return ValueError(
+            f"task module {module} called sys.exit({e.code!r}) while it was imported: a module that "
+            f"registers tasks must not exit (guard a script's own code with "
+            f"`if __name__ == '__main__':`)"
+        )
     return ValueError(f"task module {module} failed while it was imported ({type(e).__name__}: {e})")
 
 
@@ -162,6 +166,7 @@ def get_task(name: str, **kwargs: Any) -> Task:
 
 # --------------------------------------------------------------------------- completion helpers
 
+
 def strip_reasoning(completion: str) -> str:
     """The answer part of a completion: `<think>...</think>` blocks dropped.
 
@@ -177,6 +182,6 @@ def strip_reasoning(completion: str) -> str:
     text = "".join(parts) + completion[i:]
     close_at = text.rfind("</think>")
     if close_at >= 0:
-        text = text[close_at + len("</think>"):]
+        text = text[close_at + len("</think>") :]
     open_at = text.find("<think>")
     return text if open_at < 0 else text[:open_at]

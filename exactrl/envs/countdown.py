@@ -18,6 +18,7 @@ parses, uses the numbers legally and equals the target; `format_reward`
 (default 0.0; TinyZero uses 0.1) if it parses but is wrong; 0.0 if it is
 malformed or divides by zero.
 """
+
 from __future__ import annotations
 
 import random
@@ -157,8 +158,15 @@ class CountdownTask(Task):
 
     name = "countdown"
 
-    def __init__(self, num_numbers: int = 3, max_number: int = 10, max_target: int = 100,
-                 ops: Sequence[str] = SUPPORTED_OPS, use_all_numbers: bool = False, format_reward: float = 0.0):
+    def __init__(
+        self,
+        num_numbers: int = 3,
+        max_number: int = 10,
+        max_target: int = 100,
+        ops: Sequence[str] = SUPPORTED_OPS,
+        use_all_numbers: bool = False,
+        format_reward: float = 0.0,
+    ):
         ops = tuple(ops)
         if num_numbers < 2:
             raise ValueError(f"num_numbers must be >= 2, got {num_numbers}")
@@ -167,10 +175,13 @@ class CountdownTask(Task):
         if max_number >= 10**_MAX_LITERAL_DIGITS:  # an answer could not write it
             raise ValueError(f"max_number must have at most {_MAX_LITERAL_DIGITS} digits, got {max_number}")
         # n numbers, n-1 operators and at most n-2 pairs of parentheses: the reference answer must parse
-        if (chars := num_numbers * len(str(max_number)) + (num_numbers - 1) + 2 * (num_numbers - 2)) \
-                > MAX_EXPRESSION_CHARS:
-            raise ValueError(f"num_numbers={num_numbers} and max_number={max_number} allow answers of {chars} "
-                             f"characters; at most {MAX_EXPRESSION_CHARS} are read (lower num_numbers)")
+        if (
+            chars := num_numbers * len(str(max_number)) + (num_numbers - 1) + 2 * (num_numbers - 2)
+        ) > MAX_EXPRESSION_CHARS:
+            raise ValueError(
+                f"num_numbers={num_numbers} and max_number={max_number} allow answers of {chars} "
+                f"characters; at most {MAX_EXPRESSION_CHARS} are read (lower num_numbers)"
+            )
         if not ops or any(op not in SUPPORTED_OPS for op in ops):
             raise ValueError(f"ops must be a non-empty subset of {SUPPORTED_OPS}, got {ops}")
         if not 0.0 <= format_reward < 1.0:
@@ -182,8 +193,10 @@ class CountdownTask(Task):
         self.use_all_numbers = use_all_numbers  # False: each number at most once; True: exactly once
         self.format_reward = format_reward  # score of a well-formed but wrong expression
         usage = "exactly once" if use_all_numbers else "at most once"
-        self.system_prompt = (f"Answer with one expression using + - * / and parentheses that uses each "
-                              f"given number {usage} and equals the target.")
+        self.system_prompt = (
+            f"Answer with one expression using + - * / and parentheses that uses each "
+            f"given number {usage} and equals the target."
+        )
 
     def generate(self, rng: random.Random) -> Problem:
         for _ in range(_MAX_ATTEMPTS):
@@ -198,8 +211,10 @@ class CountdownTask(Task):
                 target = int(value)
                 prompt = f"Use {' '.join(map(str, numbers))} to make {target}."
                 return Problem(prompt=prompt, answer=text, meta={"numbers": numbers, "target": target})
-        raise ValueError(f"no target in [1, {self.max_target}] found in {_MAX_ATTEMPTS} draws with ops={self.ops}; "
-                         f"raise max_target or allow more operators")
+        raise ValueError(
+            f"no target in [1, {self.max_target}] found in {_MAX_ATTEMPTS} draws with ops={self.ops}; "
+            f"raise max_target or allow more operators"
+        )
 
     def split_key(self, problem: Problem) -> str:
         """The numbers in any order and the target are one puzzle ("Use 7 3 2 to make 13." and "Use 3 2 7
@@ -211,17 +226,23 @@ class CountdownTask(Task):
 
     def check(self, problem: Problem) -> None:
         if "numbers" not in problem.meta or "target" not in problem.meta:
-            raise ValueError(f"countdown problem {problem.prompt!r} lacks meta 'numbers' and 'target' "
-                             f"(JSONL rows need them as extra keys)")
+            raise ValueError(
+                f"countdown problem {problem.prompt!r} lacks meta 'numbers' and 'target' "
+                f"(JSONL rows need them as extra keys)"
+            )
         numbers, target = problem.meta["numbers"], problem.meta["target"]
         if not (isinstance(numbers, list) and numbers and all(_is_int(x) for x in numbers) and _is_int(target)):
-            raise ValueError(f"countdown problem {problem.prompt!r}: meta 'numbers' must be a non-empty list of "
-                             f"integers and 'target' an integer, got {numbers!r} and {target!r}")
+            raise ValueError(
+                f"countdown problem {problem.prompt!r}: meta 'numbers' must be a non-empty list of "
+                f"integers and 'target' an integer, got {numbers!r} and {target!r}"
+            )
         unwritable = [x for x in numbers if not 0 <= x < 10**_MAX_LITERAL_DIGITS]  # no sign, at most 12 digits
         if self.use_all_numbers and unwritable:  # every answer must write it: the problem could never score
-            raise ValueError(f"countdown problem {problem.prompt!r}: use_all_numbers needs every number written "
-                             f"in the answer, and {unwritable[0]} cannot be (integers in [0, "
-                             f"10**{_MAX_LITERAL_DIGITS}) can)")
+            raise ValueError(
+                f"countdown problem {problem.prompt!r}: use_all_numbers needs every number written "
+                f"in the answer, and {unwritable[0]} cannot be (integers in [0, "
+                f"10**{_MAX_LITERAL_DIGITS}) can)"
+            )
 
     def reward(self, problem: Problem, completion: str) -> float:
         self.check(problem)

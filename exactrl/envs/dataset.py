@@ -10,6 +10,7 @@ permutation, which is a pure function of (seed, epoch). Its position is two
 integers, so `state_dict()` fits in a checkpoint's JSON and a resumed run
 draws exactly the problems the uninterrupted run would have drawn.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,9 @@ def load_json_line(line: str, where: str) -> Any:
     except json.JSONDecodeError:
         raise
     except ValueError:  # json's only other ValueError
-        raise ValueError(f"{where}: holds an integer too long to read (at most {sys.get_int_max_str_digits()} "
-                         f"digits)") from None
+        raise ValueError(
+            f"{where}: holds an integer too long to read (at most {sys.get_int_max_str_digits()} digits)"
+        ) from None
     except RecursionError:
         raise ValueError(f"{where}: JSON nested too deeply to read") from None
 
@@ -70,16 +72,19 @@ def _parse_line(line: str, where: str) -> Problem:
         try:  # a lone surrogate escape ("\ud800") is no character: hashing and tokenizing the text would fail
             json.dumps([key, value], ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{where}: {key!r} holds a lone surrogate escape (\\ud800-\\udfff), which is not "
-                             f"a character") from None
+            raise ValueError(
+                f"{where}: {key!r} holds a lone surrogate escape (\\ud800-\\udfff), which is not a character"
+            ) from None
         except RecursionError:
             raise ValueError(f"{where}: {key!r} is nested too deeply to read") from None
     prompt, answer = row.pop("prompt"), row.pop("answer")
     if isinstance(answer, int) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(prompt, str) or not isinstance(answer, str):
-        raise ValueError(f"{where}: 'prompt' must be a string and 'answer' a string or integer, "
-                         f"got {type(prompt).__name__} and {type(answer).__name__}")
+        raise ValueError(
+            f"{where}: 'prompt' must be a string and 'answer' a string or integer, "
+            f"got {type(prompt).__name__} and {type(answer).__name__}"
+        )
     return Problem(prompt=prompt, answer=answer, meta=row)
 
 
@@ -144,9 +149,10 @@ def generate(task: Task, rng: random.Random, split: str | None = None) -> Proble
         p = task.generate(rng)
         if held_out(p, task) == (split == "eval"):
             return p
-    raise ValueError(f"task {task.name!r} drew no {split} problem in {MAX_SPLIT_DRAWS} draws: its settings leave "
-                     f"too few distinct problems to hold some out for evaluation (widen them)")
-
+    raise ValueError(
+        f"task {task.name!r} drew no {split} problem in {MAX_SPLIT_DRAWS} draws: its settings leave "
+        f"too few distinct problems to hold some out for evaluation (widen them)"
+    )
 
 
 def make_dataset(task: Task, n: int, seed: int, split: str | None = None) -> list[Problem]:
@@ -205,16 +211,24 @@ class PromptSource:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position (plus what it is valid for)."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "shuffle": self.shuffle,
-                "size": len(self.problems), "fingerprint": self._fingerprint}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "size": len(self.problems),
+            "fingerprint": self._fingerprint,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Moves to a saved position; ValueError if it was saved for another dataset, seed or order."""
         mine = self.state_dict()
         for key in ("seed", "shuffle", "size", "fingerprint"):
             if state.get(key) != mine[key]:
-                raise ValueError(f"PromptSource state was saved with {key}={state.get(key)!r} but this source has "
-                                 f"{key}={mine[key]!r}: resume with the same dataset, seed and shuffle setting")
+                raise ValueError(
+                    f"PromptSource state was saved with {key}={state.get(key)!r} but this source has "
+                    f"{key}={mine[key]!r}: resume with the same dataset, seed and shuffle setting"
+                )
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index <= len(self.problems):
             raise ValueError(f"PromptSource state has an invalid position: epoch={epoch}, index={index}")

@@ -1,5 +1,6 @@
 """How a task's problem becomes tokens: the prompt through the tokenizer's chat template (the task's system
 prompt first, when it has one) and, for supervised warm starts, the demonstration answer."""
+
 from __future__ import annotations
 
 from exactrl.envs.base import Problem, Task
@@ -8,7 +9,7 @@ from exactrl.model.tokenizer import Tokenizer
 
 def prompt_ids(tokenizer: Tokenizer, task: Task, problem: Problem) -> list[int]:
     """The generation prompt of `problem`: [system,] user, then the assistant's turn opened."""
-    msgs = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else [])
+    msgs = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
     msgs.append({"role": "user", "content": problem.prompt})
     return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
 

@@ -6,6 +6,7 @@ as 1.0 or 0.0. Anything else (None, text, NaN, ±inf, several elements, an int b
 refused: a NaN would turn the whole step's advantages into NaN, and text such as "1" would be a silent
 guess.
 """
+
 from __future__ import annotations
 
 import math

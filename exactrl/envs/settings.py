@@ -1,4 +1,5 @@
 """Run-config section for the task (prompts and reward)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field

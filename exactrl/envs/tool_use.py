@@ -16,6 +16,7 @@ Reward (in [0, 1], computed by a program): 1.0 if the first integer of the
 final answer (reasoning dropped) is the expression's value, else 0.0. An
 episode that is still calling tools after `max_turns` scores 0 (`Episode.out_of_turns`).
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,13 +29,23 @@ from typing import Any
 from exactrl.envs.arithmetic import MAX_TERMS, check_integer_answer, evaluate_terms, integer_reward
 from exactrl.envs.base import Problem, Task, register_task
 
-CALCULATOR_TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluates an integer arithmetic expression (+, -, *, //, %, parentheses).",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluates an integer arithmetic expression (+, -, *, //, %, parentheses).",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 SYSTEM_PROMPT = "Use the calculator, then answer with the number."
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-        ast.Mod: operator.mod}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 _MAX_EXPR_CHARS = 200
 _MAX_ABS = 10**30  # keeps a pathological expression from building huge integers
 
@@ -70,8 +81,9 @@ class CalculatorTask(Task):
     name = "calculator"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, min_value: int = 10, max_value: int = 99, ops: tuple[str, ...] = ("+", "-", "*"),
-                 num_terms: int = 2):
+    def __init__(
+        self, min_value: int = 10, max_value: int = 99, ops: tuple[str, ...] = ("+", "-", "*"), num_terms: int = 2
+    ):
         ops = tuple(ops)
         if min_value < 0:
             raise ValueError(f"min_value must be >= 0 (operands are written without a sign), got {min_value}")
@@ -83,11 +95,15 @@ class CalculatorTask(Task):
             raise ValueError(f"num_terms must be in [2, {MAX_TERMS}], got {num_terms}")
         # the tool must compute every expression, or a correct agent is told "error"
         if (chars := num_terms * (len(str(max_value)) + 1) - 1) > _MAX_EXPR_CHARS:
-            raise ValueError(f"max_value and num_terms={num_terms} allow expressions of {chars} characters; the "
-                             f"calculator reads at most {_MAX_EXPR_CHARS} (lower max_value or num_terms)")
+            raise ValueError(
+                f"max_value and num_terms={num_terms} allow expressions of {chars} characters; the "
+                f"calculator reads at most {_MAX_EXPR_CHARS} (lower max_value or num_terms)"
+            )
         if ((max_value + 1) ** num_terms if "*" in ops else num_terms * max_value) > _MAX_ABS:  # arithmetic.py
-            raise ValueError(f"max_value, num_terms={num_terms} and ops={ops} allow values beyond the calculator's "
-                             f"limit of 10**30 (lower max_value or num_terms)")
+            raise ValueError(
+                f"max_value, num_terms={num_terms} and ops={ops} allow values beyond the calculator's "
+                f"limit of 10**30 (lower max_value or num_terms)"
+            )
         self.min_value, self.max_value, self.ops, self.num_terms = min_value, max_value, ops, num_terms
 
     def generate(self, rng: random.Random) -> Problem:
@@ -110,11 +126,17 @@ def first_messages(problem: Problem) -> list[dict]:
 
 def ideal_transcript(problem: Problem) -> list[dict]:
     """The episode a perfect agent plays (a supervised warm-start target)."""
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": problem.meta["expression"]})}}
-    return [*first_messages(problem), {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": calculate(problem.meta["expression"])},
-            {"role": "assistant", "content": problem.answer}]
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": problem.meta["expression"]})},
+    }
+    return [
+        *first_messages(problem),
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": calculate(problem.meta["expression"])},
+        {"role": "assistant", "content": problem.answer},
+    ]
 
 
 def sft_example(tokenizer, messages: list[dict], tools=(CALCULATOR_TOOL,)) -> tuple[list[int], list[int]]:
@@ -127,9 +149,9 @@ def sft_example(tokenizer, messages: list[dict], tools=(CALCULATOR_TOOL,)) -> tu
         if m["role"] != "assistant":
             continue
         prompt = tokenizer.apply_chat_template(tmsgs[:i], tools=list(tools), add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(tmsgs[:i + 1], tools=list(tools), add_generation_prompt=False)
-        body = full[len(prompt):full.index(tokenizer.end_of_turn_id, len(prompt)) + 1]
-        assert full[:len(prompt)] == prompt, "the template must render the generation prompt as a prefix"
+        full = tokenizer.apply_chat_template(tmsgs[: i + 1], tools=list(tools), add_generation_prompt=False)
+        body = full[len(prompt) : full.index(tokenizer.end_of_turn_id, len(prompt)) + 1]
+        assert full[: len(prompt)] == prompt, "the template must render the generation prompt as a prefix"
         ids, mask = prompt + body, mask + [0] * (len(prompt) - len(mask)) + [1] * len(body)
     return ids, mask
 
@@ -143,10 +165,19 @@ class Episode:
     out_of_turns: bool = False  # still calling tools after max_turns: why its reward is 0
 
 
-async def calculator_episode(base_url: str, problem: Problem, *, model: str, seed: int | None = None,
-                             max_turns: int = 3, temperature: float = 1.0, max_tokens: int = 48,
-                             api_key: str = "exactrl", task: CalculatorTask | None = None,
-                             request_kwargs: dict[str, Any] | None = None) -> Episode:
+async def calculator_episode(
+    base_url: str,
+    problem: Problem,
+    *,
+    model: str,
+    seed: int | None = None,
+    max_turns: int = 3,
+    temperature: float = 1.0,
+    max_tokens: int = 48,
+    api_key: str = "exactrl",
+    task: CalculatorTask | None = None,
+    request_kwargs: dict[str, Any] | None = None,
+) -> Episode:
     """Plays one episode against `base_url` with the openai client; returns its reward and transcript."""
     import openai
 
@@ -156,8 +187,14 @@ async def calculator_episode(base_url: str, problem: Problem, *, model: str, see
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         for turn in range(max_turns):
             resp = await client.chat.completions.create(
-                model=model, messages=messages, tools=[CALCULATOR_TOOL], temperature=temperature,
-                max_tokens=max_tokens, seed=None if seed is None else seed + turn, **(request_kwargs or {}))
+                model=model,
+                messages=messages,
+                tools=[CALCULATOR_TOOL],
+                temperature=temperature,
+                max_tokens=max_tokens,
+                seed=None if seed is None else seed + turn,
+                **(request_kwargs or {}),
+            )
             msg = resp.choices[0].message
             ep.turns += 1
             messages.append(msg.model_dump(exclude_none=True))  # token fields included: sent back unchanged

@@ -10,6 +10,7 @@ CPU tensors) and `triton` (`kernels/triton`: Triton kernels on CUDA tensors,
 or on CPU tensors under Triton's interpreter). The model, the engine and the
 trainer call these methods and never ask which backend they have.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +19,17 @@ import torch
 
 from exactrl.kernels import attention as _attn
 from exactrl.kernels import native
-from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
 from exactrl.kernels import rowwise as _rowwise
-from exactrl.kernels.linear import (check_short_rows, exact_linear, exact_linears, fast_linear, fuses_linears,
-                                    input_grad, transposed_panels)
+from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
+from exactrl.kernels.linear import (
+    check_short_rows,
+    exact_linear,
+    exact_linears,
+    fast_linear,
+    fuses_linears,
+    input_grad,
+    transposed_panels,
+)
 from exactrl.kernels.rowwise import apply_rotary, exact_rms_norm, rms_norm, rotary_tables, sampling_logprobs
 
 KERNEL_MODES = ("exact", "fast")
@@ -93,8 +101,14 @@ class Kernels:
             return _SwiGLU.apply(gate, up)
         return native.swiglu(gate, up)
 
-    def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int,
-                       device: torch.device | None = None):
+    def plan_attention(
+        self,
+        layout: TokenLayout,
+        num_heads: int,
+        num_kv_heads: int,
+        block_size: int,
+        device: torch.device | None = None,
+    ):
         """What attention needs of a layout, checked once per forward (`device`: the model's; CPU here)."""
         if self.exact:
             return _attn.plan_exact(layout, block_size)
@@ -123,6 +137,7 @@ class Kernels:
     def sample(self, logits_RV, rows):
         """(tokens [R], their logprobs [R]) drawn from each row's sampling distribution (`engine/sampling.py`)."""
         from exactrl.engine.sampling import sample
+
         return sample(logits_RV, rows)
 
     def head_grad(self, lp_cV, g_lp, g_hit, tgt, g_ent, ent, temp: float):
@@ -186,9 +201,19 @@ def get_kernels(mode: str, backend: str = "native") -> Kernels:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":
         from exactrl.kernels.triton import TritonKernels
+
         return TritonKernels(mode)
     return Kernels(mode)
 
 
-__all__ = ["Kernels", "KERNEL_MODES", "BACKENDS", "TokenLayout", "get_kernels", "write_kv", "apply_rotary",
-           "rotary_tables", "sampling_logprobs"]
+__all__ = [
+    "Kernels",
+    "KERNEL_MODES",
+    "BACKENDS",
+    "TokenLayout",
+    "get_kernels",
+    "write_kv",
+    "apply_rotary",
+    "rotary_tables",
+    "sampling_logprobs",
+]

@@ -20,14 +20,15 @@ against a cache, chunked prefill and a trainer's whole-sequence forward give
 the same bits. Masked keys are simply never visited (they contribute exact
 nothing). A sliding window of W keys (Mistral, Qwen's sliding layers) starts
 a row's keys at max(0, pos - W + 1), transformers' (pos - W, pos]: a function
-of the row's own position, so the order stays fixed past the window too. An earlier version expressed the same rule in torch ops (fixed
-16×32 tiles and key blocks, bmm); its many tiny products cost ~16 ms of a
-64–68 ms decode step at 20M, batch 32, on an AVX2 EPYC (this loop: ~4 ms),
-and its plan ~100 lines.
+of the row's own position, so the order stays fixed past the window too.
+The loop is one C function per backend (exactrl/kernels/native): the same
+rule expressed in torch ops needs many tiny products per decode step, whose
+dispatch costs more than the arithmetic (docs/kernels.md has the figures).
 
 Legend: N tokens, H query heads, Hk kv heads, D head dim, S sequences,
 J blocks per sequence, P pages, B keys per block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -108,12 +109,18 @@ def plan_fast(layout: TokenLayout, block_size: int) -> FastPlan:
     valid_SQ = i_SQ < counts_S[:, None]
     tok_SQ = torch.where(valid_SQ, order_N[(offset_S[:, None] + i_SQ).clamp(max=len(order_N) - 1)], 0)
     pos_SQ = torch.where(valid_SQ, pos_N[tok_SQ], 0)
-    return FastPlan(tok_SQ, pos_SQ, layout.block_table_SJ, int(pos_N.max()) // block_size + 1,
-                    valid_SQ.reshape(-1).nonzero().squeeze(1))
+    return FastPlan(
+        tok_SQ,
+        pos_SQ,
+        layout.block_table_SJ,
+        int(pos_N.max()) // block_size + 1,
+        valid_SQ.reshape(-1).nonzero().squeeze(1),
+    )
 
 
-def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
-             layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def write_kv(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, layout: TokenLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stores new keys/values at their pages and slots; pages are [P, Hk, B, D].
 
     Returns the stores to use from here on: in place for the engine's cache,
@@ -123,30 +130,31 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_NHD: torch.Tensor, 
     rows_x, max_row = layout._rows(Hk, B)
     k_xD, v_xD = k_NHD.reshape(-1, D), v_NHD.reshape(-1, D)
     if k_NHD.requires_grad or v_NHD.requires_grad:
-        return (k_pages.reshape(-1, D).index_copy(0, rows_x, k_xD).view(k_pages.shape),
-                v_pages.reshape(-1, D).index_copy(0, rows_x, v_xD).view(v_pages.shape))
+        return (
+            k_pages.reshape(-1, D).index_copy(0, rows_x, k_xD).view(k_pages.shape),
+            v_pages.reshape(-1, D).index_copy(0, rows_x, v_xD).view(v_pages.shape),
+        )
     native.write_rows(k_pages.view(-1, D), rows_x, k_xD, max_row)  # the engine's store: contiguous, in place
     native.write_rows(v_pages.view(-1, D), rows_x, v_xD, max_row)
     return k_pages, v_pages
 
 
-def exact_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan,
-                    scale: float, window: int = 0) -> torch.Tensor:
+def exact_attention(
+    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan, scale: float, window: int = 0
+) -> torch.Tensor:
     """`window` > 0: each query row attends to its last `window` keys (itself included), else to all."""
     if torch.is_grad_enabled() and (q_NHD.requires_grad or k_pages.requires_grad or v_pages.requires_grad):
         return _ExactAttention.apply(q_NHD, k_pages, v_pages, plan, scale, window)
     return _exact_attention(q_NHD, k_pages, v_pages, plan, scale, window=window)
 
 
-def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float, with_lse: bool = False,
-                     window: int = 0):
+def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float, with_lse: bool = False, window: int = 0):
     """Output in q's dtype; with `with_lse`, (fp32 output, fp32 log-sum-exp [N, H]) for the backward."""
     if plan.max_page >= k_pages.shape[0]:
         raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
     lay = plan.layout
     # values only (`_ExactAttention` supplies the gradient): the C kernel fills a new tensor autograd never sees
-    out = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale, with_lse,
-                           window)
+    out = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale, with_lse, window)
     return out if with_lse else out.to(q_NHD.dtype)
 
 
@@ -183,8 +191,18 @@ class _ExactAttention(torch.autograd.Function):
         table_SJ = lay.block_table_SJ[:, :J].contiguous()
         S = table_SJ.shape[0]
         gq, gk_S, gv_S = native.attention_backward(
-            q_NHD.detach().float(), k_pages.detach().float(), v_pages.detach().float(), o_NHD, lse_NH,
-            g_NHD.float(), lay.seq_N, lay.pos_N, table_SJ, ctx.scale, ctx.window)
+            q_NHD.detach().float(),
+            k_pages.detach().float(),
+            v_pages.detach().float(),
+            o_NHD,
+            lse_NH,
+            g_NHD.float(),
+            lay.seq_N,
+            lay.pos_N,
+            table_SJ,
+            ctx.scale,
+            ctx.window,
+        )
         pages_x = table_SJ.clamp(min=0).reshape(-1)  # an unused block (-1): its keys' gradients are zero
 
         def to_pages(gp):  # [S, Hk, J*B, D] -> [P, Hk, B, D], summed where sequences share a page
@@ -192,12 +210,19 @@ class _ExactAttention(torch.autograd.Function):
             return torch.zeros(P, Hk, B, D).index_add_(0, pages_x, x)
 
         need = ctx.needs_input_grad
-        return (gq.to(q_NHD.dtype) if need[0] else None, to_pages(gk_S).to(k_pages.dtype) if need[1] else None,
-                to_pages(gv_S).to(v_pages.dtype) if need[2] else None, None, None, None)
+        return (
+            gq.to(q_NHD.dtype) if need[0] else None,
+            to_pages(gk_S).to(k_pages.dtype) if need[1] else None,
+            to_pages(gv_S).to(v_pages.dtype) if need[2] else None,
+            None,
+            None,
+            None,
+        )
 
 
-def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan,
-                   scale: float, window: int = 0) -> torch.Tensor:
+def fast_attention(
+    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan, scale: float, window: int = 0
+) -> torch.Tensor:
     B = k_pages.shape[2]
     J = plan.num_blocks
     pages_SJ = plan.block_table_SJ[:, :J].clamp(min=0)
@@ -217,8 +242,10 @@ def fast_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Te
     mask = key_K <= plan.pos_SQ[:, :, None]
     if window > 0:  # transformers' sliding window: keys in (pos - window, pos]
         mask &= key_K > plan.pos_SQ[:, :, None] - window
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
-                                       scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
     o_xHD = o.transpose(1, 2).reshape(S * Q, H, D)  # [S * Q, H, D]
-    return torch.zeros_like(q_NHD).index_copy(0, plan.tok_SQ.reshape(-1)[plan.valid_x],
-                                              o_xHD.index_select(0, plan.valid_x))
+    return torch.zeros_like(q_NHD).index_copy(
+        0, plan.tok_SQ.reshape(-1)[plan.valid_x], o_xHD.index_select(0, plan.valid_x)
+    )

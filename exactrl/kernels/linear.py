@@ -86,6 +86,7 @@ faster than torch's GEMM there) and the weight's too (`weight_grad`).
 
 Legend: M rows, K input features, N output features, P padded rows.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -117,7 +118,7 @@ USE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, 
 # oneDNN's bf16 linear needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; on an AVX2-only CPU (measured: AMD EPYC
 # Zen 1) packing a bf16 weight raises, so bf16 weights take the batched-matmul path there. A property of the
 # machine, fixed for the process: a weight's path still depends on nothing but its shape and dtype.
-ONEDNN_DTYPES = ((torch.bfloat16,) if USE_ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+ONEDNN_DTYPES = (torch.bfloat16,) if USE_ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
 ONEDNN_MIN_WEIGHT_BF16 = 1 << 14  # elements (K x N) of a bf16 weight that uses oneDNN; a rule on the shape only
 
 
@@ -162,9 +163,12 @@ class PackedWeights:
         that points at them stays valid); other entries, and those whose weights are gone or reshaped, go."""
         for key, (refs, _, packed) in list(self._packed.items()):
             ws = tuple(r() for r in refs)
-            if (isinstance(packed, native.PackedLinearWeight) and all(w is not None for w in ws)
-                    and all(w.dtype == torch.float32 for w in ws)
-                    and tuple(w.shape for w in ws) == tuple((n, packed.K) for n in packed.Ns)):
+            if (
+                isinstance(packed, native.PackedLinearWeight)
+                and all(w is not None for w in ws)
+                and all(w.dtype == torch.float32 for w in ws)
+                and tuple(w.shape for w in ws) == tuple((n, packed.K) for n in packed.Ns)
+            ):
                 packed.repack(ws)
                 self._packed[key] = (refs, _fingerprint(ws, [w._version for w in ws]), packed)
             else:
@@ -210,8 +214,8 @@ def _bmm_product(x_tTK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         return torch.bmm(x_tTK, w_KN.unsqueeze(0).expand(n_tiles, k, n))
     y_tTN = torch.empty(n_tiles, rows, n)  # column blocks: a block of the weight stays in cache while tiles pass
     for c in range(0, n, COL_BLOCK):
-        w_Kc = w_KN[:, c:c + COL_BLOCK]
-        y_tTN[:, :, c:c + COL_BLOCK] = torch.bmm(x_tTK, w_Kc.unsqueeze(0).expand(n_tiles, k, w_Kc.shape[1]))
+        w_Kc = w_KN[:, c : c + COL_BLOCK]
+        y_tTN[:, :, c : c + COL_BLOCK] = torch.bmm(x_tTK, w_Kc.unsqueeze(0).expand(n_tiles, k, w_Kc.shape[1]))
     return y_tTN
 
 
@@ -262,13 +266,15 @@ def _rows_like_tile(onednn: bool, n: int, k: int, dtype: torch.dtype) -> list[bo
 
     def product(x_rK):
         return _onednn_product(x_rK, packed) if onednn else _bmm_product(x_rK.float()[None], w)[0]
+
     ok = [False] + [True] * ROW_TILE
     for _ in range(SHORT_CHECK_DRAWS):
         x = _probe_operands(ROW_TILE, k, dtype, g, row_signs=True)
         tile = product(x)
         for r in range(1, ROW_TILE):
-            ok[r] = ok[r] and all(torch.equal(product(x[i:i + r].contiguous()), tile[i:i + r])
-                                  for i in range(0, ROW_TILE - r + 1, r))
+            ok[r] = ok[r] and all(
+                torch.equal(product(x[i : i + r].contiguous()), tile[i : i + r]) for i in range(0, ROW_TILE - r + 1, r)
+            )
     return ok
 
 
@@ -292,7 +298,7 @@ def _big_tile_like_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
     packed = _pack(_probe_operands(n, k, dtype, g))
     for _ in range(SHORT_CHECK_DRAWS):
         x = torch.cat([_probe_operands(ROW_TILE, k, dtype, g, row_signs=True) for _ in range(BIG_TILE // ROW_TILE)])
-        tiles = torch.cat([_onednn_product(x[i:i + ROW_TILE], packed) for i in range(0, BIG_TILE, ROW_TILE)])
+        tiles = torch.cat([_onednn_product(x[i : i + ROW_TILE], packed) for i in range(0, BIG_TILE, ROW_TILE)])
         if not torch.equal(_onednn_product(x, packed), tiles):
             return False
     return True
@@ -313,8 +319,8 @@ def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, r
     t = torch.randn(rows, k, generator=g) * 2.0**-6
     if dtype == torch.bfloat16 and k >= 4:
         h = (k - 2) // 2
-        t[:, 2 + h:2 + 2 * h] = -t[:, 2:2 + h] if row_signs else t[:, 2:2 + h]
-        t[:, 2 + 2 * h:] = 0.0
+        t[:, 2 + h : 2 + 2 * h] = -t[:, 2 : 2 + h] if row_signs else t[:, 2 : 2 + h]
+        t[:, 2 + 2 * h :] = 0.0
         t[:, 0], t[:, 1] = 1.0, (1.0 if row_signs else 2.0**-8)
     return t.to(dtype)
 
@@ -328,9 +334,14 @@ def _packed(w_NK: torch.Tensor) -> torch.Tensor | native.PackedLinearWeight:
 def fuses_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> bool:
     """Whether `exact_linears` can take these: 2-D fp32 input and weights, no biases, no autograd, and a packed
     cache active (outside one, each call would pack the weights again: nothing to gain)."""
-    return (x.dim() == 2 and x.dtype == torch.float32 and all(w.dtype == torch.float32 for w in weights)
-            and all(b is None for b in biases) and not torch.is_grad_enabled()
-            and getattr(_active, "cache", None) is not None)
+    return (
+        x.dim() == 2
+        and x.dtype == torch.float32
+        and all(w.dtype == torch.float32 for w in weights)
+        and all(b is None for b in biases)
+        and not torch.is_grad_enabled()
+        and getattr(_active, "cache", None) is not None
+    )
 
 
 def exact_linears(x_MK: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -356,9 +367,9 @@ def _exact_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         y_PN = torch.empty(p, w_NK.shape[0], dtype=w_NK.dtype)
         big = (p // BIG_TILE) * BIG_TILE if p >= BIG_TILE and big_tile_ok(w_NK) else 0
         for i in range(0, big, BIG_TILE):  # runs of BIG_TILE rows: checked to give their tiles' bits
-            y_PN[i:i + BIG_TILE] = _onednn_product(x_PK[i:i + BIG_TILE], w)
+            y_PN[i : i + BIG_TILE] = _onednn_product(x_PK[i : i + BIG_TILE], w)
         for i in range(big, p, ROW_TILE):  # one oneDNN product of the fixed shape per tile
-            y_PN[i:i + ROW_TILE] = _onednn_product(x_PK[i:i + ROW_TILE], w)
+            y_PN[i : i + ROW_TILE] = _onednn_product(x_PK[i : i + ROW_TILE], w)
         return y_PN[:m]
     y_tTN = _bmm_product(pad_rows(x_MK.float(), rows).view(-1, rows, k), w_NK)
     return y_tTN.reshape(-1, w_NK.shape[0])[:m].to(x_MK.dtype)

@@ -18,6 +18,7 @@ so the result never depends on how a sort orders equal values.
 
 Legend: N rows, V vocabulary, D features.
 """
+
 from __future__ import annotations
 
 import torch
@@ -76,8 +77,14 @@ def rms_norm_grad(x_ND, weight_D, eps: float, g_ND, needs) -> tuple:
     return tuple(next(got) if t.requires_grad else None for t in ins)
 
 
-def rotary_tables(head_dim: int, max_positions: int, theta: float, start: int = 0, inv_freq: torch.Tensor | None = None,
-                  attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    start: int = 0,
+    inv_freq: torch.Tensor | None = None,
+    attention_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_positions, head_dim] in fp32 of positions start, start + 1, ..., indexed by absolute position
     (after `start`). The model builds its table in fixed chunks of transformer.ROPE_CHUNK positions, each computed
     with the same shape, so two copies of a model hold the same bits however each grew. `inv_freq` [head_dim / 2]
@@ -109,12 +116,20 @@ def check_temperature(temperature) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature must be a number, got {temperature!r}")
     if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise ValueError(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
-                         f"(smaller ones overflow fp32 logits / T, larger ones are no fp32 number), got {temperature}")
+        raise ValueError(
+            f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+            f"(smaller ones overflow fp32 logits / T, larger ones are no fp32 number), got {temperature}"
+        )
 
 
-def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_k_N: torch.Tensor,
-                      top_p_N: torch.Tensor, row_log_softmax=None, row_cumsum=None) -> torch.Tensor:
+def sampling_logprobs(
+    logits_NV: torch.Tensor,
+    temperature_N: torch.Tensor,
+    top_k_N: torch.Tensor,
+    top_p_N: torch.Tensor,
+    row_log_softmax=None,
+    row_cumsum=None,
+) -> torch.Tensor:
     """log of the distribution tokens are sampled from, per row: [N, V] fp32.
 
     p = softmax(z / T) restricted to {z >= k-th largest} (top_k > 0) and then to

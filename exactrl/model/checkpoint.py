@@ -5,6 +5,7 @@ name-for-name copy with strict checks: a missing, unexpected or mis-shaped
 tensor is an error that names it. Saving writes the same format, which
 transformers loads back (tested).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,11 @@ def _read_json_object(p: Path) -> dict:
 def read_config(path: str | Path) -> ModelConfig:
     p = Path(path) / "config.json"
     if not p.is_file():
-        raise ValueError(f"{p} is a directory, not the model's config file" if p.is_dir()
-                         else f"no config.json in model directory {path!s}")
+        raise ValueError(
+            f"{p} is a directory, not the model's config file"
+            if p.is_dir()
+            else f"no config.json in model directory {path!s}"
+        )
     hf = _read_json_object(p)
     try:
         cfg = ModelConfig.from_hf(hf)
@@ -61,8 +65,10 @@ def read_config(path: str | Path) -> ModelConfig:
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file() and (path / "model.safetensors").is_file():  # which one is current? refuse to guess
-        raise ValueError(f"{path!s} holds both model.safetensors and a sharded checkpoint "
-                         f"(model.safetensors.index.json): remove the stale one")
+        raise ValueError(
+            f"{path!s} holds both model.safetensors and a sharded checkpoint "
+            f"(model.safetensors.index.json): remove the stale one"
+        )
     if index.is_file():
         weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -80,9 +86,11 @@ def _weight_files(path: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if any(path.glob("pytorch_model*.bin")):
-        raise ValueError(f"{path!s} holds a pytorch_model.bin checkpoint; only safetensors are read: convert it with "
-                         f"transformers.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d) (it writes "
-                         f"safetensors)")
+        raise ValueError(
+            f"{path!s} holds a pytorch_model.bin checkpoint; only safetensors are read: convert it with "
+            f"transformers.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d) (it writes "
+            f"safetensors)"
+        )
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!s}")
 
 
@@ -126,19 +134,28 @@ def resolve_device(device: str | torch.device = "cpu", backend: str | None = Non
         if backend != "triton":
             raise ValueError(f"backend={backend!r} runs on CPU tensors only: use backend='triton' (or None) on cuda")
         if not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r}: no CUDA GPU is available (torch {torch.__version__}, "
-                             f"torch.cuda.is_available() is False)")
+            raise ValueError(
+                f"device={str(device)!r}: no CUDA GPU is available (torch {torch.__version__}, "
+                f"torch.cuda.is_available() is False)"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s)")
     if backend == "triton":
         from exactrl.kernels.triton import check_backend
+
         check_backend(dev)
     return dev, backend
 
 
-def build_model(cfg: ModelConfig, dtype="float32", kernels: str = "exact", seed: int | None = 0,
-                block_size: int = DEFAULT_BLOCK_SIZE, device: str | torch.device = "cpu",
-                backend: str | None = None) -> CausalLM:
+def build_model(
+    cfg: ModelConfig,
+    dtype="float32",
+    kernels: str = "exact",
+    seed: int | None = 0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+) -> CausalLM:
     dev, backend = resolve_device(device, backend)
     if backend == "triton":
         _check_triton_shapes(cfg, block_size)
@@ -156,13 +173,20 @@ def _check_triton_shapes(cfg: ModelConfig, block_size: int) -> None:
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"backend='triton' needs a KV block size that is a power of two >= 16, got {block_size}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads={cfg.num_key_value_heads}")
+        raise ValueError(
+            f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}"
+        )
 
 
-def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
-               block_size: int = DEFAULT_BLOCK_SIZE, device: str | torch.device = "cpu",
-               backend: str | None = None) -> CausalLM:
+def load_model(
+    path: str | Path,
+    dtype="float32",
+    kernels: str = "exact",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+) -> CausalLM:
     """Loads a Hugging Face model directory into the exactrl decoder. Every stored tensor's name, shape and
     dtype is checked against config.json from the file headers before the model is allocated, so a config
     that is wrong (say a vocab_size of 10**13) is a named error, not an allocation failure.
@@ -172,8 +196,10 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
     dev, backend = resolve_device(device, backend)
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"model directory {path!s} " + ("is a file: give the directory that holds config.json"
-                                                        if path.exists() else "does not exist"))
+        raise ValueError(
+            f"model directory {path!s} "
+            + ("is a file: give the directory that holds config.json" if path.exists() else "does not exist")
+        )
     cfg = read_config(path)
     stored = _stored_tensors(path, _weight_files(path))
     _check_shapes(path, cfg, stored, kernels, block_size, backend)
@@ -189,8 +215,9 @@ def load_model(path: str | Path, dtype="float32", kernels: str = "exact",
                     tied = name == "lm_head.weight" and cfg.tie_word_embeddings  # the embedding is the head
                     t = sf.get_tensor(name).to(params[TIED if tied else name].dtype)
                     if not torch.isfinite(t).all():  # a corrupt copy, or beyond the dtype: every logit would be NaN
-                        raise ValueError(f"weight {name} holds NaN or infinite values (in {f}, as {dtype}); re-copy "
-                                         f"the checkpoint")
+                        raise ValueError(
+                            f"weight {name} holds NaN or infinite values (in {f}, as {dtype}); re-copy the checkpoint"
+                        )
                     if tied:
                         stored_head = t  # checked below
                     else:
@@ -211,26 +238,34 @@ def _stored_tensors(path: Path, files: list[Path]) -> dict[str, tuple[Path, tupl
         with _open_safetensors(f) as sf:
             for name in sf.keys():
                 if name in stored:
-                    raise ValueError(f"checkpoint {path!s} stores tensor {name!r} twice, in {stored[name][0].name} "
-                                     f"and {f.name}")
+                    raise ValueError(
+                        f"checkpoint {path!s} stores tensor {name!r} twice, in {stored[name][0].name} and {f.name}"
+                    )
                 t = sf.get_slice(name)
                 if t.get_dtype() not in FLOAT_DTYPES:
-                    raise ValueError(f"tensor {name!r} in {f} has dtype {t.get_dtype()}; weights must be one of "
-                                     f"{', '.join(FLOAT_DTYPES)}")
+                    raise ValueError(
+                        f"tensor {name!r} in {f} has dtype {t.get_dtype()}; weights must be one of "
+                        f"{', '.join(FLOAT_DTYPES)}"
+                    )
                 stored[name] = (f, tuple(t.get_shape()))
     return stored
 
 
-def _check_shapes(path: Path, cfg: ModelConfig, stored: dict, kernels: str, block_size: int,
-                  backend: str = "native") -> None:
+def _check_shapes(
+    path: Path, cfg: ModelConfig, stored: dict, kernels: str, block_size: int, backend: str = "native"
+) -> None:
     """The stored tensors are exactly the model's, shape for shape: checked on a meta-device model, which
     allocates nothing (its layers are counted first: a huge num_hidden_layers would take long to build)."""
     layers = {int(n.split(".")[2]) for n in stored if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
     if cfg.num_hidden_layers > len(layers):
-        raise ValueError(f"checkpoint {path!s}: config.json gives num_hidden_layers={cfg.num_hidden_layers}, "
-                         f"but the safetensors files hold {len(layers)} layers")
+        raise ValueError(
+            f"checkpoint {path!s}: config.json gives num_hidden_layers={cfg.num_hidden_layers}, "
+            f"but the safetensors files hold {len(layers)} layers"
+        )
     with torch.device("meta"):
-        params = {n: tuple(p.shape) for n, p in CausalLM(cfg, get_kernels(kernels, backend), block_size).named_parameters()}
+        params = {
+            n: tuple(p.shape) for n, p in CausalLM(cfg, get_kernels(kernels, backend), block_size).named_parameters()
+        }
     if cfg.tie_word_embeddings:
         params["lm_head.weight"] = params[TIED]  # stored too, maybe: the same matrix (checked at load)
     for name, (f, shape) in stored.items():
@@ -245,8 +280,10 @@ def _check_shapes(path: Path, cfg: ModelConfig, stored: dict, kernels: str, bloc
         expected -= {"lm_head.weight"} | ({TIED} if "lm_head.weight" in stored else set())
     missing = sorted(expected - set(stored))
     if missing:
-        raise ValueError(f"checkpoint {path!s} is missing tensors: {missing[:5]}"
-                         + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+        raise ValueError(
+            f"checkpoint {path!s} is missing tensors: {missing[:5]}"
+            + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        )
 
 
 TIED = "model.embed_tokens.weight"  # a tied model's one matrix: embedding and LM head
@@ -262,9 +299,11 @@ def _check_tied_head(path: Path, embed: torch.Tensor, head: torch.Tensor, embed_
     if not embed_stored:
         embed.copy_(head)
     elif not torch.equal(head, embed):
-        raise ValueError(f"checkpoint {path!s}: config.json says tie_word_embeddings=true, but its lm_head.weight "
-                         f"differs from model.embed_tokens.weight; set tie_word_embeddings to false if the head is "
-                         f"its own matrix")
+        raise ValueError(
+            f"checkpoint {path!s}: config.json says tie_word_embeddings=true, but its lm_head.weight "
+            f"differs from model.embed_tokens.weight; set tie_word_embeddings to false if the head is "
+            f"its own matrix"
+        )
 
 
 def _remove_shards(path: Path) -> None:

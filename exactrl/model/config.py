@@ -8,6 +8,7 @@ One decoder covers four families; they differ only in these switches:
 Qwen2/Qwen3 slide where `use_sliding_window` is true, on the layers `layer_types` names "sliding_attention"
 (else, transformers' rule, layers i >= max_window_layers). RoPE scaling: `model/rope.py`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,8 +16,12 @@ from typing import Any
 
 from exactrl.model.rope import check_rope
 
-SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM"}
+SUPPORTED = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' own defaults, for a config.json without max_position_embeddings
 DEFAULT_CONTEXT = {"qwen3": 32768, "qwen2": 32768, "llama": 2048, "mistral": 131072}
@@ -36,8 +41,11 @@ def layer_windows(cfg: dict) -> tuple[int, ...]:
     Qwen2/Qwen3 with use_sliding_window=true slide the layers named "sliding_attention" in layer_types, else
     layers i >= max_window_layers (default 28), by sliding_window (absent: 4096, null: none); Llama never."""
     mt, n = cfg["model_type"], cfg["num_hidden_layers"]
-    if mt == "llama" or (mt != "mistral" and not cfg.get("use_sliding_window")) or \
-            cfg.get("sliding_window", 4096) is None:
+    if (
+        mt == "llama"
+        or (mt != "mistral" and not cfg.get("use_sliding_window"))
+        or cfg.get("sliding_window", 4096) is None
+    ):
         return (0,) * n
     window = _int(cfg, "sliding_window", 4096, 1)
     if mt == "mistral":  # transformers' Mistral ignores layer_types
@@ -68,9 +76,11 @@ def rope_of(cfg: dict) -> tuple[float, dict]:
     if params and scaling:
         for k in sorted(set(params) | set(scaling)):
             if params.get(k) != scaling.get(k):
-                raise ValueError(f"config.json: rope_parameters and rope_scaling give different {k} "
-                                 f"{[params.get(k), scaling.get(k)]} (transformers applies rope_scaling alone): "
-                                 f"keep one of them")
+                raise ValueError(
+                    f"config.json: rope_parameters and rope_scaling give different {k} "
+                    f"{[params.get(k), scaling.get(k)]} (transformers applies rope_scaling alone): "
+                    f"keep one of them"
+                )
     where = "rope_scaling" if scaling else "rope_parameters"
     rope = scaling or params
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -80,8 +90,7 @@ def rope_of(cfg: dict) -> tuple[float, dict]:
         rope = {"partial_rotary_factor": cfg["partial_rotary_factor"], **rope}
     if cfg.get("original_max_position_embeddings") is not None:  # transformers gives it priority (Phi3's place)
         rope = {**rope, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
-    return float(theta), check_rope(rope, where, cfg.get("max_position_embeddings",
-                                                         DEFAULT_CONTEXT[cfg["model_type"]]))
+    return float(theta), check_rope(rope, where, cfg.get("max_position_embeddings", DEFAULT_CONTEXT[cfg["model_type"]]))
 
 
 def check_eos_token_id(file: str, cfg: dict) -> None:
@@ -127,15 +136,19 @@ class ModelConfig:
         return out
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
         mt = cfg.get("model_type")
         if not isinstance(mt, str) or mt not in SUPPORTED:
-            raise ValueError(f"unsupported architecture model_type={mt!r} "
-                             f"(architectures={cfg.get('architectures')}); supported: {sorted(SUPPORTED)}")
+            raise ValueError(
+                f"unsupported architecture model_type={mt!r} "
+                f"(architectures={cfg.get('architectures')}); supported: {sorted(SUPPORTED)}"
+            )
         missing = [k for k in REQUIRED if cfg.get(k) is None]
         if missing:
-            raise ValueError(f"config.json is missing {', '.join(map(repr, missing))}; a {mt} config needs "
-                             f"{', '.join(REQUIRED)} (restore the file from the original checkpoint)")
+            raise ValueError(
+                f"config.json is missing {', '.join(map(repr, missing))}; a {mt} config needs "
+                f"{', '.join(REQUIRED)} (restore the file from the original checkpoint)"
+            )
         for k in (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
             v = cfg.get(k)
             if v is not None and (type(v) is not int or v < 1):
@@ -161,21 +174,32 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         if head_dim % 2 or head_dim == 0:  # RoPE rotates pairs of channels
-            raise ValueError(f"config.json: head_dim (given, or hidden_size // num_attention_heads) must be even "
-                             f"and >= 2, got {head_dim}")
+            raise ValueError(
+                f"config.json: head_dim (given, or hidden_size // num_attention_heads) must be even "
+                f"and >= 2, got {head_dim}"
+            )
         attn_bias = bool(cfg.get("attention_bias", False))
         return ModelConfig(
-            model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            model_type=mt,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_CONTEXT[mt]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if mt == "qwen2" else attn_bias and mt != "mistral",
             o_bias=False if mt in ("qwen2", "mistral") else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
-            qk_norm=mt == "qwen3", rope=rope, windows=windows if any(windows) else (), hf=dict(cfg))
+            qk_norm=mt == "qwen3",
+            rope=rope,
+            windows=windows if any(windows) else (),
+            hf=dict(cfg),
+        )
 
     def window(self, layer: int) -> int:
         """Keys layer `layer` attends to (a query at p: keys p - window + 1 .. p), 0 for all of them."""

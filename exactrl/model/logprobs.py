@@ -8,6 +8,7 @@ the bits equal the engine's (docs/design.md §1).
 
 Legend: B sequences, T tokens, N flat tokens, V vocabulary.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ def pack_layout(lengths: list[int], block_size: int) -> tuple[TokenLayout, int]:
     return TokenLayout(seq, pos, table), nxt
 
 
-def pack_shared(token_ids: list[list[int]], first: list[int], block_size: int
-                ) -> tuple[TokenLayout, int, torch.Tensor, list[torch.Tensor]]:
+def pack_shared(
+    token_ids: list[list[int]], first: list[int], block_size: int
+) -> tuple[TokenLayout, int, torch.Tensor, list[torch.Tensor]]:
     """`pack_layout` where sequences with the same prompt (`token_ids[k][:first[k]]`) lay its whole pages out once.
 
     GRPO's G samples of a prompt repeat the prompt G times; the keys and values of a
@@ -61,7 +63,9 @@ def pack_shared(token_ids: list[list[int]], first: list[int], block_size: int
         if shared_pages and owner is None:
             owners[tuple(s[:f])] = k
         own_pages = -(-len(s) // block_size) - (shared_pages if owner is not None else 0)
-        tables.append((tables[owner][:shared_pages] if owner is not None else []) + list(range(pages, pages + own_pages)))
+        tables.append(
+            (tables[owner][:shared_pages] if owner is not None else []) + list(range(pages, pages + own_pages))
+        )
         pages += own_pages
         n = len(s) - own_from
         mine = torch.arange(rows, rows + n)
@@ -71,7 +75,7 @@ def pack_shared(token_ids: list[list[int]], first: list[int], block_size: int
         rows += n
     table = torch.full((len(token_ids), max(len(t) for t in tables)), -1, dtype=torch.int64)
     for k, t in enumerate(tables):
-        table[k, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        table[k, : len(t)] = torch.tensor(t, dtype=torch.int64)
     layout = TokenLayout(torch.cat(seq), torch.cat(pos), table)
     return layout, pages, torch.tensor(tokens, dtype=torch.int64), row_of
 
@@ -80,7 +84,9 @@ def validate_token_ids(token_ids, vocab_size: int) -> list[list[int]]:
     """The sequences as lists of ints (a 2-D tensor or lists of tensors are accepted); ValueError otherwise."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 2:
-            raise ValueError(f"token_ids as a tensor must be 2-D [sequences, tokens], got shape {tuple(token_ids.shape)}")
+            raise ValueError(
+                f"token_ids as a tensor must be 2-D [sequences, tokens], got shape {tuple(token_ids.shape)}"
+            )
         token_ids = token_ids.tolist()
     if not isinstance(token_ids, (list, tuple)):
         raise ValueError(f"token_ids must be a list of sequences (lists of token ids), got {type(token_ids).__name__}")
@@ -104,14 +110,16 @@ def validate_token_ids(token_ids, vocab_size: int) -> list[list[int]]:
     return out
 
 
-def forward_hidden(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
-                   pad_id: int = 0) -> tuple[torch.Tensor, list[int]]:
+def forward_hidden(
+    model: CausalLM, token_ids: list[list[int]], layout: str = "packed", pad_id: int = 0
+) -> tuple[torch.Tensor, list[int]]:
     """Final hidden states [N, D] of the flat batch and the offset of each sequence in it."""
     return _hidden(model, validate_token_ids(token_ids, model.config.vocab_size), layout, pad_id)
 
 
-def _hidden(model: CausalLM, token_ids: list[list[int]], layout: str, pad_id: int = 0
-            ) -> tuple[torch.Tensor, list[int]]:
+def _hidden(
+    model: CausalLM, token_ids: list[list[int]], layout: str, pad_id: int = 0
+) -> tuple[torch.Tensor, list[int]]:
     """`forward_hidden` of ids already validated (the trainer path checks them once, up front)."""
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
@@ -129,18 +137,27 @@ def _hidden(model: CausalLM, token_ids: list[list[int]], layout: str, pad_id: in
     return hidden, starts
 
 
-def forward_logits(model: CausalLM, token_ids: list[list[int]], layout: str = "packed",
-                   pad_id: int = 0) -> list[torch.Tensor]:
+def forward_logits(
+    model: CausalLM, token_ids: list[list[int]], layout: str = "packed", pad_id: int = 0
+) -> list[torch.Tensor]:
     """fp32 logits [len_k, V] of every sequence (the trainer's forward)."""
     hidden, starts = forward_hidden(model, token_ids, layout, pad_id)
     logits = model.logits(hidden)
-    return [logits[s: s + len(ids)] for s, ids in zip(starts, token_ids)]
+    return [logits[s : s + len(ids)] for s, ids in zip(starts, token_ids)]
 
 
-def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0, top_k: int = -1,
-                   top_p: float = 1.0, layout: str = "packed", with_entropy: bool = False,
-                   first: list[int] | None = None, entropy_grad: bool = True, share_prompts: bool = False
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+def token_logprobs(
+    model: CausalLM,
+    token_ids: list[list[int]],
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    layout: str = "packed",
+    with_entropy: bool = False,
+    first: list[int] | None = None,
+    entropy_grad: bool = True,
+    share_prompts: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Per-token logprobs (and optionally the entropy of each sampling distribution).
 
     lps[k][j] = log p(token_ids[k][f_k + j] | token_ids[k][:f_k + j]) with f_k = first[k]
@@ -176,15 +193,21 @@ def token_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: flo
     if share_prompts and layout == "packed":
         lay, pages, tokens, row_of = pack_shared(token_ids, first, model.block_size)
         hidden = model(tokens, lay, model.new_kv(pages))
-        rows_N = torch.cat([r[f - 1:len(s) - 1] for r, f, s in zip(row_of, first, token_ids)])
+        rows_N = torch.cat([r[f - 1 : len(s) - 1] for r, f, s in zip(row_of, first, token_ids)])
     else:
         hidden, starts = _hidden(model, token_ids, layout)
         rows_N = torch.cat([torch.arange(st + f - 1, st + len(s) - 1) for st, f, s in zip(starts, first, token_ids)])
     targets = torch.tensor([t for s, f in zip(token_ids, first) for t in s[f:]], dtype=torch.int64)
     dist = (float(temperature), int(top_k), float(top_p))
-    lp_N, ent_N = _head_logprobs(model, hidden[rows_N.to(hidden.device)], model.head_weight,
-                                 targets.to(hidden.device), dist, with_entropy,
-                                 with_entropy and entropy_grad and torch.is_grad_enabled())
+    lp_N, ent_N = _head_logprobs(
+        model,
+        hidden[rows_N.to(hidden.device)],
+        model.head_weight,
+        targets.to(hidden.device),
+        dist,
+        with_entropy,
+        with_entropy and entropy_grad and torch.is_grad_enabled(),
+    )
     # per-token values come back to the host, where the losses are computed (a differentiable copy)
     lp_N, ent_N = lp_N.cpu(), (ent_N.cpu() if ent_N is not None else None)
     ent = list(torch.split(ent_N, sizes)) if with_entropy else None
@@ -222,7 +245,7 @@ class _HeadLogprobs(torch.autograd.Function):
         V = w_VD.shape[0]
         plain = temp in (0, 1) and not 0 < top_k < V and top_p >= 1  # sampling_logprobs is then log_softmax
         for a in range(0, h_ND.shape[0], HEAD_CHUNK_ROWS):
-            h_cD, tgt_c = h_ND[a:a + HEAD_CHUNK_ROWS], tgt_N[a:a + HEAD_CHUNK_ROWS]
+            h_cD, tgt_c = h_ND[a : a + HEAD_CHUNK_ROWS], tgt_N[a : a + HEAD_CHUNK_ROWS]
             n = h_cD.shape[0]
             with using_packed(packed):
                 z_cV = model.kernels.linear(h_cD, w_VD).float().contiguous()
@@ -231,8 +254,9 @@ class _HeadLogprobs(torch.autograd.Function):
                 lp_cV, ent_c = kern.log_softmax_entropy(z_cV)
                 ents.append(ent_c)
             else:
-                lp_cV = kern.sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k),
-                                               torch.full((n,), top_p))
+                lp_cV = kern.sampling_logprobs(
+                    z_cV, torch.full((n,), temp), torch.full((n,), top_k), torch.full((n,), top_p)
+                )
                 if with_entropy:
                     ents.append(kern.entropy(lp_cV))
             lps.append(lp_cV.gather(1, tgt_c[:, None]).squeeze(1))
@@ -260,8 +284,9 @@ class _HeadLogprobs(torch.autograd.Function):
         for c, lp_cV in enumerate(ctx.chunks):
             sl = slice(c * HEAD_CHUNK_ROWS, c * HEAD_CHUNK_ROWS + lp_cV.shape[0])
             # the formula above, one pass, over the chunk's own memory (this backward is its last reader)
-            gz_cV = kern.head_grad(lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl],
-                                   None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp)
+            gz_cV = kern.head_grad(
+                lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl], None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp
+            )
             ctx.chunks[c] = None
             if gh_ND is not None:
                 gh_ND[sl] = times_w(gz_cV).to(h_ND.dtype)
@@ -278,8 +303,14 @@ def _head_logprobs(model, h_ND, w_VD, tgt_N, dist, with_entropy: bool, entropy_g
     return lp_N, (ent_N if with_entropy else None)
 
 
-def sequence_logprobs(model: CausalLM, token_ids: list[list[int]], temperature: float = 1.0,
-                      top_k: int = -1, top_p: float = 1.0, layout: str = "packed") -> list[torch.Tensor]:
+def sequence_logprobs(
+    model: CausalLM,
+    token_ids: list[list[int]],
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    layout: str = "packed",
+) -> list[torch.Tensor]:
     """lps[k][i-1] = log p(token_ids[k][i] | token_ids[k][:i]) under the sampling distribution.
 
     The distribution is `sampling_logprobs` of the logits: temperature, then

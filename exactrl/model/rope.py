@@ -7,6 +7,7 @@ The tables are a function of (config, absolute position) only, built in fixed ch
 `dynamic` (NTK): transformers recomputes its frequencies from the longest sequence of each forward, so a
 token's logprob would change with the other sequences of its batch. It is refused, as is every other type.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,10 @@ from typing import Any
 import torch
 
 IMPLEMENTED = ("default", "linear", "llama3", "yarn")
-REFUSED = {"dynamic": "transformers recomputes its frequencies from the longest sequence of each forward, so a "
-                      "token's logprob would depend on the other sequences of its batch"}
+REFUSED = {
+    "dynamic": "transformers recomputes its frequencies from the longest sequence of each forward, so a "
+    "token's logprob would depend on the other sequences of its batch"
+}
 
 
 def _number(rope: dict, key: str, where: str, default=None, positive: bool = True) -> float:
@@ -47,16 +50,20 @@ def check_rope(rope: dict[str, Any], where: str, max_positions: int) -> dict[str
     if kind in ("llama3", "yarn"):
         out["original_max_position_embeddings"] = omp = rope.get("original_max_position_embeddings", max_positions)
         if type(omp) is not int or omp < 1:
-            raise ValueError(f"config.json: {where}.original_max_position_embeddings must be an integer >= 1, "
-                             f"got {omp!r}")
+            raise ValueError(
+                f"config.json: {where}.original_max_position_embeddings must be an integer >= 1, got {omp!r}"
+            )
     if kind == "llama3":
         lo, hi = _number(rope, "low_freq_factor", where), _number(rope, "high_freq_factor", where)
         if lo == hi:
             raise ValueError(f"config.json: {where}.low_freq_factor and high_freq_factor must differ, both {lo}")
         out.update(low_freq_factor=lo, high_freq_factor=hi)
     if kind == "yarn":
-        out["factor"] = (_number(rope, "factor", where) if rope.get("factor") is not None
-                         else max_positions / out["original_max_position_embeddings"])
+        out["factor"] = (
+            _number(rope, "factor", where)
+            if rope.get("factor") is not None
+            else max_positions / out["original_max_position_embeddings"]
+        )
         for key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
             if rope.get(key) is not None:
                 out[key] = _number(rope, key, where, positive=key != "mscale_all_dim" and key != "mscale")
@@ -98,8 +105,11 @@ def _yarn(dim: int, base: float, rope: dict[str, Any]) -> tuple[torch.Tensor, fl
 
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
-        attention_factor = (float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-                            if mscale and mscale_all_dim else get_mscale(factor))
+        attention_factor = (
+            float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            if mscale and mscale_all_dim
+            else get_mscale(factor)
+        )
     beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
 
     def correction_dim(rotations):
@@ -116,6 +126,5 @@ def _yarn(dim: int, base: float, rope: dict[str, Any]) -> tuple[torch.Tensor, fl
     inv_freq_extrapolation = 1.0 / pos_freqs
     inv_freq_interpolation = 1.0 / (factor * pos_freqs)
     extrapolation_factor = 1 - ramp
-    inv_freq = (inv_freq_interpolation * (1 - extrapolation_factor)
-                + inv_freq_extrapolation * extrapolation_factor)
+    inv_freq = inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
     return inv_freq, attention_factor

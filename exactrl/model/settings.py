@@ -1,9 +1,9 @@
 """Run-config section for the policy model."""
+
 from __future__ import annotations
 
-from typing import Literal
-
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 

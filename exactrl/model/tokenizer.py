@@ -23,6 +23,7 @@ answers the transformers calls user code makes most (`tok(text)`,
 `batch_decode`, `apply_chat_template(..., tokenize=False)`); the full
 transformers tokenizer is `tok.hf`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -112,8 +113,12 @@ def _compile(template: str) -> Any:
     return env.from_string(template)
 
 
-def render_chat_template(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                         add_generation_prompt: bool = True, template: str = CHAT_TEMPLATE) -> str:
+def render_chat_template(
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    template: str = CHAT_TEMPLATE,
+) -> str:
     """Renders `template` the way transformers does (sandboxed Jinja, same filters), without a tokenizer."""
     return _compile(template).render(messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt)
 
@@ -126,8 +131,9 @@ def build_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + special and tag tokens), "
-                         f"got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + special and tag tokens), got {vocab_size}"
+        )
     markers = SPECIAL_TOKENS + ADDED_TOKENS
 
     def cleaned() -> Iterable[str]:  # markers become single tokens; BPE must not spend merges on them
@@ -137,12 +143,20 @@ def build_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
             yield text
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(ADDED_TOKENS), special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(ADDED_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(cleaned(), trainer)
     if tok.get_vocab_size() <= MIN_VOCAB_SIZE - len(ADDED_TOKENS):
         raise ValueError("build_tokenizer got no training text: pass a non-empty iterable of strings")
@@ -150,9 +164,16 @@ def build_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "unk_token": None, "clean_up_tokenization_spaces": False,
-              "model_max_length": 32768, "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 32768,
+        "chat_template": CHAT_TEMPLATE,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -161,10 +182,18 @@ def default_tokenizer_corpus(tasks: Sequence[Any], n: int, seed: int) -> list[st
     if n < 1 or not tasks:
         raise ValueError(f"default_tokenizer_corpus needs at least one task and n >= 1, got {len(tasks)} and {n}")
     rng = random.Random(seed)
-    tool = {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluates an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluates an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
     texts = []
     for task in tasks:
         system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
@@ -174,13 +203,23 @@ def default_tokenizer_corpus(tasks: Sequence[Any], n: int, seed: int) -> list[st
             if i % 4 == 0:
                 msgs, tools = [*system, user, {"role": "assistant", "content": p.answer}], None
             elif i % 4 == 1:
-                msgs, tools = [*system, user, {"role": "assistant", "content": p.answer,
-                                               "reasoning_content": f"{p.prompt} {p.answer}"}], None
+                msgs, tools = (
+                    [
+                        *system,
+                        user,
+                        {"role": "assistant", "content": p.answer, "reasoning_content": f"{p.prompt} {p.answer}"},
+                    ],
+                    None,
+                )
             elif i % 4 == 2:
-                call = {"type": "function", "function": {"name": "calculator",
-                                                         "arguments": {"expression": p.prompt}}}
-                msgs = [*system, user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                        {"role": "tool", "content": p.answer}, {"role": "assistant", "content": p.answer}]
+                call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": p.prompt}}}
+                msgs = [
+                    *system,
+                    user,
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": p.answer},
+                    {"role": "assistant", "content": p.answer},
+                ]
                 tools = [tool]
             else:
                 texts.append(p.prompt + p.answer)
@@ -219,17 +258,24 @@ class Tokenizer:
     def fingerprint(self) -> str:
         """A hash of what decides the token ids a run sees: the tokenizer's model and rules, its chat template
         and special ids (a resumed run must tokenize as the run it continues; its path may move)."""
-        what = [self.hf.backend_tokenizer.to_str(), self.hf.chat_template, self.eos_token_id, self.end_of_turn_id,
-                self.pad_token_id]
+        what = [
+            self.hf.backend_tokenizer.to_str(),
+            self.hf.chat_template,
+            self.eos_token_id,
+            self.end_of_turn_id,
+            self.pad_token_id,
+        ]
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     def check_fits(self, vocab_size: int, flag: str) -> None:
         """A ValueError unless every id of this tokenizer has a row in a model vocabulary of `vocab_size`
         (the model's may be larger: padded rows). `flag`: where the user named this tokenizer."""
         if self.vocab_size > vocab_size:
-            raise ValueError(f"the tokenizer at {self.path} ({flag}) has {self.vocab_size} tokens but the model's "
-                             f"vocabulary has {vocab_size}: its ids up to {self.vocab_size - 1} have no embedding "
-                             f"(they are not the model's tokenizer); use the tokenizer the model was trained with")
+            raise ValueError(
+                f"the tokenizer at {self.path} ({flag}) has {self.vocab_size} tokens but the model's "
+                f"vocabulary has {vocab_size}: its ids up to {self.vocab_size - 1} have no embedding "
+                f"(they are not the model's tokenizer); use the tokenizer the model was trained with"
+            )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no bos/eos added (special-token strings in `text` map to their ids). A
@@ -237,8 +283,9 @@ class Tokenizer:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                             f"{e.start}") from None
+            raise ValueError(
+                f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+            ) from None
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -253,32 +300,50 @@ class Tokenizer:
         without the attention mask). Like transformers it adds the tokenizer's bos/eos by default
         (ours and Qwen's add none); `encode` never adds them."""
         if not isinstance(text, str):
-            raise ValueError(f"tokenizer(text) takes one string, got {type(text).__name__}; "
-                             f"for a batch use [tok(t) for t in texts]")
+            raise ValueError(
+                f"tokenizer(text) takes one string, got {type(text).__name__}; for a batch use [tok(t) for t in texts]"
+            )
         return {"input_ids": self.hf.encode(text, add_special_tokens=add_special_tokens)}
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         """The chat template's text for `messages` (and `tools`, when the template supports them);
         `template_kwargs` are more variables for the template (Qwen3's `enable_thinking`), as in transformers."""
         if not self.hf.chat_template:
-            raise ValueError(f"tokenizer at {self.path} has no chat template (tokenizer_config.json 'chat_template' "
-                             f"or chat_template.jinja)")
+            raise ValueError(
+                f"tokenizer at {self.path} has no chat template (tokenizer_config.json 'chat_template' "
+                f"or chat_template.jinja)"
+            )
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                               add_generation_prompt=add_generation_prompt, tokenize=False,
-                                               **template_kwargs)
+            return self.hf.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **template_kwargs,
+            )
         except TemplateError as e:  # raised by the template's own checks (roles, message order)
             raise ValueError(f"chat template of {self.path} rejected the messages: {e}") from None
         except TypeError as e:  # a value of a type the template cannot use (`'text' + 5`, a variable it calls)
-            raise ValueError(f"chat template of {self.path} cannot render these messages, tools or template "
-                             f"variables: {e}") from None
+            raise ValueError(
+                f"chat template of {self.path} cannot render these messages, tools or template variables: {e}"
+            ) from None
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True, tokenize: bool = True,
-                            **template_kwargs: Any) -> list[int] | str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int] | str:
         """Token ids of `render_chat(...)`; with `tokenize=False` the rendered text itself, as in
         transformers (whose `add_generation_prompt` defaults to False, ours to True)."""
         text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
@@ -291,13 +356,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"tokenizer directory {path} " + ("is a file: give the directory that holds the tokenizer "
-                                                           "files" if path.exists() else "does not exist"))
+        raise ValueError(
+            f"tokenizer directory {path} "
+            + ("is a file: give the directory that holds the tokenizer files" if path.exists() else "does not exist")
+        )
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ValueError(f"{path} holds no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); a "
-                         f"training checkpoint has none: pass the tokenizer's directory separately (exactrl serve "
-                         f"--tokenizer DIR, or model.tokenizer in a run config), or build one with "
-                         f"exactrl.model.tokenizer.build_tokenizer")
+        raise ValueError(
+            f"{path} holds no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); a "
+            f"training checkpoint has none: pass the tokenizer's directory separately (exactrl serve "
+            f"--tokenizer DIR, or model.tokenizer in a run config), or build one with "
+            f"exactrl.model.tokenizer.build_tokenizer"
+        )
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # a damaged file fails anywhere inside transformers/tokenizers, with any type
@@ -308,8 +377,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     eot = next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab), None)
     eos = hf.eos_token_id if hf.eos_token_id is not None else eot
     if eos is None:
-        raise ValueError(f"tokenizer at {path} has neither an eos token nor an end-of-turn token "
-                         f"({', '.join(END_OF_TURN_TOKENS)}); set eos_token in tokenizer_config.json")
+        raise ValueError(
+            f"tokenizer at {path} has neither an eos token nor an end-of-turn token "
+            f"({', '.join(END_OF_TURN_TOKENS)}); set eos_token in tokenizer_config.json"
+        )
     pad = hf.pad_token_id if hf.pad_token_id is not None else eos
-    return Tokenizer(hf=hf, path=path, eos_token_id=eos, end_of_turn_id=eot if eot is not None else eos,
-                     pad_token_id=pad, vocab_size=len(hf))
+    return Tokenizer(
+        hf=hf,
+        path=path,
+        eos_token_id=eos,
+        end_of_turn_id=eot if eot is not None else eos,
+        pad_token_id=pad,
+        vocab_size=len(hf),
+    )

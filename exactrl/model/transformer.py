@@ -9,6 +9,7 @@ Every op whose result could depend on the batch goes through `self.kernels`.
 
 Legend: N tokens, D hidden, H heads, Hk kv heads, Dh head dim, V vocabulary.
 """
+
 from __future__ import annotations
 
 import math
@@ -144,8 +145,10 @@ class CausalLM(nn.Module):
         assert have % ROPE_CHUNK == 0, have  # only the last chunk is cut, at max_position_embeddings
         want = min(-(-max(positions, 2 * have) // ROPE_CHUNK) * ROPE_CHUNK, c.max_position_embeddings)
         inv_freq, scale = rope_frequencies(c.head_dim, c.rope_theta, c.rope)
-        parts = [rotary_tables(c.head_dim, ROPE_CHUNK, c.rope_theta, start, inv_freq, scale)
-                 for start in range(have, want, ROPE_CHUNK)]
+        parts = [
+            rotary_tables(c.head_dim, ROPE_CHUNK, c.rope_theta, start, inv_freq, scale)
+            for start in range(have, want, ROPE_CHUNK)
+        ]
         # the model's dtype and device, after a `model.to(...)`, as the first chunk's
         dtype, dev = self.rope_cos.dtype, self.rope_cos.device
         self.rope_cos = torch.cat([self.rope_cos, *(cos.to(dev, dtype) for cos, _ in parts)])[:want]
@@ -162,16 +165,27 @@ class CausalLM(nn.Module):
     def kv_bytes(self, num_pages: int) -> int:
         """The bytes `new_kv(num_pages)` allocates (a Python int: no overflow before the allocation is tried)."""
         c = self.config
-        return 2 * c.num_hidden_layers * num_pages * c.num_key_value_heads * self.block_size * c.head_dim \
+        return (
+            2
+            * c.num_hidden_layers
+            * num_pages
+            * c.num_key_value_heads
+            * self.block_size
+            * c.head_dim
             * self.dtype.itemsize
+        )
 
     def new_kv(self, num_pages: int) -> list[list[torch.Tensor]]:
         """An empty paged KV store: per layer [k_pages, v_pages], each [P, Hk, B, Dh]."""
         c = self.config
         shape = (num_pages, c.num_key_value_heads, self.block_size, c.head_dim)
-        return [[torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)]
-                for _ in range(c.num_hidden_layers)]
+        return [
+            [
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            ]
+            for _ in range(c.num_hidden_layers)
+        ]
 
     def forward(self, tokens_N: torch.Tensor, layout: TokenLayout, kv: list[list[torch.Tensor]]) -> torch.Tensor:
         x_ND, cos_ND, sin_ND, plan = self.layer_inputs(tokens_N, layout)
@@ -184,8 +198,7 @@ class CausalLM(nn.Module):
         c = self.config
         self.rope_reach(int(layout.pos_N.max()) + 1)  # checks the positions against max_position_embeddings
         dev = self.device
-        plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size,
-                                           dev)
+        plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size, dev)
         pos_N = layout.pos_N.to(dev)
         return self.model.embed_tokens(tokens_N.to(dev)), self.rope_cos[pos_N], self.rope_sin[pos_N], plan
 

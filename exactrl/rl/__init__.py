@@ -8,6 +8,7 @@
 
 A module is imported when its old name is first used, so `import exactrl.rl` stays light.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,13 +17,32 @@ import importlib.util
 import sys
 
 MOVED = {
-    **{m: f"exactrl.algo.{m}" for m in ("advantages", "losses", "corrections", "kl", "aggregation", "diagnostics",
-                                        "types")},
-    "rollout": "exactrl.rollout.groups", "agent_rollout": "exactrl.rollout.agents",
+    **{
+        m: f"exactrl.algo.{m}"
+        for m in ("advantages", "losses", "corrections", "kl", "aggregation", "diagnostics", "types")
+    },
+    "rollout": "exactrl.rollout.groups",
+    "agent_rollout": "exactrl.rollout.agents",
     "external": "exactrl.rollout.external",
-    **{m: f"exactrl.train.{m}" for m in ("trainer", "loop", "async_loop", "setup", "config", "config_docs",
-                                         "checkpoint", "run_dir", "logger", "report", "run", "warmstart",
-                                         "master_weights", "activation_ckpt")},
+    **{
+        m: f"exactrl.train.{m}"
+        for m in (
+            "trainer",
+            "loop",
+            "async_loop",
+            "setup",
+            "config",
+            "config_docs",
+            "checkpoint",
+            "run_dir",
+            "logger",
+            "report",
+            "run",
+            "warmstart",
+            "master_weights",
+            "activation_ckpt",
+        )
+    },
 }
 
 

@@ -25,22 +25,21 @@ counts them; if every group failed the step fails with the first error.
 
 Legend: P problems, G episodes per problem.
 """
+
 from __future__ import annotations
 
 import asyncio
-import math
-import reprlib
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
-import numpy as np
 import torch
 
+from exactrl.algo.advantages import compute_advantages
 from exactrl.chat.trajectory import Trajectory
 from exactrl.envs.base import Problem
-from exactrl.algo.advantages import compute_advantages
 from exactrl.envs.rewards import as_reward
 from exactrl.seeds import derive_seed
 from exactrl.train.trainer import TrainBatch
@@ -59,8 +58,9 @@ class AgentRollout:
     episode: Any  # whatever the environment returned (transcript, counters)
 
 
-async def run_episode(server_url: str, env: EnvFn, problem: Problem, seed: int, client: httpx.AsyncClient,
-                      **env_kwargs) -> AgentRollout:
+async def run_episode(
+    server_url: str, env: EnvFn, problem: Problem, seed: int, client: httpx.AsyncClient, **env_kwargs
+) -> AgentRollout:
     """One episode in a fresh session; the session is deleted once its trajectories are read."""
     sid = uuid.uuid4().hex
     try:
@@ -82,9 +82,17 @@ def _reward(result: Any) -> float:
     return as_reward(result.reward if hasattr(result, "reward") else result, "the environment's reward")
 
 
-async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Problem], group_size: int, seed: int,
-                               step: int, env_kwargs: dict | None = None, max_concurrency: int = 32,
-                               episode_timeout_s: float | None = None) -> list[list[AgentRollout | BaseException]]:
+async def collect_agent_groups(
+    server_url: str,
+    env: EnvFn,
+    problems: list[Problem],
+    group_size: int,
+    seed: int,
+    step: int,
+    env_kwargs: dict | None = None,
+    max_concurrency: int = 32,
+    episode_timeout_s: float | None = None,
+) -> list[list[AgentRollout | BaseException]]:
     """G episodes per problem, at most `max_concurrency` at a time; groups_P_G[k][j] (the exception an
     episode raised, in its place). `env_kwargs` go to every `env` call (model name, sampling settings, ...).
 
@@ -92,11 +100,15 @@ async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Probl
     TimeoutError in its place (its session deleted), so one hung environment does not hang the step; None
     waits for ever. Cancelling works at the environment's awaits: a tool that blocks the event loop
     synchronously cannot be cut short."""
-    if episode_timeout_s is not None and (isinstance(episode_timeout_s, bool) or not isinstance(
-            episode_timeout_s, (int, float)) or not 0 < episode_timeout_s < float("inf")):
+    if episode_timeout_s is not None and (
+        isinstance(episode_timeout_s, bool)
+        or not isinstance(episode_timeout_s, (int, float))
+        or not 0 < episode_timeout_s < float("inf")
+    ):
         raise ValueError(f"episode_timeout_s must be a number of seconds > 0 or None, got {episode_timeout_s!r}")
     sem = asyncio.Semaphore(max_concurrency)
     async with httpx.AsyncClient(timeout=None) as client:
+
         async def one(k: int, j: int) -> AgentRollout:
             async with sem:
                 episode_seed = derive_seed(seed, step, k, j) * TURN_SEEDS
@@ -109,15 +121,18 @@ async def collect_agent_groups(server_url: str, env: EnvFn, problems: list[Probl
                 except asyncio.TimeoutError:
                     if asyncio.get_running_loop().time() < deadline:  # the environment's own timeout: its message
                         raise
-                    raise TimeoutError(f"the episode of problem {k}, sample {j} ran longer than episode_timeout_s="
-                                       f"{episode_timeout_s} and was cancelled") from None
+                    raise TimeoutError(
+                        f"the episode of problem {k}, sample {j} ran longer than episode_timeout_s="
+                        f"{episode_timeout_s} and was cancelled"
+                    ) from None
 
-        flat = await asyncio.gather(*(one(k, j) for k in range(len(problems)) for j in range(group_size)),
-                                    return_exceptions=True)
+        flat = await asyncio.gather(
+            *(one(k, j) for k in range(len(problems)) for j in range(group_size)), return_exceptions=True
+        )
     for x in flat:
         if isinstance(x, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
             raise x
-    return [list(flat[k * group_size:(k + 1) * group_size]) for k in range(len(problems))]
+    return [list(flat[k * group_size : (k + 1) * group_size]) for k in range(len(problems))]
 
 
 def complete_groups(groups_P_G: list[list]) -> tuple[list[list[AgentRollout]], int]:
@@ -126,13 +141,16 @@ def complete_groups(groups_P_G: list[list]) -> tuple[list[list[AgentRollout]], i
     failed = [x for g in groups_P_G for x in g if isinstance(x, BaseException)]
     kept = [g for g in groups_P_G if not any(isinstance(x, BaseException) for x in g)]
     if not kept:
-        raise RuntimeError(f"every group had an episode that failed ({len(failed)} episodes); the first error: "
-                           f"{type(failed[0]).__name__}: {failed[0]}") from failed[0]
+        raise RuntimeError(
+            f"every group had an episode that failed ({len(failed)} episodes); the first error: "
+            f"{type(failed[0]).__name__}: {failed[0]}"
+        ) from failed[0]
     return kept, len(failed)
 
 
-def agent_train_batch(groups_P_G: list[list[AgentRollout]], advantage: str = "grpo",
-                      advantage_kwargs: dict | None = None) -> TrainBatch:
+def agent_train_batch(
+    groups_P_G: list[list[AgentRollout]], advantage: str = "grpo", advantage_kwargs: dict | None = None
+) -> TrainBatch:
     """Group-relative advantages per episode, broadcast to each of its trajectories."""
     rewards_PG = torch.tensor([[r.reward for r in g] for g in groups_P_G], dtype=torch.float64)
     adv_PG = compute_advantages(advantage, rewards_PG, **(advantage_kwargs or {}))
@@ -149,21 +167,24 @@ def agent_train_batch(groups_P_G: list[list[AgentRollout]], advantage: str = "gr
                 adv.append(float(adv_PG[k, j]))
     if not prompt_ids:
         raise ValueError("no episode produced a trajectory with generated tokens: nothing to train on")
-    return TrainBatch(prompt_ids=prompt_ids, completion_ids=completion_ids, behav_logprobs=behav,
-                      advantages=adv, loss_mask=mask)
+    return TrainBatch(
+        prompt_ids=prompt_ids, completion_ids=completion_ids, behav_logprobs=behav, advantages=adv, loss_mask=mask
+    )
 
 
 def agent_rollout_metrics(groups_P_G: list[list[AgentRollout]]) -> dict[str, float]:
     flat = [r for g in groups_P_G for r in g]
     trajs = [t for r in flat for t in r.trajectories]
     gen = [sum(t.loss_mask) for t in trajs]
-    return {"rollout/reward_mean": sum(r.reward for r in flat) / len(flat),
-            "rollout/accuracy": sum(r.reward >= 1.0 for r in flat) / len(flat),
-            "rollout/trajectories_per_episode": len(trajs) / len(flat),
-            "rollout/turns_mean": sum(t.num_turns for t in trajs) / max(len(trajs), 1),
-            "rollout/generated_tokens_mean": sum(gen) / max(len(gen), 1),
-            "rollout/masked_tokens_mean": sum(len(t.loss_mask) - g for t, g in zip(trajs, gen)) / max(len(trajs), 1),
-            "rollout/zero_std_group_frac": sum(len({r.reward for r in g}) == 1 for g in groups_P_G) / len(groups_P_G)}
+    return {
+        "rollout/reward_mean": sum(r.reward for r in flat) / len(flat),
+        "rollout/accuracy": sum(r.reward >= 1.0 for r in flat) / len(flat),
+        "rollout/trajectories_per_episode": len(trajs) / len(flat),
+        "rollout/turns_mean": sum(t.num_turns for t in trajs) / max(len(trajs), 1),
+        "rollout/generated_tokens_mean": sum(gen) / max(len(gen), 1),
+        "rollout/masked_tokens_mean": sum(len(t.loss_mask) - g for t, g in zip(trajs, gen)) / max(len(trajs), 1),
+        "rollout/zero_std_group_frac": sum(len({r.reward for r in g}) == 1 for g in groups_P_G) / len(groups_P_G),
+    }
 
 
 def sync_weights(server_state, model) -> int:
@@ -172,10 +193,24 @@ def sync_weights(server_state, model) -> int:
     return server_state.loop.call(lambda engine: engine.update_weights(sd)).result()
 
 
-def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_url: str, env: EnvFn,
-                     problems: list[Problem], group_size: int, seed: int, step: int, env_kwargs: dict | None = None,
-                     advantage: str = "grpo", advantage_kwargs: dict | None = None,
-                     episode_timeout_s: float | None = None, ref_model=None) -> dict[str, float]:
+def agent_train_step(
+    model,
+    optimizer,
+    loss_fn,
+    settings,
+    server_state,
+    server_url: str,
+    env: EnvFn,
+    problems: list[Problem],
+    group_size: int,
+    seed: int,
+    step: int,
+    env_kwargs: dict | None = None,
+    advantage: str = "grpo",
+    advantage_kwargs: dict | None = None,
+    episode_timeout_s: float | None = None,
+    ref_model=None,
+) -> dict[str, float]:
     """Collect episodes -> train on their trajectories -> sync the server's engine. Returns flat metrics.
 
     `settings.temperature/top_k/top_p` must be the ones the environment samples with, so that the
@@ -186,19 +221,29 @@ def agent_train_step(model, optimizer, loss_fn, settings, server_state, server_u
     from exactrl.train.trainer import train_step
 
     if settings.kl_coef and not settings.kl_in_loss:  # checked before any episode runs
-        raise ValueError("agent_train_step puts no KL in the reward (settings.kl_in_loss=False): the rewards are "
-                         "the environment's own; put the KL term in the loss (kl_in_loss=True)")
+        raise ValueError(
+            "agent_train_step puts no KL in the reward (settings.kl_in_loss=False): the rewards are "
+            "the environment's own; put the KL term in the loss (kl_in_loss=True)"
+        )
     if settings.kl_coef and ref_model is None:
-        raise ValueError(f"settings.kl_coef={settings.kl_coef} puts a KL term in the loss but there is no ref_model: "
-                         f"pass the reference policy (ref_model=...), or set kl_coef=0")
-    groups, failed = complete_groups(asyncio.run(collect_agent_groups(server_url, env, problems, group_size, seed,
-                                                                      step, env_kwargs,
-                                                                      episode_timeout_s=episode_timeout_s)))
+        raise ValueError(
+            f"settings.kl_coef={settings.kl_coef} puts a KL term in the loss but there is no ref_model: "
+            f"pass the reference policy (ref_model=...), or set kl_coef=0"
+        )
+    groups, failed = complete_groups(
+        asyncio.run(
+            collect_agent_groups(
+                server_url, env, problems, group_size, seed, step, env_kwargs, episode_timeout_s=episode_timeout_s
+            )
+        )
+    )
     want = [float(settings.temperature) or 1.0, settings.top_k, float(settings.top_p)]
     used = {tuple(x) for g in groups for r in g for t in r.trajectories for x in t.sampling}
     if used - {tuple(want)}:
-        raise ValueError(f"episodes sampled with (temperature, top_k, top_p) {sorted(used)} but the trainer uses "
-                         f"{tuple(want)}: its logprobs would not be the behaviour distribution")
+        raise ValueError(
+            f"episodes sampled with (temperature, top_k, top_p) {sorted(used)} but the trainer uses "
+            f"{tuple(want)}: its logprobs would not be the behaviour distribution"
+        )
     batch = agent_train_batch(groups, advantage, advantage_kwargs)
     metrics = train_step(model, optimizer, loss_fn, batch, settings, ref_model)
     metrics |= agent_rollout_metrics(groups) | {"rollout/failed_episodes": failed}

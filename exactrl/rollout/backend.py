@@ -8,9 +8,11 @@ they hold: a difference in capability is an attribute (`step_hook`), not a type 
 Every completion's tokens carry the version of the weights that sampled them (`Completion.versions`);
 versions are training steps.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -24,8 +26,12 @@ class RolloutBackend(Protocol):
     step_hook: bool  # True: generate's `on_step` runs between engine steps on the caller's thread, so a batch
     # in flight can take new weights or stop there; False: `on_step` is refused (no hook between the steps)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_step: Callable[[], object] | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        on_step: Callable[[], object] | None = None,
+    ) -> list[list[Completion]]:
         """Blocking: outs[k][j] is sample j of prompt k."""
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:

@@ -68,6 +68,7 @@ keeps a weight sync from overlapping a batch. In-flight updates are
 impossible (there is no hook between the server's steps): `on_step` is
 refused.
 """
+
 from __future__ import annotations
 
 import copy
@@ -79,19 +80,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Literal
 
 import httpx
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from exactrl.argcheck import PathText
-from exactrl.distributed.ray_engines import RayEngineSettings
 from exactrl.engine.engine import Completion
 from exactrl.engine.sampling import SamplingParams, params_per_prompt
 from exactrl.model import save_model
 from exactrl.model.transformer import CausalLM
-
+from exactrl.rollout.settings import RolloutBackendSettings  # noqa: F401 (re-exported)
 
 FP32_MAX = torch.finfo(torch.float32).max
 # a sampled token's logprob is <= 0, and a log-softmax computed as (x - max) - log(sum) keeps it there in any
@@ -99,74 +96,6 @@ FP32_MAX = torch.finfo(torch.float32).max
 # near-certain token a few ulps above 0. Up to this much is that rounding (and is passed on as it is), beyond
 # it the number is no logprob
 LOGPROB_SLACK = 1e-5
-
-
-class RolloutBackendSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
-
-    kind: Literal["engine", "openai", "ray"] = "engine"
-    """`engine`: the in-process exactrl.Engine (bitwise exact); `openai`: an external OpenAI-compatible
-    server (vLLM, SGLang, `exactrl serve`), whose mismatch is measured and corrected; `ray`: exactrl
-    Engines as Ray actors, on this machine or a Ray cluster (bitwise exact; distributed/ray_engines.py)."""
-    ray: RayEngineSettings = Field(default_factory=RayEngineSettings)
-    """The engines of `kind: ray`: how many, where, with how many threads."""
-    base_url: str | None = None
-    """Server root, e.g. http://127.0.0.1:8000 (requests go to {base_url}/v1/completions)."""
-    base_urls: list[str] = Field(default_factory=list)
-    """More servers of the same model (roots, as `base_url`): requests are spread over all of them, each to
-    the one with the fewest in flight; a `disk` weight sync loads every one."""
-    model: str | None = None
-    """Model name sent in every request: one the server serves (its /v1/models)."""
-    api_key: str | None = Field(None, exclude=True)
-    """Sent as `Authorization: Bearer KEY` with every request (`exactrl serve --api-key`). null: the first key
-    of the environment variable EXACTRL_API_KEY, if set. Never written to the run's config.json or
-    checkpoints (a resumed run needs it again): the variable keeps it out of config files too."""
-    weight_sync: Literal["none", "disk"] = "none"
-    """`none`: the server keeps its weights (data grows stale); `disk`: after each step the weights are
-    saved to `sync_dir` and loaded by the server's /update_weights_from_disk."""
-    sync_dir: PathText | None = None
-    """Where `disk` writes checkpoints; the server must read the same path. None: a temp dir (same machine)."""
-    timeout_s: float = Field(600.0, gt=0, le=1e9)
-    """Per HTTP request (a whole completion of n samples, or one weight load); at most 1e9 s (about 30
-    years: no limit in effect), as longer ones overflow the socket's timer."""
-    max_concurrency: int = Field(16, ge=1)
-    """Requests (one per prompt) in flight at once, per server."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "RolloutBackendSettings":
-        if self.kind == "openai":
-            if not self.base_url or not self.model:
-                raise ValueError("rollout_backend.kind=openai needs rollout_backend.base_url and rollout_backend.model")
-            named = [("base_url", self.base_url)] + [(f"base_urls[{i}]", u) for i, u in enumerate(self.base_urls)]
-            for key, url in named:
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"rollout_backend.{key} must be a server root such as http://host:8000, "
-                                     f"got {url!r}")
-                if url.rstrip("/").endswith("/v1"):
-                    raise ValueError(f"rollout_backend.{key} must be the server root, without /v1: got {url!r}")
-                try:
-                    host = httpx.URL(url).host
-                except httpx.InvalidURL as e:
-                    raise ValueError(f"rollout_backend.{key} is not a valid URL ({e}): got {url!r}") from None
-                if not host:  # `http://` or `http://:8000`: every request failed as a connection error
-                    raise ValueError(f"rollout_backend.{key} names no host: it must be a server root such as "
-                                     f"http://host:8000, got {url!r}")
-            roots = self.server_roots
-            if len(set(roots)) != len(roots):
-                raise ValueError(f"rollout_backend.base_url and base_urls name a server twice: {roots}")
-        else:  # an external server's settings without kind=openai would be ignored without a word
-            for key in ("base_url", "base_urls", "model", "api_key", "weight_sync", "sync_dir"):
-                if getattr(self, key) != type(self).model_fields[key].get_default(call_default_factory=True):
-                    raise ValueError(f"rollout_backend.{key} needs rollout_backend.kind=openai (kind={self.kind} "
-                                     f"samples with exactrl engines)")
-        if self.kind != "ray" and self.ray != RayEngineSettings():
-            raise ValueError(f"rollout_backend.ray.* needs rollout_backend.kind=ray (kind is {self.kind})")
-        return self
-
-    @property
-    def server_roots(self) -> list[str]:
-        """Every server, `base_url` first, without trailing slashes."""
-        return [u.rstrip("/") for u in [self.base_url or "", *self.base_urls]]
 
 
 class ExternalEngineError(RuntimeError):
@@ -178,8 +107,14 @@ class ExternalEngine:
 
     step_hook = False  # a RolloutBackend (exactrl/rollout/backend.py): the server has no hook between its steps
 
-    def __init__(self, s: RolloutBackendSettings, stop_token_ids=(), version: int = 0,
-                 policy: CausalLM | None = None, vocab_size: int | None = None):
+    def __init__(
+        self,
+        s: RolloutBackendSettings,
+        stop_token_ids=(),
+        version: int = 0,
+        policy: CausalLM | None = None,
+        vocab_size: int | None = None,
+    ):
         """`policy`: a copy of the policy model, used only to write `disk` checkpoints (required then).
         `vocab_size`: the trainer's; a token id the server returns outside [0, vocab_size) is an error
         (None: only a negative one)."""
@@ -199,18 +134,26 @@ class ExternalEngine:
         self._sync_dir = Path(s.sync_dir) if s.sync_dir else Path(self._tmp.name) if self._tmp else None
         self._last_ckpt: Path | None = None
         key = s.api_key or os.environ.get("EXACTRL_API_KEY", "").split(",")[0].strip()
-        self._client = httpx.Client(timeout=s.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {},
-                                    limits=httpx.Limits(max_connections=s.max_concurrency * len(self.servers)))
+        self._client = httpx.Client(
+            timeout=s.timeout_s,
+            headers={"Authorization": f"Bearer {key}"} if key else {},
+            limits=httpx.Limits(max_connections=s.max_concurrency * len(self.servers)),
+        )
         self._lock = threading.Lock()  # a weight sync never overlaps a batch: every token's version is known
         self._in_flight = [0] * len(self.servers)  # requests now at each server (least-loaded dispatch)
         self._served = [0] * len(self.servers)  # requests each server has answered
         self._dispatch = threading.Lock()
-        self._stats = {"external/requests": 0, "external/request_s": 0.0, "external/weight_syncs": 0,
-                       "external/weight_sync_s": 0.0}
+        self._stats = {
+            "external/requests": 0,
+            "external/request_s": 0.0,
+            "external/weight_syncs": 0,
+            "external/weight_sync_s": 0.0,
+        }
 
     @classmethod
-    def connect(cls, s: RolloutBackendSettings, policy: CausalLM, stop_token_ids=(), version: int = 0
-                ) -> "ExternalEngine":
+    def connect(
+        cls, s: RolloutBackendSettings, policy: CausalLM, stop_token_ids=(), version: int = 0
+    ) -> ExternalEngine:
         """The backend of a run: with `disk`, the server is first loaded with the policy's current weights."""
         own = copy.deepcopy(policy).requires_grad_(False) if s.weight_sync == "disk" else None
         engine = cls(s, stop_token_ids, version, own, vocab_size=policy.config.vocab_size)
@@ -226,12 +169,15 @@ class ExternalEngine:
             self._tmp.cleanup()
 
     # ------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_step=None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None, on_step=None
+    ) -> list[list[Completion]]:
         """Blocking: outs[k][j] is sample j of prompt k, every token tagged with `version`."""
         if on_step is not None:
-            raise ValueError("in-flight weight updates (async.inflight_updates) need the in-process engine: an "
-                             "external server has no hook between its steps")
+            raise ValueError(
+                "in-flight weight updates (async.inflight_updates) need the in-process engine: an "
+                "external server has no hook between its steps"
+            )
         plist = params_per_prompt(params, len(prompts))
         bodies = [self.request_body(p, sp) for p, sp in zip(prompts, plist)]
         with self._lock:
@@ -239,8 +185,10 @@ class ExternalEngine:
             answers = self._map(self._complete, bodies)
             self._stats["external/requests"] += len(bodies)
             self._stats["external/request_s"] += time.perf_counter() - t0
-        return [to_completions(a, list(p), sp, version, f"{server}/v1/completions (prompt {k})", self.vocab_size)
-                for k, ((server, a), p, sp) in enumerate(zip(answers, prompts, plist))]
+        return [
+            to_completions(a, list(p), sp, version, f"{server}/v1/completions (prompt {k})", self.vocab_size)
+            for k, ((server, a), p, sp) in enumerate(zip(answers, prompts, plist))
+        ]
 
     def _complete(self, body: dict) -> tuple[str, dict]:
         """One completion request, sent to the server with the fewest in flight: (server, answer)."""
@@ -259,9 +207,18 @@ class ExternalEngine:
     def request_body(self, prompt: list[int], sp: SamplingParams) -> dict:
         """The one request dialect (see the module docstring)."""
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.stop_token_ids)
-        body = {"model": self.s.model, "prompt": list(prompt), "n": sp.n, "max_tokens": sp.max_tokens,
-                "temperature": sp.temperature, "top_p": sp.top_p, "logprobs": 0, "return_token_ids": True,
-                "stop_token_ids": sorted(stops), "ignore_eos": sp.ignore_eos}
+        body = {
+            "model": self.s.model,
+            "prompt": list(prompt),
+            "n": sp.n,
+            "max_tokens": sp.max_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": sorted(stops),
+            "ignore_eos": sp.ignore_eos,
+        }
         if sp.top_k != -1:
             body["top_k"] = sp.top_k
         if sp.seed is not None:
@@ -291,6 +248,7 @@ class ExternalEngine:
                     errors.append(e)
                 finally:
                     finished.release()
+
         for _ in range(min(self.s.max_concurrency * len(self.servers), len(items))):
             threading.Thread(target=work, name="exactrl-http", daemon=True).start()
         for _ in items:
@@ -311,21 +269,30 @@ class ExternalEngine:
                     if time.monotonic() > deadline:
                         raise httpx.ReadTimeout("the whole answer took longer")
         except httpx.TimeoutException as e:
-            raise ExternalEngineError(f"{url}: no answer within rollout_backend.timeout_s={self.s.timeout_s}s "
-                                      f"({type(e).__name__})") from None
+            raise ExternalEngineError(
+                f"{url}: no answer within rollout_backend.timeout_s={self.s.timeout_s}s ({type(e).__name__})"
+            ) from None
         except httpx.TransportError as e:
             if chunks is not None:
-                raise ExternalEngineError(f"the rollout server at {url} answered HTTP {r.status_code}, then the "
-                                          f"connection broke mid-answer ({type(e).__name__}: {e}): did it crash or "
-                                          f"restart?") from None
+                raise ExternalEngineError(
+                    f"the rollout server at {url} answered HTTP {r.status_code}, then the "
+                    f"connection broke mid-answer ({type(e).__name__}: {e}): did it crash or "
+                    f"restart?"
+                ) from None
             if not isinstance(e, httpx.ConnectError):  # connected, and the connection broke before an answer
-                raise ExternalEngineError(f"the connection to the rollout server at {url} broke before an answer "
-                                          f"({type(e).__name__}: {e}): did it crash or restart?") from None
-            raise ExternalEngineError(f"cannot reach the rollout server at {url}: {type(e).__name__}: {e} (is it "
-                                      f"running? rollout_backend.base_url / base_urls)") from None
+                raise ExternalEngineError(
+                    f"the connection to the rollout server at {url} broke before an answer "
+                    f"({type(e).__name__}: {e}): did it crash or restart?"
+                ) from None
+            raise ExternalEngineError(
+                f"cannot reach the rollout server at {url}: {type(e).__name__}: {e} (is it "
+                f"running? rollout_backend.base_url / base_urls)"
+            ) from None
         except httpx.DecodingError as e:
-            raise ExternalEngineError(f"{url} answered with a body that cannot be decoded as its "
-                                      f"Content-Encoding {r.headers.get('content-encoding')!r} says: {e}") from None
+            raise ExternalEngineError(
+                f"{url} answered with a body that cannot be decoded as its "
+                f"Content-Encoding {r.headers.get('content-encoding')!r} says: {e}"
+            ) from None
         data = b"".join(chunks)
         text = data.decode(r.encoding, errors="replace")
         if r.status_code != 200:
@@ -358,14 +325,17 @@ class ExternalEngine:
             save_model(self._policy, ckpt)
             body = {"model_path": str(ckpt.resolve())}
             try:
-                answers = self._map(lambda server: self._post(server, "/update_weights_from_disk", body),
-                                    self.servers)
+                answers = self._map(lambda server: self._post(server, "/update_weights_from_disk", body), self.servers)
             except ExternalEngineError as e:
-                where = ("rollout_backend.sync_dir is unset, so it is a temporary directory of this machine: set "
-                         "it to a path every server reads" if self.s.sync_dir is None
-                         else "rollout_backend.sync_dir must be a path every server reads")
-                raise ExternalEngineError(f"{e} (loading the checkpoint at {ckpt}; if the server could not read "
-                                          f"it: {where})") from None
+                where = (
+                    "rollout_backend.sync_dir is unset, so it is a temporary directory of this machine: set "
+                    "it to a path every server reads"
+                    if self.s.sync_dir is None
+                    else "rollout_backend.sync_dir must be a path every server reads"
+                )
+                raise ExternalEngineError(
+                    f"{e} (loading the checkpoint at {ckpt}; if the server could not read it: {where})"
+                ) from None
             for server, answer in zip(self.servers, answers):
                 if not isinstance(answer, dict) or answer.get("success") is not True:
                     raise ExternalEngineError(f"{server}/update_weights_from_disk did not load {ckpt}: {answer}")
@@ -377,40 +347,58 @@ class ExternalEngine:
 
     def stats(self) -> dict[str, float]:
         """Flat gauges and counters for metrics logging."""
-        per_server = ({f"external/server{i}_requests": n for i, n in enumerate(self._served)}
-                      if len(self.servers) > 1 else {})
-        return {"engine/version": self.version, "external/trainer_version": self.trainer_version,
-                "external/weight_lag": self.trainer_version - self.version, "external/servers": len(self.servers),
-                **self._stats, **per_server}
+        per_server = (
+            {f"external/server{i}_requests": n for i, n in enumerate(self._served)} if len(self.servers) > 1 else {}
+        )
+        return {
+            "engine/version": self.version,
+            "external/trainer_version": self.trainer_version,
+            "external/weight_lag": self.trainer_version - self.version,
+            "external/servers": len(self.servers),
+            **self._stats,
+            **per_server,
+        }
 
 
 # ---------------------------------------------------------------- answers
-def to_completions(answer: dict, prompt: list[int], sp: SamplingParams, version: int, where: str,
-                   vocab_size: int | None = None) -> list[Completion]:
+def to_completions(
+    answer: dict, prompt: list[int], sp: SamplingParams, version: int, where: str, vocab_size: int | None = None
+) -> list[Completion]:
     """The n choices of one /v1/completions answer, by index, as Completions of `version`; a token id
     outside [0, vocab_size) is an error (the server holds another vocabulary or model)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     indexes = [c.get("index") if isinstance(c, dict) else None for c in choices or ()]
     # `in range` alone took 0.0 and True for index 0 and 1
-    if (not isinstance(choices, list) or len(choices) != sp.n
-            or not all(type(i) is int and i in range(sp.n) for i in indexes) or len(set(indexes)) != sp.n):
-        raise ExternalEngineError(f"{where}: expected `choices` with indexes 0..{sp.n - 1} (n={sp.n}), got "
-                                  f"{str(answer)[:300]}")
+    if (
+        not isinstance(choices, list)
+        or len(choices) != sp.n
+        or not all(type(i) is int and i in range(sp.n) for i in indexes)
+        or len(set(indexes)) != sp.n
+    ):
+        raise ExternalEngineError(
+            f"{where}: expected `choices` with indexes 0..{sp.n - 1} (n={sp.n}), got {str(answer)[:300]}"
+        )
     out = []
     for c in sorted(choices, key=lambda c: c["index"]):
         ids, lps = parse_choice(c, where)
         top = vocab_size if vocab_size is not None else float("inf")
         bad = next((t for t in ids if not 0 <= t < top), None)
         if bad is not None:
-            raise ExternalEngineError(f"{where}: choice {c['index']} has token id {str(bad)[:40]}, outside the "
-                                      f"trainer's vocabulary [0, {top}): does the server hold the trainer's model?")
+            raise ExternalEngineError(
+                f"{where}: choice {c['index']} has token id {str(bad)[:40]}, outside the "
+                f"trainer's vocabulary [0, {top}): does the server hold the trainer's model?"
+            )
         echoed = c.get("prompt_token_ids")
         if echoed is not None and echoed != prompt:
-            raise ExternalEngineError(f"{where}: the server changed the prompt's tokens (prompt_token_ids "
-                                      f"{str(echoed)[:40]}... vs sent {prompt[:8]}...), e.g. by adding a BOS")
+            raise ExternalEngineError(
+                f"{where}: the server changed the prompt's tokens (prompt_token_ids "
+                f"{str(echoed)[:40]}... vs sent {prompt[:8]}...), e.g. by adding a BOS"
+            )
         if c.get("finish_reason") not in ("stop", "length"):
-            raise ExternalEngineError(f"{where}: choice {c['index']} has finish_reason "
-                                      f"{c.get('finish_reason')!r}, expected 'stop' or 'length'")
+            raise ExternalEngineError(
+                f"{where}: choice {c['index']} has finish_reason "
+                f"{c.get('finish_reason')!r}, expected 'stop' or 'length'"
+            )
         if len(ids) > sp.max_tokens:
             raise ExternalEngineError(f"{where}: choice {c['index']} has {len(ids)} tokens, max_tokens={sp.max_tokens}")
         out.append(Completion(c["index"], list(prompt), ids, lps, [version] * len(ids), c["finish_reason"]))
@@ -438,21 +426,28 @@ def parse_choice(c: dict, where: str) -> tuple[list[int], list[float]]:
             f"{where}: the answer holds no generated token ids (no `generation_token_ids` (exactrl), `token_ids` "
             f"(vLLM >= 0.10.2 with return_token_ids) or `meta_info.output_token_logprobs` (SGLang); the choice "
             f"has {sorted(c)}). The text cannot be re-tokenized instead: that would not give back the sampled "
-            f"tokens. Use a server that returns token ids.")
+            f"tokens. Use a server that returns token ids."
+        )
     if lps is None:
-        raise ExternalEngineError(f"{where}: the answer has token ids but no logprobs (`{lp_field}` missing): "
-                                  f"the server must return the sampled tokens' logprobs (request logprobs=0)")
+        raise ExternalEngineError(
+            f"{where}: the answer has token ids but no logprobs (`{lp_field}` missing): "
+            f"the server must return the sampled tokens' logprobs (request logprobs=0)"
+        )
     if not isinstance(ids, list) or not isinstance(lps, list):
-        raise ExternalEngineError(f"{where}: token ids and `{lp_field}` must be lists, got {str(ids)[:80]} and "
-                                  f"{str(lps)[:80]}")
+        raise ExternalEngineError(
+            f"{where}: token ids and `{lp_field}` must be lists, got {str(ids)[:80]} and {str(lps)[:80]}"
+        )
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ExternalEngineError(f"{where}: token ids must be integers, got {ids[:8]}")
     if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
-        raise ExternalEngineError(f"{where}: `{lp_field}` must hold one number per token ({len(ids)} tokens), "
-                                  f"got {lps[:8]}")
+        raise ExternalEngineError(
+            f"{where}: `{lp_field}` must hold one number per token ({len(ids)} tokens), got {lps[:8]}"
+        )
     # NaN reached the trainer as μ and a positive one weighted its token silently; the trainer reads fp32
     bad = next((x for x in lps if not -FP32_MAX <= x <= LOGPROB_SLACK), None)
     if bad is not None:
-        raise ExternalEngineError(f"{where}: `{lp_field}` holds {str(bad)[:40]}: a sampled token's logprob is a "
-                                  f"finite (fp32) number <= 0 (up to {LOGPROB_SLACK:g} of rounding)")
+        raise ExternalEngineError(
+            f"{where}: `{lp_field}` holds {str(bad)[:40]}: a sampled token's logprob is a "
+            f"finite (fp32) number <= 0 (up to {LOGPROB_SLACK:g} of rounding)"
+        )
     return list(ids), [float(x) for x in lps]

@@ -6,21 +6,20 @@ run regenerates exactly the samples the uninterrupted run would have.
 
 Legend: P prompts, G samples per prompt.
 """
+
 from __future__ import annotations
 
-from exactrl.seeds import derive_seed
-import math
-import numbers
 from dataclasses import dataclass, replace
 
 import torch
 
+from exactrl.algo.advantages import compute_advantages
 from exactrl.distributed import Ranks
 from exactrl.envs.base import Problem
-from exactrl.envs.rewards import as_reward
-from exactrl.algo.advantages import compute_advantages
-from exactrl.train.trainer import TrainBatch
 from exactrl.envs.prompts import prompt_ids
+from exactrl.envs.rewards import as_reward
+from exactrl.seeds import derive_seed
+from exactrl.train.trainer import TrainBatch
 
 
 @dataclass
@@ -42,8 +41,18 @@ def sampling_seed(run_seed: int, step: int, k: int) -> int:
     return derive_seed(run_seed, step, k)
 
 
-def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int,
-                    greedy: bool = False, on_step=None, indices: list[int] | None = None) -> list[list[Rollout]]:
+def generate_groups(
+    engine,
+    tokenizer,
+    task,
+    problems: list[Problem],
+    rs,
+    seed: int,
+    step: int,
+    greedy: bool = False,
+    on_step=None,
+    indices: list[int] | None = None,
+) -> list[list[Rollout]]:
     """Samples `rs.samples_per_prompt` completions per problem (1 if greedy) and scores them.
 
     `on_step` is passed to `Engine.generate` (in-flight weight updates). `indices`: each problem's
@@ -53,35 +62,66 @@ def generate_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: 
 
     prompts = [prompt_ids(tokenizer, task, p) for p in problems]
     indices = list(range(len(prompts))) if indices is None else indices
-    params = [SamplingParams(temperature=0.0 if greedy else rs.temperature, top_p=rs.top_p, top_k=rs.top_k,
-                             max_tokens=rs.max_tokens, n=1 if greedy else rs.samples_per_prompt,
-                             seed=sampling_seed(seed, step, k)) for k in indices]
+    params = [
+        SamplingParams(
+            temperature=0.0 if greedy else rs.temperature,
+            top_p=rs.top_p,
+            top_k=rs.top_k,
+            max_tokens=rs.max_tokens,
+            n=1 if greedy else rs.samples_per_prompt,
+            seed=sampling_seed(seed, step, k),
+        )
+        for k in indices
+    ]
     outs = engine.generate(prompts, params) if on_step is None else engine.generate(prompts, params, on_step=on_step)
     groups = []
     for prob, ids, samples in zip(problems, prompts, outs):
         group = []
         for o in samples:
             text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
-            group.append(Rollout(prob, ids, list(o.token_ids), list(o.logprobs), list(o.versions),
-                                 o.finish_reason, text, _reward(task, prob, text)))
+            group.append(
+                Rollout(
+                    prob,
+                    ids,
+                    list(o.token_ids),
+                    list(o.logprobs),
+                    list(o.versions),
+                    o.finish_reason,
+                    text,
+                    _reward(task, prob, text),
+                )
+            )
         groups.append(group)
     return groups
 
 
 def _reward(task, problem: Problem, text: str) -> float:
     """The task's reward of a completion, by the one rule of exactrl/envs/rewards.py."""
-    return as_reward(task.reward(problem, text), f"task {getattr(task, 'name', type(task).__name__)!r}: reward() "
-                                                 f"for the prompt {problem.prompt!r}")
+    return as_reward(
+        task.reward(problem, text),
+        f"task {getattr(task, 'name', type(task).__name__)!r}: reward() for the prompt {problem.prompt!r}",
+    )
 
 
-def sample_groups(engine, tokenizer, task, problems: list[Problem], rs, seed: int, step: int, ranks: Ranks,
-                  greedy: bool = False, offset: int = 0) -> list[list[Rollout]]:
+def sample_groups(
+    engine,
+    tokenizer,
+    task,
+    problems: list[Problem],
+    rs,
+    seed: int,
+    step: int,
+    ranks: Ranks,
+    greedy: bool = False,
+    offset: int = 0,
+) -> list[list[Rollout]]:
     """`generate_groups` over this rank's share of the problems, gathered: every rank gets every group,
     in batch order (exactrl/distributed). One process: simply `generate_groups`. `offset`: the index of
     the first problem in the step (a step's later batches, `rollout.filter_groups`, seed on from there)."""
     mine = ranks.shard(len(problems))
-    local = generate_groups(engine, tokenizer, task, [problems[k] for k in mine], rs, seed, step, greedy,
-                            indices=[offset + k for k in mine])
+    local = generate_groups(
+        engine, tokenizer, task, [problems[k] for k in mine], rs, seed, step, greedy, indices=[offset + k for k in mine]
+    )
     return ranks.gather_sharded(len(problems), local)
 
 
@@ -98,30 +138,37 @@ def overlong_penalty(length: int, max_tokens: int, buffer_len: int, factor: floa
     return factor * (max_tokens - buffer_len - length) / buffer_len
 
 
-def overlong_shaped(groups: list[list[Rollout]], max_tokens: int, buffer_len: int, factor: float
-                    ) -> tuple[list[list[Rollout]], dict[str, float]]:
+def overlong_shaped(
+    groups: list[list[Rollout]], max_tokens: int, buffer_len: int, factor: float
+) -> tuple[list[list[Rollout]], dict[str, float]]:
     """The groups with the soft overlong penalty added to each reward; like the KL shaping, the task
     reward stays in the rollout metrics and the shaped one only drives the advantages."""
     pen = [[overlong_penalty(len(r.completion_ids), max_tokens, buffer_len, factor) for r in g] for g in groups]
     flat = [x for g in pen for x in g]
     shaped = [[replace(r, reward=r.reward + x) for r, x in zip(g, p)] for g, p in zip(groups, pen)]
-    return shaped, {"rollout/overlong_penalty_mean": sum(flat) / len(flat),
-                    "rollout/overlong_penalised_frac": sum(x < 0 for x in flat) / len(flat)}
+    return shaped, {
+        "rollout/overlong_penalty_mean": sum(flat) / len(flat),
+        "rollout/overlong_penalised_frac": sum(x < 0 for x in flat) / len(flat),
+    }
 
 
-def to_train_batch(groups: list[list[Rollout]], advantage: str, advantage_kwargs: dict,
-                   mask_truncated: bool = False) -> TrainBatch:
+def to_train_batch(
+    groups: list[list[Rollout]], advantage: str, advantage_kwargs: dict, mask_truncated: bool = False
+) -> TrainBatch:
     """Advantages over each group's rewards. `mask_truncated`: a completion cut at the length limit gets a
     loss mask of zeros (it still counts in its group's baseline)."""
     rewards_PG = torch.tensor([[r.reward for r in g] for g in groups], dtype=torch.float64)
     adv_PG = compute_advantages(advantage, rewards_PG, **advantage_kwargs)
     flat = [r for g in groups for r in g]
-    mask = ([[int(r.finish_reason != "length")] * len(r.completion_ids) for r in flat] if mask_truncated
-            else None)
-    return TrainBatch(prompt_ids=[r.prompt_ids for r in flat], completion_ids=[r.completion_ids for r in flat],
-                      behav_logprobs=[r.behav_logprobs for r in flat], advantages=adv_PG.reshape(-1).tolist(),
-                      loss_mask=mask,  # the cut completions were still sampled: measured, not trained on
-                      generated_mask=[[1] * len(r.completion_ids) for r in flat] if mask_truncated else None)
+    mask = [[int(r.finish_reason != "length")] * len(r.completion_ids) for r in flat] if mask_truncated else None
+    return TrainBatch(
+        prompt_ids=[r.prompt_ids for r in flat],
+        completion_ids=[r.completion_ids for r in flat],
+        behav_logprobs=[r.behav_logprobs for r in flat],
+        advantages=adv_PG.reshape(-1).tolist(),
+        loss_mask=mask,  # the cut completions were still sampled: measured, not trained on
+        generated_mask=[[1] * len(r.completion_ids) for r in flat] if mask_truncated else None,
+    )
 
 
 def rollout_metrics(groups: list[list[Rollout]]) -> dict[str, float]:
@@ -130,15 +177,21 @@ def rollout_metrics(groups: list[list[Rollout]]) -> dict[str, float]:
     lens = torch.tensor([len(r.completion_ids) for r in flat], dtype=torch.float32)
     solved = sum(any(r.reward >= 1.0 for r in g) for g in groups)
     uniform = sum(len({r.reward for r in g}) == 1 for g in groups)
-    return {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item() if len(flat) > 1 else 0.0,
-            "rollout/accuracy": (rewards >= 1.0).float().mean().item(),
-            "rollout/response_len_mean": lens.mean().item(), "rollout/response_len_max": lens.max().item(),
-            "rollout/truncated_frac": sum(r.finish_reason == "length" for r in flat) / len(flat),
-            "rollout/pass_at_group": solved / len(groups), "rollout/zero_std_group_frac": uniform / len(groups)}
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if len(flat) > 1 else 0.0,
+        "rollout/accuracy": (rewards >= 1.0).float().mean().item(),
+        "rollout/response_len_mean": lens.mean().item(),
+        "rollout/response_len_max": lens.max().item(),
+        "rollout/truncated_frac": sum(r.finish_reason == "length" for r in flat) / len(flat),
+        "rollout/pass_at_group": solved / len(groups),
+        "rollout/zero_std_group_frac": uniform / len(groups),
+    }
 
 
-def evaluate(engine, tokenizer, task, problems: list[Problem], rs, seed: int, ranks: Ranks = Ranks()
-             ) -> dict[str, float]:
+def evaluate(
+    engine, tokenizer, task, problems: list[Problem], rs, seed: int, ranks: Ranks = Ranks()
+) -> dict[str, float]:
     """Greedy accuracy on held-out problems (shared out over the ranks of a distributed run)."""
     groups = sample_groups(engine, tokenizer, task, problems, rs, seed, -1, ranks, greedy=True)
     return {"eval/accuracy": sum(g[0].reward >= 1.0 for g in groups) / max(len(groups), 1)}

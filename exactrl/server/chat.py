@@ -24,6 +24,7 @@ Building the prompt (chat template renders, tokenization) is CPU work that
 grows with the conversation: it runs in a worker thread, so one long
 conversation does not stall every other request on the event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,15 +34,35 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from exactrl.chat.messages import (InconsistentTokenFieldsError, check_tool_choice, validate_template_kwargs,
-                                   validate_tools)
+from exactrl.chat.messages import (
+    InconsistentTokenFieldsError,
+    check_tool_choice,
+    validate_template_kwargs,
+    validate_tools,
+)
 from exactrl.chat.parsing import HERMES, StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError
-from exactrl.server.generation import (Generation, SessionStream, drain, sampling_key, score_top_logprobs, sse,
-                                       stream_error, token_fields, until_done, usage)
+from exactrl.server.generation import (
+    Generation,
+    SessionStream,
+    drain,
+    sampling_key,
+    score_top_logprobs,
+    sse,
+    stream_error,
+    token_fields,
+    until_done,
+    usage,
+)
 from exactrl.server.guard import prompt_built
-from exactrl.server.schemas import (MAX_TOP_LOGPROBS, APIError, ChatCompletionRequest, check_common, context_error,
-                                    sampling_params)
+from exactrl.server.schemas import (
+    MAX_TOP_LOGPROBS,
+    APIError,
+    ChatCompletionRequest,
+    check_common,
+    context_error,
+    sampling_params,
+)
 
 
 class _ChatJob:
@@ -63,12 +84,16 @@ class _ChatJob:
         # the template's tool call format: how the model was shown calls, so how its text is read
         self.tool_format = st.splicer.tool_call_format or HERMES
         if self.parse_tools and st.splicer.tool_call_format is None:
-            raise APIError(400, "this model's chat template writes tool calls in neither format this server parses "
-                                "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks: Hermes, Qwen2.5, "
-                                "Qwen3; a bare {\"name\": ..., \"parameters\": ...} object: Llama 3.1, 3.2), or "
-                                "refuses tools: the model's calls would come back as content. Send "
-                                "tool_choice='none' to get them as content", param="tools",
-                           code="unsupported_tool_call_format")
+            raise APIError(
+                400,
+                "this model's chat template writes tool calls in neither format this server parses "
+                '(<tool_call>{"name": ..., "arguments": ...}</tool_call> blocks: Hermes, Qwen2.5, '
+                'Qwen3; a bare {"name": ..., "parameters": ...} object: Llama 3.1, 3.2), or '
+                "refuses tools: the model's calls would come back as content. Send "
+                "tool_choice='none' to get them as content",
+                param="tools",
+                code="unsupported_tool_call_format",
+            )
         try:
             self.template_kwargs = validate_template_kwargs(body.chat_template_kwargs)
         except ValueError as e:
@@ -76,7 +101,7 @@ class _ChatJob:
         self.top = self._check_logprobs(body)
 
     @classmethod
-    async def create(cls, st, body: ChatCompletionRequest, session_id: str | None) -> "_ChatJob":
+    async def create(cls, st, body: ChatCompletionRequest, session_id: str | None) -> _ChatJob:
         job = cls(st, body, session_id)
         # the session as it is now: a DELETE while this request runs (building its prompt included) drops
         # its record too (see app.session)
@@ -93,11 +118,13 @@ class _ChatJob:
         st, body = self.st, self.body
         policy = body.monotonicity or st.config.monotonicity
         try:
-            return st.splicer.build(body.messages, self.tools, policy, max_len=st.context_limit,
-                                    template_kwargs=self.template_kwargs)
+            return st.splicer.build(
+                body.messages, self.tools, policy, max_len=st.context_limit, template_kwargs=self.template_kwargs
+            )
         except PromptTooLongError as e:
-            raise context_error(e.limit, st.engine.max_model_len,
-                                f", but the prompt has at least {e.length} tokens", "messages") from None
+            raise context_error(
+                e.limit, st.engine.max_model_len, f", but the prompt has at least {e.length} tokens", "messages"
+            ) from None
         except MonotonicityError as e:
             st.count("chat/monotonicity_raise")
             raise APIError(400, str(e), param="messages", code="non_monotonic_history") from None
@@ -127,8 +154,12 @@ class _ChatJob:
         if top and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if top and body.stream:
-            raise APIError(400, "top_logprobs is not available with stream=true (alternatives are recomputed after "
-                                "generation); use stream=false", param="top_logprobs")
+            raise APIError(
+                400,
+                "top_logprobs is not available with stream=true (alternatives are recomputed after "
+                "generation); use stream=false",
+                param="top_logprobs",
+            )
         return top or 0
 
     def message(self, c) -> dict:
@@ -143,21 +174,44 @@ class _ChatJob:
             return None
         tops = [[] for _ in c.token_ids]
         if self.top:
-            _, tops = await asyncio.wrap_future(self.st.loop.call(lambda eng: score_top_logprobs(
-                eng, self.plan.prompt_ids + c.token_ids, len(self.plan.prompt_ids), self.params, self.top,
-                c.versions)))
-        return {"content": [self.st.logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, tops)],
-                "refusal": None}
+            _, tops = await asyncio.wrap_future(
+                self.st.loop.call(
+                    lambda eng: score_top_logprobs(
+                        eng,
+                        self.plan.prompt_ids + c.token_ids,
+                        len(self.plan.prompt_ids),
+                        self.params,
+                        self.top,
+                        c.versions,
+                    )
+                )
+            )
+        return {
+            "content": [self.st.logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, tops)],
+            "refusal": None,
+        }
 
     def record(self) -> None:
         if self.session is not None:
             for c in self.gen.choices:
-                self.session.record(self.plan.prompt_ids, c.token_ids, c.logprobs, c.versions, self.plan.kind,
-                                    sampling_key(self.params), self.plan.history)
+                self.session.record(
+                    self.plan.prompt_ids,
+                    c.token_ids,
+                    c.logprobs,
+                    c.versions,
+                    self.plan.kind,
+                    sampling_key(self.params),
+                    self.plan.history,
+                )
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
-               "choices": choices}
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.body.model,
+            "choices": choices,
+        }
         if usage is not None:
             out["usage"] = usage
         return out
@@ -175,16 +229,30 @@ async def chat_completions(st, body: ChatCompletionRequest, request: Request, se
         st.release(job.session)
 
 
-async def _chat_answer(st, job: "_ChatJob", body: ChatCompletionRequest, request: Request):
+async def _chat_answer(st, job: _ChatJob, body: ChatCompletionRequest, request: Request):
     if await until_done(st, drain(job.gen), request) is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
     for c in job.gen.choices:
         msg = job.message(c)
-        choices.append({"index": c.index, "message": msg, "logprobs": await job.logprobs(c),
-                        "finish_reason": job.finish_reason(c, "tool_calls" in msg)})
-    answer = JSONResponse({"id": job.id, "object": "chat.completion", "created": job.created, "model": body.model,
-                           "choices": choices, "usage": usage(len(job.plan.prompt_ids), job.gen.choices)})
+        choices.append(
+            {
+                "index": c.index,
+                "message": msg,
+                "logprobs": await job.logprobs(c),
+                "finish_reason": job.finish_reason(c, "tool_calls" in msg),
+            }
+        )
+    answer = JSONResponse(
+        {
+            "id": job.id,
+            "object": "chat.completion",
+            "created": job.created,
+            "model": body.model,
+            "choices": choices,
+            "usage": usage(len(job.plan.prompt_ids), job.gen.choices),
+        }
+    )
     job.record()  # only a turn the client is sent: a failure above records nothing
     st.count_generation(job.plan.prompt_ids, job.gen.choices)
     return answer
@@ -192,8 +260,19 @@ async def _chat_answer(st, job: "_ChatJob", body: ChatCompletionRequest, request
 
 async def _chat_stream(job: _ChatJob, request: Request):
     st = job.st
-    yield sse(job.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None} for c in job.gen.choices]))
+    yield sse(
+        job.chunk(
+            [
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for c in job.gen.choices
+            ]
+        )
+    )
     completed = False
     try:
         async for chunk in _chat_deltas(job):
@@ -228,8 +307,11 @@ async def _chat_deltas(job: _ChatJob):
             d = parsers[j].feed(c.text_delta(gen.hold))
             if c.done:
                 d2 = parsers[j].finish()
-                d.reasoning, d.content, d.tool_calls = (d.reasoning + d2.reasoning, d.content + d2.content,
-                                                        d.tool_calls + d2.tool_calls)
+                d.reasoning, d.content, d.tool_calls = (
+                    d.reasoning + d2.reasoning,
+                    d.content + d2.content,
+                    d.tool_calls + d2.tool_calls,
+                )
             delta = {}
             if d.reasoning:
                 delta["reasoning_content"] = d.reasoning

@@ -10,6 +10,7 @@ error after the status line is an in-stream `{"error": ...}` event, then
 `[DONE]`. Text prompts are tokenized in a worker thread (off the event loop),
 and one too long for the context is refused before it is tokenized.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,11 +22,27 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from exactrl.chat.trajectory import Session
-from exactrl.server.generation import (Generation, SessionStream, drain_all, sampling_key, score_top_logprobs, sse,
-                                       stream_error, token_fields, until_done)
+from exactrl.server.generation import (
+    Generation,
+    SessionStream,
+    drain_all,
+    sampling_key,
+    score_top_logprobs,
+    sse,
+    stream_error,
+    token_fields,
+    until_done,
+)
 from exactrl.server.guard import prompt_built
-from exactrl.server.schemas import (MAX_SEQUENCES, MAX_TOP_LOGPROBS, APIError, CompletionRequest, check_common,
-                                    context_error, sampling_params)
+from exactrl.server.schemas import (
+    MAX_SEQUENCES,
+    MAX_TOP_LOGPROBS,
+    APIError,
+    CompletionRequest,
+    check_common,
+    context_error,
+    sampling_params,
+)
 
 
 def _prompts(st, prompt) -> list[list[int]]:
@@ -45,8 +62,9 @@ def _prompts(st, prompt) -> list[list[int]]:
             except ValueError as e:  # not valid Unicode
                 raise APIError(400, f"{name(k)}: {e}", param="prompt") from None
             if ids is None:
-                e = context_error(st.context_limit, st.engine.max_model_len,
-                                  f", but the prompt has at least {need} tokens", "prompt")
+                e = context_error(
+                    st.context_limit, st.engine.max_model_len, f", but the prompt has at least {need} tokens", "prompt"
+                )
                 e.message = e.message if single else f"{name(k)}: {e.message}"
                 raise e
             prompts.append(ids)
@@ -62,8 +80,9 @@ def _prompts(st, prompt) -> list[list[int]]:
             raise APIError(400, f"{name(k)} must be non-empty", param="prompt")
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"{name(k)} holds token id {bad[0]} outside the vocabulary [0, {vocab})",
-                           param="prompt")
+            raise APIError(
+                400, f"{name(k)} holds token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt"
+            )
     return prompts
 
 
@@ -75,9 +94,13 @@ async def completions(st, body: CompletionRequest, request: Request, session_id:
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs")
     if body.logprobs is not None and body.stream:  # (0 too: a stream cannot carry them)
-        raise APIError(400, "logprobs is not available with stream=true (alternatives are recomputed after "
-                            "generation); the stream's last chunk of each choice carries generation_log_probs, "
-                            "the sampled tokens' logprobs", param="logprobs")
+        raise APIError(
+            400,
+            "logprobs is not available with stream=true (alternatives are recomputed after "
+            "generation); the stream's last chunk of each choice carries generation_log_probs, "
+            "the sampled tokens' logprobs",
+            param="logprobs",
+        )
     # the session as it is now: a DELETE while this request runs (tokenizing its prompts included) drops its
     # record too (see app.session)
     session = st.session(session_id) if session_id is not None else None
@@ -101,8 +124,12 @@ async def _generations(st, body: CompletionRequest, stops: list[str]) -> list[Ge
     """One Generation per prompt, its max_tokens resolved against the context."""
     prompts = await asyncio.to_thread(_prompts, st, body.prompt)
     if len(prompts) * body.n > MAX_SEQUENCES:
-        raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences in one "
-                            f"request: send fewer prompts per request", param="prompt")
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences in one "
+            f"request: send fewer prompts per request",
+            param="prompt",
+        )
     gens = []
     for k, p in enumerate(prompts):
         try:
@@ -115,19 +142,40 @@ async def _generations(st, body: CompletionRequest, stops: list[str]) -> list[Ge
     return gens
 
 
-async def _completion_answer(st, body: CompletionRequest, gens: list[Generation], cid: str, created: int,
-                             request: Request, session: Session | None):
+async def _completion_answer(
+    st,
+    body: CompletionRequest,
+    gens: list[Generation],
+    cid: str,
+    created: int,
+    request: Request,
+    session: Session | None,
+):
     if await until_done(st, drain_all(gens), request) is None:
         return Response(status_code=499)
     choices = []
     for k, g in enumerate(gens):
         prompt_text = st.tokenizer.decode(g.prompt_ids, skip_special_tokens=False) if body.echo else ""
         for c in g.choices:
-            choices.append({"index": k * body.n + c.index, "text": prompt_text + c.text,
-                            "logprobs": await _completion_logprobs(st, body, g, c, prompt_text),
-                            "finish_reason": c.finish_reason} | token_fields(g.prompt_ids, c))
-    answer = JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                           "choices": choices, "usage": _usage(gens)})
+            choices.append(
+                {
+                    "index": k * body.n + c.index,
+                    "text": prompt_text + c.text,
+                    "logprobs": await _completion_logprobs(st, body, g, c, prompt_text),
+                    "finish_reason": c.finish_reason,
+                }
+                | token_fields(g.prompt_ids, c)
+            )
+    answer = JSONResponse(
+        {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": choices,
+            "usage": _usage(gens),
+        }
+    )
     for g in gens:  # only now that the answer is whole: a request that failed (409) leaves no trajectory
         _record(session, g)
         st.count_generation(g.prompt_ids, g.choices)
@@ -137,8 +185,7 @@ async def _completion_answer(st, body: CompletionRequest, gens: list[Generation]
 def _record(session: Session | None, g: Generation) -> None:
     if session is not None:
         for c in g.choices:
-            session.record(g.prompt_ids, c.token_ids, c.logprobs, c.versions,
-                                          sampling=sampling_key(g.params))
+            session.record(g.prompt_ids, c.token_ids, c.logprobs, c.versions, sampling=sampling_key(g.params))
 
 
 async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, prompt_text: str) -> dict | None:
@@ -149,18 +196,21 @@ async def _completion_logprobs(st, body: CompletionRequest, g: Generation, c, pr
     if body.echo or body.logprobs:
         first = 1 if body.echo else start
         full = g.prompt_ids + c.token_ids
-        chosen, tops = await asyncio.wrap_future(st.loop.call(
-            lambda eng: score_top_logprobs(eng, full, first, g.params, body.logprobs, c.versions)))
+        chosen, tops = await asyncio.wrap_future(
+            st.loop.call(lambda eng: score_top_logprobs(eng, full, first, g.params, body.logprobs, c.versions))
+        )
         if body.echo:  # the prompt's tokens are scored too (the first one has no logprob; nor has one that
             ids = full  # the request's top_k / top_p leave out: -inf, which JSON cannot carry)
-            lps = [None] + [lp if math.isfinite(lp) else None for lp in chosen[:start - 1]] + lps
+            lps = [None] + [lp if math.isfinite(lp) else None for lp in chosen[: start - 1]] + lps
             tops = [None] + tops
     else:  # logprobs=0 without echo: no alternatives, nothing to score
         tops = [[] for _ in ids]
     # as OpenAI and vLLM: the chosen token is always in its row ("up to logprobs + 1 elements"), so
     # top_logprobs[i][tokens[i]] is there wherever token_logprobs[i] is
-    tops = [row if row is None or lp is None or any(t == tid for t, _ in row) else row + [(tid, lp)]
-            for row, tid, lp in zip(tops, ids, lps)]
+    tops = [
+        row if row is None or lp is None or any(t == tid for t, _ in row) else row + [(tid, lp)]
+        for row, tid, lp in zip(tops, ids, lps)
+    ]
     tokens = [st.token_str(t) for t in ids]
     offsets, pos = [], 0
     for t in tokens:
@@ -176,13 +226,14 @@ def _usage(gens: list[Generation]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _completion_stream(st, body, gens: list[Generation], cid, created, request: Request,
-                             session: Session | None):
+async def _completion_stream(st, body, gens: list[Generation], cid, created, request: Request, session: Session | None):
     queue: asyncio.Queue = asyncio.Queue()
 
     def chunk(choices: list[dict], **extra) -> str:
-        return sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": choices} | extra)
+        return sse(
+            {"id": cid, "object": "text_completion", "created": created, "model": body.model, "choices": choices}
+            | extra
+        )
 
     async def pump(k: int, g: Generation):
         try:
@@ -197,8 +248,18 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
     completed, closed = False, set()
     try:
         if body.echo:  # the prompt's text first, as in the JSON answer
-            yield chunk([{"index": k * body.n + c.index, "text": st.tokenizer.decode(g.prompt_ids),
-                          "logprobs": None, "finish_reason": None} for k, g in enumerate(gens) for c in g.choices])
+            yield chunk(
+                [
+                    {
+                        "index": k * body.n + c.index,
+                        "text": st.tokenizer.decode(g.prompt_ids),
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for k, g in enumerate(gens)
+                    for c in g.choices
+                ]
+            )
         live = len(gens)
         while live:
             k, changed = await queue.get()
@@ -216,9 +277,10 @@ async def _completion_stream(st, body, gens: list[Generation], cid, created, req
                     continue
                 text = c.text_delta(g.hold)
                 if text or c.done:
-                    out.append({"index": k * body.n + j, "text": text, "logprobs": None,
-                                "finish_reason": c.finish_reason}
-                               | (token_fields(g.prompt_ids, c) if c.done else {}))
+                    out.append(
+                        {"index": k * body.n + j, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+                        | (token_fields(g.prompt_ids, c) if c.done else {})
+                    )
                 if c.done:  # a choice's last chunk, with its token fields, goes out once
                     closed.add((k, j))
             if out:

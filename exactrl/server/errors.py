@@ -6,6 +6,7 @@ an error parsing the body" for anything but a syntax error); an unexpected
 error in a route becomes a 500 answer on a connection that stays usable. Each
 is counted under server/errors_<status>.
 """
+
 from __future__ import annotations
 
 import logging
@@ -86,6 +87,7 @@ def _unreadable_body(cause: BaseException) -> str:
 
 def install_error_handlers(app: FastAPI, state) -> None:
     """Every error as OpenAI's error JSON with its status, counted under server/errors_<status>."""
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         state.count(f"server/errors_{e.status}")
@@ -110,6 +112,7 @@ def install_error_handlers(app: FastAPI, state) -> None:
         log.exception("internal error on %s", path)
         state.count("server/errors_500")
         return _error(500, f"internal error: {type(e).__name__}: {e}")
+
     # not an exception handler for Exception: Starlette sends its response and then raises the error again,
     # and the server closes the connection, failing the client's next request on it
     app.add_middleware(_InternalErrors, on_error=internal)
@@ -131,6 +134,7 @@ class _InternalErrors:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)
+
         try:
             await self.app(scope, receive, watched)
         except Exception as e:  # noqa: BLE001 - answered as a 500

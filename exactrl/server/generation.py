@@ -19,6 +19,7 @@ by the chat and completions endpoints.
 
 Legend: L tokens of a sequence, V vocabulary, K top alternatives.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,7 +64,7 @@ class Choice:
             while end > self.sent_text and self.text[end - 1] == "\ufffd":
                 end -= 1
             end -= hold
-        delta = self.text[self.sent_text:max(end, self.sent_text)]
+        delta = self.text[self.sent_text : max(end, self.sent_text)]
         self.sent_text += len(delta)
         return delta
 
@@ -140,7 +141,7 @@ class Generation:
         hits = [i for s in self.stops if (i := c.text.find(s, start)) >= 0]
         if not hits:
             return False
-        c.text = c.text[:min(hits)]
+        c.text = c.text[: min(hits)]
         c.finish_reason, c.stop_string = "stop", True
         return True
 
@@ -151,7 +152,7 @@ class Generation:
         (which made long generations quadratic on the event loop, stop strings and streams alike)."""
         if not self.tok.byte_level:
             return self.text_of(c.token_ids)
-        tail = self.tok.decode(c.token_ids[c.settled:], skip_special_tokens=False)
+        tail = self.tok.decode(c.token_ids[c.settled :], skip_special_tokens=False)
         if tail and not tail.endswith("\ufffd"):  # ends a whole character: a place to cut the text
             c.settled_text, c.settled, tail = c.settled_text + tail, len(c.token_ids), ""
         return c.settled_text + tail
@@ -171,7 +172,7 @@ class Generation:
         ctx = self.prompt_ids[-DECODE_CONTEXT_TOKENS:]
         head = self.tok.decode(ctx, skip_special_tokens=False)
         full = self.tok.decode(ctx + list(ids), skip_special_tokens=False)
-        return full[len(head):] if full.startswith(head) else self.tok.decode(ids, skip_special_tokens=False)
+        return full[len(head) :] if full.startswith(head) else self.tok.decode(ids, skip_special_tokens=False)
 
 
 def sampling_key(params) -> tuple[float, int, float]:
@@ -179,8 +180,9 @@ def sampling_key(params) -> tuple[float, int, float]:
     return (float(params.temperature) or 1.0, int(params.top_k), float(params.top_p))
 
 
-def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int, versions: list[int] = ()
-                       ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def score_top_logprobs(
+    engine, token_ids: list[int], start: int, params, k: int, versions: list[int] = ()
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Logprob of token_ids[i] and its top-k alternatives, for i in [start, L), under the sampling distribution.
     Only those rows go through the LM head, HEAD_CHUNK_ROWS at a time: memory stays at a chunk's [rows, V]
     whatever the prompt's length (the exact head is row-invariant, so the bits are those of one call).
@@ -188,24 +190,34 @@ def score_top_logprobs(engine, token_ids: list[int], start: int, params, k: int,
     (the alternatives would come from another distribution than the token)."""
     changed = sorted({v for v in versions if v != engine.version})
     if changed:
-        raise APIError(409, f"the model's weights changed between sampling (version {changed[0]}) and scoring "
-                            f"the top logprobs (version {engine.version}): send the request again, or without "
-                            f"top logprobs", code="weights_changed")
+        raise APIError(
+            409,
+            f"the model's weights changed between sampling (version {changed[0]}) and scoring "
+            f"the top logprobs (version {engine.version}): send the request again, or without "
+            f"top logprobs",
+            code="weights_changed",
+        )
     chosen, tops = [], []
     with torch.inference_mode():
         hidden_LD, _ = forward_hidden(engine.model, [token_ids])
         for a in range(start - 1, len(token_ids) - 1, HEAD_CHUNK_ROWS):
-            rows = engine.model.logits(hidden_LD[a:min(a + HEAD_CHUNK_ROWS, len(token_ids) - 1)])
+            rows = engine.model.logits(hidden_LD[a : min(a + HEAD_CHUNK_ROWS, len(token_ids) - 1)])
             n = rows.shape[0]
-            lp_NV = sampling_logprobs(rows, torch.full((n,), float(params.temperature)),
-                                      torch.full((n,), int(params.top_k)), torch.full((n,), float(params.top_p)))
-            chosen += lp_NV.gather(1, torch.tensor(token_ids[a + 1:a + 1 + n])[:, None]).squeeze(1).tolist()
+            lp_NV = sampling_logprobs(
+                rows,
+                torch.full((n,), float(params.temperature)),
+                torch.full((n,), int(params.top_k)),
+                torch.full((n,), float(params.top_p)),
+            )
+            chosen += lp_NV.gather(1, torch.tensor(token_ids[a + 1 : a + 1 + n])[:, None]).squeeze(1).tolist()
             if k == 0:
                 tops += [[] for _ in range(n)]
                 continue
             vals, idx = lp_NV.topk(min(k, lp_NV.shape[1]), dim=-1)
-            tops += [[(int(t), float(v)) for t, v in zip(ti, vi) if v != float("-inf")]
-                     for ti, vi in zip(idx.tolist(), vals.tolist())]
+            tops += [
+                [(int(t), float(v)) for t, v in zip(ti, vi) if v != float("-inf")]
+                for ti, vi in zip(idx.tolist(), vals.tolist())
+            ]
     return chosen, tops
 
 
@@ -309,10 +321,17 @@ async def drain_all(gens: list[Generation]) -> list[Generation]:
 
 
 def token_fields(prompt_ids, c) -> dict:
-    return {"prompt_token_ids": list(prompt_ids), "generation_token_ids": list(c.token_ids),
-            "generation_log_probs": list(c.logprobs)}
+    return {
+        "prompt_token_ids": list(prompt_ids),
+        "generation_token_ids": list(c.token_ids),
+        "generation_log_probs": list(c.logprobs),
+    }
 
 
 def usage(prompt_len: int, choices, n_prompts: int = 1) -> dict:
     gen = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_len * n_prompts, "completion_tokens": gen, "total_tokens": prompt_len * n_prompts + gen}
+    return {
+        "prompt_tokens": prompt_len * n_prompts,
+        "completion_tokens": gen,
+        "total_tokens": prompt_len * n_prompts + gen,
+    }

@@ -33,6 +33,7 @@ its next request, is closed. uvicorn's keep-alive timer only runs between
 requests and restarts on every byte, so a client trickling a header held its
 connection for good.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -107,8 +108,12 @@ def _refuse(status: int, message: str, code: str, headers: dict | None = None) -
 
 def install_guards(app, access: Access, count) -> None:
     """Adds the middleware, outermost first as in the module docstring; `count(key)` counts each refusal."""
-    app.add_middleware(_BodyLimit, limit=access.max_body_bytes, count=count,  # each added goes outside the last
-                       large=LargeBodies(LARGE_BODY_SLOTS))
+    app.add_middleware(
+        _BodyLimit,
+        limit=access.max_body_bytes,
+        count=count,  # each added goes outside the last
+        large=LargeBodies(LARGE_BODY_SLOTS),
+    )
     if access.api_keys:
         app.add_middleware(_APIKeys, keys=access.api_keys, count=count)
     if access.allowed_hosts is not None:
@@ -126,9 +131,12 @@ class _HostCheck:
         if _host_name(header) not in self.allowed:
             self.count("server/errors_400")
             names = ", ".join(f"[{h}]" if ":" in h else h for h in sorted(self.allowed))
-            return await _refuse(400, f"Host {header[:100]!r} is not a name of this server ({names}, any port); "
-                                      f"another name needs exactrl serve --allowed-hosts", "invalid_host")(
-                scope, receive, send)
+            return await _refuse(
+                400,
+                f"Host {header[:100]!r} is not a name of this server ({names}, any port); "
+                f"another name needs exactrl serve --allowed-hosts",
+                "invalid_host",
+            )(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -147,9 +155,13 @@ class _APIKeys:
         if scheme.lower() != b"bearer" or not self.valid(token.strip()):
             self.count("server/errors_401")
             given = "an incorrect API key" if scheme.lower() == b"bearer" else "no API key"
-            return await _refuse(401, f"this server needs an API key and the request sent {given}: send "
-                                      f"'Authorization: Bearer KEY' (the openai client's api_key)", "invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return await _refuse(
+                401,
+                f"this server needs an API key and the request sent {given}: send "
+                f"'Authorization: Bearer KEY' (the openai client's api_key)",
+                "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -205,8 +217,10 @@ class _BodyLimit:
         self.app, self.limit, self.count, self.large = app, limit, count, large
 
     def message(self) -> str:
-        return (f"the request body is larger than this server's limit of {self.limit / 2**20:g} MB "
-                f"(exactrl serve --max-body-mb)")
+        return (
+            f"the request body is larger than this server's limit of {self.limit / 2**20:g} MB "
+            f"(exactrl serve --max-body-mb)"
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -282,8 +296,11 @@ def http_protocol(header_timeout_s: float) -> type:
         def _expired(self) -> None:
             self._deadline = None
             if not self.transport.is_closing():
-                log.info("closed a connection from %s: no whole request head within %g s (--header-timeout)",
-                         self.client, header_timeout_s)
+                log.info(
+                    "closed a connection from %s: no whole request head within %g s (--header-timeout)",
+                    self.client,
+                    header_timeout_s,
+                )
                 self.transport.close()
 
     return HeaderDeadline

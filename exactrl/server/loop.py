@@ -15,6 +15,7 @@ every waiting request fails with it, later ones fail at once, and /health
 answers 503 naming it (`EngineLoop.error`): the server never hangs on a
 thread that is gone.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from exactrl.engine import NonFiniteLogitsError
 
@@ -80,7 +82,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="exactrl-engine", daemon=True)
         self._publish()  # before the thread starts, so /metrics is complete from the first request
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -120,8 +122,9 @@ class EngineLoop:
 
     # ------------------------------------------------------------ engine thread
     def stopped_error(self) -> RuntimeError:
-        return RuntimeError(f"the engine thread stopped ({type(self.error).__name__}: {self.error}); "
-                            f"restart the server")
+        return RuntimeError(
+            f"the engine thread stopped ({type(self.error).__name__}: {self.error}); restart the server"
+        )
 
     def _run(self) -> None:
         try:

@@ -24,6 +24,7 @@ Extras beyond OpenAI's schema:
   return_token_ids accepted for vLLM's dialect; the token ids are always returned
                    (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`)
 """
+
 from __future__ import annotations
 
 import reprlib
@@ -38,12 +39,14 @@ from exactrl.engine import SamplingParams
 class APIError(Exception):
     """An error answered in OpenAI's error JSON."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 404: "invalid_request_error",
-                             500: "internal_error"}.get(status, "invalid_request_error")
+        self.type = type or {400: "invalid_request_error", 404: "invalid_request_error", 500: "internal_error"}.get(
+            status, "invalid_request_error"
+        )
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -53,8 +56,12 @@ def context_error(limit: int, max_model_len: int, detail: str, param: str) -> AP
     """400 context_length_exceeded in OpenAI's words ("This model's maximum context length is N tokens"),
     naming --kv-budget-tokens when the server's KV cache, not the model's context, sets N."""
     why = " (this server's KV cache: exactrl serve --kv-budget-tokens)" if limit < max_model_len else ""
-    return APIError(400, f"This model's maximum context length is {limit} tokens{why}{detail}", param=param,
-                    code="context_length_exceeded")
+    return APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens{why}{detail}",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def _not_bool(v: Any) -> Any:
@@ -145,14 +152,32 @@ class EngineLimits:
 # vLLM / SGLang sampling extras that change the distribution, with their neutral values: the trainer could not
 # reproduce the distribution they sample from, so anything else is refused (param names the field).
 DISTRIBUTION_EXTRAS: dict[str, tuple] = {
-    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
-    "min_new_tokens": (None, 0), "typical_p": (None, 1, 1.0), "epsilon_cutoff": (None, 0, 0.0),
-    "eta_cutoff": (None, 0, 0.0), "top_a": (None, 0, 0.0), "tfs": (None, 1, 1.0),
-    "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "logits_processors": (None, []), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
-    "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "mirostat": (None, 0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "min_new_tokens": (None, 0),
+    "typical_p": (None, 1, 1.0),
+    "epsilon_cutoff": (None, 0, 0.0),
+    "eta_cutoff": (None, 0, 0.0),
+    "top_a": (None, 0, 0.0),
+    "tfs": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0),
+    "use_beam_search": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "dry_multiplier": (None, 0, 0.0),
+    "xtc_probability": (None, 0, 0.0),
+    "mirostat": (None, 0),
     "custom_logit_processor": (None,),
 }
 
@@ -175,14 +200,19 @@ def check_common(req: _Sampling, limits: EngineLimits) -> list[str]:
     """Checks the fields every endpoint shares against the engine's limits; returns the stop strings."""
     for name, value in (req.model_extra or {}).items():
         if name in DISTRIBUTION_EXTRAS and not _is_neutral(value, DISTRIBUTION_EXTRAS[name]):
-            raise _bad(name, f"{name}={reprlib.repr(value)} is not supported: it changes the sampling distribution, "
-                             f"which the trainer could not reproduce (omit it or send its neutral value)")
+            raise _bad(
+                name,
+                f"{name}={reprlib.repr(value)} is not supported: it changes the sampling distribution, "
+                f"which the trainer could not reproduce (omit it or send its neutral value)",
+            )
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise _bad("response_format", "response_format other than 'text' needs constrained decoding, not implemented")
     if req.presence_penalty or req.frequency_penalty:
-        raise _bad("presence_penalty" if req.presence_penalty else "frequency_penalty",
-                   "presence/frequency penalties are not supported: the trainer could not reproduce the "
-                   "penalised distribution (use 0)")
+        raise _bad(
+            "presence_penalty" if req.presence_penalty else "frequency_penalty",
+            "presence/frequency penalties are not supported: the trainer could not reproduce the "
+            "penalised distribution (use 0)",
+        )
     if req.logit_bias:
         raise _bad("logit_bias", "logit_bias is not supported: the trainer could not reproduce the biased distribution")
     if req.temperature is not None and not 0 <= req.temperature <= 2:
@@ -190,13 +220,17 @@ def check_common(req: _Sampling, limits: EngineLimits) -> list[str]:
     if req.top_p is not None and not 0 < req.top_p <= 1:
         raise _bad("top_p", f"top_p must be in (0, 1], got {req.top_p}")
     if req.top_k is not None and not (req.top_k == -1 or 1 <= req.top_k <= limits.vocab_size):
-        raise _bad("top_k", f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the model's vocabulary), "
-                            f"got {req.top_k}")
+        raise _bad(
+            "top_k", f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the model's vocabulary), got {req.top_k}"
+        )
     if not 1 <= req.n <= limits.max_n:
         raise _bad("n", f"n must be in [1, {limits.max_n}] (the engine's max_num_seqs), got {req.n}")
     if req.best_of not in (None, req.n):
-        raise _bad("best_of", f"best_of={req.best_of} other than n={req.n} is not supported: the best of more "
-                              f"samples is not a sample of the policy, which the trainer could not weigh")
+        raise _bad(
+            "best_of",
+            f"best_of={req.best_of} other than n={req.n} is not supported: the best of more "
+            f"samples is not a sample of the policy, which the trainer could not weigh",
+        )
     if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
         raise _bad("seed", f"seed must be a 64-bit signed integer in [-2**63, 2**63), got {req.seed}")
     bad = [t for t in req.stop_token_ids or [] if not 0 <= t < limits.vocab_size]
@@ -221,9 +255,14 @@ def sampling_params(req: _Sampling, max_tokens: int, stop_ids: list[int]) -> Sam
     try:
         return SamplingParams(
             temperature=float(1.0 if req.temperature is None else req.temperature),
-            top_p=float(1.0 if req.top_p is None else req.top_p), top_k=-1 if req.top_k is None else req.top_k,
-            max_tokens=max_tokens, n=req.n, seed=req.seed,
-            stop_token_ids=extra + ([] if req.ignore_eos else list(stop_ids)), ignore_eos=req.ignore_eos)
+            top_p=float(1.0 if req.top_p is None else req.top_p),
+            top_k=-1 if req.top_k is None else req.top_k,
+            max_tokens=max_tokens,
+            n=req.n,
+            seed=req.seed,
+            stop_token_ids=extra + ([] if req.ignore_eos else list(stop_ids)),
+            ignore_eos=req.ignore_eos,
+        )
     except ValueError as e:  # SamplingParams' messages start with the field's name
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in _PARAMS else None) from None

@@ -27,6 +27,7 @@ Only a forward with gradients on is checkpointed: under `no_grad` (the
 reference model, a behaviour recompute, the engine's own copy of the model)
 the layers run as they always do.
 """
+
 from __future__ import annotations
 
 import types

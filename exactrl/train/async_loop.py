@@ -45,6 +45,7 @@ rollout thread had sampled ahead; with `max_staleness > 0` a resumed run's
 first batches are therefore fresher than an uninterrupted run's (with 0 the
 two are the same run, bitwise).
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,12 +59,13 @@ import torch
 
 from exactrl.distributed import Ranks
 from exactrl.engine import Engine
+from exactrl.envs.prompts import prompt_ids
 from exactrl.model.logprobs import token_logprobs
+from exactrl.rollout.groups import Rollout, generate_groups
 from exactrl.train.config import AsyncSettings
 from exactrl.train.loop import end_step, engine_metrics, initial_eval, train_on
-from exactrl.rollout.groups import Rollout, generate_groups
 from exactrl.train.setup import Run, rng_state
-from exactrl.envs.prompts import prompt_ids
+from exactrl.train.signals import check_terminated
 
 
 @dataclass
@@ -107,7 +109,7 @@ class RolloutWorker:
         if self.s.inflight_updates:
             self._apply_pending()
 
-    def __enter__(self) -> "RolloutWorker":
+    def __enter__(self) -> RolloutWorker:
         self._thread.start()
         return self
 
@@ -125,8 +127,12 @@ class RolloutWorker:
             return
         self._thread.join(STOP_WAIT_S if self._in_process else 5.0)
         if self._in_process and self._thread.is_alive():
-            print(f"exactrl: the rollout thread did not stop within {STOP_WAIT_S:g} s (a task's reward that does "
-                  f"not return?); the run stops without it", file=sys.stderr, flush=True)
+            print(
+                f"exactrl: the rollout thread did not stop within {STOP_WAIT_S:g} s (a task's reward that does "
+                f"not return?); the run stops without it",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Trainer thread: hands over the weights of `version` (copied: the trainer keeps updating its own)."""
@@ -159,22 +165,40 @@ class RolloutWorker:
                 t0 = time.perf_counter()
                 problems = c.data.prompts.take(cfg.rollout.prompts_per_step)
                 mine = c.ranks.shard(len(problems))  # a data-parallel rank's share; the trainer gathers them
-                groups = generate_groups(c.engine, c.data.tokenizer, c.data.task, [problems[k] for k in mine], cfg.rollout,
-                                         cfg.seed, step, on_step=self._between_steps if self._in_process
-                                         else None, indices=mine)
+                groups = generate_groups(
+                    c.engine,
+                    c.data.tokenizer,
+                    c.data.task,
+                    [problems[k] for k in mine],
+                    cfg.rollout,
+                    cfg.seed,
+                    step,
+                    on_step=self._between_steps if self._in_process else None,
+                    indices=mine,
+                )
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
                 stats = engine_metrics(c.engine)
                 stats = stats if any(k.startswith(("external/", "ray/")) for k in stats) else {}
-                self._out.put(RolloutBatch(step, groups, len(problems), c.data.prompts.state_dict(), rng_state(),
-                                           time.perf_counter() - t0, stats))
+                self._out.put(
+                    RolloutBatch(
+                        step,
+                        groups,
+                        len(problems),
+                        c.data.prompts.state_dict(),
+                        rng_state(),
+                        time.perf_counter() - t0,
+                        stats,
+                    )
+                )
         except _Stopped:
             return
         except BaseException as e:  # handed to the trainer, which raises it
             self._out.put(e)
 
 
-def drop_stale(groups: list[list[Rollout]], version: int, max_staleness: int
-               ) -> tuple[list[list[Rollout]], dict[str, float]]:
+def drop_stale(
+    groups: list[list[Rollout]], version: int, max_staleness: int
+) -> tuple[list[list[Rollout]], dict[str, float]]:
     """Removes every group holding a token older than `version − max_staleness`; staleness metrics.
 
     Whole groups go, so group-relative advantages never see a partial group.
@@ -189,11 +213,16 @@ def drop_stale(groups: list[list[Rollout]], version: int, max_staleness: int
             kept.append(g)
             ages += g_ages
     if not kept:
-        raise ValueError(f"every sample of the batch is staler than max_staleness={max_staleness} at version "
-                         f"{version}: is the rollout backend receiving weights (external weight_sync: none)?")
+        raise ValueError(
+            f"every sample of the batch is staler than max_staleness={max_staleness} at version "
+            f"{version}: is the rollout backend receiving weights (external weight_sync: none)?"
+        )
     t = torch.tensor(ages or [0], dtype=torch.float64)
-    return kept, {"async/staleness_mean": t.mean().item(), "async/staleness_max": t.max().item(),
-                  "async/dropped_samples": float(dropped)}
+    return kept, {
+        "async/staleness_mean": t.mean().item(),
+        "async/staleness_max": t.max().item(),
+        "async/dropped_samples": float(dropped),
+    }
 
 
 class BehaviourCheck:
@@ -220,8 +249,14 @@ class BehaviourCheck:
             self.scratch.load_state_dict(self.weights[v])
             rows = [r for r in flat if v in r.versions]
             with torch.no_grad():
-                lps, _ = token_logprobs(self.scratch, [r.prompt_ids + r.completion_ids for r in rows],
-                                        rs.temperature, rs.top_k, rs.top_p, first=[len(r.prompt_ids) for r in rows])
+                lps, _ = token_logprobs(
+                    self.scratch,
+                    [r.prompt_ids + r.completion_ids for r in rows],
+                    rs.temperature,
+                    rs.top_k,
+                    rs.top_p,
+                    first=[len(r.prompt_ids) for r in rows],
+                )
             for r, ours in zip(rows, lps):
                 for i, tv in enumerate(r.versions):
                     if tv == v:
@@ -239,8 +274,11 @@ def train_async(c: Run, s: AsyncSettings) -> dict[str, float]:
         kv = cfg.engine.kv_budget_tokens
         prompts = [prompt_ids(c.data.tokenizer, c.data.task, p) for p in c.data.eval_problems]
         longest = max(map(len, prompts), default=0) + cfg.rollout.max_tokens
-        eval_engine = Engine(c.policy.model, stop_token_ids=sorted(c.data.tokenizer.stop_token_ids),
-                             kv_budget_tokens=min(kv, max(kv // 4, longest)))
+        eval_engine = Engine(
+            c.policy.model,
+            stop_token_ids=sorted(c.data.tokenizer.stop_token_ids),
+            kv_budget_tokens=min(kv, max(kv // 4, longest)),
+        )
     initial = initial_eval(c, eval_engine)
     check = BehaviourCheck(c.policy.model, c.start_step) if s.recompute_behaviour else None
     with RolloutWorker(c, s) as worker:
@@ -261,9 +299,18 @@ def train_async(c: Run, s: AsyncSettings) -> dict[str, float]:
             if check is not None:  # batch k+1 may hold versions down to k − max_staleness
                 check.keep(step, c.policy.model, step - s.max_staleness)
             t2 = time.perf_counter()
-            metrics |= {"time/rollout_s": item.rollout_s, "time/wait_rollout_s": t1 - t_prev, "time/train_s": t2 - t1,
-                        "engine/version": step} | item.engine_stats | initial  # in process: the version published
+            metrics |= (
+                {
+                    "time/rollout_s": item.rollout_s,
+                    "time/wait_rollout_s": t1 - t_prev,
+                    "time/train_s": t2 - t1,
+                    "engine/version": step,
+                }
+                | item.engine_stats
+                | initial
+            )  # in process: the version published
             # to the engine; an external server: the version it held (0 with weight_sync none) and its lag
             last = end_step(c, step, groups, metrics, t2 - t_prev, eval_engine, item.prompts_state, item.rng)
             initial, t_prev = {}, time.perf_counter()
+            check_terminated()
     return last

@@ -15,6 +15,7 @@ step being saved, a history the run left, are moved aside to abandoned_step_N
 so neither pruning nor that fallback mistakes them for the newest). The model part is
 a normal Hugging Face directory that `load_model` and transformers read.
 """
+
 from __future__ import annotations
 
 import errno
@@ -24,8 +25,9 @@ import logging
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -70,12 +72,14 @@ def _fsync_dir(path: Path) -> None:
 
 def _step_dirs(root: Path) -> list[Path]:
     """The checkpoint directories under root, oldest first (by step number: step_1000000 > step_999999)."""
-    return sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
-                  key=lambda p: int(p.name[5:]))
+    return sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:])
+    )
 
 
-def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, model: CausalLM, optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int
+) -> Path:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         root.mkdir(parents=True)
@@ -95,9 +99,11 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
         fix = _write_failure_fix(e)
         if fix is not None:
             kept = latest_checkpoint(run_dir)
-            raise CheckpointWriteError(f"the checkpoint of step {step} could not be written to {root} ({e}); "
-                          f"{f'{kept.name} is intact' if kept else 'no earlier checkpoint is kept'}: {fix} "
-                          f"and resume") from e
+            raise CheckpointWriteError(
+                f"the checkpoint of step {step} could not be written to {root} ({e}); "
+                f"{f'{kept.name} is intact' if kept else 'no earlier checkpoint is kept'}: {fix} "
+                f"and resume"
+            ) from e
         raise
     if final.exists():  # a complete step_N a crash left unnamed: renamed first, as pruning does, so one
         gone = root / f".old_{final.name}"  # cut short by a kill never looks like a checkpoint
@@ -108,7 +114,7 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, optimizer: torch.
     replace_durably(root / "latest", final.name + "\n")  # on disk before an older checkpoint goes
     _set_aside_later_steps(root, step)
     # only complete ones count: an empty or half-copied step_ directory never pushes an intact one out
-    for old in [p for p in _step_dirs(root) if p != final and (p / "state.json").is_file()][:-(keep - 1) or None]:
+    for old in [p for p in _step_dirs(root) if p != final and (p / "state.json").is_file()][: -(keep - 1) or None]:
         gone = root / f".old_{old.name}"  # renamed first: one cut short never looks like a checkpoint
         try:
             os.replace(old, gone)
@@ -141,11 +147,14 @@ def _set_aside_later_steps(root: Path, step: int) -> None:
             aside, n = root / f"abandoned_{later.name}.{n}", n + 1
         try:
             os.replace(later, aside)
-            log.warning("checkpoint %s is past the step this run saved (%d): moved to %s", later.name, step,
-                        aside.name)
+            log.warning("checkpoint %s is past the step this run saved (%d): moved to %s", later.name, step, aside.name)
         except OSError as e:
-            log.warning("checkpoint %s is past the step this run saved (%d) and could not be moved aside (%s)",
-                        later.name, step, e)
+            log.warning(
+                "checkpoint %s is past the step this run saved (%d) and could not be moved aside (%s)",
+                later.name,
+                step,
+                e,
+            )
     _fsync(root)
 
 
@@ -173,15 +182,22 @@ def verify_digests(directory: Path) -> bool:
     digests = state.get(DIGESTS) if isinstance(state, dict) else None
     if digests is None:
         return False
-    if not (isinstance(digests, dict) and all(isinstance(k, str) and "/" not in k and k not in ("", ".", "..")
-                                              and isinstance(v, str) for k, v in digests.items())):
+    if not (
+        isinstance(digests, dict)
+        and all(
+            isinstance(k, str) and "/" not in k and k not in ("", ".", "..") and isinstance(v, str)
+            for k, v in digests.items()
+        )
+    ):
         raise ValueError(f"{path} is damaged: its {DIGESTS} is not a mapping of file names to sha256 digests")
     for name, expected in digests.items():
         if not (directory / name).is_file():
             raise ValueError(f"{directory / name} is missing (state.json records its sha256)")
         if _sha256(directory / name) != expected:
-            raise ValueError(f"{directory / name} is damaged: its sha256 differs from the one recorded when it "
-                             f"was written (state.json)")
+            raise ValueError(
+                f"{directory / name} is damaged: its sha256 differs from the one recorded when it "
+                f"was written (state.json)"
+            )
     return True
 
 
@@ -198,33 +214,51 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 _NO_OTHER = "; no other checkpoint is there: restore its files from a copy, or start the run afresh"
 
 
-def load_checkpoint(path: Path, dtype: str, kernels: str, note: Callable[[str], Any] = log.warning,
-                    device: str = "cpu", backend: str | None = None) -> tuple[CausalLM, dict, dict[str, Any]]:
+def load_checkpoint(
+    path: Path,
+    dtype: str,
+    kernels: str,
+    note: Callable[[str], Any] = log.warning,
+    device: str = "cpu",
+    backend: str | None = None,
+) -> tuple[CausalLM, dict, dict[str, Any]]:
     """(model, optimizer state dict, trainer state) of a checkpoint directory, its files checked against the
     digests state.json records (one written without them is loaded with a `note`); a ValueError naming the
     file that cannot be read or differs. The model is loaded on `device` with `backend` (`load_model`)."""
     older = [p.name for p in _step_dirs(path.parent) if p != path]
-    hint = (f"; older checkpoints there: {', '.join(older)} (remove {path.name} to resume from the newest)"
-            if older else "")
+    hint = (
+        f"; older checkpoints there: {', '.join(older)} (remove {path.name} to resume from the newest)" if older else ""
+    )
     errors = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError)
     try:
         state = json.loads((path / "state.json").read_text())
     except errors as e:
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}){hint}") from None
-    if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] >= 0
-            and isinstance(state.get("prompts"), dict) and isinstance(state.get("config", {}), dict)):
-        raise ValueError(f"checkpoint {path}: state.json is damaged (it needs an object with an integer step >= 0, "
-                         f"the prompts' position and the run config){hint}")
+    if not (
+        isinstance(state, dict)
+        and type(state.get("step")) is int
+        and state["step"] >= 0
+        and isinstance(state.get("prompts"), dict)
+        and isinstance(state.get("config", {}), dict)
+    ):
+        raise ValueError(
+            f"checkpoint {path}: state.json is damaged (it needs an object with an integer step >= 0, "
+            f"the prompts' position and the run config){hint}"
+        )
     if path.name[5:].isdigit() and state["step"] != int(path.name[5:]):  # a run would go on from the wrong step
-        raise ValueError(f"checkpoint {path}: state.json is damaged (its step {state['step']} is not the "
-                         f"directory's {int(path.name[5:])}){hint}")
+        raise ValueError(
+            f"checkpoint {path}: state.json is damaged (its step {state['step']} is not the "
+            f"directory's {int(path.name[5:])}){hint}"
+        )
     try:  # before loading: damaged bytes behind an intact header load, and the run trains on from garbage
         verified = verify_digests(path)
     except ValueError as e:
         raise ValueError(f"checkpoint {path} cannot be read ({e}){hint or _NO_OTHER}") from None
     if not verified:
-        note(f"note: checkpoint {path.name} records no file digests (written by an earlier exactrl): its files "
-             f"are loaded unchecked")
+        note(
+            f"note: checkpoint {path.name} records no file digests (written by an earlier exactrl): its files "
+            f"are loaded unchecked"
+        )
     try:
         model = load_model(path, dtype=dtype, kernels=kernels, device=device, backend=backend)
         opt_state = torch.load(path / "optimizer.pt", weights_only=False, map_location=model.device)

@@ -1,5 +1,6 @@
 """`config_reference()`: every run config key with its type, default and docstring, as Markdown
 (`docs/config.md` is its text; a test keeps the two the same). Re-exported by `exactrl.train.config`."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,13 @@ from pydantic import BaseModel
 def config_reference() -> str:
     """Every config key with its type, default and docstring, as Markdown (`docs/config.md` is this text;
     a test keeps the two the same)."""
-    lines = ["# Run config keys", "",
-             "Generated from `exactrl/train/config.py` (`config_reference()`); set any key in a YAML file or with",
-             "`exactrl train --set key=value`. `exactrl train` with no file runs these defaults: the default job.", ""]
+    lines = [
+        "# Run config keys",
+        "",
+        "Generated from `exactrl/train/config.py` (`config_reference()`); set any key in a YAML file or with",
+        "`exactrl train --set key=value`. `exactrl train` with no file runs these defaults: the default job.",
+        "",
+    ]
 
     def section(model: type[BaseModel], prefix: str) -> None:
         rows, subs = [], []

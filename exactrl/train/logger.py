@@ -3,6 +3,7 @@
 Metric keys are flat and hierarchical (`train/…`, `rollout/…`, `mismatch/…`,
 `eval/…`, `time/…`, `perf/…`), reduced once per step before they get here.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,13 @@ from exactrl.envs.dataset import load_json_line
 from exactrl.train.checkpoint import replace_durably
 
 # figures shown on the live display, in this order: (metric key, label, format)
-DISPLAY = [("rollout/reward_mean", "reward", "{:.3f}"), ("eval/accuracy", "eval acc", "{:.3f}"),
-           ("train/train_rollout_logprob_abs_diff", "|Δlogp|", "{:.2e}"), ("rollout/response_len_mean", "len", "{:.1f}"),
-           ("perf/tokens_per_s", "tok/s", "{:.0f}")]
+DISPLAY = [
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("eval/accuracy", "eval acc", "{:.3f}"),
+    ("train/train_rollout_logprob_abs_diff", "|Δlogp|", "{:.2e}"),
+    ("rollout/response_len_mean", "len", "{:.1f}"),
+    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+]
 
 
 class MetricsLogger:
@@ -45,8 +50,13 @@ class MetricsLogger:
         if progress and self.lines is None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.description}"))
+            self.progress = Progress(
+                TextColumn("[bold]GRPO"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+            )
             self.task = self.progress.add_task("", total=total_steps, completed=start_step)
             self.progress.start()
 
@@ -66,8 +76,10 @@ class MetricsLogger:
         elif self.lines is not None:  # this step's figures
             print(f"step {metrics['step']}{self.lines}  {_shown(metrics)}", flush=True)
         else:
-            print(json.dumps({k: metrics[k] for k, _, _ in DISPLAY if k in metrics} | {"step": metrics["step"]}),
-                  flush=True)
+            print(
+                json.dumps({k: metrics[k] for k, _, _ in DISPLAY if k in metrics} | {"step": metrics["step"]}),
+                flush=True,
+            )
 
     def flush(self) -> None:
         """metrics.jsonl and TensorBoard's buffered events to disk, fsynced (before a checkpoint: a step it
@@ -117,11 +129,13 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
         except json.JSONDecodeError as e:
             if lineno == len(lines):
                 continue  # the unfinished last row of a crash
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
-                             f"fix or delete that line to resume") from None
+            raise ValueError(
+                f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or delete that line to resume"
+            ) from None
         if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
-            raise ValueError(f"{path}:{lineno}: not a row of metrics with an integer step; fix or delete that "
-                             f"line to resume")
+            raise ValueError(
+                f"{path}:{lineno}: not a row of metrics with an integer step; fix or delete that line to resume"
+            )
         if row.get("step", 0) <= step:
             keep.append(line)
     if len(keep) == len(lines) and (not text or text.endswith("\n")):  # else the next row would join the last
@@ -153,8 +167,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             if lineno == len(lines) and not text.endswith("\n"):  # cut while written (a killed run): not a row
                 break
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
-                             f"fix or delete that line") from None
+            raise ValueError(
+                f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or delete that line"
+            ) from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{lineno}: expected a JSON object of metrics, got {type(row).__name__}")
         rows.append(row)

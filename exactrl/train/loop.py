@@ -17,6 +17,7 @@ runs this loop; `sample_groups` gives every rank the whole batch, rank r
 sampling the prompts r, r + N, ...; `train_step` sums the ranks' gradients;
 rank 0 logs and saves.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,14 +28,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from exactrl.distributed import whole_optimizer_state
-from exactrl.seeds import derive_seed
-from exactrl.model.logprobs import token_logprobs
-from exactrl.train.checkpoint import save_checkpoint
 from exactrl.algo.kl import kl_reward_penalty
-from exactrl.rollout.groups import (Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups,
-                               to_train_batch)
+from exactrl.distributed import whole_optimizer_state
+from exactrl.model.logprobs import token_logprobs
+from exactrl.rollout.groups import Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups, to_train_batch
+from exactrl.seeds import derive_seed
+from exactrl.train.checkpoint import save_checkpoint
 from exactrl.train.setup import Run
+from exactrl.train.signals import check_terminated
 from exactrl.train.trainer import train_step
 
 
@@ -51,6 +52,7 @@ def train(c: Run) -> dict[str, float]:
         metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1} | engine_metrics(c.engine) | initial
         last = end_step(c, step, sampled, metrics | filtered, t2 - t_prev, c.engine, c.data.prompts.state_dict())
         initial, t_prev = {}, time.perf_counter()
+        check_terminated()
     return last
 
 
@@ -63,8 +65,9 @@ def sample_step(c: Run, step: int) -> tuple[list[list[Rollout]], list[list[Rollo
     rs, P = c.cfg.rollout, c.cfg.rollout.prompts_per_step
     sampled, varied = [], []
     for r in range(rs.max_sampling_rounds if rs.filter_groups else 1):
-        new = sample_groups(c.engine, c.data.tokenizer, c.data.task, c.data.prompts.take(P), rs, c.cfg.seed, step, c.ranks,
-                            offset=r * P)
+        new = sample_groups(
+            c.engine, c.data.tokenizer, c.data.task, c.data.prompts.take(P), rs, c.cfg.seed, step, c.ranks, offset=r * P
+        )
         sampled += new
         varied += [g for g in new if len({x.reward for x in g}) > 1]
         if len(varied) >= P:
@@ -73,8 +76,15 @@ def sample_step(c: Run, step: int) -> tuple[list[list[Rollout]], list[list[Rollo
         return sampled, sampled, {}
     uniform = [g for g in sampled if len({x.reward for x in g}) == 1]
     train = (varied + uniform)[:P]
-    return train, sampled, {"rollout/sampling_rounds": r + 1, "rollout/filtered_groups": len(uniform),
-                            "rollout/uniform_groups_trained": max(0, P - len(varied))}
+    return (
+        train,
+        sampled,
+        {
+            "rollout/sampling_rounds": r + 1,
+            "rollout/filtered_groups": len(uniform),
+            "rollout/uniform_groups_trained": max(0, P - len(varied)),
+        },
+    )
 
 
 def initial_eval(c: Run, eval_engine) -> dict[str, float]:
@@ -86,8 +96,9 @@ def initial_eval(c: Run, eval_engine) -> dict[str, float]:
     if c.start_step != 0 or not c.cfg.task.eval_size:
         return {}
     with own_random_streams(c.cfg.seed, 0):  # (the asynchronous loop's rollout thread starts after it)
-        acc = evaluate(eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, c.cfg.rollout, c.cfg.seed,
-                       c.ranks)["eval/accuracy"]
+        acc = evaluate(
+            eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, c.cfg.rollout, c.cfg.seed, c.ranks
+        )["eval/accuracy"]
     return {"eval/initial_accuracy": acc}
 
 
@@ -126,13 +137,25 @@ def train_on(c: Run, step: int, groups: list[list[Rollout]]) -> dict[str, float]
     if c.policy.ref_model is not None and a.kl.coef and a.kl.where == "reward":
         groups, shaped = kl_shaped_rewards(c, groups)
     if a.overlong.buffer_len:
-        groups, more = overlong_shaped(groups, c.cfg.rollout.max_tokens, a.overlong.buffer_len,
-                                       a.overlong.penalty_factor)
+        groups, more = overlong_shaped(
+            groups, c.cfg.rollout.max_tokens, a.overlong.buffer_len, a.overlong.penalty_factor
+        )
         shaped |= more
     batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
     lr = c.set_lr(step)
-    return (train_step(c.policy.model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, c.ranks)
-            | {"train/lr": lr} | shaped)
+    return (
+        train_step(
+            c.policy.model,
+            c.policy.optimizer,
+            c.policy.loss_fn,
+            batch,
+            c.policy.step_settings,
+            c.policy.ref_model,
+            c.ranks,
+        )
+        | {"train/lr": lr}
+        | shaped
+    )
 
 
 def kl_shaped_rewards(c: Run, groups: list[list[Rollout]]) -> tuple[list[list[Rollout]], dict[str, float]]:
@@ -141,30 +164,54 @@ def kl_shaped_rewards(c: Run, groups: list[list[Rollout]]) -> tuple[list[list[Ro
     rs, flat = c.cfg.rollout, [r for g in groups for r in g]
     mine = [flat[k] for k in c.ranks.shard(len(flat))]  # each rank scores its share; all get every score
     with torch.no_grad():
-        ref, _ = token_logprobs(c.policy.ref_model, [r.prompt_ids + r.completion_ids for r in mine], rs.temperature,
-                               -1, 1.0, first=[len(r.prompt_ids) for r in mine],  # untruncated: kl.py
-                               share_prompts=c.cfg.optim.share_prompts)
+        ref, _ = token_logprobs(
+            c.policy.ref_model,
+            [r.prompt_ids + r.completion_ids for r in mine],
+            rs.temperature,
+            -1,
+            1.0,
+            first=[len(r.prompt_ids) for r in mine],  # untruncated: kl.py
+            share_prompts=c.cfg.optim.share_prompts,
+        )
     ref = c.ranks.gather_sharded(len(flat), [t.clone() for t in ref])  # a view would send its whole batch
-    penalties, metrics = kl_reward_penalty([torch.tensor(r.behav_logprobs) for r in flat], ref, c.cfg.algorithm.kl.kind,
-                                           c.cfg.algorithm.kl.coef)
+    penalties, metrics = kl_reward_penalty(
+        [torch.tensor(r.behav_logprobs) for r in flat], ref, c.cfg.algorithm.kl.kind, c.cfg.algorithm.kl.coef
+    )
     it = iter(penalties)
     return [[replace(r, reward=r.reward - next(it)) for r in g] for g in groups], metrics
 
 
-def end_step(c: Run, step: int, groups: list[list[Rollout]], metrics: dict[str, float], step_s: float,
-             eval_engine, prompts_state: dict, rng: dict | None = None) -> dict[str, float]:
+def end_step(
+    c: Run,
+    step: int,
+    groups: list[list[Rollout]],
+    metrics: dict[str, float],
+    step_s: float,
+    eval_engine,
+    prompts_state: dict,
+    rng: dict | None = None,
+) -> dict[str, float]:
     """Rollout metrics, throughput, evaluation, logging and checkpointing of a finished step. `rng`: the random
     streams a checkpoint keeps (None: as they are now)."""
     cfg = c.cfg
     n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
-    metrics = metrics | rollout_metrics(groups) | {
-        "step": step, "time/step_s": step_s, "perf/tokens_per_s": n_tokens / step_s,
-        "perf/completion_tokens": n_tokens}
+    metrics = (
+        metrics
+        | rollout_metrics(groups)
+        | {
+            "step": step,
+            "time/step_s": step_s,
+            "perf/tokens_per_s": n_tokens / step_s,
+            "perf/completion_tokens": n_tokens,
+        }
+    )
     if cfg.task.eval_size and (step % cfg.eval_every == 0 or step == cfg.max_steps):
         # its own streams where the loop is synchronous (`rng` None); the asynchronous loop's rollout thread
         # draws from the global ones meanwhile
         with own_random_streams(cfg.seed, step) if rng is None else contextlib.nullcontext():
-            metrics |= evaluate(eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, cfg.rollout, cfg.seed, c.ranks)
+            metrics |= evaluate(
+                eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, cfg.rollout, cfg.seed, c.ranks
+            )
     c.files.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
         state = c.trainer_state(prompts_state, rng)  # every rank's random streams (a collective)

@@ -15,9 +15,10 @@ w₁₆, so the engine and the trainer still compute with the same bits
 fp32. The master copy and the inner optimizer's moments are in its
 `state_dict`, so a checkpoint resumes bit for bit.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -66,8 +67,10 @@ class MasterWeights:
             return
         saved = state["master"]
         if len(saved) != len(self.master) or any(s.shape != m.shape for s, m in zip(saved, self.master)):
-            raise ValueError(f"the checkpoint's master weights ({len(saved)} tensors) do not fit this model's "
-                             f"{len(self.master)} parameters")
+            raise ValueError(
+                f"the checkpoint's master weights ({len(saved)} tensors) do not fit this model's "
+                f"{len(self.master)} parameters"
+            )
         for m, s in zip(self.master, saved):
             m.copy_(s)
         self.inner.load_state_dict(state["inner"])

@@ -4,6 +4,7 @@ What can be plotted is: a value that is not finite, or too large for matplotlib 
 (a file edited by hand, or logged by another tool), is left out, and so is a panel with no values at all;
 each is named in a note (stderr), so a plot never silently misses a point.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,12 @@ from pathlib import Path
 
 from exactrl.train.logger import read_metrics
 
-PANELS = [("reward", ["rollout/reward_mean"]), ("accuracy", ["eval/accuracy", "rollout/accuracy"]),
-          ("logprob_diff", ["train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"]),
-          ("response_length", ["rollout/response_len_mean"])]
+PANELS = [
+    ("reward", ["rollout/reward_mean"]),
+    ("accuracy", ["eval/accuracy", "rollout/accuracy"]),
+    ("logprob_diff", ["train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max"]),
+    ("response_length", ["rollout/response_len_mean"]),
+]
 INITIAL = "eval/initial_accuracy"
 PLOTTABLE = 1e300  # beyond it matplotlib overflows computing an axis' margins ("arange: cannot compute length")
 

@@ -3,6 +3,7 @@
 With `--nproc N` (or under torchrun) every rank runs `train_main`; rank 0
 alone prints, writes the run dir's files and the report (exactrl/distributed).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,16 +11,9 @@ import signal
 import sys
 import threading
 
+from exactrl.train import signals
 from exactrl.train.config import dotted, ignored_settings, load_config
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, a job manager's stop (SLURM, Kubernetes), met as Ctrl-C is: what is saved stays, and the
-    run says how to go on. Only in a one-process run: ranks are stopped by their launcher."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
+from exactrl.train.signals import Terminated
 
 
 def stopped_by(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -33,7 +27,8 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     cfg = load_config(config_path, overrides)
     ranks = init_from_env()  # one rank unless started by `--nproc N` or torchrun (exactrl/distributed)
     graceful = ranks.world == 1 and threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if graceful else None
+    signals.reset()
+    previous = signal.signal(signal.SIGTERM, signals.on_sigterm) if graceful else None
     try:
         _check_same_settings(cfg, ranks)
         code = _train(cfg, ranks, print if ranks.main else _quiet)
@@ -65,13 +60,21 @@ def _check_same_settings(cfg, ranks) -> None:
 
     def shown(d: dict, k: str) -> str:
         return repr(d[k]) if k in d else "unset"
-    diffs = ranks.gather([f"{k} ({shown(mine, k)} vs rank 0's {shown(first, k)})"
-                          for k in sorted(first.keys() | mine.keys()) if first.get(k, ...) != mine.get(k, ...)])
+
+    diffs = ranks.gather(
+        [
+            f"{k} ({shown(mine, k)} vs rank 0's {shown(first, k)})"
+            for k in sorted(first.keys() | mine.keys())
+            if first.get(k, ...) != mine.get(k, ...)
+        ]
+    )
     bad = {r: d for r, d in enumerate(diffs) if d}
     if bad:
         where = "; ".join(f"rank {r}: " + ", ".join(d) for r, d in bad.items())
-        raise ValueError(f"the ranks were started with different settings ({where}); start every rank with the "
-                         f"same config file and --set options")
+        raise ValueError(
+            f"the ranks were started with different settings ({where}); start every rank with the "
+            f"same config file and --set options"
+        )
 
 
 def settings_leaves(cfg) -> dict:
@@ -104,8 +107,10 @@ def _train(cfg, ranks, say) -> int:
     c = build(cfg, say, ranks)
     if c.start_step >= cfg.max_steps:
         c.close()
-        say(f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
-            f"raise max_steps with --set max_steps=N to continue it")
+        say(
+            f"nothing to do: run {c.run_dir} is already at step {c.start_step} (max_steps={cfg.max_steps}); "
+            f"raise max_steps with --set max_steps=N to continue it"
+        )
         if ranks.main and not (c.run_dir / "report").is_dir():  # stopped after its last checkpoint, before it
             say(f"report: {write_report(c.run_dir)[0]}")
         return 0
@@ -114,8 +119,10 @@ def _train(cfg, ranks, say) -> int:
     say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
     if cfg.optim.shard_state and ranks.world > 1:
         mine, total = optimizer_share(c.policy.optimizer)
-        say(f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
-            f"parameter elements")
+        say(
+            f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
+            f"parameter elements"
+        )
     try:
         if ranks.main:
             replace_durably(c.run_dir / "config.json", json.dumps(cfg.model_dump(by_alias=True), indent=2))
@@ -127,15 +134,19 @@ def _train(cfg, ranks, say) -> int:
         how, stop_code = stopped_by(e) if interrupted else ("", 0)
         removed = ranks.main and _remove_if_empty(c)  # an error's own message follows on one line (cli.py)
         if removed and interrupted:
-            print(f"\n{how} before the first step: the new run dir {c.run_dir} held nothing and was removed",
-                  file=sys.stderr)
+            print(
+                f"\n{how} before the first step: the new run dir {c.run_dir} held nothing and was removed",
+                file=sys.stderr,
+            )
         elif interrupted and ranks.main:  # Ctrl-C: what is saved stays; say how to go on
             ckpt = latest_checkpoint(c.run_dir)
             where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
             nproc = f" --nproc {ranks.world}" if ranks.world > 1 else ""
-            print(f"\n{how}: run {c.run_dir} is kept and {where}; continue it with "
-                  f"exactrl train{nproc} --set run_dir={c.run_dir} --set resume=true (and the same settings)",
-                  file=sys.stderr)
+            print(
+                f"\n{how}: run {c.run_dir} is kept and {where}; continue it with "
+                f"exactrl train{nproc} --set run_dir={c.run_dir} --set resume=true (and the same settings)",
+                file=sys.stderr,
+            )
         if interrupted:
             return stop_code
         left = rank_left(e, ranks)
@@ -147,9 +158,11 @@ def _train(cfg, ranks, say) -> int:
             raise CheckpointWriteError(f"{e}: {resume}") from e
         if isinstance(e, OSError) and ranks.main and not removed:
             ckpt = latest_checkpoint(c.run_dir)  # a full disk, a run dir gone read-only: what is kept, what next
-            raise OSError(f"{e}; run {c.run_dir} is kept and "
-                          f"{f'its last checkpoint {ckpt.name} is intact' if ckpt else 'it has no checkpoint yet'}: "
-                          f"fix that and continue it with {resume}") from e
+            raise OSError(
+                f"{e}; run {c.run_dir} is kept and "
+                f"{f'its last checkpoint {ckpt.name} is intact' if ckpt else 'it has no checkpoint yet'}: "
+                f"fix that and continue it with {resume}"
+            ) from e
         if left is not None:
             raise e from None
         raise
@@ -158,8 +171,17 @@ def _train(cfg, ranks, say) -> int:
     if not ranks.main:
         return 0
     plots = write_report(c.run_dir)
-    summary = {k: last[k] for k in ("step", "rollout/reward_mean", "eval/accuracy", "train/train_rollout_logprob_abs_diff",
-                                    "train/train_rollout_logprob_abs_diff_max") if k in last}
+    summary = {
+        k: last[k]
+        for k in (
+            "step",
+            "rollout/reward_mean",
+            "eval/accuracy",
+            "train/train_rollout_logprob_abs_diff",
+            "train/train_rollout_logprob_abs_diff_max",
+        )
+        if k in last
+    }
     print("final:", json.dumps(summary))
     print(f"report: {plots[0]}")
     return 0

@@ -4,6 +4,7 @@ A run dir holds one run (`metrics.jsonl`, `checkpoints/`, `.lock`; RUN_MARKERS) 
 them (RUN_WRITES). It is checked before anything expensive (a warm start, a model load), created only once
 nothing else can fail, and locked for the run (`lock_run_dir`): two runs never write one dir.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,10 @@ def check_run_dir(cfg: RunConfig, locked: bool = False) -> Path:
         raise ValueError(f"run_dir {d} is a file: choose another run_dir")
     clash = [f for f in RUN_WRITES if (d / f).exists()] if d.is_dir() else []
     if clash and not any((d / f).exists() for f in RUN_MARKERS):
-        raise ValueError(f"run_dir {d} holds {clash[0]} but no exactrl run (a model directory?): a run would "
-                         f"overwrite it; choose a new or empty directory")
+        raise ValueError(
+            f"run_dir {d} holds {clash[0]} but no exactrl run (a model directory?): a run would "
+            f"overwrite it; choose a new or empty directory"
+        )
     if not d.exists():
         check_creatable(d)
     if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
@@ -36,12 +39,15 @@ def check_run_dir(cfg: RunConfig, locked: bool = False) -> Path:
         lock_run_dir(d, probe=True).close()
     ckpt = latest_checkpoint(d) if d.exists() else None
     if ckpt is not None and not cfg.resume:
-        raise ValueError(f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, "
-                         f"or choose another run_dir")
+        raise ValueError(
+            f"run_dir {d} already holds checkpoints: pass --set resume=true to continue it, or choose another run_dir"
+        )
     if ckpt is None and (d / "metrics.jsonl").exists() and not cfg.resume:
         # resume=true restarts it from step 0: it stopped before its first checkpoint, its rows are redone
-        raise ValueError(f"run_dir {d} already holds a run (with no checkpoint yet): pass --set resume=true to "
-                         f"start it again from step 0, or choose another run_dir")
+        raise ValueError(
+            f"run_dir {d} already holds a run (with no checkpoint yet): pass --set resume=true to "
+            f"start it again from step 0, or choose another run_dir"
+        )
     return d
 
 
@@ -90,8 +96,10 @@ def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None,
     try:  # the checks again, under the lock: a run that ended meanwhile may have written the dir
         check_run_dir(cfg, locked=True)
         if latest_checkpoint(run_dir) != ckpt:
-            raise ValueError(f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
-                             f"wrote it): start again to resume from it, or choose another run_dir")
+            raise ValueError(
+                f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
+                f"wrote it): start again to resume from it, or choose another run_dir"
+            )
         logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     except BaseException:
         run_lock.close()
@@ -114,8 +122,9 @@ def lock_run_dir(d: Path, probe: bool = False):
         fcntl.flock(f, (fcntl.LOCK_SH if probe else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise ValueError(f"run_dir {d} is in use by another run: wait for it to end, or choose another run_dir") \
-            from None
+        raise ValueError(
+            f"run_dir {d} is in use by another run: wait for it to end, or choose another run_dir"
+        ) from None
     return f
 
 

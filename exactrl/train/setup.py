@@ -1,10 +1,9 @@
 """Builds everything a run needs from its config, fresh or resumed from a checkpoint."""
+
 from __future__ import annotations
 
 import copy
-import json
 import math
-import platform
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,9 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from exactrl.algo.advantages import compute_advantages
+from exactrl.algo.corrections import build_corrections
+from exactrl.algo.losses import PolicyLoss, build_loss
 from exactrl.distributed import Ranks, make_optimizer
 from exactrl.envs import get_task, import_task_module
 from exactrl.envs.base import Problem, Task, module_sha256
@@ -21,18 +23,15 @@ from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
 from exactrl.model.tokenizer import Tokenizer, load_tokenizer
 from exactrl.model.transformer import CausalLM
-from exactrl.train.activation_ckpt import apply_activation_checkpointing
-from exactrl.algo.advantages import compute_advantages
-from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint
-from exactrl.train.config import OptimSettings, RunConfig, dotted
-from exactrl.algo.corrections import build_corrections
+from exactrl.rollout.backend import RolloutBackend
 from exactrl.rollout.external import ExternalEngine
+from exactrl.train.activation_ckpt import apply_activation_checkpointing
+from exactrl.train.config import OptimSettings, RunConfig
 from exactrl.train.logger import MetricsLogger, NullLogger
 from exactrl.train.master_weights import MasterWeights
+from exactrl.train.resume import _check_resume_early, _identity, resume, rng_state, software_versions
 from exactrl.train.run_dir import check_run_dir, default_run_dir
 from exactrl.train.run_dir import claim_run_dir as _claim_run_dir  # (a test replaces it here)
-from exactrl.algo.losses import PolicyLoss, build_loss
-from exactrl.rollout.backend import RolloutBackend
 from exactrl.train.trainer import StepSettings
 
 
@@ -108,44 +107,16 @@ class Run:
         after the last trained batch and `rng` the random streams then (`rng_state()`; None: now). The
         asynchronous loop's rollouts may already be further: it passes both as they were after that batch."""
         rng = rng_state() if rng is None else rng
-        state = {"prompts": prompts_state, **rng, "config": _identity(self.cfg.model_dump(by_alias=True),
-                                                                     self.files.task_sha256),
-                 "tokenizer": self.data.tokenizer.fingerprint, "software": software_versions()}
+        state = {
+            "prompts": prompts_state,
+            **rng,
+            "config": _identity(self.cfg.model_dump(by_alias=True), self.files.task_sha256),
+            "tokenizer": self.data.tokenizer.fingerprint,
+            "software": software_versions(),
+        }
         if self.ranks.world > 1:  # each rank's streams (a task's reward may draw from them), by rank
             state["ranks_rng"] = self.ranks.gather(rng)
         return state
-
-
-def software_versions() -> dict[str, str]:
-    """The versions a checkpoint records: a resume under another torch may round differently (its kernels
-    and ops are the bits the exactness rests on), so `_resume` says so."""
-    from exactrl import __version__
-
-    return {"exactrl": __version__, "torch": torch.__version__, "python": platform.python_version()}
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's global random streams (torch, Python, numpy), as a checkpoint holds them."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
-            "python_gauss_next": random.getstate()[2],
-            "numpy_rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-
-
-def _restore_rng(state: dict[str, Any], ranks: Ranks) -> None:
-    """This rank's random streams from a checkpoint; a run resumes with the number of ranks it saved."""
-    saved = state.get("ranks_rng", [state])
-    if len(saved) != ranks.world:
-        raise ValueError(f"it was saved by a run of {len(saved)} rank(s) and this run has {ranks.world}: resume "
-                         f"it with the same number (exactrl train --nproc {len(saved)})")
-    rng = saved[ranks.rank]
-    torch.set_rng_state(torch.tensor(rng["torch_rng"], dtype=torch.uint8))
-    # Python's `random` and numpy's global one too (a task's generate/reward may use them); version 3 is
-    # CPython's Mersenne Twister
-    random.setstate((3, tuple(rng["python_rng"]), rng.get("python_gauss_next")))
-    if "numpy_rng" in rng:  # checkpoints saved before it was kept have none
-        kind, keys, pos, has_gauss, gauss = rng["numpy_rng"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
 def scheduled_lr(o: OptimSettings, step: int, max_steps: int) -> float:
@@ -166,79 +137,12 @@ def scheduled_lr(o: OptimSettings, step: int, max_steps: int) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * f)
 
 
-# keys a resumed run may change: where and how long it runs, what it shows, how fast the engine
-# batches (results do not depend on it), held-out evaluation; everything else defines the run
-RESUMABLE = ("max_steps", "run_dir", "resume", "progress", "tensorboard", "save_every", "keep_checkpoints",
-             "eval_every", "engine.", "task.eval_size", "model.path", "model.tokenizer",
-             "rollout_backend.timeout_s", "rollout_backend.max_concurrency", "rollout_backend.base_urls",
-             "rollout_backend.ray.",  # Ray engines sample what the in-process engine does, bitwise
-             "optim.shard_state",  # the same weights and checkpoints, sharded or not
-             "optim.activation_checkpointing")  # the same gradients, bit for bit
-
-
-def _check_resume_early(cfg: RunConfig, run_dir: Path) -> None:
-    """Settings a resume refuses, before a warm start or a model load is spent on them."""
-    early = latest_checkpoint(run_dir) if run_dir.exists() else None
-    if early is not None:
-        _check_same_run(_saved_config(early), cfg, early)
-
-
-def _saved_config(ckpt: Path) -> dict | None:
-    """The run config a checkpoint holds (None if unreadable: loading the checkpoint then names the problem)."""
-    try:
-        config = json.loads((ckpt / "state.json").read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
-    """Refuses to resume a checkpoint with settings that would make it a different run, naming them."""
-    if saved is None:  # a checkpoint from before configs were saved in it
-        return
-    # as state.json holds it; a task module's source only where the checkpoint has it (older ones do not)
-    try:
-        sha = module_sha256(cfg.task.module) if "module_sha256" in saved.get("task", {}) else None
-    except (OSError, ImportError):  # gone (a file, or a dotted name's package): importing it names the problem
-        sha = None
-    new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)
-    old, new = dotted(saved), dotted(new)
-    # in float32 the key has no effect (the same weights and checkpoints): either value resumes; a bf16
-    # checkpoint written before the key existed ran as false (the bf16 weights stepped themselves)
-    # keys added since: a checkpoint from before them ran as their defaults
-    for key, default in (("optim.lr_schedule", "constant"), ("optim.min_lr_ratio", 0.0),
-                         ("rollout.filter_groups", False), ("rollout.max_sampling_rounds", 3)):
-        old.setdefault(key, default)
-    if old.get("model.dtype") != "bfloat16":
-        old["optim.fp32_master_weights"] = new["optim.fp32_master_weights"]
-    elif "optim.fp32_master_weights" not in old:
-        old["optim.fp32_master_weights"] = False
-    # the weights come from the checkpoint, so model.path may move; but with KL on, the reference model
-    # is read from model.path (the starting weights): another path would be another reference
-    resumable = RESUMABLE if not cfg.algorithm.kl.coef else tuple(k for k in RESUMABLE if k != "model.path")
-    # the in-process engine and Ray engines sample the same tokens (distributed/ray_engines.py): a run
-    # may move between them, e.g. from a laptop to a Ray cluster (with fast kernels the bits depend on
-    # the batch anyway, as with a change of engine.*)
-    exact_backends = {old.get("rollout_backend.kind", "engine"), new["rollout_backend.kind"]} <= {"engine", "ray"}
-    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and not k.startswith(resumable)
-               and not (k == "rollout_backend.kind" and exact_backends)]
-    if changed:
-        raise ValueError(f"resume from {ckpt} with changed settings ({'; '.join(changed)}): a resumed run keeps "
-                         f"the settings it was started with; drop these --set overrides, or start a new run_dir")
-
-
-def _identity(config: dict, module_sha: str | None) -> dict:
-    """A run's config as its checkpoints keep it: with the sha256 of its task module's source, if any (an
-    edited task file is another task)."""
-    return config if module_sha is None else {**config, "task": {**config["task"], "module_sha256": module_sha}}
-
-
 def _check_paths(cfg: RunConfig) -> None:
     """The directories the user named, before anything is loaded from them."""
     for key, path, fix in (
-            ("model.path", cfg.model.path, "a Hugging Face model directory, or unset it for the default model"),
-            ("model.tokenizer", cfg.model.tokenizer, "a tokenizer directory, or unset it to use model.path's")):
+        ("model.path", cfg.model.path, "a Hugging Face model directory, or unset it for the default model"),
+        ("model.tokenizer", cfg.model.tokenizer, "a tokenizer directory, or unset it to use model.path's"),
+    ):
         if path is not None and not Path(path).is_dir():
             what = "is not a directory" if Path(path).exists() else "does not exist"
             raise ValueError(f"{key} {path} {what}: set {key} to {fix}")
@@ -271,9 +175,11 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     `ranks`: a data-parallel run's (exactrl/distributed); rank 0 picks the run dir, builds the default
     model if needed, creates the dir and logs."""
     if cfg.rollout_backend.kind != "engine" and cfg.async_.enabled and cfg.async_.inflight_updates:
-        raise ValueError(f"async.inflight_updates needs rollout_backend.kind=engine: "
-                         f"{'an external server' if cfg.rollout_backend.kind == 'openai' else 'a Ray engine'} has "
-                         f"no hook between its steps to take new weights (use inflight_updates=false)")
+        raise ValueError(
+            f"async.inflight_updates needs rollout_backend.kind=engine: "
+            f"{'an external server' if cfg.rollout_backend.kind == 'openai' else 'a Ray engine'} has "
+            f"no hook between its steps to take new weights (use inflight_updates=false)"
+        )
     check_ranks(cfg, ranks)
     resolve_device(cfg.model.device, cfg.model.backend)  # a missing GPU or triton named before the warm start
     torch.manual_seed(cfg.seed)
@@ -294,9 +200,11 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     corrections = build_corrections(a.corrections) if a.corrections else None
     weighing = [c.key for c in corrections.corrections if c.weighs] if corrections else []
     if a.bypass and weighing:  # the bypass ratio π_θ/μ already is ρ: a weight ρ on top would square it
-        raise ValueError(f"algorithm.bypass takes the loss ratio against μ, which already weighs each token by "
-                         f"π_old/μ: the corrections {weighing} would apply that ratio twice; use them without "
-                         f"bypass, or keep only masking corrections (token_mask_is, geometric_rejection, ...)")
+        raise ValueError(
+            f"algorithm.bypass takes the loss ratio against μ, which already weighs each token by "
+            f"π_old/μ: the corrections {weighing} would apply that ratio twice; use them without "
+            f"bypass, or keep only masking corrections (token_mask_is, geometric_rejection, ...)"
+        )
     # a dry run on one group of two zero rewards: a bad estimator name or argument fails now, with the
     # checks and message of the first training step (rl/rollout.py to_train_batch)
     try:
@@ -305,26 +213,34 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
         raise ValueError(f"algorithm.advantage_kwargs: {e}") if a.advantage_kwargs else e from None
     prompts, eval_problems = _datasets(cfg, task)
     model_dir = _model_dir(cfg, log, ranks)
-    model = load_model(model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels, device=cfg.model.device,
-                       backend=cfg.model.backend)
+    model = load_model(
+        model_dir, dtype=cfg.model.dtype, kernels=cfg.model.kernels, device=cfg.model.device, backend=cfg.model.backend
+    )
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     tokenizer.check_fits(model.config.vocab_size, "model.tokenizer" if cfg.model.tokenizer else "model.path")
     if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
-        raise ValueError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt in the model's "
-                         f"context of {model.config.max_position_embeddings} tokens (max_position_embeddings)")
+        raise ValueError(
+            f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt in the model's "
+            f"context of {model.config.max_position_embeddings} tokens (max_position_embeddings)"
+        )
     ref_model = None
     if cfg.algorithm.kl.coef > 0:
         ref_model = copy.deepcopy(model).requires_grad_(False)
-    model, optimizer, start, ckpt = _resume(cfg, run_dir, model, tokenizer, prompts, ranks, log)
+    model, optimizer, start, ckpt = resume(
+        cfg, run_dir, model, tokenizer, prompts, ranks, log, lambda m: _optimizer(cfg, m, ranks)
+    )
     engine = _rollout_engine(cfg, model, tokenizer, start, log)
     # after the engine's copy of the model: its layers run as they are (they never recompute anyway)
     apply_activation_checkpointing(model, cfg.optim.activation_checkpointing)
     try:  # from here on a failure stops the engines too (Ray actors, a server's client)
         policy = Policy(model, ref_model, optimizer, loss_fn, _step_settings(cfg, corrections))
         data = Data(tokenizer, task, prompts, eval_problems)
-        ranks.check_same("starting weights", model.parameters(),
-                         "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
-                         "path for every rank (the same filesystem)?")
+        ranks.check_same(
+            "starting weights",
+            model.parameters(),
+            "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
+            "path for every rank (the same filesystem)?",
+        )
         if not ranks.main:  # rank 0 alone writes the run dir; the others learn whether it could
             refused = ranks.broadcast(None)
             if refused is not None:
@@ -340,45 +256,6 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     except BaseException:
         engine.close()
         raise
-
-
-def _resume(cfg: RunConfig, run_dir: Path, model: CausalLM, tokenizer, prompts: PromptSource, ranks: Ranks, log
-            ) -> tuple[CausalLM, torch.optim.Optimizer, int, Path | None]:
-    """(model, optimizer, start step, checkpoint): from run_dir's latest checkpoint, else fresh at step 0.
-    The checkpoint's prompt position and random streams are restored into `prompts` and this process."""
-    optimizer = _optimizer(cfg, model, ranks)
-    start = 0
-    ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
-    if ckpt is not None:
-        model, opt_state, state = load_checkpoint(ckpt, cfg.model.dtype, cfg.model.kernels, note=log,
-                                                  device=cfg.model.device, backend=cfg.model.backend)
-        _check_same_run(state.get("config"), cfg, ckpt)
-        if state.get("tokenizer", tokenizer.fingerprint) != tokenizer.fingerprint:
-            raise ValueError(f"resume from {ckpt} with another tokenizer ({tokenizer.path}: model.tokenizer, or "
-                             f"model.path without it): its token ids, chat template or special tokens differ from "
-                             f"the run's; point model.tokenizer at the tokenizer the run started with")
-        optimizer = _optimizer(cfg, model, ranks)
-        try:
-            optimizer.load_state_dict(opt_state)
-            prompts.load_state_dict(state["prompts"])
-            _restore_rng(state, ranks)
-        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
-            raise ValueError(f"checkpoint {ckpt} cannot be resumed: its state does not fit this run "
-                             f"({type(e).__name__}: {e}); remove it to resume from an older one") from None
-        except ValueError as e:  # a data position or random stream refused in its own words (a dataset or rank count
-            # that differs: an older checkpoint would not fit either)
-            raise ValueError(f"checkpoint {ckpt} cannot be resumed: its state.json does not fit this run ({e})") \
-                from None
-        start = state["step"]
-        log(f"resuming {run_dir} from {ckpt.name}")
-        saved, now = state.get("software"), software_versions()
-        if isinstance(saved, dict) and saved.get("torch") not in (None, now["torch"]):
-            log(f"warning: {ckpt.name} was written under torch {saved['torch']}, this run has {now['torch']}: "
-                f"its next steps may differ in the last bits from the run it continues (engine and trainer "
-                f"still agree bitwise with each other)")
-    elif cfg.resume:  # e.g. a job that always passes resume=true, on its first start
-        log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
-    return model, optimizer, start, ckpt
 
 
 def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
@@ -398,8 +275,10 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
             seen.add(key)
             eval_problems.append(p)
     if cfg.task.eval_size and not eval_problems:
-        raise ValueError(f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
-                         f"drew: nothing is left to evaluate on (set task.eval_size=0, or train on fewer problems)")
+        raise ValueError(
+            f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
+            f"drew: nothing is left to evaluate on (set task.eval_size=0, or train on fewer problems)"
+        )
     return PromptSource(train, seed=cfg.seed), eval_problems
 
 
@@ -419,9 +298,11 @@ def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
         np.random.set_state(streams[1])
         torch.set_rng_state(streams[2])
     if not (Path(model_dir) / "config.json").is_file():
-        raise ValueError(f"rank {ranks.rank} cannot read the default model rank 0 built at {model_dir}: give every "
-                         f"rank one filesystem for it (EXACTRL_ARTIFACTS, a shared path) or set model.path to a "
-                         f"model every rank reads")
+        raise ValueError(
+            f"rank {ranks.rank} cannot read the default model rank 0 built at {model_dir}: give every "
+            f"rank one filesystem for it (EXACTRL_ARTIFACTS, a shared path) or set model.path to a "
+            f"model every rank reads"
+        )
     return Path(model_dir)
 
 
@@ -435,12 +316,23 @@ def _optimizer(cfg: RunConfig, model: CausalLM, ranks: Ranks) -> torch.optim.Opt
 
 def _step_settings(cfg: RunConfig, corrections) -> StepSettings:
     a, r = cfg.algorithm, cfg.rollout
-    return StepSettings(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                        micro_batch_size=cfg.optim.micro_batch_size, agg_mode=a.agg_mode,
-                        agg_constant=float(r.max_tokens), grad_clip=cfg.optim.grad_clip, entropy_coef=a.entropy_coef,
-                        kl_coef=a.kl.coef, kl_kind=a.kl.kind, kl_in_loss=a.kl.where == "loss",
-                        corrections=corrections, bypass=a.bypass, share_prompts=cfg.optim.share_prompts,
-                        max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch)
+    return StepSettings(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        micro_batch_size=cfg.optim.micro_batch_size,
+        agg_mode=a.agg_mode,
+        agg_constant=float(r.max_tokens),
+        grad_clip=cfg.optim.grad_clip,
+        entropy_coef=a.entropy_coef,
+        kl_coef=a.kl.coef,
+        kl_kind=a.kl.kind,
+        kl_in_loss=a.kl.where == "loss",
+        corrections=corrections,
+        bypass=a.bypass,
+        share_prompts=cfg.optim.share_prompts,
+        max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch,
+    )
 
 
 def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
@@ -448,17 +340,26 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
     if ranks.world == 1:
         return
     if cfg.model.device != "cpu":
-        raise ValueError(f"model.device={cfg.model.device} with {ranks.world} ranks: data-parallel ranks exchange "
-                         f"gradients over gloo on CPU tensors, so a run on a GPU has one rank (leave out --nproc)")
+        raise ValueError(
+            f"model.device={cfg.model.device} with {ranks.world} ranks: data-parallel ranks exchange "
+            f"gradients over gloo on CPU tensors, so a run on a GPU has one rank (leave out --nproc)"
+        )
     if cfg.rollout_backend.kind != "engine":
-        more = "servers with rollout_backend.base_urls" if cfg.rollout_backend.kind == "openai" else \
-            "more engines with rollout_backend.ray.num_engines"
-        raise ValueError(f"rollout_backend.kind={cfg.rollout_backend.kind} runs in one process (spread rollouts "
-                         f"over {more} instead); a data-parallel run ({ranks.world} ranks) uses each rank's own "
-                         f"engine")
+        more = (
+            "servers with rollout_backend.base_urls"
+            if cfg.rollout_backend.kind == "openai"
+            else "more engines with rollout_backend.ray.num_engines"
+        )
+        raise ValueError(
+            f"rollout_backend.kind={cfg.rollout_backend.kind} runs in one process (spread rollouts "
+            f"over {more} instead); a data-parallel run ({ranks.world} ranks) uses each rank's own "
+            f"engine"
+        )
     if cfg.rollout.prompts_per_step < ranks.world:
-        raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} gives some of the {ranks.world} "
-                         f"ranks no prompt: raise it to at least {ranks.world} or run fewer ranks")
+        raise ValueError(
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} gives some of the {ranks.world} "
+            f"ranks no prompt: raise it to at least {ranks.world} or run fewer ranks"
+        )
 
 
 Components = Run  # the name before `Run`, kept for one release

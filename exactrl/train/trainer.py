@@ -21,20 +21,21 @@ summed or gathered over ranks before they are reduced.
 
 Legend: B sequences, T completion tokens (padded), P prompts, G samples per prompt.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from exactrl.distributed import Ranks
-from exactrl.model.logprobs import token_logprobs
-from exactrl.model.transformer import CausalLM
 from exactrl.algo.aggregation import aggregate, masked_mean
 from exactrl.algo.corrections import apply_bypass
 from exactrl.algo.diagnostics import logprob_diff_metrics, mismatch_metrics
 from exactrl.algo.kl import kl_estimate
 from exactrl.algo.types import LossInputs, LossNorm
+from exactrl.distributed import Ranks
+from exactrl.model.logprobs import token_logprobs
+from exactrl.model.transformer import CausalLM
 
 
 @dataclass
@@ -53,14 +54,18 @@ class TrainBatch:
     def __post_init__(self):
         for name in ("prompt_ids", "completion_ids", "behav_logprobs"):
             if not isinstance(getattr(self, name), (list, tuple)):
-                raise ValueError(f"TrainBatch.{name} must be a list with one entry per sequence, got "
-                                 f"{type(getattr(self, name)).__name__}")
+                raise ValueError(
+                    f"TrainBatch.{name} must be a list with one entry per sequence, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
         n = len(self.prompt_ids)
         lengths = {name: len(getattr(self, name)) for name in ("completion_ids", "behav_logprobs")}
         lengths["advantages"] = len(_numbers("advantages", self.advantages))
         if any(v != n for v in lengths.values()):
-            raise ValueError(f"TrainBatch fields must all have one entry per sequence: prompt_ids has {n}, "
-                             + ", ".join(f"{k} {v}" for k, v in lengths.items()))
+            raise ValueError(
+                f"TrainBatch fields must all have one entry per sequence: prompt_ids has {n}, "
+                + ", ".join(f"{k} {v}" for k, v in lengths.items())
+            )
         if n == 0:
             raise ValueError("TrainBatch is empty: no sequence to train on")
         for name in ("prompt_ids", "completion_ids"):
@@ -80,15 +85,20 @@ class TrainBatch:
                 raise ValueError(f"TrainBatch.{name} must have one entry per sequence, got {len(mask)} for {n}")
             for k, (c, m) in enumerate(zip(self.completion_ids, mask)):
                 if len(m) != len(c) or any(x not in (0, 1) for x in m):
-                    raise ValueError(f"TrainBatch.{name}[{k}] must be 0/1 for each of its {len(c)} completion "
-                                     f"tokens, got {list(m)[:8]}{'...' if len(m) > 8 else ''}")
+                    raise ValueError(
+                        f"TrainBatch.{name}[{k}] must be 0/1 for each of its {len(c)} completion "
+                        f"tokens, got {list(m)[:8]}{'...' if len(m) > 8 else ''}"
+                    )
         if self.generated_mask is not None:
             loss = self.loss_mask or [[1] * len(c) for c in self.completion_ids]
-            bad = next((k for k, (g, m) in enumerate(zip(self.generated_mask, loss))
-                        if any(gx < mx for gx, mx in zip(g, m))), None)
+            bad = next(
+                (k for k, (g, m) in enumerate(zip(self.generated_mask, loss)) if any(gx < mx for gx, mx in zip(g, m))),
+                None,
+            )
             if bad is not None:
-                raise ValueError(f"TrainBatch.generated_mask[{bad}] is 0 where loss_mask is 1: every token "
-                                 f"trained on was sampled")
+                raise ValueError(
+                    f"TrainBatch.generated_mask[{bad}] is 0 where loss_mask is 1: every token trained on was sampled"
+                )
         # μ is read where the engine sampled: a token it did not sample (a tool's output) may carry anything
         for k, lp in enumerate(behav):
             bad = ~torch.isfinite(lp)
@@ -97,8 +107,10 @@ class TrainBatch:
                 bad &= torch.tensor(sampled, dtype=torch.bool)
             if bool(bad.any()):
                 t = int(bad.nonzero()[0])
-                raise ValueError(f"TrainBatch.behav_logprobs[{k}][{t}] is {self.behav_logprobs[k][t]!r}, not a finite "
-                                 f"(fp32) number, at a sampled token")
+                raise ValueError(
+                    f"TrainBatch.behav_logprobs[{k}][{t}] is {self.behav_logprobs[k][t]!r}, not a finite "
+                    f"(fp32) number, at a sampled token"
+                )
 
     def __len__(self):
         return len(self.prompt_ids)
@@ -169,7 +181,7 @@ def micro_batches(order: list[int], lengths: list[int], s: StepSettings) -> list
     per-sequence aggregation modes need; the loss denominators are the whole batch's either way.
     """
     if s.max_tokens_per_micro_batch is None:
-        return [order[a:a + s.micro_batch_size] for a in range(0, len(order), s.micro_batch_size)]
+        return [order[a : a + s.micro_batch_size] for a in range(0, len(order), s.micro_batch_size)]
     out, used = [], 0
     for k in order:
         if not out or used + lengths[k] > s.max_tokens_per_micro_batch:
@@ -183,7 +195,7 @@ def micro_batches(order: list[int], lengths: list[int], s: StepSettings) -> list
 def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     out = torch.zeros(len(rows), T, dtype=torch.float32)
     for k, r in enumerate(rows):
-        out[k, :len(r)] = r
+        out[k, : len(r)] = r
     return out
 
 
@@ -192,15 +204,24 @@ def _mask(rows: list[list[int]] | None, batch: TrainBatch, idx: list[int], T: in
     mask_BT = torch.zeros(len(idx), T)
     for r, k in enumerate(idx):
         m = rows[k] if rows is not None else [1] * len(batch.completion_ids[k])
-        mask_BT[r, :len(m)] = torch.tensor(m, dtype=torch.float32)
+        mask_BT[r, : len(m)] = torch.tensor(m, dtype=torch.float32)
     return mask_BT
 
 
 def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings, T: int):
     seqs = [list(batch.prompt_ids[k]) + list(batch.completion_ids[k]) for k in idx]
     plens = [len(batch.prompt_ids[k]) for k in idx]
-    lps, ents = token_logprobs(model, seqs, s.temperature, s.top_k, s.top_p, with_entropy=True, first=plens,
-                               entropy_grad=bool(s.entropy_coef), share_prompts=s.share_prompts)
+    lps, ents = token_logprobs(
+        model,
+        seqs,
+        s.temperature,
+        s.top_k,
+        s.top_p,
+        with_entropy=True,
+        first=plens,
+        entropy_grad=bool(s.entropy_coef),
+        share_prompts=s.share_prompts,
+    )
     logp_BT, ent_BT = _pad(lps, T), _pad(ents, T)
     mask_BT = _mask(batch.loss_mask, batch, idx, T)
     gen_BT = mask_BT if batch.generated_mask is None else _mask(batch.generated_mask, batch, idx, T)
@@ -211,20 +232,33 @@ def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings
     return logp_BT, ent_BT, mask_BT, gen_BT, behav_BT, adv_BT
 
 
-def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch: TrainBatch,
-               s: StepSettings, ref_model: CausalLM | None = None, ranks: Ranks = Ranks()) -> dict[str, float]:
+def train_step(
+    model: CausalLM,
+    optimizer: torch.optim.Optimizer,
+    loss_fn,
+    batch: TrainBatch,
+    s: StepSettings,
+    ref_model: CausalLM | None = None,
+    ranks: Ranks = Ranks(),
+) -> dict[str, float]:
     """Forward/backward over micro-batches (this rank's share of the batch), clip, step. Returns flat metrics."""
     vocab = model.config.vocab_size  # checked before any micro-batch runs, naming the sequence
     for name in ("prompt_ids", "completion_ids"):
         bad = next(((k, t) for k, ids in enumerate(getattr(batch, name)) for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"TrainBatch.{name}[{bad[0]}] holds token id {bad[1]}, outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"TrainBatch.{name}[{bad[0]}] holds token id {bad[1]}, outside the vocabulary [0, {vocab})"
+            )
     if s.kl_coef and s.kl_in_loss and ref_model is None:  # the term would be left out, silently
-        raise ValueError(f"StepSettings.kl_coef={s.kl_coef} puts a KL term in the loss but there is no ref_model: "
-                         f"pass the reference policy (ref_model=...), or set kl_coef=0")
+        raise ValueError(
+            f"StepSettings.kl_coef={s.kl_coef} puts a KL term in the loss but there is no ref_model: "
+            f"pass the reference policy (ref_model=...), or set kl_coef=0"
+        )
     if len(batch) < ranks.world:
-        raise ValueError(f"a batch of {len(batch)} sequences cannot be shared by {ranks.world} ranks: raise "
-                         f"rollout.prompts_per_step or rollout.samples_per_prompt, or run fewer ranks")
+        raise ValueError(
+            f"a batch of {len(batch)} sequences cannot be shared by {ranks.world} ranks: raise "
+            f"rollout.prompts_per_step or rollout.samples_per_prompt, or run fewer ranks"
+        )
     T = max(1, max(len(c) for c in batch.completion_ids))
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
@@ -240,8 +274,15 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
         weights_BT, mask_BT = torch.ones_like(old_BT), live_BT
         if s.corrections is not None:
             weights_BT, mask_BT, _ = s.corrections(old_BT, behav_BT, live_BT, adv_BT)
-        inp = LossInputs(logprobs_BT=logp_BT, old_logprobs_BT=old_BT, behav_logprobs_BT=behav_BT,
-                         advantages_BT=adv_BT, mask_BT=mask_BT, weights_BT=weights_BT, sampled_mask_BT=sampled_BT)
+        inp = LossInputs(
+            logprobs_BT=logp_BT,
+            old_logprobs_BT=old_BT,
+            behav_logprobs_BT=behav_BT,
+            advantages_BT=adv_BT,
+            mask_BT=mask_BT,
+            weights_BT=weights_BT,
+            sampled_mask_BT=sampled_BT,
+        )
         if s.bypass:
             inp = apply_bypass(inp)
         kl_BT = None
@@ -253,16 +294,20 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, loss_fn, batch
         loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm)
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
-        for k, t in zip(kept, (old_BT, behav_BT, sampled_BT, live_BT, gen_BT, adv_BT, mask_BT.detach(),
-                               ent_BT.detach())):
+        for k, t in zip(
+            kept, (old_BT, behav_BT, sampled_BT, live_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())
+        ):
             kept[k].append(t)
     ranks.sum_grads(model.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
     optimizer.step()
-    ranks.check_same("weights after the optimizer step", model.parameters(),
-                     "the data-parallel step did not give every rank the same result")
+    ranks.check_same(
+        "weights after the optimizer step",
+        model.parameters(),
+        "the data-parallel step did not give every rank the same result",
+    )
     whole = {k: torch.cat(v) if v else None for k, v in kept.items()}
     if ranks.world > 1:  # every rank's per-token tensors, in batch order: the metrics of one process
         parts = ranks.gather(whole)
@@ -301,13 +346,26 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
         weights, _, cm = s.corrections(old, behav, live, t["adv"])
     # what the corrections removed, not what the rollout kept out of the loss (overlong.mask_truncated)
     kept = final + (gen - live)
-    metrics |= mismatch_metrics(old, behav, gen, weights_BT=weights if s.corrections else None, final_mask_BT=kept,
-                                weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False),
-                                weighted_mask_BT=final if s.corrections else None)  # ρ itself: every token
+    metrics |= mismatch_metrics(
+        old,
+        behav,
+        gen,
+        weights_BT=weights if s.corrections else None,
+        final_mask_BT=kept,
+        weights_are_token_ratios=getattr(s.corrections, "weighs_token_ratios", False),
+        weighted_mask_BT=final if s.corrections else None,
+    )  # ρ itself: every token
     if "correction/sequence_tis/clip_frac" in cm:  # its weights are the sequences': it counts their clipping
         metrics["mismatch/seq_clip_frac"] = cm["correction/sequence_tis/clip_frac"]
-    inp = LossInputs(logprobs_BT=old, old_logprobs_BT=old, behav_logprobs_BT=behav, advantages_BT=t["adv"],
-                     mask_BT=final, weights_BT=weights, sampled_mask_BT=t["loss_mask"])
+    inp = LossInputs(
+        logprobs_BT=old,
+        old_logprobs_BT=old,
+        behav_logprobs_BT=behav,
+        advantages_BT=t["adv"],
+        mask_BT=final,
+        weights_BT=weights,
+        sampled_mask_BT=t["loss_mask"],
+    )
     loss, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)
     loss = _regularised(loss, t["ent"], t["kl"], final, t["loss_mask"], s, norm)  # kl kept only if in the loss
     metrics |= cm | lm | {"train/loss": float(loss)}
@@ -322,6 +380,13 @@ def _ref_logprobs(ref_model, batch, idx, s: StepSettings, T: int) -> torch.Tenso
     cover every token the policy samples, or the KL is infinite)."""
     seqs = [list(batch.prompt_ids[k]) + list(batch.completion_ids[k]) for k in idx]
     with torch.no_grad():
-        lps, _ = token_logprobs(ref_model, seqs, s.temperature, -1, 1.0,
-                                first=[len(batch.prompt_ids[k]) for k in idx], share_prompts=s.share_prompts)
+        lps, _ = token_logprobs(
+            ref_model,
+            seqs,
+            s.temperature,
+            -1,
+            1.0,
+            first=[len(batch.prompt_ids[k]) for k in idx],
+            share_prompts=s.share_prompts,
+        )
     return _pad(lps, T)

@@ -11,6 +11,7 @@ The SFT loss is the mean negative logprob of the answer tokens (plus the
 end-of-turn token) given the rendered prompt, through the same
 `token_logprobs` trainer path as RL.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,9 +38,17 @@ from exactrl.train.master_weights import MasterWeights
 ARTIFACTS = Path(os.environ.get("EXACTRL_ARTIFACTS", "artifacts"))
 
 # the default policy: a Qwen3-architecture model of ~0.9M parameters
-TINY_QWEN3 = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True)
+TINY_QWEN3 = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 
 
 def _hash(cfg) -> str:
@@ -49,8 +58,14 @@ def _hash(cfg) -> str:
     # still default-db305121dee7).
     # A task from a user's file (`task.module`) adds the file's content: an edited task is a new warm start.
     task = type(cfg.task)(name=cfg.task.name, kwargs=cfg.task.kwargs)
-    parts = {"task": task.model_dump(exclude={"module"}), "sft": cfg.sft.model_dump(), "seed": cfg.seed,
-             "dtype": cfg.model.dtype, "tiny": TINY_QWEN3, "v": 1}
+    parts = {
+        "task": task.model_dump(exclude={"module"}),
+        "sft": cfg.sft.model_dump(),
+        "seed": cfg.seed,
+        "dtype": cfg.model.dtype,
+        "tiny": TINY_QWEN3,
+        "v": 1,
+    }
     if cfg.task.module:
         parts["module_sha256"] = module_sha256(cfg.task.module)
     if cfg.model.dtype != "float32":  # fp32 keys stay as they were: the flag changes nothing there
@@ -74,8 +89,10 @@ def default_model_dir(cfg, log=print) -> Path:
         tmp.mkdir()
     except OSError as e:
         why = "a file, not a directory" if ARTIFACTS.is_file() else e.strerror or e
-        raise ValueError(f"cannot write the default model's cache in {ARTIFACTS} ({why}): point "
-                         f"EXACTRL_ARTIFACTS at a writable directory, or set model.path to a model") from None
+        raise ValueError(
+            f"cannot write the default model's cache in {ARTIFACTS} ({why}): point "
+            f"EXACTRL_ARTIFACTS at a writable directory, or set model.path to a model"
+        ) from None
     t0 = time.time()
     try:
         _build(cfg, tmp, log)
@@ -109,19 +126,48 @@ def _build(cfg, tmp: Path, log) -> None:
     task = get_task(cfg.task.name, **cfg.task.kwargs)
     build_tokenizer(tmp, default_tokenizer_corpus([task], 2000, cfg.seed), vocab_size=384)
     tok = load_tokenizer(tmp)
-    hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": tok.vocab_size,
-          "hidden_act": "silu", "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-          "eos_token_id": tok.end_of_turn_id, "pad_token_id": tok.pad_token_id, **TINY_QWEN3}
+    hf = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": tok.vocab_size,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "eos_token_id": tok.end_of_turn_id,
+        "pad_token_id": tok.pad_token_id,
+        **TINY_QWEN3,
+    }
     model = build_model(ModelConfig.from_hf(hf), dtype=cfg.model.dtype, kernels="exact", seed=cfg.seed)
-    log(f"warm start: tokenizer ({tok.vocab_size} tokens) and a {sum(p.numel() for p in model.parameters()):,}"
-        f"-parameter Qwen3; {cfg.sft.steps} SFT steps")
-    supervised_finetune(model, tok, task, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, log,
-                        echo_frac=cfg.sft.echo_frac, fp32_master_weights=cfg.optim.fp32_master_weights)
+    log(
+        f"warm start: tokenizer ({tok.vocab_size} tokens) and a {sum(p.numel() for p in model.parameters()):,}"
+        f"-parameter Qwen3; {cfg.sft.steps} SFT steps"
+    )
+    supervised_finetune(
+        model,
+        tok,
+        task,
+        cfg.sft.steps,
+        cfg.sft.batch_size,
+        cfg.sft.lr,
+        cfg.seed,
+        log,
+        echo_frac=cfg.sft.echo_frac,
+        fp32_master_weights=cfg.optim.fp32_master_weights,
+    )
     save_model(model, tmp)
 
 
-def supervised_finetune(model, tok, task, steps: int, batch_size: int, lr: float, seed: int, log=print,
-                        echo_frac: float = 0.0, fp32_master_weights: bool = True) -> None:
+def supervised_finetune(
+    model,
+    tok,
+    task,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    log=print,
+    echo_frac: float = 0.0,
+    fp32_master_weights: bool = True,
+) -> None:
     """AdamW on the answer tokens' mean NLL, the learning rate decaying linearly to 0. A bf16 model's steps
     go through fp32 master weights (`optim.fp32_master_weights`, as RL's do): without them the decaying
     steps round away (the default bf16 warm start ended at NLL 0.278 without them, 0.249 with them, fp32 at 0.224)."""
@@ -129,8 +175,9 @@ def supervised_finetune(model, tok, task, steps: int, batch_size: int, lr: float
     echo_rng = random.Random(seed + 2)  # its own stream: echo_frac does not change which problems are drawn
     adamw = lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)  # noqa: E731
     low_precision = next(model.parameters()).dtype != torch.float32
-    opt = MasterWeights(model.parameters(), adamw) if low_precision and fp32_master_weights else \
-        adamw(model.parameters())
+    opt = (
+        MasterWeights(model.parameters(), adamw) if low_precision and fp32_master_weights else adamw(model.parameters())
+    )
     for step in range(steps):
         probs = [task.generate(rng) for _ in range(batch_size)]
         prompts = [prompt_ids(tok, task, p) for p in probs]

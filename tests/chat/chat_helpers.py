@@ -1,4 +1,5 @@
 """A project tokenizer built once per test process (tests/chat)."""
+
 from __future__ import annotations
 
 import functools
@@ -6,7 +7,7 @@ import random
 import tempfile
 
 from exactrl.envs import ArithmeticTask
-from exactrl.envs.tool_use import CalculatorTask, ideal_transcript, CALCULATOR_TOOL
+from exactrl.envs.tool_use import CALCULATOR_TOOL, CalculatorTask, ideal_transcript
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer, render_chat_template
 
 
@@ -14,19 +15,18 @@ def corpus() -> list[str]:
     rng = random.Random(0)
     task = CalculatorTask()
     texts = default_tokenizer_corpus([ArithmeticTask(), task], 200, 0)
-    texts += [render_chat_template(ideal_transcript(task.generate(rng)), [CALCULATOR_TOOL], False)
-              for _ in range(200)]
+    texts += [render_chat_template(ideal_transcript(task.generate(rng)), [CALCULATOR_TOOL], False) for _ in range(200)]
     texts += ["hello world, the quick brown fox jumps over the lazy dog. " * 3] * 20
     return texts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer_dir() -> str:
     d = tempfile.mkdtemp(prefix="exactrl-chat-tok-")
     build_tokenizer(d, corpus(), vocab_size=512)
     return d
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer():
     return load_tokenizer(tokenizer_dir())

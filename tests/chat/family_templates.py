@@ -18,6 +18,7 @@ The Jinja below is written here. What it reproduces was read from the families' 
     custom-tool format Meta's Llama 3.1 prompt-format page describes (a system-prompt instruction, not its
     template's): a template whose calls neither parser reads back.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,8 +92,11 @@ QWEN3_TEMPLATE = r"""
 """.strip()
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-QWEN25_TEMPLATE = r"""
-{%- set system = messages[0].content if messages[0].role == 'system' else '""" + QWEN25_SYSTEM + r"""' %}
+QWEN25_TEMPLATE = (
+    r"""
+{%- set system = messages[0].content if messages[0].role == 'system' else '"""
+    + QWEN25_SYSTEM
+    + r"""' %}
 {%- if tools %}
     {{- '<|im_start|>system\n' + system + '\n\n# Tools\n\nYou may call one or more functions.\n\n<tools>' }}
     {%- for tool in tools %}
@@ -131,6 +135,7 @@ QWEN25_TEMPLATE = r"""
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """.strip()
+)
 
 LLAMA3_TEMPLATE = r"""
 {{- bos_token }}
@@ -180,41 +185,72 @@ LLAMA3_TEMPLATE = r"""
 {%- endif %}
 """.strip()
 
-LLAMA3_FN_TEMPLATE = (
-    LLAMA3_TEMPLATE
-    .replace(r"""\n\n{"name": "' + call.name + '", "parameters": '""", r"""\n\n<function=' + call.name + '>'""")
-    .replace("""(call.arguments | tojson) + '}<|eot_id|>'""", """(call.arguments | tojson) + '</function><|eot_id|>'"""))
+LLAMA3_FN_TEMPLATE = LLAMA3_TEMPLATE.replace(
+    r"""\n\n{"name": "' + call.name + '", "parameters": '""", r"""\n\n<function=' + call.name + '>'"""
+).replace("""(call.arguments | tojson) + '}<|eot_id|>'""", """(call.arguments | tojson) + '</function><|eot_id|>'""")
 assert LLAMA3_FN_TEMPLATE.count("<function=") == 1 and "</function>" in LLAMA3_FN_TEMPLATE
 
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-LLAMA_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                 "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")
+LLAMA_SPECIAL = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+)
 
 # name -> (template, special tokens, non-special added tokens, tokenizer_config extras, bos added on encode)
 FAMILIES = {
-    "qwen3": (QWEN3_TEMPLATE, QWEN_SPECIAL, QWEN_ADDED,
-              {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, False),
-    "qwen2.5": (QWEN25_TEMPLATE, QWEN_SPECIAL, QWEN_ADDED,
-                {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, False),
+    "qwen3": (
+        QWEN3_TEMPLATE,
+        QWEN_SPECIAL,
+        QWEN_ADDED,
+        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        False,
+    ),
+    "qwen2.5": (
+        QWEN25_TEMPLATE,
+        QWEN_SPECIAL,
+        QWEN_ADDED,
+        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        False,
+    ),
     # Llama 3.1 Instruct: eos is <|eot_id|>, and the tokenizer itself adds <|begin_of_text|> (the template
     # writes it too: chat ids are encoded without added special tokens, or the bos would be doubled)
-    "llama3": (LLAMA3_TEMPLATE, LLAMA_SPECIAL, (),
-               {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": None}, True),
-    "llama3-fn": (LLAMA3_FN_TEMPLATE, LLAMA_SPECIAL, (),
-                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": None}, True),
+    "llama3": (
+        LLAMA3_TEMPLATE,
+        LLAMA_SPECIAL,
+        (),
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": None},
+        True,
+    ),
+    "llama3-fn": (
+        LLAMA3_FN_TEMPLATE,
+        LLAMA_SPECIAL,
+        (),
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": None},
+        True,
+    ),
 }
 # eos ids a checkpoint's generation_config.json lists beyond the tokenizer's eos (Qwen: <|endoftext|>;
 # Llama 3.1: <|end_of_text|> and <|eom_id|>)
-GENERATION_EOS = {"qwen3": ("<|im_end|>", "<|endoftext|>"), "qwen2.5": ("<|im_end|>", "<|endoftext|>"),
-                  "llama3": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
-                  "llama3-fn": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")}
+GENERATION_EOS = {
+    "qwen3": ("<|im_end|>", "<|endoftext|>"),
+    "qwen2.5": ("<|im_end|>", "<|endoftext|>"),
+    "llama3": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+    "llama3-fn": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+}
 
 
 def corpus() -> list[str]:
     words = "the quick brown fox jumps over the lazy dog hello world compute answer calculator expression"
-    return [f"{words} {i} {i * 7}+{i}={i * 8}. " * 3 + '{"name": "calculator", "arguments": {"expression": "1"}}'
-            for i in range(60)]
+    return [
+        f"{words} {i} {i * 7}+{i}={i * 8}. " * 3 + '{"name": "calculator", "arguments": {"expression": "1"}}'
+        for i in range(60)
+    ]
 
 
 def build_family_tokenizer(out_dir: str | Path, family: str, vocab_size: int = 400) -> None:
@@ -225,32 +261,43 @@ def build_family_tokenizer(out_dir: str | Path, family: str, vocab_size: int = 4
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(added), special_tokens=list(special),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(added),
+        special_tokens=list(special),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(), trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if adds_bos:
         bos = config["bos_token"]
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": None, "clean_up_tokenization_spaces": False,
-           "model_max_length": 32768, **config, "chat_template": template}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 32768,
+        **config,
+        "chat_template": template,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_dir(family: str) -> str:
     d = tempfile.mkdtemp(prefix=f"exactrl-{family}-tok-")
     build_family_tokenizer(d, family)
     return d
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_tokenizer(family: str):
     from exactrl.model.tokenizer import load_tokenizer
 
@@ -266,8 +313,8 @@ def _model_dir(family: str, force: str | None) -> Path:
     the last layer's output projection fixes one direction of the final hidden state; one lm_head weight
     points that direction at the token)."""
     import torch
-
     from conftest import make_hf_model
+
     from exactrl.model.tokenizer import load_tokenizer
 
     d = Path(tempfile.mkdtemp(prefix=f"exactrl-{family}-model-"))
@@ -288,7 +335,7 @@ def _model_dir(family: str, force: str | None) -> Path:
     return d
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_server(family: str, force: str | None = None):
     """(ServerThread, ServerState) serving the family's tiny model on 127.0.0.1."""
     import atexit

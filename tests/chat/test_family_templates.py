@@ -4,28 +4,36 @@ default system prompt) and Llama 3.1 (bos written by the template, `<|eot_id|>` 
 tool calls and `ipython` tool results: test_llama_tools.py). Every spliced prompt holds the earlier turns'
 exact ids followed by the tokenization of what the template renders for the new messages; the trajectories
 mask exactly the generated tokens."""
+
 from __future__ import annotations
 
 import pytest
-
 from family_templates import family_server, family_tokenizer
+
 from exactrl.chat.parsing import HERMES, LLAMA3_JSON, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, Splicer
 from exactrl.chat.trajectory import Session
 
 FAMILIES = ("qwen3", "qwen2.5", "llama3")
 QWEN = ("qwen3", "qwen2.5")
-TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluates an expression.",
-                                         "parameters": {"type": "object",
-                                                        "properties": {"expression": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluates an expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    },
+}
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 
 
 def user_part(family: str, text: str) -> str:
     """What the family's template renders after an end-of-turn token for a user turn + generation prompt."""
     if family == "llama3":
-        return (f"<|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>"
-                f"<|start_header_id|>assistant<|end_header_id|>\n\n")
+        return (
+            f"<|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>"
+            f"<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
     return f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -64,8 +72,8 @@ def check_trajectory(session: Session, turns: list[dict]) -> None:
     want = [0] * len(full)
     for m in turns:
         a = len(m["prompt_token_ids"])
-        want[a:a + len(m["generation_token_ids"])] = [1] * len(m["generation_token_ids"])
-    assert t.loss_mask == want[len(t.prompt_ids):] and t.num_turns == len(turns)
+        want[a : a + len(m["generation_token_ids"])] = [1] * len(m["generation_token_ids"])
+    assert t.loss_mask == want[len(t.prompt_ids) :] and t.num_turns == len(turns)
     assert t.behav_logprobs == [-0.25 if m else 0.0 for m in t.loss_mask]
 
 
@@ -120,13 +128,20 @@ def test_hermes_tool_calls_and_grouped_results(family):
     think = "<think>\nuse the calculator twice\n</think>\n\n" if family == "qwen3" else ""
     a1 = reply(tok, sp, p1, tok.encode(think + CALL.format("2+2") + "\n" + CALL.format("3*3")))
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in a1["tool_calls"]] == [
-        ("calculator", '{"expression": "2+2"}'), ("calculator", '{"expression": "3*3"}')]
+        ("calculator", '{"expression": "2+2"}'),
+        ("calculator", '{"expression": "3*3"}'),
+    ]
     assert a1["content"] is None and a1.get("reasoning_content") == ("use the calculator twice" if think else None)
     record(session, a1, "fresh")
     msgs += [a1] + [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(a1["tool_calls"], "49")]
     plan = sp.build(msgs, [TOOL])
-    check_splice(tok, plan, a1, "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\n9\n"
-                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    check_splice(
+        tok,
+        plan,
+        a1,
+        "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\n9\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    )
     a2 = reply(tok, sp, plan.prompt_ids, tok.encode(think + "4 and 9"))
     record(session, a2)
     msgs += [a2, {"role": "user", "content": "thanks"}]
@@ -227,8 +242,12 @@ def test_live_qwen3_turns_and_branches():
     firsts = [as_dict(ch.message) for ch in r.choices]
     seconds = []
     for m in firsts:
-        r2 = c.chat.completions.create(model=state.config.model_name, max_tokens=6, seed=2,
-                                       messages=msgs + [m, {"role": "user", "content": "and again?"}])
+        r2 = c.chat.completions.create(
+            model=state.config.model_name,
+            max_tokens=6,
+            seed=2,
+            messages=msgs + [m, {"role": "user", "content": "and again?"}],
+        )
         m2 = as_dict(r2.choices[0].message)
         check_extends(tok, m2["prompt_token_ids"], m, user_part("qwen3", "and again?"))
         seconds.append(m2)
@@ -253,13 +272,12 @@ def test_live_a_generation_config_eos_ends_the_turn_as_a_stop_token():
     m = as_dict(r.choices[0].message)
     assert m["generation_token_ids"] == [eom] and r.choices[0].finish_reason == "stop"
     assert m["content"] == ""
-    chunks = list(c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=4,
-                                            stream=True))
+    chunks = list(c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=4, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
     msgs += [m, {"role": "user", "content": "again"}]
     r2 = c.chat.completions.create(model=state.config.model_name, messages=msgs, max_tokens=4)
     check_extends(tok, r2.choices[0].message.prompt_token_ids, m, user_part("llama3", "again"))
-    assert r2.choices[0].message.prompt_token_ids[len(m["prompt_token_ids"]):][:2] == [eom, tok.end_of_turn_id]
+    assert r2.choices[0].message.prompt_token_ids[len(m["prompt_token_ids"]) :][:2] == [eom, tok.end_of_turn_id]
 
 
 def test_the_tool_call_format_is_the_templates():
@@ -285,11 +303,13 @@ def test_live_a_template_of_neither_format_refuses_tool_parsing():
     msgs = [{"role": "user", "content": "compute 2+2"}]
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError, match="neither format") as e:
-            c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], max_tokens=4,
-                                      stream=stream)
+            c.chat.completions.create(
+                model=state.config.model_name, messages=msgs, tools=[TOOL], max_tokens=4, stream=stream
+            )
         assert e.value.body["param"] == "tools" and e.value.body["code"] == "unsupported_tool_call_format"
-    r = c.chat.completions.create(model=state.config.model_name, messages=msgs, tools=[TOOL], tool_choice="none",
-                                  max_tokens=4)
+    r = c.chat.completions.create(
+        model=state.config.model_name, messages=msgs, tools=[TOOL], tool_choice="none", max_tokens=4
+    )
     assert "Given the following functions" in state.tokenizer.decode(r.choices[0].message.prompt_token_ids)
 
 
@@ -309,14 +329,16 @@ def test_live_qwen3_enable_thinking_false_reaches_the_template():
     assert tok.decode(m["prompt_token_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     msgs += [m, {"role": "user", "content": "again"}]
     r2 = c.chat.completions.create(model=name, messages=msgs, max_tokens=4, extra_body=off)
-    check_extends(tok, r2.choices[0].message.prompt_token_ids, m,
-                  user_part("qwen3", "again") + "<think>\n\n</think>\n\n")
+    check_extends(
+        tok, r2.choices[0].message.prompt_token_ids, m, user_part("qwen3", "again") + "<think>\n\n</think>\n\n"
+    )
     with pytest.raises(openai.BadRequestError, match="generation prompt"):
         c.chat.completions.create(model=name, messages=msgs, max_tokens=4)
     for bad in ({"messages": []}, {"add_generation_prompt": False}, ["enable_thinking"]):
         with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
-            c.chat.completions.create(model=name, messages=msgs[:1], max_tokens=4,
-                                      extra_body={"chat_template_kwargs": bad})
+            c.chat.completions.create(
+                model=name, messages=msgs[:1], max_tokens=4, extra_body={"chat_template_kwargs": bad}
+            )
 
 
 def test_a_template_whose_text_changes_between_requests_is_non_monotonic():
@@ -328,7 +350,8 @@ def test_a_template_whose_text_changes_between_requests_is_non_monotonic():
     p1 = sp.build(msgs, template_kwargs={"date_string": "26 Jul 2024"}).prompt_ids
     assert "Today Date: 26 Jul 2024" in tok.decode(p1)
     msgs += [reply(tok, sp, p1, tok.encode("hi")), {"role": "user", "content": "more"}]
-    check_splice(tok, sp.build(msgs, template_kwargs={"date_string": "26 Jul 2024"}), msgs[1],
-                 user_part("llama3", "more"))
+    check_splice(
+        tok, sp.build(msgs, template_kwargs={"date_string": "26 Jul 2024"}), msgs[1], user_part("llama3", "more")
+    )
     with pytest.raises(MonotonicityError, match="the text of turn 0 changed"):
         sp.build(msgs, template_kwargs={"date_string": "27 Jul 2024"})

@@ -2,18 +2,27 @@
 {...}}` (or "arguments", or several such objects separated by `;`, as vLLM's llama3_json parser reads them),
 optionally after `<|python_tag|>`; anything else is content. Streamed deltas add up to the same parse, a call
 only at the end."""
+
 from __future__ import annotations
 
 import functools
 import json
 
 import pytest
+from family_templates import family_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_family_templates import (
+    TOOL,
+    char_tokens,
+    check_extends,
+    check_splice,
+    check_trajectory,
+    record,
+    reply,
+    user_part,
+)
 
-from family_templates import family_tokenizer
-from test_family_templates import (TOOL, char_tokens, check_extends, check_splice, check_trajectory, record, reply,
-                                   user_part)
 from exactrl.chat.parsing import HERMES, LLAMA3_JSON, StreamParser, parse_assistant_text
 from exactrl.chat.splice import MonotonicityError, Splicer
 from exactrl.chat.trajectory import Session
@@ -25,56 +34,69 @@ def calls_of(text: str, fmt: str = LLAMA3_JSON) -> tuple[str, list]:
     return p.content, [(c.name, c.arguments) for c in p.tool_calls]
 
 
-@pytest.mark.parametrize("text, calls", [
-    ('{"name": "calculator", "parameters": {"expression": "2+2"}}', [("calculator", {"expression": "2+2"})]),
-    ('{"name": "calculator", "arguments": {"expression": "2+2"}}', [("calculator", {"expression": "2+2"})]),
-    ('\n  {"name": "f", "parameters": {}}\n\n', [("f", {})]),  # whitespace around
-    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
-    (' <|python_tag|> {"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
-    ('{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {"b": [1, 2]}}',
-     [("f", {"a": 1}), ("g", {"b": [1, 2]})]),
-    ('{"name": "f", "parameters": {"a": 1}};{"name": "f", "parameters": {"a": 2}}', [("f", {"a": 1}), ("f", {"a": 2})]),
-    # nested arguments, unicode (escaped or not), arguments as a JSON string
-    ('{"name": "search", "parameters": {"q": {"text": "naïve", "tags": ["a", {"b": null}]}, "n": 3.5}}',
-     [("search", {"q": {"text": "naïve", "tags": ["a", {"b": None}]}, "n": 3.5})]),
-    ('{"name": "echo", "parameters": {"s": "\\u00e9\\ud83d\\ude00 日本"}}', [("echo", {"s": "é😀 日本"})]),
-    ('{"name": "f", "parameters": "{\\"a\\": 1}"}', [("f", {"a": 1})]),
-])
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ('{"name": "calculator", "parameters": {"expression": "2+2"}}', [("calculator", {"expression": "2+2"})]),
+        ('{"name": "calculator", "arguments": {"expression": "2+2"}}', [("calculator", {"expression": "2+2"})]),
+        ('\n  {"name": "f", "parameters": {}}\n\n', [("f", {})]),  # whitespace around
+        ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
+        (' <|python_tag|> {"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
+        (
+            '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {"b": [1, 2]}}',
+            [("f", {"a": 1}), ("g", {"b": [1, 2]})],
+        ),
+        (
+            '{"name": "f", "parameters": {"a": 1}};{"name": "f", "parameters": {"a": 2}}',
+            [("f", {"a": 1}), ("f", {"a": 2})],
+        ),
+        # nested arguments, unicode (escaped or not), arguments as a JSON string
+        (
+            '{"name": "search", "parameters": {"q": {"text": "naïve", "tags": ["a", {"b": null}]}, "n": 3.5}}',
+            [("search", {"q": {"text": "naïve", "tags": ["a", {"b": None}]}, "n": 3.5})],
+        ),
+        ('{"name": "echo", "parameters": {"s": "\\u00e9\\ud83d\\ude00 日本"}}', [("echo", {"s": "é😀 日本"})]),
+        ('{"name": "f", "parameters": "{\\"a\\": 1}"}', [("f", {"a": 1})]),
+    ],
+)
 def test_valid_calls(text, calls):
     content, got = calls_of(text)
     assert got == calls and content == ""
     assert parse_assistant_text(text, tool_format=LLAMA3_JSON).to_message()["content"] is None
 
 
-@pytest.mark.parametrize("text", [
-    "The answer is 4.",
-    "",
-    "{not json}",
-    '{"name": "f", "parameters": {"a": 1}',  # unclosed
-    '{"name": "f", "parameters": {"a": 1}} and more',  # text after the call
-    'Sure: {"name": "f", "parameters": {"a": 1}}',  # text before it (vLLM would take the call)
-    '{"name": "f", "parameters": {}};',  # a `;` with no call after it
-    '{"name": "f", "parameters": {}}; hello',
-    '{"a": 1}',  # JSON that is not a call
-    '[{"name": "f", "parameters": {}}]',
-    '"f"',
-    '{"name": "f"}',  # no arguments: JSON data, not a call
-    '{"name": "f", "parameters": {}, "arguments": {}}',  # both
-    '{"name": "f", "parameters": {}, "id": 1}',  # a key the call has no place for
-    '{"name": "f", "name": "g", "parameters": {}}',  # a key twice
-    '{"name": "f", "parameters": {"a": 1, "a": 2}}',
-    '{"name": "bad name!", "parameters": {}}',
-    '{"name": 5, "parameters": {}}',
-    '{"name": "f", "parameters": [1]}',  # arguments not an object
-    '{"name": "f", "parameters": {"a": NaN}}',  # not strict JSON
-    '{"name": "f", "parameters": {"a": 1e999}}',
-    '{"name": "f", "parameters": {"x": "\\ud800"}}',  # a lone surrogate: not UTF-8
-    '{"name": "f", "parameters": {"x": ' + "1" * 4301 + '}}',  # past Python's digit limit
-    '{"name": "f", "parameters": {"x": ' + "[" * 100_000 + "]" * 100_000 + '}}',  # nesting too deep
-    '<|python_tag|>',
-    '<|python_tag|>brave_search.call(query="x")',  # a built-in tool call (pythonic): not JSON
-    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',  # Hermes is not this format
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The answer is 4.",
+        "",
+        "{not json}",
+        '{"name": "f", "parameters": {"a": 1}',  # unclosed
+        '{"name": "f", "parameters": {"a": 1}} and more',  # text after the call
+        'Sure: {"name": "f", "parameters": {"a": 1}}',  # text before it (vLLM would take the call)
+        '{"name": "f", "parameters": {}};',  # a `;` with no call after it
+        '{"name": "f", "parameters": {}}; hello',
+        '{"a": 1}',  # JSON that is not a call
+        '[{"name": "f", "parameters": {}}]',
+        '"f"',
+        '{"name": "f"}',  # no arguments: JSON data, not a call
+        '{"name": "f", "parameters": {}, "arguments": {}}',  # both
+        '{"name": "f", "parameters": {}, "id": 1}',  # a key the call has no place for
+        '{"name": "f", "name": "g", "parameters": {}}',  # a key twice
+        '{"name": "f", "parameters": {"a": 1, "a": 2}}',
+        '{"name": "bad name!", "parameters": {}}',
+        '{"name": 5, "parameters": {}}',
+        '{"name": "f", "parameters": [1]}',  # arguments not an object
+        '{"name": "f", "parameters": {"a": NaN}}',  # not strict JSON
+        '{"name": "f", "parameters": {"a": 1e999}}',
+        '{"name": "f", "parameters": {"x": "\\ud800"}}',  # a lone surrogate: not UTF-8
+        '{"name": "f", "parameters": {"x": ' + "1" * 4301 + "}}",  # past Python's digit limit
+        '{"name": "f", "parameters": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}",  # nesting too deep
+        "<|python_tag|>",
+        '<|python_tag|>brave_search.call(query="x")',  # a built-in tool call (pythonic): not JSON
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',  # Hermes is not this format
+    ],
+)
 def test_everything_else_is_content(text):
     content, calls = calls_of(text)
     assert calls == [] and content == text.strip()
@@ -105,8 +127,11 @@ def stream(text: str, cuts: list[int], tools: bool = True) -> tuple[list, str, l
         deltas.append(sp.feed(text[i:j]))
         i, k = j, k + 1
     deltas.append(sp.finish())
-    return (deltas, "".join(d.reasoning + d.content for d in deltas),
-            [(c.name, c.arguments) for d in deltas for c in d.tool_calls])
+    return (
+        deltas,
+        "".join(d.reasoning + d.content for d in deltas),
+        [(c.name, c.arguments) for d in deltas for c in d.tool_calls],
+    )
 
 
 def test_stream_holds_what_could_still_be_a_call():
@@ -116,21 +141,45 @@ def test_stream_holds_what_could_still_be_a_call():
     # a call, then more text: held until the text shows it is not a call, then all of it is content
     deltas, content, calls = stream('{"name": "f", "parameters": {}}  ok', [1])
     n = len('{"name": "f", "parameters": {}}  o')
-    assert all(not d for d in deltas[:n - 1]) and deltas[n - 1].content == '{"name": "f", "parameters": {}}  o'
+    assert all(not d for d in deltas[: n - 1]) and deltas[n - 1].content == '{"name": "f", "parameters": {}}  o'
     assert content == '{"name": "f", "parameters": {}}  ok' and calls == []
     # plain text is sent as it comes (trailing whitespace held)
     deltas, content, calls = stream("Hello there", [1])
     assert [d.content for d in deltas[:6]] == ["H", "e", "l", "l", "o", ""] and content == "Hello there"
 
 
-atoms = st.sampled_from(['{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "arguments": {}}', "{", "}", ";",
-                         " ", "\n", "<|python_tag|>", "<|python", "_tag|>", '"name"', ": ", '"f"', ", ",
-                         '"parameters"', '{"a": [1, {"b": "é"}]}', "x", "<think>", "</think>", "[", "]", "\ufffd"])
+atoms = st.sampled_from(
+    [
+        '{"name": "f", "parameters": {"a": 1}}',
+        '{"name": "g", "arguments": {}}',
+        "{",
+        "}",
+        ";",
+        " ",
+        "\n",
+        "<|python_tag|>",
+        "<|python",
+        "_tag|>",
+        '"name"',
+        ": ",
+        '"f"',
+        ", ",
+        '"parameters"',
+        '{"a": [1, {"b": "é"}]}',
+        "x",
+        "<think>",
+        "</think>",
+        "[",
+        "]",
+        "\ufffd",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(parts=st.lists(atoms, max_size=12), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=40),
-       tools=st.booleans())
+@given(
+    parts=st.lists(atoms, max_size=12), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=40), tools=st.booleans()
+)
 def test_stream_deltas_equal_the_parse(parts, cuts, tools):
     text = "".join(parts)
     full = parse_assistant_text(text, tools, LLAMA3_JSON)
@@ -149,12 +198,14 @@ def llama_call(expr: str, key: str = "parameters") -> str:
 
 
 # what the template renders for a tool result (role `ipython`, a string through tojson) + the generation prompt
-TOOL_RESULT = ('<|start_header_id|>ipython<|end_header_id|>\n\n"{}"<|eot_id|>'
-               '<|start_header_id|>assistant<|end_header_id|>\n\n')
+TOOL_RESULT = (
+    '<|start_header_id|>ipython<|end_header_id|>\n\n"{}"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+)
 
 
-@pytest.mark.parametrize("key, tag, char", [("parameters", "", False), ("arguments", "", True),
-                                            ("parameters", "<|python_tag|>", True)])
+@pytest.mark.parametrize(
+    "key, tag, char", [("parameters", "", False), ("arguments", "", True), ("parameters", "<|python_tag|>", True)]
+)
 def test_llama_call_result_and_answer_keep_exact_ids(key, tag, char):
     """user -> a JSON call (ended by `<|eom_id|>`, as Llama 3.1 ends a turn that waits for a tool) -> the tool
     result, which the template renders as an `ipython` turn (its text through tojson) -> the answer -> a user
@@ -169,8 +220,9 @@ def test_llama_call_result_and_answer_keep_exact_ids(key, tag, char):
     text = llama_call("2+2", key)
     gen = (tok.encode(tag) if tag else []) + (char_tokens(tok, text) if char else tok.encode(text))
     a1 = reply(tok, sp, p1, gen, stop=eom)
-    assert a1["content"] is None and [(c["function"]["name"], c["function"]["arguments"])
-                                      for c in a1["tool_calls"]] == [("calculator", '{"expression": "2+2"}')]
+    assert a1["content"] is None and [
+        (c["function"]["name"], c["function"]["arguments"]) for c in a1["tool_calls"]
+    ] == [("calculator", '{"expression": "2+2"}')]
     record(session, a1, "fresh")
     msgs += [a1, {"role": "tool", "tool_call_id": a1["tool_calls"][0]["id"], "content": "4"}]
     plan = sp.build(msgs, [TOOL])
@@ -213,10 +265,8 @@ def test_llama_two_calls_parse_but_the_template_takes_one():
     tok = family_tokenizer("llama3")
     sp = Splicer(tok)
     msgs = [{"role": "user", "content": "compute 2+2 and 3*3"}]
-    a1 = reply(tok, sp, sp.build(msgs, [TOOL]).prompt_ids,
-               tok.encode(llama_call("2+2") + "; " + llama_call("3*3")))
-    assert [c["function"]["arguments"] for c in a1["tool_calls"]] == ['{"expression": "2+2"}',
-                                                                       '{"expression": "3*3"}']
+    a1 = reply(tok, sp, sp.build(msgs, [TOOL]).prompt_ids, tok.encode(llama_call("2+2") + "; " + llama_call("3*3")))
+    assert [c["function"]["arguments"] for c in a1["tool_calls"]] == ['{"expression": "2+2"}', '{"expression": "3*3"}']
     results = [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(a1["tool_calls"], "49")]
     with pytest.raises(ValueError, match="single tool-calls"):
         sp.build(msgs + [a1] + results, [TOOL])
@@ -228,7 +278,7 @@ QUESTION = {"role": "user", "content": "compute 2+2"}
 ANSWER = "2+2 is 4"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def taught_llama():
     """(ServerThread, ServerState, model dir, transcript ids) serving a tiny Llama-3.1-like model taught (a few
     hundred Adam steps on two sequences) to answer QUESTION greedily with `llama_call("2+2")` + `<|eom_id|>`,
@@ -237,8 +287,8 @@ def taught_llama():
 
     import torch
     import transformers
-
     from family_templates import _model_dir
+
     from exactrl.model.tokenizer import load_tokenizer
     from exactrl.server.app import ServerThread, build_state, create_app
 
@@ -249,19 +299,20 @@ def taught_llama():
     p1 = sp.build([QUESTION], [TOOL]).prompt_ids
     g1 = tok.encode(llama_call("2+2")) + [eom]
     a1 = reply(tok, sp, p1, g1[:-1], stop=eom)
-    p2 = sp.build([QUESTION, a1, {"role": "tool", "tool_call_id": a1["tool_calls"][0]["id"], "content": "4"}],
-                  [TOOL]).prompt_ids
+    p2 = sp.build(
+        [QUESTION, a1, {"role": "tool", "tool_call_id": a1["tool_calls"][0]["id"], "content": "4"}], [TOOL]
+    ).prompt_ids
     g2 = tok.encode(ANSWER) + [tok.end_of_turn_id]
     # the tools in the first user turn make a ~500-token prompt: a longer context than the tiny default
     model = transformers.LlamaForCausalLM.from_pretrained(d, max_position_embeddings=1024).train()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(600):
+    for step in range(600):  # noqa: B007 (named by the failure message)
         loss = 0.0
         greedy = True
         for p, g in ((p1, g1), (p2, g2)):
             out = model(torch.tensor([p + g]), labels=torch.tensor([[-100] * len(p) + g]))
             loss = loss + out.loss
-            top2 = out.logits[0, len(p) - 1:-1].topk(2, dim=-1)
+            top2 = out.logits[0, len(p) - 1 : -1].topk(2, dim=-1)
             greedy &= top2.indices[:, 0].tolist() == g and bool((top2.values[:, 0] - top2.values[:, 1] > 1.0).all())
         if greedy:  # every generated token wins by more than one logit: no rounding can change the argmax
             break
@@ -300,8 +351,13 @@ def test_live_llama_tool_episode_keeps_exact_ids():
     assert (ch.message.prompt_token_ids, ch.message.generation_token_ids) == (p1, g1)
     # streamed (outside the session): the call arrives once, whole, with the closing delta
     plain = openai.OpenAI(base_url=f"{thread.url}/v1", api_key="test", max_retries=0)
-    chunks = [x for x in plain.chat.completions.create(model=name, messages=[QUESTION], tools=[TOOL], temperature=0,
-                                                       max_tokens=40, stream=True) if x.choices]
+    chunks = [
+        x
+        for x in plain.chat.completions.create(
+            model=name, messages=[QUESTION], tools=[TOOL], temperature=0, max_tokens=40, stream=True
+        )
+        if x.choices
+    ]
     deltas = [x.choices[0].delta for x in chunks]
     assert "".join(dl.content or "" for dl in deltas) == ""
     assert [dl.tool_calls is not None for dl in deltas] == [False] * (len(deltas) - 1) + [True]
@@ -326,9 +382,9 @@ def test_live_llama_tool_episode_keeps_exact_ids():
     want = [0] * len(full)
     for m in (m1, m2, m3):
         a = len(m["prompt_token_ids"])
-        want[a:a + len(m["generation_token_ids"])] = [1] * len(m["generation_token_ids"])
-    assert t["loss_mask"] == want[len(p1):] and t["num_turns"] == 3
+        want[a : a + len(m["generation_token_ids"])] = [1] * len(m["generation_token_ids"])
+    assert t["loss_mask"] == want[len(p1) :] and t["num_turns"] == 3
     lps = exactrl.sequence_logprobs(exactrl.load_model(d), [full], 1.0)[0].tolist()
     for m in (m1, m2, m3):  # temperature 0 reports the T = 1 logprobs
         a = len(m["prompt_token_ids"])
-        assert lps[a - 1:a - 1 + len(m["generation_token_ids"])] == m["generation_log_probs"]  # bitwise
+        assert lps[a - 1 : a - 1 + len(m["generation_token_ids"])] == m["generation_log_probs"]  # bitwise

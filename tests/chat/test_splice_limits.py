@@ -1,5 +1,6 @@
 """The splicer keeps generations that hold end-of-turn tokens (ignore_eos) exact, accepts every id of the model's
 vocabulary, renders the template a bounded number of times, and refuses over-long conversations first."""
+
 from __future__ import annotations
 
 import random
@@ -7,10 +8,10 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_splice import SYSTEM, USER, byte_tokens, sp, tok, turn  # noqa: F401 (sp, tok: fixtures)
 
 from exactrl.chat.messages import InconsistentTokenFieldsError
 from exactrl.chat.splice import MonotonicityError, PromptTooLongError, Splicer
-from test_splice import SYSTEM, USER, byte_tokens, sp, tok, turn  # noqa: F401 (sp, tok: fixtures)
 
 FOLLOW = {"role": "user", "content": "more"}
 
@@ -19,17 +20,22 @@ FOLLOW = {"role": "user", "content": "more"}
 @pytest.mark.parametrize("policy", ["raise", "split", "truncate"])
 def test_generation_with_end_of_turn_inside_splices_exactly(tok, sp, eot, policy):
     p1 = sp.build([USER]).prompt_ids
-    gen = byte_tokens(tok, "84") + [tok.end_of_turn_id] + tok.encode("\n<|im_start|>user\nok") + [
-        tok.end_of_turn_id] + byte_tokens(tok, "fine")
+    gen = (
+        byte_tokens(tok, "84")
+        + [tok.end_of_turn_id]
+        + tok.encode("\n<|im_start|>user\nok")
+        + [tok.end_of_turn_id]
+        + byte_tokens(tok, "fine")
+    )
     a1 = turn(tok, p1, gen, eot=eot)
     assert "<|im_end|>" in a1["content"]
     plan = sp.build([USER, a1, FOLLOW], policy=policy)
     hist = a1["prompt_token_ids"] + a1["generation_token_ids"]
-    assert plan.kind == "spliced" and plan.prompt_ids[:len(hist)] == hist
+    assert plan.kind == "spliced" and plan.prompt_ids[: len(hist)] == hist
     # the next turn chains on it
     a2 = turn(tok, plan.prompt_ids, byte_tokens(tok, "yes"))
     plan2 = sp.build([USER, a1, FOLLOW, a2, FOLLOW], policy=policy)
-    assert plan2.kind == "spliced" and plan2.prompt_ids[:len(plan.prompt_ids)] == plan.prompt_ids
+    assert plan2.kind == "spliced" and plan2.prompt_ids[: len(plan.prompt_ids)] == plan.prompt_ids
 
 
 def test_edited_generation_with_end_of_turn_inside_is_still_non_monotonic(tok, sp):
@@ -55,11 +61,11 @@ def test_random_generations_with_end_of_turn_tokens_splice_exactly(tok, sp, seed
     prompt = sp.build(msgs).prompt_ids
     for _ in range(turns):
         gen = [rng.choice(ids) for _ in range(rng.randint(1, 12))] + [tok.end_of_turn_id]
-        gen = gen[:rng.randint(1, len(gen))]
+        gen = gen[: rng.randint(1, len(gen))]
         msgs = msgs + [turn(tok, prompt, gen, eot=False), FOLLOW]
         plan = sp.build(msgs)
         assert plan.kind == "spliced"
-        assert plan.prompt_ids[:len(prompt) + len(gen)] == prompt + gen
+        assert plan.prompt_ids[: len(prompt) + len(gen)] == prompt + gen
         prompt = plan.prompt_ids
 
 
@@ -68,7 +74,7 @@ def test_ids_of_the_models_padded_vocabulary_are_accepted(tok):
     p1 = sp.build([USER]).prompt_ids
     a1 = turn(tok, p1, [tok.vocab_size + 5, tok.vocab_size + 87], eot=False, content="")
     plan = sp.build([USER, a1, FOLLOW])
-    assert plan.kind == "spliced" and plan.prompt_ids[:len(p1) + 2] == p1 + [tok.vocab_size + 5, tok.vocab_size + 87]
+    assert plan.kind == "spliced" and plan.prompt_ids[: len(p1) + 2] == p1 + [tok.vocab_size + 5, tok.vocab_size + 87]
     a1["generation_token_ids"] = [tok.vocab_size + 88, 5]
     with pytest.raises(InconsistentTokenFieldsError, match="outside the vocabulary"):
         sp.build([USER, a1, FOLLOW])
@@ -108,12 +114,15 @@ def test_generation_ending_with_end_of_turn_shown_in_its_text_splices_exactly(to
     """ignore_eos, cut by length right after an end-of-turn: the text shows it; stopped by it: the text does not."""
     p1 = sp.build([USER]).prompt_ids
     eot = tok.end_of_turn_id
-    for gen, shown in [(byte_tokens(tok, "84") + [eot], True), (byte_tokens(tok, "84") + [eot, eot], True),
-                       (byte_tokens(tok, "84") + [eot, eot], False)]:
+    for gen, shown in [
+        (byte_tokens(tok, "84") + [eot], True),
+        (byte_tokens(tok, "84") + [eot, eot], True),
+        (byte_tokens(tok, "84") + [eot, eot], False),
+    ]:
         text = tok.decode(gen if shown else gen[:-1])
         a1 = turn(tok, p1, gen, eot=False, content=text)
         plan = sp.build([USER, a1, FOLLOW])
-        assert plan.kind == "spliced" and plan.prompt_ids[:len(p1) + len(gen)] == p1 + gen
+        assert plan.kind == "spliced" and plan.prompt_ids[: len(p1) + len(gen)] == p1 + gen
         assert plan.prompt_ids[len(p1) + len(gen)] != eot
 
 
@@ -127,4 +136,4 @@ def test_a_length_cut_generation_ending_on_end_of_turn_inside_its_reasoning_spli
     a1 = turn(tok, p1, gen, eot=False)
     assert a1["reasoning_content"].endswith(tok.decode([eot]))
     plan = sp.build([USER, a1, FOLLOW])
-    assert plan.kind == "spliced" and plan.prompt_ids[:len(p1) + len(gen)] == p1 + gen
+    assert plan.kind == "spliced" and plan.prompt_ids[: len(p1) + len(gen)] == p1 + gen

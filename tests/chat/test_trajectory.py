@@ -1,4 +1,5 @@
 """Session recording: generated tokens keep mask 1 across turns; branches, split and truncate."""
+
 from __future__ import annotations
 
 from exactrl.chat.trajectory import Session
@@ -44,11 +45,12 @@ def test_truncate_retires_every_record_of_the_branch_it_cut():
     """Turn 1 edited after turn 2: both records of the old branch hold tokens no context holds any more
     (it used to retire only turn 1's, and turn 2's stayed in training, token 10 trained twice)."""
     s = Session()
-    s.record([1, 2], [10, 11, E], [-.1, -.2, -.3], [0] * 3)
-    s.record([1, 2, 10, 11, E, 4], [12, 13, E], [-.4, -.5, -.6], [0] * 3)
-    s.record([1, 2], [20, E], [-.9, -.9], [0] * 2)  # a sibling of turn 1 (n = 2): not on the cut branch
-    s.record([1, 2, 10, 7, 4], [14, E], [-.7, -.8], [0, 0], kind="truncate",
-             cut_history=[1, 2, 10, 11, E, 4, 12, 13, E])
+    s.record([1, 2], [10, 11, E], [-0.1, -0.2, -0.3], [0] * 3)
+    s.record([1, 2, 10, 11, E, 4], [12, 13, E], [-0.4, -0.5, -0.6], [0] * 3)
+    s.record([1, 2], [20, E], [-0.9, -0.9], [0] * 2)  # a sibling of turn 1 (n = 2): not on the cut branch
+    s.record(
+        [1, 2, 10, 7, 4], [14, E], [-0.7, -0.8], [0, 0], kind="truncate", cut_history=[1, 2, 10, 11, E, 4, 12, 13, E]
+    )
     ts = s.trajectories()
     assert [t.completion_ids for t in ts] == [[20, E], [10, 7, 4, 14, E]]
     assert ts[1].loss_mask == [1, 0, 0, 1, 1]
@@ -58,16 +60,16 @@ def test_a_prompt_sharing_part_of_a_live_branch_does_not_train_its_tokens_twice(
     """A client re-rendered turn 1 (token 12 re-tokenized as 40 41) and sent no token fields: turn 1 stays a
     trajectory of its own, so the new one inherits only what it extends whole (here nothing)."""
     s = Session()
-    s.record([1, 2], [10, 11, 12, E], [-.1] * 4, [0] * 4)
-    s.record([1, 2, 10, 11, 40, 41, E, 5], [13, E], [-.5, -.6], [0, 0], kind="fresh")
+    s.record([1, 2], [10, 11, 12, E], [-0.1] * 4, [0] * 4)
+    s.record([1, 2, 10, 11, 40, 41, E, 5], [13, E], [-0.5, -0.6], [0, 0], kind="fresh")
     ts = s.trajectories()
     assert sum(sum(t.loss_mask) for t in ts) == 6  # each generated token once
     assert ts[1].prompt_ids == [1, 2, 10, 11, 40, 41, E, 5] and ts[1].loss_mask == [1, 1]
     # n = 2 at turn 2: the second sample shares part of the first's branch and extends turn 1 whole
     s = Session()
-    s.record([1, 2], [10, E], [-.1] * 2, [0] * 2)
-    s.record([1, 2, 10, E, 3], [11, E], [-.2] * 2, [0] * 2)
-    s.record([1, 2, 10, E, 3], [12, E], [-.3] * 2, [0] * 2)
+    s.record([1, 2], [10, E], [-0.1] * 2, [0] * 2)
+    s.record([1, 2, 10, E, 3], [11, E], [-0.2] * 2, [0] * 2)
+    s.record([1, 2, 10, E, 3], [12, E], [-0.3] * 2, [0] * 2)
     assert [t.loss_mask for t in s.trajectories()] == [[1, 1, 0, 1, 1]] * 2
 
 
@@ -75,7 +77,7 @@ def test_truncate_without_its_history_is_refused():
     import pytest
 
     with pytest.raises(ValueError, match="cut_history"):
-        Session().record([1], [2], [-.1], [0], kind="truncate")
+        Session().record([1], [2], [-0.1], [0], kind="truncate")
 
 
 def test_an_identical_record_is_one_trajectory_whatever_its_other_fields():

@@ -5,12 +5,14 @@ starts a new conversation. Whatever the tree: the loss mask is 1 exactly on the 
 along that branch, every earlier token id is kept unchanged in a trajectory that extends it, and the
 logprob and version arrays line up with the tokens.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exactrl.chat.trajectory import Session
 
@@ -60,21 +62,27 @@ def test_masks_mark_exactly_the_generated_tokens_and_keep_every_earlier_id(turns
         assert t.num_turns == sum(1 for p in gen if p - 1 not in gen)
     # nothing lost: each turn's exact ids open a trajectory that marks its generated tokens
     for tokens, gen, _ in records:
-        assert any((t.prompt_ids + t.completion_ids)[:len(tokens)] == tokens and
-                   all(t.loss_mask[p - len(t.prompt_ids)] == 1 for p in gen) for t in trajs)
+        assert any(
+            (t.prompt_ids + t.completion_ids)[: len(tokens)] == tokens
+            and all(t.loss_mask[p - len(t.prompt_ids)] == 1 for p in gen)
+            for t in trajs
+        )
     assert len({tuple(t.prompt_ids + t.completion_ids) for t in trajs}) == len(trajs)
 
 
-@pytest.mark.parametrize("args, message", [
-    (([5, -1], [3], [-0.5], [0]), r"prompt holds -1, not a token id"),
-    (([5], [3, True], [-0.5, -0.1], [0, 0]), r"generated holds True, not a token id"),
-    (([5], [3.0], [-0.5], [0]), r"generated holds 3.0, not a token id"),
-    (([5], [3, 4], [-0.5], [0, 0]), r"2 generated tokens but 1 logprobs and 2 versions"),
-    (([5], [3], [-0.5], []), r"1 generated tokens but 1 logprobs and 0 versions"),
-    (([5], [3], [math.nan], [0]), r"logprobs holds nan, not a finite log-probability"),
-    (([5], [3], [-math.inf], [0]), r"logprobs holds -inf"),
-    (([5], [3], [0.5], [0]), r"logprobs holds 0.5"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([5, -1], [3], [-0.5], [0]), r"prompt holds -1, not a token id"),
+        (([5], [3, True], [-0.5, -0.1], [0, 0]), r"generated holds True, not a token id"),
+        (([5], [3.0], [-0.5], [0]), r"generated holds 3.0, not a token id"),
+        (([5], [3, 4], [-0.5], [0, 0]), r"2 generated tokens but 1 logprobs and 2 versions"),
+        (([5], [3], [-0.5], []), r"1 generated tokens but 1 logprobs and 0 versions"),
+        (([5], [3], [math.nan], [0]), r"logprobs holds nan, not a finite log-probability"),
+        (([5], [3], [-math.inf], [0]), r"logprobs holds -inf"),
+        (([5], [3], [0.5], [0]), r"logprobs holds 0.5"),
+    ],
+)
 def test_a_turn_that_cannot_be_trained_on_is_refused_naming_the_field(args, message):
     session = Session()
     session.record([5], [3], [-0.5], [0])

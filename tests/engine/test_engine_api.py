@@ -1,15 +1,16 @@
 """Engine API: bad input (ValueError naming the field, engine keeps serving), abort, step outputs."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from engine_helpers import all_pages_free, mismatches
 
 import exactrl
 from exactrl import Engine, SamplingParams
 from exactrl.engine import Completion, RequestOutput
-from engine_helpers import all_pages_free, mismatches
 
 V = 211
 
@@ -19,32 +20,47 @@ def model(qwen3_dir):
     return exactrl.load_model(qwen3_dir)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"), (dict(top_k=0), "top_k"),
-    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
-    (dict(n=1.5), "n"), (dict(max_tokens=True), "max_tokens"), (dict(seed="x"), "seed"),
-    (dict(stop_token_ids=[1, "a"]), "stop_token_ids"), (dict(stop_token_ids=5), "stop_token_ids"),
-    (dict(temperature=1e-39), "temperature"), (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature="1"), "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(n=1.5), "n"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(seed="x"), "seed"),
+        (dict(stop_token_ids=[1, "a"]), "stop_token_ids"),
+        (dict(stop_token_ids=5), "stop_token_ids"),
+        (dict(temperature=1e-39), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="1"), "temperature"),
+    ],
+)
 def test_sampling_params_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("prompt,params,field", [
-    ([], SamplingParams(), "prompt_token_ids"),
-    ([1, V], SamplingParams(), "prompt_token_ids"),
-    ([1, -1], SamplingParams(), "prompt_token_ids"),
-    ([1, 2.0], SamplingParams(), "prompt_token_ids"),
-    (7, SamplingParams(), "prompt_token_ids"),
-    ([1] * 500, SamplingParams(max_tokens=13), "max_model_len"),  # 513 > max_position_embeddings=512
-    ([1] * 10, SamplingParams(max_tokens=95), "max_model_len"),  # engine max_model_len=100
-    ([1] * 10, SamplingParams(stop_token_ids=[V + 3]), "stop_token_ids"),
-    ([1] * 10, SamplingParams(n=9), "max_num_seqs"),
-    ([1] * 10, {"temperature": 1.0}, "SamplingParams"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,field",
+    [
+        ([], SamplingParams(), "prompt_token_ids"),
+        ([1, V], SamplingParams(), "prompt_token_ids"),
+        ([1, -1], SamplingParams(), "prompt_token_ids"),
+        ([1, 2.0], SamplingParams(), "prompt_token_ids"),
+        (7, SamplingParams(), "prompt_token_ids"),
+        ([1] * 500, SamplingParams(max_tokens=13), "max_model_len"),  # 513 > max_position_embeddings=512
+        ([1] * 10, SamplingParams(max_tokens=95), "max_model_len"),  # engine max_model_len=100
+        ([1] * 10, SamplingParams(stop_token_ids=[V + 3]), "stop_token_ids"),
+        ([1] * 10, SamplingParams(n=9), "max_num_seqs"),
+        ([1] * 10, {"temperature": 1.0}, "SamplingParams"),
+    ],
+)
 def test_bad_request_is_rejected_and_engine_keeps_serving(model, prompt, params, field):
     engine = Engine(model, max_model_len=100, max_num_seqs=8, max_num_batched_tokens=20)
     rng = random.Random(0)
@@ -53,12 +69,20 @@ def test_bad_request_is_rejected_and_engine_keeps_serving(model, prompt, params,
     ids = [engine.add_request(p, sp) for p in good]
     engine.step()
     engine.step()
-    state = (len(engine._requests), [s.seq_id for s in engine.scheduler.waiting],
-             [s.seq_id for s in engine.scheduler.running], engine.pool.num_free)
+    state = (
+        len(engine._requests),
+        [s.seq_id for s in engine.scheduler.waiting],
+        [s.seq_id for s in engine.scheduler.running],
+        engine.pool.num_free,
+    )
     with pytest.raises(ValueError, match=field):
         engine.add_request(prompt, params)
-    assert state == (len(engine._requests), [s.seq_id for s in engine.scheduler.waiting],
-                     [s.seq_id for s in engine.scheduler.running], engine.pool.num_free)
+    assert state == (
+        len(engine._requests),
+        [s.seq_id for s in engine.scheduler.waiting],
+        [s.seq_id for s in engine.scheduler.running],
+        engine.pool.num_free,
+    )
     with pytest.raises(ValueError, match=field):  # generate checks every prompt before queueing any
         engine.generate([[1, 2, 3], prompt], [SamplingParams(), params])
     assert len(engine._requests) == state[0]
@@ -82,6 +106,7 @@ def _poison_first_row(monkeypatch, at_call: int):
             logits_RV = logits_RV.clone()
             logits_RV[0] = float("nan")
         return real(self, logits_RV, rows)
+
     monkeypatch.setattr(Kernels, "sample", poisoned)
     return real
 
@@ -135,8 +160,14 @@ def test_kv_budget_and_duplicate_id_rejected(model):
         Engine(model, stop_token_ids=[V])
     with pytest.raises(ValueError, match="max_model_len"):
         Engine(model, max_model_len=10_000)
-    for kw in (dict(kv_budget_tokens=0), dict(kv_budget_tokens=100.5), dict(max_num_batched_tokens=2.5),
-               dict(max_num_batched_tokens=None), dict(max_num_seqs=True), dict(max_model_len=100.0)):
+    for kw in (
+        dict(kv_budget_tokens=0),
+        dict(kv_budget_tokens=100.5),
+        dict(max_num_batched_tokens=2.5),
+        dict(max_num_batched_tokens=None),
+        dict(max_num_seqs=True),
+        dict(max_model_len=100.0),
+    ):
         with pytest.raises(ValueError, match=f"Engine {next(iter(kw))} must be an int >= 1"):
             Engine(model, **kw)
 
@@ -149,8 +180,11 @@ def test_one_caller_drives_the_engine_at_a_time(model):
 
     e = Engine(model)
     with pytest.raises(RuntimeError, match="already driving the engine"):
-        e.generate([[1, 2, 3]], SamplingParams(max_tokens=5),
-                   on_step=lambda: e.generate([[4, 5, 6]], SamplingParams(max_tokens=3)))
+        e.generate(
+            [[1, 2, 3]],
+            SamplingParams(max_tokens=5),
+            on_step=lambda: e.generate([[4, 5, 6]], SamplingParams(max_tokens=3)),
+        )
     assert all_pages_free(e)
     work = {k: ([[k + 1] * (10 + 7 * k), [3, 4, 5]], SamplingParams(max_tokens=30, n=2, seed=k)) for k in range(2)}
     got, errors = {}, []
@@ -160,6 +194,7 @@ def test_one_caller_drives_the_engine_at_a_time(model):
             got[k] = e.generate(*work[k])
         except Exception as ex:  # noqa: BLE001 - reported below
             errors.append(repr(ex))
+
     threads = [threading.Thread(target=run, args=(k,)) for k in work]
     for t in threads:
         t.start()
@@ -227,7 +262,7 @@ def test_abort_one_sample_frees_it_and_the_others_are_unchanged(qwen3_dir, kerne
     (out,) = outs
     assert [c.finish_reason for c in out.completions] == ["length", "abort", "length"]
     assert [c.token_ids for c in out.completions[::2]] == [c.token_ids for c in ref[::2]]
-    assert ref[1].token_ids[:len(out.completions[1].token_ids)] == out.completions[1].token_ids
+    assert ref[1].token_ids[: len(out.completions[1].token_ids)] == out.completions[1].token_ids
     assert bool(mismatches(model, [(list(range(30)), c, sp) for c in out.completions])) == (kernels == "fast")
     assert all_pages_free(engine)
     # the last running sample aborted ends the request, and the next step returns it; sample 0 before its
@@ -311,6 +346,7 @@ def test_a_failed_weight_copy_stops_sampling_until_a_whole_update(model, monkeyp
         if len(calls) == 3:
             raise RuntimeError("disk gone")
         return real(self, src, *a, **kw)
+
     monkeypatch.setattr(torch.Tensor, "copy_", failing_copy)
     with pytest.raises(RuntimeError, match="disk gone"):
         engine.update_weights(sd)
@@ -336,6 +372,7 @@ def test_a_finished_output_goes_out_while_the_weights_are_broken(model, monkeypa
 
     def failing_copy(self, src, *a, **kw):
         raise RuntimeError("disk gone")
+
     monkeypatch.setattr(torch.Tensor, "copy_", failing_copy)
     with pytest.raises(RuntimeError, match="disk gone"):
         engine.update_weights({k: v.clone() for k, v in model.state_dict().items()})
@@ -355,6 +392,7 @@ def test_generate_raises_when_one_of_its_requests_is_aborted(model):
         steps.append(1)
         if len(steps) == 3:
             engine.abort(next(iter(engine._requests)))
+
     with pytest.raises(RuntimeError, match="was aborted"):
         engine.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=20, ignore_eos=True), on_step=on_step)
     assert len(steps) == 3 and not engine.has_unfinished() and all_pages_free(engine)  # raised at once
@@ -417,6 +455,7 @@ def test_engine_start_runs_the_short_row_checks_so_no_step_waits_for_them(qwen3_
     (`short_rows`) for every weight of its model; a fast one, or fp32 (the native linear has no tiles),
     has nothing to check."""
     from exactrl.kernels import linear as linear_mod
+
     for kernels in ("fast", "exact"):
         monkeypatch.setattr(linear_mod, "_SHORT_OK", {})
         m = exactrl.load_model(qwen3_dir, kernels=kernels, dtype=dtype)

@@ -7,19 +7,20 @@ pages, chunked prefill), n, stop ids, temperature / top-k / top-p, a KV budget
 small enough to force preemption, dtype, and weights after `update_weights`.
 The fast-mode twins live in test_engine_fast_twin.py.
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from conftest import make_hf_model
+from engine_helpers import all_pages_free, check_finish, long_context_dir, long_prompts, mismatches  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import exactrl
 from exactrl import Engine, SamplingParams
-from conftest import make_hf_model
-from engine_helpers import all_pages_free, check_finish, long_context_dir, long_prompts, mismatches  # noqa: F401
 
 HSET = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 V = 211  # conftest TINY vocabulary
@@ -41,8 +42,9 @@ def check_page_refs(engine: Engine) -> None:
     assert engine.pool.num_free == refs.count(0)
 
 
-def run_workload(engine: Engine, requests: list[tuple[list[int], SamplingParams, int]],
-                 aborts: dict[int, int] | None = None):
+def run_workload(
+    engine: Engine, requests: list[tuple[list[int], SamplingParams, int]], aborts: dict[int, int] | None = None
+):
     """Adds request k at step arrive_k (staggered), aborts request k at step aborts[k], steps until done.
 
     Returns [(prompt, params, completions)] in request order (None for aborted
@@ -66,8 +68,7 @@ def run_workload(engine: Engine, requests: list[tuple[list[int], SamplingParams,
         check_page_refs(engine)
         step += 1
         assert step < 10_000
-    return [(p, sp, done.get(k)) for k, (p, sp, _) in enumerate(requests)
-            if k not in aborts or k in done]
+    return [(p, sp, done.get(k)) for k, (p, sp, _) in enumerate(requests) if k not in aborts or k in done]
 
 
 def assert_exact(model, engine, results):
@@ -85,22 +86,27 @@ def assert_exact(model, engine, results):
 def fixed_workload(seed: int = 0):
     rng = random.Random(seed)
     lengths = [1, 5, 31, 32, 33, 64, 70, 100, 2]
-    params = [SamplingParams(max_tokens=12, seed=1),
-              SamplingParams(temperature=0.0, max_tokens=9, n=2),
-              SamplingParams(temperature=0.7, top_k=5, max_tokens=20, n=3, seed=7),
-              SamplingParams(temperature=1.3, top_p=0.8, max_tokens=15, seed=3),
-              SamplingParams(top_k=50, top_p=0.9, max_tokens=33, n=2, seed=11),
-              SamplingParams(max_tokens=25, stop_token_ids=[3, 4, 5, 6, 7, 8], n=4, seed=5)]
-    return [([rng.randrange(V) for _ in range(n)], params[k % len(params)], k // 3)
-            for k, n in enumerate(lengths)]
+    params = [
+        SamplingParams(max_tokens=12, seed=1),
+        SamplingParams(temperature=0.0, max_tokens=9, n=2),
+        SamplingParams(temperature=0.7, top_k=5, max_tokens=20, n=3, seed=7),
+        SamplingParams(temperature=1.3, top_p=0.8, max_tokens=15, seed=3),
+        SamplingParams(top_k=50, top_p=0.9, max_tokens=33, n=2, seed=11),
+        SamplingParams(max_tokens=25, stop_token_ids=[3, 4, 5, 6, 7, 8], n=4, seed=5),
+    ]
+    return [([rng.randrange(V) for _ in range(n)], params[k % len(params)], k // 3) for k, n in enumerate(lengths)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("config", [
-    dict(),  # roomy: everything in one batch, whole-prompt prefill
-    dict(max_num_batched_tokens=24, max_num_seqs=5),  # chunked prefill, few slots
-    dict(kv_budget_tokens=160, max_num_batched_tokens=40),  # 5 pages: preemption
-], ids=["roomy", "chunked", "preempt"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),  # roomy: everything in one batch, whole-prompt prefill
+        dict(max_num_batched_tokens=24, max_num_seqs=5),  # chunked prefill, few slots
+        dict(kv_budget_tokens=160, max_num_batched_tokens=40),  # 5 pages: preemption
+    ],
+    ids=["roomy", "chunked", "preempt"],
+)
 def test_fixed_workload_exact(models, dtype, config):
     engine = Engine(models[dtype], **config)
     results = run_workload(engine, fixed_workload())
@@ -119,7 +125,6 @@ def test_generate_exact_and_shapes(models):
     bad = mismatches(model, [(p, c, sp) for p, o in zip(prompts, outs) for c in o])
     assert not bad
     assert all(c.versions == [0] * len(c.token_ids) for o in outs for c in o)
-
 
 
 def test_engine_fuses_projections_and_stays_exact(models, monkeypatch):
@@ -155,12 +160,15 @@ def workloads(draw):
             max_tokens=draw(st.integers(1, 24)),
             n=draw(st.integers(1, 3)),
             seed=draw(st.integers(0, 2**40)),
-            stop_token_ids=draw(st.lists(st.integers(0, V - 1), max_size=6)))
+            stop_token_ids=draw(st.lists(st.integers(0, V - 1), max_size=6)),
+        )
         reqs.append((prompt, sp, draw(st.integers(0, 6))))
     aborts = draw(st.dictionaries(st.integers(0, n_req - 1), st.integers(0, 12), max_size=2))
-    config = dict(kv_budget_tokens=draw(st.sampled_from([128, 192, 320, 4096])),
-                  max_num_batched_tokens=draw(st.sampled_from([7, 32, 100, 2048])),
-                  max_num_seqs=draw(st.sampled_from([3, 4, 16, 64])))
+    config = dict(
+        kv_budget_tokens=draw(st.sampled_from([128, 192, 320, 4096])),
+        max_num_batched_tokens=draw(st.sampled_from([7, 32, 100, 2048])),
+        max_num_seqs=draw(st.sampled_from([3, 4, 16, 64])),
+    )
     return reqs, aborts, config
 
 
@@ -178,9 +186,14 @@ def test_seed_same_tokens_whatever_the_batch(models):
     rng = random.Random(2)
     target = ([rng.randrange(V) for _ in range(37)], SamplingParams(max_tokens=20, n=2, seed=123, top_p=0.9))
     alone = run_workload(Engine(model), [(target[0], target[1], 0)])[0][2]
-    others = [([rng.randrange(V) for _ in range(rng.randint(1, 80))],
-               SamplingParams(max_tokens=rng.randint(1, 30), seed=rng.randrange(99)), rng.randint(0, 5))
-              for _ in range(9)]
+    others = [
+        (
+            [rng.randrange(V) for _ in range(rng.randint(1, 80))],
+            SamplingParams(max_tokens=rng.randint(1, 30), seed=rng.randrange(99)),
+            rng.randint(0, 5),
+        )
+        for _ in range(9)
+    ]
     for config, arrive in [(dict(), 0), (dict(max_num_batched_tokens=16), 3), (dict(kv_budget_tokens=128), 2)]:
         crowd = others[:4] + [(target[0], target[1], arrive)] + others[4:]
         got = run_workload(Engine(model, **config), crowd)[4][2]
@@ -197,9 +210,10 @@ def test_a_top_p_that_is_one_in_fp32_is_no_cut_whatever_the_batch(models):
     near_one = SamplingParams(temperature=0.02, top_p=1 - 1e-9, max_tokens=8, seed=0)
     assert near_one.branch_flags(V) == (False, False)
     alone = Engine(model).generate([prompt], near_one)[0][0]
-    mixed = Engine(model).generate([prompt, [8, 9, 10]], [near_one, SamplingParams(temperature=0.02, top_p=0.5,
-                                                                                  max_tokens=8)])[0][0]
-    ref = exactrl.sequence_logprobs(model, [prompt + alone.token_ids], 0.02, -1, 1 - 1e-9)[0][len(prompt) - 1:]
+    mixed = Engine(model).generate(
+        [prompt, [8, 9, 10]], [near_one, SamplingParams(temperature=0.02, top_p=0.5, max_tokens=8)]
+    )[0][0]
+    ref = exactrl.sequence_logprobs(model, [prompt + alone.token_ids], 0.02, -1, 1 - 1e-9)[0][len(prompt) - 1 :]
     assert mixed.token_ids == alone.token_ids and mixed.logprobs == alone.logprobs == ref.tolist()
     # the kernel itself: a row without top-p keeps its tail beside rows with one
     from exactrl.kernels.rowwise import sampling_logprobs
@@ -221,14 +235,15 @@ def test_stop_on_model_eos_and_engine_stop_ids(qwen3_dir, tmp_path):
     assert {5, 6, tok} <= engine.stop_token_ids
     c = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30))[0][0]
     first = next(i for i, t in enumerate(free.token_ids) if t in {5, 6, tok})
-    assert c.token_ids == free.token_ids[:first + 1] and c.finish_reason == "stop"
-    assert c.logprobs == free.logprobs[:first + 1]
+    assert c.token_ids == free.token_ids[: first + 1] and c.finish_reason == "stop"
+    assert c.logprobs == free.logprobs[: first + 1]
 
 
 def new_weights(model, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {k: (v.float() + 0.05 * torch.randn(v.shape, generator=g)).to(v.dtype)
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.float() + 0.05 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in model.state_dict().items()
+    }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -267,7 +282,7 @@ def test_update_weights_mid_generation(qwen3_dir):
         for c in done[rid]:
             assert c.versions == sorted(c.versions) and set(c.versions) == {0, 1}
             for m, version in ((old, 0), (model, 1)):
-                lp = exactrl.sequence_logprobs(m, [p + c.token_ids])[0][len(p) - 1:]
+                lp = exactrl.sequence_logprobs(m, [p + c.token_ids])[0][len(p) - 1 :]
                 sel = torch.tensor([v == version for v in c.versions])
                 assert torch.equal(torch.tensor(c.logprobs)[sel], lp[sel])
 
@@ -322,6 +337,7 @@ def test_prefill_and_trainer_batches_beyond_a_big_tile(onednn_dir, dtype, kernel
     def counted(x_rK, w):
         big_calls.append(x_rK.shape[0] == linear.BIG_TILE)
         return product(x_rK, w)
+
     monkeypatch.setattr(linear, "_onednn_product", counted)
     rng = random.Random(11)
     sp = SamplingParams(max_tokens=10, n=2, seed=4, temperature=0.9)

@@ -6,16 +6,17 @@ it on longer sequences / chunked prefill of a wider model, where SDPA's
 split-dependent rounding appears — so the bf16 twin uses those, and its
 exact-mode counterpart is checked in the same scenario.
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from conftest import make_hf_model
+from engine_helpers import long_context_dir, long_prompts, mismatches  # noqa: F401
 
 import exactrl
 from exactrl import Engine, SamplingParams
-from conftest import make_hf_model
-from engine_helpers import long_context_dir, long_prompts, mismatches  # noqa: F401
 
 V = 211
 
@@ -45,8 +46,7 @@ def test_bf16_long_chunked_prefill(wide_dir, kernels):
     rng = random.Random(1)
     prompts = [[rng.randrange(V) for _ in range(300)] for _ in range(3)]
     sp = SamplingParams(max_tokens=100, seed=2, ignore_eos=True)
-    bad = _run(exactrl.load_model(wide_dir, dtype="bfloat16", kernels=kernels), prompts, sp,
-               max_num_batched_tokens=150)
+    bad = _run(exactrl.load_model(wide_dir, dtype="bfloat16", kernels=kernels), prompts, sp, max_num_batched_tokens=150)
     assert bool(bad) == (kernels == "fast")
 
 
@@ -62,5 +62,10 @@ def test_fast_engine_differs_on_the_onednn_path_model(onednn_dir):
 def test_fast_differs_where_the_rotary_tables_grow(long_context_dir):
     """The twin of test_engine_exact.py's test_exact_where_the_rotary_tables_grow."""
     sp = SamplingParams(max_tokens=8, n=2, seed=3, temperature=0.9, top_k=50)
-    assert _run(exactrl.load_model(long_context_dir, kernels="fast"), long_prompts(), sp, kv_budget_tokens=32768,
-                max_num_batched_tokens=1024)
+    assert _run(
+        exactrl.load_model(long_context_dir, kernels="fast"),
+        long_prompts(),
+        sp,
+        kv_budget_tokens=32768,
+        max_num_batched_tokens=1024,
+    )

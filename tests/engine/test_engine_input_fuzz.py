@@ -6,6 +6,7 @@ Each property runs many examples against one engine (per test) that has requests
 the engine's state is compared before and after every rejected call, and its own requests are checked
 against the trainer (bitwise) at the end.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,13 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from engine_helpers import all_pages_free, mismatches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import exactrl
 from exactrl import Engine, SamplingParams
 from exactrl.kernels.rowwise import MAX_TEMPERATURE
-from engine_helpers import all_pages_free, mismatches
 
 HSET = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 V = 211  # conftest TINY vocabulary
@@ -27,11 +28,19 @@ MAX_LEN = 64  # the engines' max_model_len
 
 # values of every Python / numpy / torch kind a caller might hand in by mistake
 junk = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=3), st.binary(max_size=2), st.lists(st.integers(-3, V + 3), max_size=3),
-    st.tuples(st.integers(0, 5)), st.dictionaries(st.text(max_size=1), st.integers(), max_size=1),
-    st.integers(-5, 300).map(np.int64), st.floats(0, 2, width=32).map(np.float32),
-    st.integers(-5, 300).map(torch.tensor), st.floats(0, 2).map(torch.tensor),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.binary(max_size=2),
+    st.lists(st.integers(-3, V + 3), max_size=3),
+    st.tuples(st.integers(0, 5)),
+    st.dictionaries(st.text(max_size=1), st.integers(), max_size=1),
+    st.integers(-5, 300).map(np.int64),
+    st.floats(0, 2, width=32).map(np.float32),
+    st.integers(-5, 300).map(torch.tensor),
+    st.floats(0, 2).map(torch.tensor),
     st.lists(st.integers(-3, V + 3), max_size=3).map(np.array),
 )
 
@@ -46,8 +55,10 @@ def model(qwen3_dir):
 def _busy_engine(model):
     """An engine with two requests of its own in flight (one mid-decode)."""
     engine = Engine(model, max_model_len=MAX_LEN, max_num_seqs=8, max_num_batched_tokens=32)
-    own = [([5, 6, 7, 8, 9], SamplingParams(max_tokens=30, n=2, seed=1, ignore_eos=True)),
-           ([3] * 20, SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, seed=2, ignore_eos=True))]
+    own = [
+        ([5, 6, 7, 8, 9], SamplingParams(max_tokens=30, n=2, seed=1, ignore_eos=True)),
+        ([3] * 20, SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, seed=2, ignore_eos=True)),
+    ]
     ids = [engine.add_request(p, sp) for p, sp in own]
     engine.step()
     engine.step()
@@ -56,8 +67,13 @@ def _busy_engine(model):
 
 def _state(engine):
     sch = engine.scheduler
-    return (sorted(engine._requests), [s.seq_id for s in sch.waiting], [s.seq_id for s in sch.running],
-            engine.pool.num_free, [len(s.tokens) for r in engine._requests.values() for s in r.seqs])
+    return (
+        sorted(engine._requests),
+        [s.seq_id for s in sch.waiting],
+        [s.seq_id for s in sch.running],
+        engine.pool.num_free,
+        [len(s.tokens) for r in engine._requests.values() for s in r.seqs],
+    )
 
 
 def _finish_and_check(model, engine, own, ids):
@@ -76,8 +92,11 @@ def _valid_prompt(prompt) -> bool:
         if prompt.dim() != 1 or prompt.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             return False
         prompt = prompt.tolist()
-    return (isinstance(prompt, (list, tuple)) and 0 < len(prompt) <= MAX_LEN - 4
-            and all(type(t) is int and 0 <= t < V for t in prompt))
+    return (
+        isinstance(prompt, (list, tuple))
+        and 0 < len(prompt) <= MAX_LEN - 4
+        and all(type(t) is int and 0 <= t < V for t in prompt)
+    )
 
 
 def test_every_sampling_params_field_names_itself(model):
@@ -118,7 +137,9 @@ prompts = st.one_of(
     st.lists(st.lists(st.integers(0, 5), max_size=2), min_size=1, max_size=2),  # nested
     st.sampled_from([torch.int64, torch.int32, torch.float32, torch.bool, torch.uint8]).flatmap(
         lambda dt: st.lists(st.integers(0, 1 if dt is torch.bool else V + 3), max_size=4).map(
-            lambda xs: torch.tensor(xs, dtype=dt))),
+            lambda xs: torch.tensor(xs, dtype=dt)
+        )
+    ),
     st.lists(st.integers(0, V - 1), min_size=1, max_size=4).map(lambda xs: torch.tensor([xs])),  # 2-D
     st.lists(st.integers(0, V - 1), min_size=1, max_size=4).map(np.array),
 )
@@ -149,8 +170,12 @@ def test_generate_names_the_bad_prompt_and_queues_none(model):
     engine, own, ids = _busy_engine(model)
 
     @HSET
-    @given(good=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=5), min_size=1, max_size=4),
-           bad=prompts.filter(lambda p: not _valid_prompt(p)), at=st.integers(0, 4), bad_params=st.booleans())
+    @given(
+        good=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=5), min_size=1, max_size=4),
+        bad=prompts.filter(lambda p: not _valid_prompt(p)),
+        at=st.integers(0, 4),
+        bad_params=st.booleans(),
+    )
     def fuzz(good, bad, at, bad_params):
         at = min(at, len(good))
         plist = [SamplingParams(max_tokens=4)] * len(good)  # 4: the max_tokens _valid_prompt allows for
@@ -171,8 +196,12 @@ def test_generate_names_the_bad_prompt_and_queues_none(model):
         assert _state(engine) == before
 
     fuzz()
-    for wrong, words in ((None, "prompts must be a list"), (iter([[1]]), "prompts must be a list"),
-                         ("12", "prompts must be a list"), (np.array([[1, 2]]), "prompts must be a list")):
+    for wrong, words in (
+        (None, "prompts must be a list"),
+        (iter([[1]]), "prompts must be a list"),
+        ("12", "prompts must be a list"),
+        (np.array([[1, 2]]), "prompts must be a list"),
+    ):
         with pytest.raises(ValueError, match=words):
             engine.generate(wrong, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="on_step must be a callable"):
@@ -188,8 +217,10 @@ extreme_params = st.builds(
     top_p=st.one_of(st.floats(5e-324, 1.0, exclude_min=False), st.sampled_from([5e-324, 1e-40, 1.0])),
     top_k=st.one_of(st.just(-1), st.integers(1, 2**63 - 1), st.sampled_from([1, V - 1, V, 2**63 - 1])),
     seed=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
-    n=st.integers(1, 3), max_tokens=st.integers(1, 4),
-    stop_token_ids=st.lists(st.integers(0, V - 1), max_size=3), ignore_eos=st.booleans(),
+    n=st.integers(1, 3),
+    max_tokens=st.integers(1, 4),
+    stop_token_ids=st.lists(st.integers(0, V - 1), max_size=3),
+    ignore_eos=st.booleans(),
 )
 
 

@@ -1,15 +1,16 @@
 """Engine == trainer, bitwise, on sliding-window and RoPE-scaled models: prompts and generations well past
 the window, across KV pages (block size 8), with chunked prefill and decode graphs; the fast twin differs."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from conftest import make_hf_model
+from engine_helpers import mismatches
 
 import exactrl
 from exactrl import Engine, SamplingParams
-from conftest import make_hf_model
-from engine_helpers import mismatches
 
 V = 211
 
@@ -18,14 +19,40 @@ V = 211
 def window_dirs(tmp_path_factory):
     out = {}
     for name, arch, over in [
-        ("mistral", "mistral", dict(sliding_window=6, rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                                        "rope_theta": 10000.0})),
-        ("qwen2", "qwen2", dict(use_sliding_window=True, sliding_window=11, max_window_layers=1,
-                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                                 "original_max_position_embeddings": 32})),
-        ("llama3", "llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
-                                                  "rope_theta": 5e5})),
+        (
+            "mistral",
+            "mistral",
+            dict(sliding_window=6, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+        ),
+        (
+            "qwen2",
+            "qwen2",
+            dict(
+                use_sliding_window=True,
+                sliding_window=11,
+                max_window_layers=1,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 1e6,
+                    "original_max_position_embeddings": 32,
+                },
+            ),
+        ),
+        (
+            "llama3",
+            "llama",
+            dict(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "rope_theta": 5e5,
+                }
+            ),
+        ),
     ]:
         out[name] = tmp_path_factory.mktemp(name)
         make_hf_model(out[name], arch, **over)

@@ -1,4 +1,5 @@
 """Sampler units: row-grouped sampling_logprobs, seeded draws, greedy, truncation, distribution."""
+
 from __future__ import annotations
 
 import torch
@@ -10,10 +11,13 @@ from exactrl.kernels import sampling_logprobs
 
 
 def rows_for(params: list[SamplingParams], V: int, uniforms=None) -> SampleRows:
-    return SampleRows([float(p.temperature) for p in params], [p.top_k for p in params],
-                      [float(p.top_p) for p in params],
-                      uniforms if uniforms is not None else [0.5] * len(params),
-                      [p.branch_flags(V) for p in params])
+    return SampleRows(
+        [float(p.temperature) for p in params],
+        [p.top_k for p in params],
+        [float(p.top_p) for p in params],
+        uniforms if uniforms is not None else [0.5] * len(params),
+        [p.branch_flags(V) for p in params],
+    )
 
 
 def test_row_logprobs_mixed_rows_equal_uniform_calls():
@@ -21,15 +25,26 @@ def test_row_logprobs_mixed_rows_equal_uniform_calls():
     torch.manual_seed(0)
     V = 3000
     logits = torch.randn(9, V) * 4
-    params = [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=20),
-              SamplingParams(temperature=0.5, top_k=5, top_p=0.7), SamplingParams(temperature=0),
-              SamplingParams(top_k=V + 5), SamplingParams(top_p=0.3, temperature=2.0),
-              SamplingParams(), SamplingParams(top_k=1)]
+    params = [
+        SamplingParams(),
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_k=20),
+        SamplingParams(temperature=0.5, top_k=5, top_p=0.7),
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=V + 5),
+        SamplingParams(top_p=0.3, temperature=2.0),
+        SamplingParams(),
+        SamplingParams(top_k=1),
+    ]
     lp = row_logprobs(logits, rows_for(params, V))
     for i, p in enumerate(params):
         n = 5  # trainer-style: a batch of rows with uniform parameters
-        ref = sampling_logprobs(logits[i:i + 1].expand(n, V), torch.full((n,), float(p.temperature)),
-                                torch.full((n,), p.top_k), torch.full((n,), float(p.top_p)))
+        ref = sampling_logprobs(
+            logits[i : i + 1].expand(n, V),
+            torch.full((n,), float(p.temperature)),
+            torch.full((n,), p.top_k),
+            torch.full((n,), float(p.top_p)),
+        )
         assert torch.equal(lp[i], ref[0]), i
 
 
@@ -42,8 +57,10 @@ def test_sample_is_draw_of_row_logprobs(monkeypatch):
     V = 2000
     logits = torch.randn(6, V) * 3
     us = [sample_uniform(7, j, 40) for j in range(6)]
-    for params in ([SamplingParams(), SamplingParams(temperature=0)] * 3,
-                   [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_k=5)] * 2):
+    for params in (
+        [SamplingParams(), SamplingParams(temperature=0)] * 3,
+        [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_k=5)] * 2,
+    ):
         rows = rows_for(params, V, us)
         tok, lp = sample(logits, rows)
         ref_tok, ref_lp = draw(row_logprobs(logits, rows), rows)
@@ -63,10 +80,20 @@ def test_row_logprobs_plain_rows_take_the_short_path_with_the_same_bits(monkeypa
     torch.manual_seed(1)
     V = 3000
     logits = torch.randn(6, V) * 4
-    params = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=V), SamplingParams(top_p=1.0),
-              SamplingParams(), SamplingParams(temperature=1.0)]
-    full = sampling_logprobs(logits, torch.tensor([float(p.temperature) for p in params]),
-                             torch.tensor([p.top_k for p in params]), torch.tensor([float(p.top_p) for p in params]))
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=V),
+        SamplingParams(top_p=1.0),
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+    ]
+    full = sampling_logprobs(
+        logits,
+        torch.tensor([float(p.temperature) for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([float(p.top_p) for p in params]),
+    )
     calls = []
     monkeypatch.setattr(S, "sampling_logprobs", lambda *a: calls.append(1) or sampling_logprobs(*a))
     assert torch.equal(row_logprobs(logits, rows_for(params, V)), full) and not calls
@@ -86,8 +113,12 @@ def test_draw_greedy_topk_and_extremes():
     torch.manual_seed(1)
     V = 100
     logits = torch.randn(4, V)
-    params = [SamplingParams(temperature=0), SamplingParams(top_k=3), SamplingParams(top_k=3),
-              SamplingParams(top_p=0.5)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=3),
+        SamplingParams(top_k=3),
+        SamplingParams(top_p=0.5),
+    ]
     rows = rows_for(params, V, uniforms=[0.3, 0.0, 1.0 - 2**-53, 0.9999])
     lp = row_logprobs(logits, rows)
     tok, tlp = draw(lp, rows)
@@ -165,4 +196,4 @@ def test_a_rows_distribution_is_the_same_alone_and_in_a_batch():
     for temp, k, p in [(1.0, -1, 1.0), (0.7, 50, 0.9), (1.3, -1, 0.8)]:
         batch = sampling_logprobs(z, full(40, temp), full(40, k), full(40, p))
         for r in (0, 17, 39):
-            assert torch.equal(sampling_logprobs(z[r:r + 1], full(1, temp), full(1, k), full(1, p)), batch[r:r + 1])
+            assert torch.equal(sampling_logprobs(z[r : r + 1], full(1, temp), full(1, k), full(1, p)), batch[r : r + 1])

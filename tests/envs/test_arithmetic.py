@@ -1,4 +1,5 @@
 """ArithmeticTask: generation, precedence, and the reward's parsing rules."""
+
 from __future__ import annotations
 
 import random
@@ -12,28 +13,31 @@ from exactrl.envs.arithmetic import evaluate_terms, first_integer
 P = Problem(prompt="3+5=", answer="8")
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("8", 1.0),
-    (" 8\n", 1.0),  # whitespace
-    ("8<|im_end|>", 1.0),  # end-of-text marker right after the number
-    ("The answer is 8.", 1.0),  # extra text: the first integer counts
-    ("8, because 3+5 is 8", 1.0),
-    ("<think>3+5 is 7? no</think>\n\n8", 1.0),  # reasoning is ignored
-    ("9", 0.0),  # wrong
-    ("80", 0.0),
-    ("3+5=8", 0.0),  # echoing the question: first integer is 3
-    ("", 0.0),  # malformed
-    ("eight", 0.0),
-    ("<think>8", 0.0),  # unfinished reasoning, no answer
-    ("9" * 5000, 0.0),  # absurd digit runs score 0 instead of raising
-    ("8.5", 0.0),  # not an integer: its "8" is not the answer
-    ("8,000", 0.0),
-    ("8/3", 0.0),  # a fraction, not the integer 8
-    ("8e2", 0.0),  # nor is 800 written as 8e2
-    ("8e", 1.0),  # a letter after the number is not an exponent
-    ("Step-8: 9", 0.0),  # a word's number is no answer: the first integer is 9
-    ("Step-1: 8", 1.0),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("8", 1.0),
+        (" 8\n", 1.0),  # whitespace
+        ("8<|im_end|>", 1.0),  # end-of-text marker right after the number
+        ("The answer is 8.", 1.0),  # extra text: the first integer counts
+        ("8, because 3+5 is 8", 1.0),
+        ("<think>3+5 is 7? no</think>\n\n8", 1.0),  # reasoning is ignored
+        ("9", 0.0),  # wrong
+        ("80", 0.0),
+        ("3+5=8", 0.0),  # echoing the question: first integer is 3
+        ("", 0.0),  # malformed
+        ("eight", 0.0),
+        ("<think>8", 0.0),  # unfinished reasoning, no answer
+        ("9" * 5000, 0.0),  # absurd digit runs score 0 instead of raising
+        ("8.5", 0.0),  # not an integer: its "8" is not the answer
+        ("8,000", 0.0),
+        ("8/3", 0.0),  # a fraction, not the integer 8
+        ("8e2", 0.0),  # nor is 800 written as 8e2
+        ("8e", 1.0),  # a letter after the number is not an exponent
+        ("Step-8: 9", 0.0),  # a word's number is no answer: the first integer is 9
+        ("Step-1: 8", 1.0),
+    ],
+)
 def test_reward(completion, expected):
     assert ArithmeticTask().reward(P, completion) == expected
 
@@ -88,10 +92,16 @@ def test_determinism():
     assert make_dataset(task, 50, seed=3) != make_dataset(task, 50, seed=4)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(ops=("/",)), "ops"), (dict(ops=()), "ops"), (dict(num_terms=1), "num_terms"),
-    (dict(min_value=5, max_value=4), "max_value"), (dict(min_value=-1), "min_value"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(ops=("/",)), "ops"),
+        (dict(ops=()), "ops"),
+        (dict(num_terms=1), "num_terms"),
+        (dict(min_value=5, max_value=4), "max_value"),
+        (dict(min_value=-1), "min_value"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ArithmeticTask(**kwargs)

@@ -1,4 +1,5 @@
 """CountdownTask: the exact expression parser, legal number use, reachable targets."""
+
 from __future__ import annotations
 
 import random
@@ -13,10 +14,21 @@ from exactrl.envs import CountdownTask, ExpressionError, Problem, make_dataset, 
 P = Problem(prompt="Use 9 3 5 to make 72.", answer="9*(5+3)", meta={"numbers": [9, 3, 5], "target": 72})
 
 
-@pytest.mark.parametrize("text, value", [
-    ("2+3*4", 14), ("(2+3)*4", 20), ("8/4/2", 1), ("8-3-2", 3), ("2*(3+(4-1))", 12),
-    ("1/3*3", 1), ("7/2", Fraction(7, 2)), (" ( 2 + 3 ) ", 5), ("10-2*3+4/2", 6), ("((5))", 5),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("2+3*4", 14),
+        ("(2+3)*4", 20),
+        ("8/4/2", 1),
+        ("8-3-2", 3),
+        ("2*(3+(4-1))", 12),
+        ("1/3*3", 1),
+        ("7/2", Fraction(7, 2)),
+        (" ( 2 + 3 ) ", 5),
+        ("10-2*3+4/2", 6),
+        ("((5))", 5),
+    ],
+)
 def test_parser_values(text, value):
     assert parse_expression(text).value == value
 
@@ -25,9 +37,25 @@ def test_parser_records_numbers_in_order():
     assert parse_expression("(10-2)*3").numbers == (10, 2, 3)
 
 
-@pytest.mark.parametrize("text", ["", "2+", "(2+3", "2 3", "2+3)", "-2+5", "2**3", "abc", "2+x", "()", "2^3",
-                                  "(" * 1000 + "1" + ")" * 1000,
-                                  "\u0669*(\u0665+\u0663)", "\uff19*8"])  # non-ASCII digits: Arabic-Indic, fullwidth
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "2+",
+        "(2+3",
+        "2 3",
+        "2+3)",
+        "-2+5",
+        "2**3",
+        "abc",
+        "2+x",
+        "()",
+        "2^3",
+        "(" * 1000 + "1" + ")" * 1000,
+        "\u0669*(\u0665+\u0663)",
+        "\uff19*8",
+    ],
+)  # non-ASCII digits: Arabic-Indic, fullwidth
 def test_parser_rejects_malformed(text):
     with pytest.raises(ExpressionError):
         parse_expression(text)
@@ -41,18 +69,24 @@ def test_division_by_zero_scores_zero_not_exception():
     assert CountdownTask(format_reward=0.1).reward(p, "5/(3-3)") == 0.0
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("9*(5+3)", 1.0), ("(3+5)*9", 1.0), (" 9 * (3 + 5) \n", 1.0),
-    ("9*(5+3) = 72", 1.0),  # a trailing "= target" is allowed
-    ("<think>try 9*8</think>\n9*(5+3)", 1.0),
-    ("9*5+3", 0.0),  # well-formed, wrong value
-    ("9*8", 0.0),  # 8 is not a given number
-    ("9*(3+3+2)", 0.0),  # 3 reused, 2 not given
-    ("9*9-9", 0.0),  # 9 reused
-    ("The answer is 9*(5+3)", 0.0),  # prose is not an expression
-    ("", 0.0), ("9*(5+3", 0.0),
-    ("\u0669*(\u0665+\u0663)", 0.0),  # the same expression in Arabic-Indic digits is not ours to read
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("9*(5+3)", 1.0),
+        ("(3+5)*9", 1.0),
+        (" 9 * (3 + 5) \n", 1.0),
+        ("9*(5+3) = 72", 1.0),  # a trailing "= target" is allowed
+        ("<think>try 9*8</think>\n9*(5+3)", 1.0),
+        ("9*5+3", 0.0),  # well-formed, wrong value
+        ("9*8", 0.0),  # 8 is not a given number
+        ("9*(3+3+2)", 0.0),  # 3 reused, 2 not given
+        ("9*9-9", 0.0),  # 9 reused
+        ("The answer is 9*(5+3)", 0.0),  # prose is not an expression
+        ("", 0.0),
+        ("9*(5+3", 0.0),
+        ("\u0669*(\u0665+\u0663)", 0.0),  # the same expression in Arabic-Indic digits is not ours to read
+    ],
+)
 def test_reward(completion, expected):
     assert CountdownTask().reward(P, completion) == expected
 
@@ -65,9 +99,16 @@ def test_at_most_once_versus_exactly_once():
     assert CountdownTask(use_all_numbers=True).reward(P, "9*(5+3)") == 1.0
 
 
-@pytest.mark.parametrize("meta", [{"numbers": [3, 5, 7], "target": 15.9}, {"numbers": [3.7, 5, 7], "target": 15},
-                                  {"numbers": "357", "target": 15}, {"numbers": [True, 5, 7], "target": 5},
-                                  {"numbers": [], "target": 15}])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"numbers": [3, 5, 7], "target": 15.9},
+        {"numbers": [3.7, 5, 7], "target": 15},
+        {"numbers": "357", "target": 15},
+        {"numbers": [True, 5, 7], "target": 5},
+        {"numbers": [], "target": 15},
+    ],
+)
 def test_bad_row_metadata_is_refused_not_coerced(meta):
     """A JSONL row's numbers and target must be integers: 15.9 used to be cut to 15 (so 3*5 scored 1.0)."""
     with pytest.raises(ValueError, match="must be a non-empty list of integers"):
@@ -103,8 +144,7 @@ def test_problem_without_meta_is_a_clear_error():
         CountdownTask().reward(Problem("Use 1 2 to make 3.", "1+2"), "1+2")
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_numbers=1), dict(ops=("^",)), dict(max_target=0),
-                                    dict(format_reward=1.0)])
+@pytest.mark.parametrize("kwargs", [dict(num_numbers=1), dict(ops=("^",)), dict(max_target=0), dict(format_reward=1.0)])
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         CountdownTask(**kwargs)
@@ -124,8 +164,10 @@ def test_reward_never_raises(text):
 def test_reward_of_deeply_nested_parentheses_is_zero_even_deep_in_the_stack():
     """The parser recurses per parenthesis: within the 256-character cap, a caller already deep in its
     own stack saw a RecursionError (the reward must never raise on bad text)."""
+
     def deep(n):
         return CountdownTask().reward(P, "(" * 255 + "3") if n == 0 else deep(n - 1)
+
     assert deep(400) == 0.0
 
 

@@ -1,4 +1,5 @@
 """JSONL round trips and errors, seeded datasets, PromptSource order and exact resume."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from exactrl.envs import ArithmeticTask, CountdownTask, Problem, PromptSource, m
 
 
 def test_jsonl_round_trip_keeps_meta_and_unicode(tmp_path):
-    problems = make_dataset(CountdownTask(), 20, seed=0) + [Problem("héllo ✓ 漢字\n\"q\"", "42", {"k": [1, {"a": None}]})]
+    problems = make_dataset(CountdownTask(), 20, seed=0) + [Problem('héllo ✓ 漢字\n"q"', "42", {"k": [1, {"a": None}]})]
     write_jsonl(tmp_path / "sub" / "d.jsonl", problems)
     assert read_jsonl(tmp_path / "sub" / "d.jsonl") == problems
     first = json.loads((tmp_path / "sub" / "d.jsonl").read_text(encoding="utf-8").splitlines()[0])
@@ -23,13 +24,16 @@ def test_read_accepts_integer_answers_and_skips_blank_lines(tmp_path):
     assert read_jsonl(path) == [Problem("1+1=", "2"), Problem("2+2=", "4", {"level": 1})]
 
 
-@pytest.mark.parametrize("line, match", [
-    ('{"prompt": "1+1=", "answer": ', "not valid JSON"),
-    ('{"prompt": "1+1="}', r"missing key\(s\) \['answer'\]"),
-    ('["1+1=", "2"]', "expected a JSON object"),
-    ('{"prompt": 5, "answer": "2"}', "'prompt' must be a string"),
-    ('{"prompt": "x", "answer": [2]}', "answer"),
-])
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ('{"prompt": "1+1=", "answer": ', "not valid JSON"),
+        ('{"prompt": "1+1="}', r"missing key\(s\) \['answer'\]"),
+        ('["1+1=", "2"]', "expected a JSON object"),
+        ('{"prompt": 5, "answer": "2"}', "'prompt' must be a string"),
+        ('{"prompt": "x", "answer": [2]}', "answer"),
+    ],
+)
 def test_malformed_lines_name_file_and_line(tmp_path, line, match):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n' + line + "\n")
@@ -107,13 +111,16 @@ def test_resume_continues_exactly(stop):
     resumed = PromptSource(_problems(10), seed=3)
     resumed.load_state_dict(state)
     assert head + resumed.take(40 - stop) == reference
-    assert [next(iter(first)) for _ in range(3)] == reference[stop:stop + 3]
+    assert [next(iter(first)) for _ in range(3)] == reference[stop : stop + 3]
 
 
 def test_resume_refuses_another_dataset_or_seed():
     state = PromptSource(_problems(10), seed=3).state_dict()
-    for other in (PromptSource(_problems(11), seed=3), PromptSource(_problems(10), seed=4),
-                  PromptSource(_problems(9) + [Problem("p9", "x")], seed=3)):
+    for other in (
+        PromptSource(_problems(11), seed=3),
+        PromptSource(_problems(10), seed=4),
+        PromptSource(_problems(9) + [Problem("p9", "x")], seed=3),
+    ):
         with pytest.raises(ValueError, match="PromptSource state"):
             other.load_state_dict(state)
     with pytest.raises(ValueError, match="invalid position"):

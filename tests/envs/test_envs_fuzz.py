@@ -5,6 +5,7 @@ file must read back exactly. A completion is untrusted model text: a reward neve
 [0, 1], and the reference answer of a generated problem scores 1. Task settings in range generate valid
 problems; settings out of range are refused by name.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,19 +17,28 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from exactrl.envs import ArithmeticTask, CountdownTask, Problem, PromptSource, get_task, make_dataset, read_jsonl, \
-    write_jsonl
+from exactrl.envs import (
+    ArithmeticTask,
+    CountdownTask,
+    Problem,
+    PromptSource,
+    get_task,
+    make_dataset,
+    read_jsonl,
+    write_jsonl,
+)
 from exactrl.envs.dataset import fingerprint, held_out
 from exactrl.envs.tool_use import CalculatorTask, calculate, calculator_episode, ideal_transcript
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
-json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
-                                                                                               max_size=4),
-                           max_leaves=12)
-good_rows = st.fixed_dictionaries({"prompt": st.text(max_size=40), "answer": st.text(max_size=10) | st.integers()},
-                                  optional={"extra": json_values})
+json_values = st.recursive(
+    json_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12
+)
+good_rows = st.fixed_dictionaries(
+    {"prompt": st.text(max_size=40), "answer": st.text(max_size=10) | st.integers()}, optional={"extra": json_values}
+)
 
 
 def _surrogate_free(text: str) -> bool:
@@ -37,11 +47,16 @@ def _surrogate_free(text: str) -> bool:
 
 # --------------------------------------------------------------------------- dataset files
 
+
 @FUZZ
-@given(rows=st.lists(good_rows.filter(lambda r: _surrogate_free(json.dumps(r, ensure_ascii=False))), min_size=1,
-                     max_size=8),
-       eol=st.sampled_from(["\n", "\r\n"]), bom=st.booleans(), blanks=st.lists(st.sampled_from(["", " ", "\t"]),
-                                                                              max_size=3))
+@given(
+    rows=st.lists(
+        good_rows.filter(lambda r: _surrogate_free(json.dumps(r, ensure_ascii=False))), min_size=1, max_size=8
+    ),
+    eol=st.sampled_from(["\n", "\r\n"]),
+    bom=st.booleans(),
+    blanks=st.lists(st.sampled_from(["", " ", "\t"]), max_size=3),
+)
 def test_good_files_read_back_whatever_their_line_ends_bom_and_blank_lines(tmp_path, rows, eol, bom, blanks):
     text = eol.join(blanks + [json.dumps(r, ensure_ascii=False) for r in rows] + blanks) + eol
     path = tmp_path / "d.jsonl"
@@ -75,8 +90,13 @@ BAD_LINES = [
 
 
 @FUZZ
-@given(bad=st.sampled_from(BAD_LINES), before=st.integers(0, 3), blank_before=st.integers(0, 2),
-       after=st.integers(0, 2), eol=st.sampled_from(["\n", "\r\n"]))
+@given(
+    bad=st.sampled_from(BAD_LINES),
+    before=st.integers(0, 3),
+    blank_before=st.integers(0, 2),
+    after=st.integers(0, 2),
+    eol=st.sampled_from(["\n", "\r\n"]),
+)
 def test_a_bad_line_anywhere_is_named_by_file_and_line(tmp_path, bad, before, blank_before, after, eol):
     line, match = bad
     assume(match != "BOM" or before + blank_before)  # a byte-order mark is allowed at the start of the file
@@ -147,7 +167,7 @@ def test_an_unreadable_file_is_a_value_error(tmp_path, monkeypatch):
 
 
 @FUZZ
-@given(n=st.integers(0, 50), seed=st.integers(-2**70, 2**70), split=st.sampled_from([None, "train", "eval"]))
+@given(n=st.integers(0, 50), seed=st.integers(-(2**70), 2**70), split=st.sampled_from([None, "train", "eval"]))
 def test_make_dataset_is_a_pure_function_of_its_arguments(n, seed, split):
     task = ArithmeticTask()
     a = make_dataset(task, n, seed, split)
@@ -158,25 +178,69 @@ def test_make_dataset_is_a_pure_function_of_its_arguments(n, seed, split):
 
 # --------------------------------------------------------------------------- rewards of untrusted completions
 
-NASTY = ["", " ", "\x00", "1e999", "-1e999", "nan", "NaN", "inf", "-inf", "9" * 100_000, "-" + "9" * 5000,
-         "(" * 10_000 + "1" + ")" * 10_000, "(" * 127 + "1" + ")" * 127, "9**9**9", "9**9**9**9", "999999999999" +
-         "*999999999999" * 20, "1/0", "5/(3-3)", "0/0", "(1-1)/(2-2)", "1/3/3/3/3/3/3/3/3/3/3/3/3/3/3/3",
-         "<think>", "</think>", "<think>" * 10_000, "</think>" * 10_000, "<think>1</think>" * 5000, "١٢", "１２",
-         "\u2212" * 5000 + "1", "١" * 5000, "\ud800", "\U0001F600" * 1000, "1" + "\u0301" * 1000, "=" * 10_000,
-         "\n" * 10_000, "\r\n".join(["x"] * 1000), "1_000", "0x10", "1e5", "12,000", "-0", "00000000000000000001"]
-PROBLEMS = [(ArithmeticTask(), Problem("3+5=", "8")), (ArithmeticTask(), Problem("9*9-100=", "-19")),
-            (CountdownTask(format_reward=0.1), Problem("Use 9 3 5 to make 72.", "9*(5+3)",
-                                                       {"numbers": [9, 3, 5], "target": 72})),
-            (CountdownTask(use_all_numbers=True), Problem("Use 1 1 to make 1.", "1*1", {"numbers": [1, 1],
-                                                                                       "target": 1})),
-            (CalculatorTask(), Problem("Compute 37*12-5", "439", {"expression": "37*12-5"}))]
+NASTY = [
+    "",
+    " ",
+    "\x00",
+    "1e999",
+    "-1e999",
+    "nan",
+    "NaN",
+    "inf",
+    "-inf",
+    "9" * 100_000,
+    "-" + "9" * 5000,
+    "(" * 10_000 + "1" + ")" * 10_000,
+    "(" * 127 + "1" + ")" * 127,
+    "9**9**9",
+    "9**9**9**9",
+    "999999999999" + "*999999999999" * 20,
+    "1/0",
+    "5/(3-3)",
+    "0/0",
+    "(1-1)/(2-2)",
+    "1/3/3/3/3/3/3/3/3/3/3/3/3/3/3/3",
+    "<think>",
+    "</think>",
+    "<think>" * 10_000,
+    "</think>" * 10_000,
+    "<think>1</think>" * 5000,
+    "١٢",
+    "１２",
+    "\u2212" * 5000 + "1",
+    "١" * 5000,
+    "\ud800",
+    "\U0001f600" * 1000,
+    "1" + "\u0301" * 1000,
+    "=" * 10_000,
+    "\n" * 10_000,
+    "\r\n".join(["x"] * 1000),
+    "1_000",
+    "0x10",
+    "1e5",
+    "12,000",
+    "-0",
+    "00000000000000000001",
+]
+PROBLEMS = [
+    (ArithmeticTask(), Problem("3+5=", "8")),
+    (ArithmeticTask(), Problem("9*9-100=", "-19")),
+    (
+        CountdownTask(format_reward=0.1),
+        Problem("Use 9 3 5 to make 72.", "9*(5+3)", {"numbers": [9, 3, 5], "target": 72}),
+    ),
+    (CountdownTask(use_all_numbers=True), Problem("Use 1 1 to make 1.", "1*1", {"numbers": [1, 1], "target": 1})),
+    (CalculatorTask(), Problem("Compute 37*12-5", "439", {"expression": "37*12-5"})),
+]
 
 
 def _score_quickly(task, problem, completion: str) -> float:
     start = time.perf_counter()
     r = task.reward(problem, completion)
     # a did-not-hang bound (9**9**9 evaluated would never end), not a timing threshold: 2 shared cores vary
-    assert time.perf_counter() - start < 60, f"{task.name} took {time.perf_counter() - start:.1f}s on {completion[:40]!r}"
+    assert time.perf_counter() - start < 60, (
+        f"{task.name} took {time.perf_counter() - start:.1f}s on {completion[:40]!r}"
+    )
     assert isinstance(r, float) and r in (0.0, getattr(task, "format_reward", 0.0), 1.0)
     return r
 
@@ -215,11 +279,19 @@ operator_sets = st.lists(st.sampled_from(["+", "-", "*"]), min_size=1, max_size=
 
 
 @FUZZ
-@given(lo=st.integers(0, 10**6), span=st.integers(0, 10**6), ops=operator_sets, num_terms=st.integers(2, 6),
-       nonnegative=st.booleans(), seed=st.integers(0, 2**32), think=st.booleans())
+@given(
+    lo=st.integers(0, 10**6),
+    span=st.integers(0, 10**6),
+    ops=operator_sets,
+    num_terms=st.integers(2, 6),
+    nonnegative=st.booleans(),
+    seed=st.integers(0, 2**32),
+    think=st.booleans(),
+)
 def test_arithmetic_problems_are_solved_by_their_answer(lo, span, ops, num_terms, nonnegative, seed, think):
-    task = get_task("arithmetic", min_value=lo, max_value=lo + span, ops=ops, num_terms=num_terms,
-                    nonnegative=nonnegative)
+    task = get_task(
+        "arithmetic", min_value=lo, max_value=lo + span, ops=ops, num_terms=num_terms, nonnegative=nonnegative
+    )
     try:
         p = task.generate(random.Random(seed))
     except ValueError as e:  # only '-' over equal operands: named
@@ -234,12 +306,25 @@ def test_arithmetic_problems_are_solved_by_their_answer(lo, span, ops, num_terms
 
 
 @FUZZ
-@given(num_numbers=st.integers(2, 6), max_number=st.integers(1, 1000), max_target=st.integers(1, 10**6),
-       ops=st.lists(st.sampled_from(["+", "-", "*", "/"]), min_size=1, max_size=4, unique=True),
-       use_all=st.booleans(), fmt=st.floats(0, 0.99), seed=st.integers(0, 2**32))
+@given(
+    num_numbers=st.integers(2, 6),
+    max_number=st.integers(1, 1000),
+    max_target=st.integers(1, 10**6),
+    ops=st.lists(st.sampled_from(["+", "-", "*", "/"]), min_size=1, max_size=4, unique=True),
+    use_all=st.booleans(),
+    fmt=st.floats(0, 0.99),
+    seed=st.integers(0, 2**32),
+)
 def test_countdown_problems_are_solved_by_their_answer(num_numbers, max_number, max_target, ops, use_all, fmt, seed):
-    task = get_task("countdown", num_numbers=num_numbers, max_number=max_number, max_target=max_target, ops=ops,
-                    use_all_numbers=use_all, format_reward=fmt)
+    task = get_task(
+        "countdown",
+        num_numbers=num_numbers,
+        max_number=max_number,
+        max_target=max_target,
+        ops=ops,
+        use_all_numbers=use_all,
+        format_reward=fmt,
+    )
     try:
         p = task.generate(random.Random(seed))
     except ValueError as e:  # e.g. only '-' over small numbers: no positive target; named
@@ -253,8 +338,13 @@ def test_countdown_problems_are_solved_by_their_answer(num_numbers, max_number, 
 
 
 @FUZZ
-@given(lo=st.integers(0, 10**4), span=st.integers(0, 10**4), ops=operator_sets, num_terms=st.integers(2, 5),
-       seed=st.integers(0, 2**32))
+@given(
+    lo=st.integers(0, 10**4),
+    span=st.integers(0, 10**4),
+    ops=operator_sets,
+    num_terms=st.integers(2, 5),
+    seed=st.integers(0, 2**32),
+)
 def test_calculator_problems_are_solved_by_the_tool_and_their_answer(lo, span, ops, num_terms, seed):
     task = get_task("calculator", min_value=lo, max_value=lo + span, ops=ops, num_terms=num_terms)
     p = task.generate(random.Random(seed))
@@ -263,9 +353,14 @@ def test_calculator_problems_are_solved_by_the_tool_and_their_answer(lo, span, o
     assert ideal_transcript(p)[-1]["content"] == p.answer
 
 
-@pytest.mark.parametrize("kwargs", [{"min_value": 10**29, "max_value": 10**29 + 5, "ops": ("+",), "num_terms": 2},
-                                    {"min_value": 0, "max_value": 10**5, "ops": ("*",), "num_terms": 5},
-                                    {"min_value": 0, "max_value": 9, "ops": ("+",), "num_terms": 100}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_value": 10**29, "max_value": 10**29 + 5, "ops": ("+",), "num_terms": 2},
+        {"min_value": 0, "max_value": 10**5, "ops": ("*",), "num_terms": 5},
+        {"min_value": 0, "max_value": 9, "ops": ("+",), "num_terms": 100},
+    ],
+)
 def test_calculator_settings_at_the_limits_of_the_tool(kwargs):
     """Every problem of accepted settings is one the tool computes (operands of 10**40 were accepted, and the
     tool answered the reference expression with "error: ValueError")."""
@@ -286,25 +381,28 @@ def test_long_answers_score_and_too_long_ones_are_named():
         assert t.reward(Problem("p", "7"), "9" * 5000) == 0.0  # a long digit run in a completion is no answer
 
 
-@pytest.mark.parametrize("name, kwargs, match", [
-    ("arithmetic", {"num_terms": 1}, "num_terms must be in"),
-    ("arithmetic", {"num_terms": 10**9}, "num_terms must be in"),
-    ("arithmetic", {"min_value": -1}, "min_value must be >= 0"),
-    ("arithmetic", {"max_value": 10**400, "ops": ["*"], "num_terms": 20}, "max_value, num_terms=20 and ops"),
-    ("arithmetic", {"ops": []}, "ops must be"),
-    ("arithmetic", {"ops": ["/"]}, "ops must be"),
-    ("countdown", {"num_numbers": 1}, "num_numbers must be >= 2"),
-    ("countdown", {"num_numbers": 100}, "num_numbers=100 and max_number=10 allow answers of"),
-    ("countdown", {"max_number": 10**12}, "max_number must have at most 12 digits"),
-    ("countdown", {"max_target": 0}, "max_target must be >= 1"),
-    ("countdown", {"format_reward": 1.0}, "format_reward must be in"),
-    ("calculator", {"min_value": -5}, "min_value must be >= 0"),
-    ("calculator", {"min_value": 50, "max_value": 40}, r"max_value \(40\) must be >= min_value \(50\)"),
-    ("calculator", {"ops": ["/"]}, "ops must be"),
-    ("calculator", {"num_terms": 1}, "num_terms must be in"),
-    ("calculator", {"num_terms": 150, "max_value": 99}, "num_terms=150 allow expressions of"),
-    ("calculator", {"max_value": 10**20, "ops": ["*"]}, "beyond the calculator's limit"),
-])
+@pytest.mark.parametrize(
+    "name, kwargs, match",
+    [
+        ("arithmetic", {"num_terms": 1}, "num_terms must be in"),
+        ("arithmetic", {"num_terms": 10**9}, "num_terms must be in"),
+        ("arithmetic", {"min_value": -1}, "min_value must be >= 0"),
+        ("arithmetic", {"max_value": 10**400, "ops": ["*"], "num_terms": 20}, "max_value, num_terms=20 and ops"),
+        ("arithmetic", {"ops": []}, "ops must be"),
+        ("arithmetic", {"ops": ["/"]}, "ops must be"),
+        ("countdown", {"num_numbers": 1}, "num_numbers must be >= 2"),
+        ("countdown", {"num_numbers": 100}, "num_numbers=100 and max_number=10 allow answers of"),
+        ("countdown", {"max_number": 10**12}, "max_number must have at most 12 digits"),
+        ("countdown", {"max_target": 0}, "max_target must be >= 1"),
+        ("countdown", {"format_reward": 1.0}, "format_reward must be in"),
+        ("calculator", {"min_value": -5}, "min_value must be >= 0"),
+        ("calculator", {"min_value": 50, "max_value": 40}, r"max_value \(40\) must be >= min_value \(50\)"),
+        ("calculator", {"ops": ["/"]}, "ops must be"),
+        ("calculator", {"num_terms": 1}, "num_terms must be in"),
+        ("calculator", {"num_terms": 150, "max_value": 99}, "num_terms=150 allow expressions of"),
+        ("calculator", {"max_value": 10**20, "ops": ["*"]}, "beyond the calculator's limit"),
+    ],
+)
 def test_out_of_range_settings_are_refused_by_name(name, kwargs, match):
     import exactrl.envs.tool_use  # noqa: F401  (registers "calculator")
 
@@ -317,8 +415,9 @@ def test_out_of_range_settings_are_refused_by_name(name, kwargs, match):
 def test_countdown_settings_either_refused_or_answers_parse(num_numbers, digits):
     """Accepted settings never generate a reference answer the parser refuses (12-digit literals, 256 chars)."""
     try:
-        task = CountdownTask(num_numbers=num_numbers, max_number=10**digits - 1, max_target=10**4000,
-                             ops=("+", "*"))  # every value a positive integer: each draw is a problem
+        task = CountdownTask(
+            num_numbers=num_numbers, max_number=10**digits - 1, max_target=10**4000, ops=("+", "*")
+        )  # every value a positive integer: each draw is a problem
     except ValueError as e:
         assert "num_numbers" in str(e) or "max_number" in str(e)
         return
@@ -335,14 +434,33 @@ def test_countdown_use_all_numbers_refuses_a_number_no_answer_can_write():
 
 # --------------------------------------------------------------------------- the calculator episode
 
-@pytest.mark.parametrize("arguments", ['{"expression": "2+3"}', "not json", "[1, 2]", '"2+3"', "[" * 100_000,
-                                       '{"expression": ' + "9" * 5000 + "}", '{"expression": 5}', "{}"])
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"expression": "2+3"}',
+        "not json",
+        "[1, 2]",
+        '"2+3"',
+        "[" * 100_000,
+        '{"expression": ' + "9" * 5000 + "}",
+        '{"expression": 5}',
+        "{}",
+    ],
+)
 def test_calculator_episode_survives_any_tool_call_arguments(monkeypatch, arguments):
     """The arguments of a tool call are model text: bad JSON (deeply nested, an integer too long for int())
     is an error for the agent to read, not an exception that ends the rollout."""
-    replies = [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}]},
-        {"role": "assistant", "content": "5"}]
+    replies = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+            ],
+        },
+        {"role": "assistant", "content": "5"},
+    ]
     _fake_openai(monkeypatch, replies)
     problem = Problem("Compute 2+3", "5", {"expression": "2+3"})
     ep = asyncio.run(calculator_episode("http://unused", problem, model="m"))
@@ -353,8 +471,13 @@ def test_calculator_episode_survives_any_tool_call_arguments(monkeypatch, argume
 
 def test_a_calculator_episode_out_of_turns_says_so(monkeypatch):
     """Its reward is 0 whatever it computed; `out_of_turns` says why (only turns == max_turns hinted at it)."""
-    call = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
+        ],
+    }
     _fake_openai(monkeypatch, [call, call])
     problem = Problem("Compute 2+3", "5", {"expression": "2+3"})
     ep = asyncio.run(calculator_episode("http://unused", problem, model="m", max_turns=2))
@@ -378,8 +501,14 @@ def _fake_openai(monkeypatch, replies: list[dict]) -> None:
             return False
 
         async def create(self, **kwargs):
-            return ChatCompletion.model_validate({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                                                  "choices": [{"index": 0, "finish_reason": "stop",
-                                                               "message": replies.pop(0)}]})
+            return ChatCompletion.model_validate(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [{"index": 0, "finish_reason": "stop", "message": replies.pop(0)}],
+                }
+            )
 
     monkeypatch.setattr(openai, "AsyncOpenAI", FakeClient)

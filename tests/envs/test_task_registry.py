@@ -1,4 +1,5 @@
 """The task protocol: registration, lookup, argument errors, a task in one file."""
+
 from __future__ import annotations
 
 import random
@@ -52,8 +53,10 @@ def test_importing_a_task_file_again_replaces_its_task(tmp_path):
     from exactrl.envs import import_task_module
 
     f = tmp_path / "twice.py"
-    f.write_text("from exactrl.envs import ArithmeticTask, register_task\n\n\n@register_task\n"
-                 "class Twice(ArithmeticTask):\n    name = 'twice_test'\n")
+    f.write_text(
+        "from exactrl.envs import ArithmeticTask, register_task\n\n\n@register_task\n"
+        "class Twice(ArithmeticTask):\n    name = 'twice_test'\n"
+    )
     try:
         import_task_module(str(f))
         first = TASKS["twice_test"]
@@ -70,12 +73,20 @@ def test_register_rejects_nameless_and_non_tasks():
         register_task(int)
 
 
-@pytest.mark.parametrize("text, answer", [
-    ("a<think>b</think>c", "ac"), ("<think>x</think>\n\n8", "\n\n8"), ("reasoning</think>8", "8"),
-    ("8<think>unfinished", "8"), ("<think>1</think>2<think>3</think>4", "24"), ("plain", "plain"),
-    ("<think>a<think>b</think>c</think>d", "d"), ("x</think>y<think>z</think>w", "yw"),
-    ("<think>a</think>b<think>c", "b"),
-])
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("a<think>b</think>c", "ac"),
+        ("<think>x</think>\n\n8", "\n\n8"),
+        ("reasoning</think>8", "8"),
+        ("8<think>unfinished", "8"),
+        ("<think>1</think>2<think>3</think>4", "24"),
+        ("plain", "plain"),
+        ("<think>a<think>b</think>c</think>d", "d"),
+        ("x</think>y<think>z</think>w", "yw"),
+        ("<think>a</think>b<think>c", "b"),
+    ],
+)
 def test_strip_reasoning(text, answer):
     assert strip_reasoning(text) == answer
 
@@ -93,7 +104,7 @@ def test_a_task_in_a_file_of_its_own_is_named_from_the_run_config(tmp_path):
     from exactrl.train.config import load_config
 
     f = tmp_path / "double_task.py"
-    f.write_text('''
+    f.write_text("""
 from exactrl.envs import Problem, Task, register_task
 
 @register_task
@@ -104,7 +115,7 @@ class Double(Task):
         return Problem(prompt=f"2*{x}=", answer=str(2 * x))
     def reward(self, problem, completion):
         return float(completion.strip() == problem.answer)
-''')
+""")
     cfg = load_config(None, [f"task.module={f}", "task.name=double_from_file"])
     with pytest.raises(ValueError, match="unknown task 'double_from_file'"):
         get_task(cfg.task.name)
@@ -131,7 +142,7 @@ def test_two_task_files_of_one_name_in_two_directories_are_two_modules(tmp_path)
 
     from exactrl.envs import import_task_module
 
-    body = '''
+    body = """
 from exactrl.envs import Problem, Task, register_task
 
 @register_task
@@ -141,7 +152,7 @@ class Clash(Task):
         return Problem(prompt="1+1=", answer="2")
     def reward(self, problem, completion):
         return 1.0
-'''
+"""
     files = []
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
@@ -159,8 +170,11 @@ class Clash(Task):
     bad = tmp_path / "broken.py"
     bad.write_text("raise RuntimeError('broken task file')\n")
     before = set(sys.modules)
-    with pytest.raises(ValueError, match=r"task module .*broken.py failed while it was imported \(RuntimeError: "
-                                         r"broken task file\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"task module .*broken.py failed while it was imported \(RuntimeError: "
+        r"broken task file\)",
+    ):
         import_task_module(str(bad))
     assert set(sys.modules) == before
 
@@ -172,8 +186,11 @@ def test_each_builtin_task_checks_a_problem_it_cannot_score():
     from exactrl.envs.base import Problem
     from exactrl.envs.tool_use import CalculatorTask
 
-    for task, bad in ((ArithmeticTask(), Problem("2+1=", "3.0")), (CalculatorTask(), Problem("2+1", "three")),
-                      (CountdownTask(), Problem("Use 1 2 to make 3.", "1+2"))):
+    for task, bad in (
+        (ArithmeticTask(), Problem("2+1=", "3.0")),
+        (CalculatorTask(), Problem("2+1", "three")),
+        (CountdownTask(), Problem("Use 1 2 to make 3.", "1+2")),
+    ):
         with pytest.raises(ValueError, match=re.escape(repr(bad.prompt))):
             task.check(bad)
         good = task.generate(random.Random(0))

@@ -5,6 +5,7 @@ registered under its session id), so `collect_agent_groups` runs as in training.
 the batch is not lost to one bad episode, each failure is kept in its place and counted, and the training
 data carries loss only on generated tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 from fastapi import FastAPI, HTTPException
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from exactrl.envs.base import Problem
 from exactrl.envs.tool_use import calculate
@@ -56,8 +58,15 @@ def _trajectory(turns: int, tool_out: str) -> dict:
         completion += tool
         mask += [0] * len(tool)
     lps = [-0.5 if m else 0.0 for m in mask]
-    return dict(prompt_ids=[1, 5, 6], completion_ids=completion, loss_mask=mask, behav_logprobs=lps,
-                versions=[0 if m else -1 for m in mask], num_turns=turns, sampling=[[1.0, -1, 1.0]])
+    return dict(
+        prompt_ids=[1, 5, 6],
+        completion_ids=completion,
+        loss_mask=mask,
+        behav_logprobs=lps,
+        versions=[0 if m else -1 for m in mask],
+        num_turns=turns,
+        sampling=[[1.0, -1, 1.0]],
+    )
 
 
 TOOLS = st.sampled_from(["ok", "raise", "none", "number", "huge", "bad_args"])
@@ -67,8 +76,14 @@ OUTCOMES = st.one_of(st.floats(0, 1), st.sampled_from(["raise", "nan", "inf", "n
 def _tool(kind: str) -> str:
     """What an environment makes of a tool: its result, or an error text when the tool misbehaves."""
     try:
-        out = {"ok": lambda: calculate("2+3"), "raise": lambda: 1 // 0, "none": lambda: None,
-               "number": lambda: 5, "huge": lambda: "9" * 100_000, "bad_args": lambda: calculate({"e": 1})}[kind]()
+        out = {
+            "ok": lambda: calculate("2+3"),
+            "raise": lambda: 1 // 0,
+            "none": lambda: None,
+            "number": lambda: 5,
+            "huge": lambda: "9" * 100_000,
+            "bad_args": lambda: calculate({"e": 1}),
+        }[kind]()
     except ZeroDivisionError as e:
         return f"error: {type(e).__name__}"
     return out if isinstance(out, str) else f"error: the tool returned {type(out).__name__}"
@@ -84,13 +99,17 @@ async def _play(base_url: str, outcome, tools: list[str]):
         REGISTERED[sid] = [_trajectory(len(tools) + 1, "".join(_tool(t) for t in tools))]
     if outcome == "raise":
         raise ConnectionError("the model server went away")
-    return {"nan": math.nan, "inf": math.inf, "none": None, "str": "1.0", "no_request": 0.0,
-            "stall": 0.5}.get(outcome, outcome)
+    return {"nan": math.nan, "inf": math.inf, "none": None, "str": "1.0", "no_request": 0.0, "stall": 0.5}.get(
+        outcome, outcome
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(episodes=st.lists(st.lists(st.tuples(OUTCOMES, st.lists(TOOLS, max_size=2)), min_size=2, max_size=2),
-                         min_size=1, max_size=3))
+@given(
+    episodes=st.lists(
+        st.lists(st.tuples(OUTCOMES, st.lists(TOOLS, max_size=2)), min_size=2, max_size=2), min_size=1, max_size=3
+    )
+)
 @example(episodes=[[("no_request", []), ("no_request", [])]])  # a kept group with no trajectory at all
 def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_loss(url, episodes):
     problems = [Problem(prompt=f"p{k}", answer="5") for k in range(len(episodes))]
@@ -131,18 +150,29 @@ def test_bad_episodes_leave_the_batch_standing_and_only_generated_tokens_carry_l
         assert all((x == 0) == (p == 0.0) for x, p in zip(m, lp))
 
 
-@pytest.mark.parametrize("reward, shown", [(math.nan, "nan"), (math.inf, "inf"), (None, "None"), ("1.0", "'1.0'"),
-                                           (torch.tensor([1.0, 0.0]), "tensor"), (np.array([True, False]), "array"),
-                                           pytest.param(10**400, "1000", id="int_beyond_float")])
+@pytest.mark.parametrize(
+    "reward, shown",
+    [
+        (math.nan, "nan"),
+        (math.inf, "inf"),
+        (None, "None"),
+        ("1.0", "'1.0'"),
+        (torch.tensor([1.0, 0.0]), "tensor"),
+        (np.array([True, False]), "array"),
+        pytest.param(10**400, "1000", id="int_beyond_float"),
+    ],
+)
 def test_a_reward_that_is_not_a_finite_number_fails_its_episode_only(url, reward, shown):
     """Before: NaN or inf reached the advantages and failed every group of the step ("scale the rewards
     down"); a string "1.0" was read as 1.0, and numpy's and torch's bools as 1.0 or 0.0."""
+
     async def env(base_url, problem, *, seed):
         return reward if problem.prompt == "bad" else 1.0 if seed % 2 else 0.0
 
     groups = asyncio.run(collect_agent_groups(url, env, [Problem("bad", "1"), Problem("good", "1")], 2, 0, 0))
-    assert all(isinstance(x, ValueError) and f"reward must be a finite number" in str(x) and shown in str(x)
-               for x in groups[0])
+    assert all(
+        isinstance(x, ValueError) and "reward must be a finite number" in str(x) and shown in str(x) for x in groups[0]
+    )
     kept, failed = complete_groups(groups)
     assert failed == 2 and len(kept) == 1 and [r.problem.prompt for r in kept[0]] == ["good", "good"]
 
@@ -150,18 +180,21 @@ def test_a_reward_that_is_not_a_finite_number_fails_its_episode_only(url, reward
 def test_an_episode_whose_trajectories_the_server_cannot_give_fails_instead_of_training_on_nothing(url):
     """Before: any answer but 200 gave the episode no trajectories, silently: its tokens lost, its reward
     still in the group's baseline. A 404 (the environment made no request) still means no tokens."""
+
     async def env(base_url, problem, *, seed):
         REGISTERED[base_url.split("/sessions/")[1].split("/")[0]] = "broken"
         return 1.0
 
     groups = asyncio.run(collect_agent_groups(url, env, [Problem("p", "1")], 2, 0, 0))
-    assert all(isinstance(x, RuntimeError) and "answered 500 for the episode's trajectories" in str(x)
-               for x in groups[0])
+    assert all(
+        isinstance(x, RuntimeError) and "answered 500 for the episode's trajectories" in str(x) for x in groups[0]
+    )
     assert not REGISTERED
 
 
-@pytest.mark.parametrize("reward", [np.float32(0.5), torch.tensor(0.5), torch.tensor([0.5]), 1, 0.5, True,
-                                    np.False_, torch.tensor([True])])
+@pytest.mark.parametrize(
+    "reward", [np.float32(0.5), torch.tensor(0.5), torch.tensor([0.5]), 1, 0.5, True, np.False_, torch.tensor([True])]
+)
 def test_a_reward_of_any_real_number_type_is_taken(url, reward):
     async def env(base_url, problem, *, seed):
         return reward
@@ -183,10 +216,13 @@ def test_a_hung_episode_fails_alone_after_episode_timeout_s_and_its_session_is_d
             await asyncio.Event().wait()  # never set
         return 1.0
 
-    groups = asyncio.run(collect_agent_groups(url, env, [Problem("hang", "1"), Problem("good", "1")], 2, 0, 0,
-                                              episode_timeout_s=0.5))  # a hang: pytest-timeout fails it
-    assert all(isinstance(x, TimeoutError) and "problem 0, sample" in str(x) and "episode_timeout_s=0.5" in str(x)
-               for x in groups[0])
+    groups = asyncio.run(
+        collect_agent_groups(url, env, [Problem("hang", "1"), Problem("good", "1")], 2, 0, 0, episode_timeout_s=0.5)
+    )  # a hang: pytest-timeout fails it
+    assert all(
+        isinstance(x, TimeoutError) and "problem 0, sample" in str(x) and "episode_timeout_s=0.5" in str(x)
+        for x in groups[0]
+    )
     assert [r.reward for r in groups[1]] == [1.0, 1.0]
     assert len(sids) == 4 and not set(sids) & set(REGISTERED)  # every session deleted, the cancelled ones too
 
@@ -195,11 +231,13 @@ def test_a_hung_episode_fails_alone_after_episode_timeout_s_and_its_session_is_d
 def test_an_environments_own_timeout_error_keeps_its_message(url, episode_timeout_s):
     """Before: any TimeoutError the environment raised (a judge's own deadline) was reported as the episode
     running past episode_timeout_s, even with no episode_timeout_s at all."""
+
     async def env(base_url, problem, *, seed):
         raise TimeoutError("the judge took too long")
 
-    groups = asyncio.run(collect_agent_groups(url, env, [Problem("p", "1")], 2, 0, 0,
-                                              episode_timeout_s=episode_timeout_s))
+    groups = asyncio.run(
+        collect_agent_groups(url, env, [Problem("p", "1")], 2, 0, 0, episode_timeout_s=episode_timeout_s)
+    )
     assert [str(x) for x in groups[0]] == ["the judge took too long"] * 2
 
 

@@ -2,6 +2,7 @@
 build_loss and build_corrections. Bad input is a ValueError naming the field (and the sequence or token
 index), raised before any weight changes; valid input trains.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,15 @@ V = 211  # conftest TINY vocabulary
 FP32_MAX = torch.finfo(torch.float32).max
 
 junk = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=3), st.lists(st.integers(-3, V + 3), max_size=3), st.just(10**400),
-    st.integers(-5, 300).map(np.int64), st.floats(-2, 2, width=32).map(np.float32),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.lists(st.integers(-3, V + 3), max_size=3),
+    st.just(10**400),
+    st.integers(-5, 300).map(np.int64),
+    st.floats(-2, 2, width=32).map(np.float32),
     st.dictionaries(st.text(max_size=1), st.integers(), max_size=1),
 )
 FIELDS = ("prompt_ids", "completion_ids", "behav_logprobs", "advantages")
@@ -38,8 +45,16 @@ def model(qwen3_dir):
 
 
 def _settings(**kw) -> StepSettings:
-    return StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=kw.pop("micro_batch_size", 2),
-                        agg_mode="token-mean", agg_constant=None, grad_clip=1.0, **kw)
+    return StepSettings(
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        micro_batch_size=kw.pop("micro_batch_size", 2),
+        agg_mode="token-mean",
+        agg_constant=None,
+        grad_clip=1.0,
+        **kw,
+    )
 
 
 @st.composite
@@ -70,9 +85,12 @@ def broken_batches(draw):
         return b, "one entry per sequence"
     if kind == "row":  # a sequence's ids or logprobs are not a list
         name = draw(st.sampled_from(["prompt_ids", "completion_ids", "behav_logprobs"]))
-        ids_only = [st.lists(st.integers(0, 5), min_size=1, max_size=2).map(np.array)] if name != "behav_logprobs" else []
-        b[name][k] = draw(st.one_of(st.none(), st.integers(), st.floats(allow_nan=False), st.text(min_size=1, max_size=2),
-                                    *ids_only))  # (an array of numbers is fine behaviour logprobs)
+        ids_only = (
+            [st.lists(st.integers(0, 5), min_size=1, max_size=2).map(np.array)] if name != "behav_logprobs" else []
+        )
+        b[name][k] = draw(
+            st.one_of(st.none(), st.integers(), st.floats(allow_nan=False), st.text(min_size=1, max_size=2), *ids_only)
+        )  # (an array of numbers is fine behaviour logprobs)
         return b, f"TrainBatch.{name}[{k}]" if name != "behav_logprobs" else f"{k}"
     if kind == "id":  # one token id of the wrong kind
         name = draw(st.sampled_from(["prompt_ids", "completion_ids"]))
@@ -83,8 +101,9 @@ def broken_batches(draw):
             b["behav_logprobs"][k] = list(b["behav_logprobs"][k]) + [-1.0]
         return b, f"TrainBatch.{name}[{k}] holds"
     if kind == "number":  # an advantage that is not a number
-        b["advantages"][k] = draw(st.one_of(st.none(), st.text(max_size=2), st.lists(st.floats(), min_size=1, max_size=2),
-                                            st.just(10**400)))
+        b["advantages"][k] = draw(
+            st.one_of(st.none(), st.text(max_size=2), st.lists(st.floats(), min_size=1, max_size=2), st.just(10**400))
+        )
         return b, "TrainBatch.advantages"
     if kind == "non_finite":  # NaN, inf, or beyond fp32, in an advantage or a behaviour logprob
         value = draw(st.sampled_from([math.nan, math.inf, -math.inf, 1e39, -1e39, 2 * FP32_MAX]))
@@ -142,8 +161,12 @@ def test_valid_batches_of_any_shape_train(qwen3_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
     @settings(HSET, max_examples=25)
-    @given(b=batches(), tuples=st.booleans(), adv_kind=st.sampled_from([list, torch.tensor, np.array]),
-           positive=st.booleans())
+    @given(
+        b=batches(),
+        tuples=st.booleans(),
+        adv_kind=st.sampled_from([list, torch.tensor, np.array]),
+        positive=st.booleans(),
+    )
     def fuzz(b, tuples, adv_kind, positive):
         if tuples:
             b["prompt_ids"] = [tuple(p) for p in b["prompt_ids"]]
@@ -164,18 +187,25 @@ def test_step_settings_micro_batch_size():
 
 
 @HSET
-@given(name=st.sampled_from(sorted(ADVANTAGES)),
-       rewards=st.one_of(
-           junk,
-           st.lists(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=3),
-                    min_size=1, max_size=3).filter(lambda r: len({len(x) for x in r}) == 1).map(torch.tensor),
-           st.lists(st.floats(-1, 1), max_size=4).map(torch.tensor),  # 1-D
-           st.lists(st.sampled_from([1.7e308, -1.7e308, 1e308, 0.0]), min_size=3, max_size=3).map(
-               lambda r: torch.tensor([r], dtype=torch.float64)),  # finite, but the mean or std overflows
-           st.integers(0, 3).map(lambda n: torch.zeros(n, 0)), st.integers(0, 2).map(lambda n: torch.zeros(2, 2, n)),
-           st.lists(st.lists(st.integers(-3, 3), min_size=2, max_size=2), min_size=1, max_size=2).map(torch.tensor),
-       ),
-       kwargs=st.dictionaries(st.sampled_from(["eps", "normalize_std", "bogus"]), junk, max_size=2))
+@given(
+    name=st.sampled_from(sorted(ADVANTAGES)),
+    rewards=st.one_of(
+        junk,
+        st.lists(
+            st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=3), min_size=1, max_size=3
+        )
+        .filter(lambda r: len({len(x) for x in r}) == 1)
+        .map(torch.tensor),
+        st.lists(st.floats(-1, 1), max_size=4).map(torch.tensor),  # 1-D
+        st.lists(st.sampled_from([1.7e308, -1.7e308, 1e308, 0.0]), min_size=3, max_size=3).map(
+            lambda r: torch.tensor([r], dtype=torch.float64)
+        ),  # finite, but the mean or std overflows
+        st.integers(0, 3).map(lambda n: torch.zeros(n, 0)),
+        st.integers(0, 2).map(lambda n: torch.zeros(2, 2, n)),
+        st.lists(st.lists(st.integers(-3, 3), min_size=2, max_size=2), min_size=1, max_size=2).map(torch.tensor),
+    ),
+    kwargs=st.dictionaries(st.sampled_from(["eps", "normalize_std", "bogus"]), junk, max_size=2),
+)
 def test_compute_advantages_names_bad_rewards_and_kwargs(name, rewards, kwargs):
     try:
         adv = compute_advantages(name, rewards, **kwargs)
@@ -187,10 +217,27 @@ def test_compute_advantages_names_bad_rewards_and_kwargs(name, rewards, kwargs):
 
 
 @HSET
-@given(name=st.one_of(st.sampled_from(sorted(LOSSES)), st.text(max_size=4)),
-       kwargs=st.dictionaries(st.sampled_from(["eps_low", "eps_high", "dual_clip", "eps_low_is", "eps_high_is",
-                                               "tau_pos", "tau_neg", "upper", "level", "x"]),
-                              st.one_of(junk, st.floats(-1, 5), st.sampled_from(["token", "sequence"])), max_size=2))
+@given(
+    name=st.one_of(st.sampled_from(sorted(LOSSES)), st.text(max_size=4)),
+    kwargs=st.dictionaries(
+        st.sampled_from(
+            [
+                "eps_low",
+                "eps_high",
+                "dual_clip",
+                "eps_low_is",
+                "eps_high_is",
+                "tau_pos",
+                "tau_neg",
+                "upper",
+                "level",
+                "x",
+            ]
+        ),
+        st.one_of(junk, st.floats(-1, 5), st.sampled_from(["token", "sequence"])),
+        max_size=2,
+    ),
+)
 def test_build_loss_names_the_loss_and_the_argument(name, kwargs):
     try:
         loss = build_loss(name, **kwargs)
@@ -202,13 +249,27 @@ def test_build_loss_names_the_loss_and_the_argument(name, kwargs):
 
 
 @HSET
-@given(specs=st.one_of(
-    junk,
-    st.lists(st.one_of(junk, st.fixed_dictionaries(
-        {"name": st.one_of(st.sampled_from(sorted(CORRECTIONS)), junk)},
-        optional={"lower": st.one_of(junk, st.floats(-1, 3)), "upper": st.one_of(junk, st.floats(-1, 3)),
-                  "threshold": st.one_of(junk, st.floats(-1, 3)), "delta": st.one_of(junk, st.floats(-1, 3)),
-                  "kind": st.one_of(junk, st.sampled_from(["k1", "k2", "k3"]))})), max_size=3)))
+@given(
+    specs=st.one_of(
+        junk,
+        st.lists(
+            st.one_of(
+                junk,
+                st.fixed_dictionaries(
+                    {"name": st.one_of(st.sampled_from(sorted(CORRECTIONS)), junk)},
+                    optional={
+                        "lower": st.one_of(junk, st.floats(-1, 3)),
+                        "upper": st.one_of(junk, st.floats(-1, 3)),
+                        "threshold": st.one_of(junk, st.floats(-1, 3)),
+                        "delta": st.one_of(junk, st.floats(-1, 3)),
+                        "kind": st.one_of(junk, st.sampled_from(["k1", "k2", "k3"])),
+                    },
+                ),
+            ),
+            max_size=3,
+        ),
+    )
+)
 def test_build_corrections_names_the_entry(specs):
     try:
         built = build_corrections(specs)

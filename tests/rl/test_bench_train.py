@@ -4,6 +4,7 @@ The exactrl side must report a train/rollout logprob difference of exactly 0.0
 with exact kernels (from `train_step`'s own metrics) and a non-zero one with
 fast kernels; the TRL side runs only when trl is installed.
 """
+
 from __future__ import annotations
 
 import importlib.util

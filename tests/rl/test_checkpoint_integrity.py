@@ -3,6 +3,7 @@
 Flipped bytes behind an intact safetensors header load without an error: the run would train on from
 garbage weights (reward 0.0) without a word. The checks name the file that differs and what to do.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,9 @@ import struct
 
 import pytest
 import torch
+from conftest import default_job_model, train_args
 
 import exactrl
-from conftest import default_job_model, train_args
 from exactrl.cli import main
 from exactrl.train import checkpoint as ck
 
@@ -45,8 +46,9 @@ def saved(qwen3_dir, tmp_path):
 
 def test_a_checkpoint_records_a_digest_of_each_file_and_a_fresh_one_verifies(saved, qwen3_dir):
     state = json.loads((saved / "step_000002" / "state.json").read_text())
-    assert sorted(state[ck.DIGESTS]) == sorted(p.name for p in (saved / "step_000002").iterdir()
-                                               if p.name != "state.json")
+    assert sorted(state[ck.DIGESTS]) == sorted(
+        p.name for p in (saved / "step_000002").iterdir() if p.name != "state.json"
+    )
     assert ck.verify_digests(saved / "step_000002") is True
     assert ck.verify_digests(qwen3_dir) is False  # a plain model directory: nothing to check
     # the trainer's state comes back as it was given
@@ -58,8 +60,11 @@ def test_flipped_weight_bytes_are_named_with_the_checkpoints_to_resume_from(save
     exactrl.load_model(saved / "step_000002")  # the damage the digests are for: it loads
     with pytest.raises(ValueError, match=r"step_000002/model.safetensors is damaged: its sha256 differs"):
         ck.verify_digests(saved / "step_000002")
-    with pytest.raises(ValueError, match=r"step_000002 cannot be read \(.*step_000002/model.safetensors is damaged.*"
-                                         r"older checkpoints there: step_000001 \(remove step_000002"):
+    with pytest.raises(
+        ValueError,
+        match=r"step_000002 cannot be read \(.*step_000002/model.safetensors is damaged.*"
+        r"older checkpoints there: step_000001 \(remove step_000002",
+    ):
         ck.load_checkpoint(saved / "step_000002", "float32", "exact")
     assert ck.load_checkpoint(saved / "step_000001", "float32", "exact")[2]["step"] == 1
 
@@ -72,8 +77,11 @@ def test_a_damaged_optimizer_state_or_a_missing_file_is_named(saved):
     with pytest.raises(ValueError, match=r"step_000002/optimizer.pt is damaged"):
         ck.load_checkpoint(saved / "step_000002", "float32", "exact")
     (saved / "step_000001" / "config.json").unlink()
-    with pytest.raises(ValueError, match=r"step_000001/config.json is missing.*older checkpoints there: "
-                                         r"step_000002"):
+    with pytest.raises(
+        ValueError,
+        match=r"step_000001/config.json is missing.*older checkpoints there: "
+        r"step_000002",
+    ):
         ck.load_checkpoint(saved / "step_000001", "float32", "exact")
 
 
@@ -103,12 +111,21 @@ def test_a_checkpoint_written_without_digests_resumes_with_a_note(saved):
     notes = []
     assert ck.verify_digests(saved / "step_000002") is False
     assert ck.load_checkpoint(saved / "step_000002", "float32", "exact", note=notes.append)[2]["step"] == 2
-    assert notes == ["note: checkpoint step_000002 records no file digests (written by an earlier exactrl): its "
-                     "files are loaded unchecked"]
+    assert notes == [
+        "note: checkpoint step_000002 records no file digests (written by an earlier exactrl): its "
+        "files are loaded unchecked"
+    ]
 
 
-TINY = ["progress=false", "tensorboard=false", "task.eval_size=0", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=2", "engine.kv_budget_tokens=2048", "save_every=1"]
+TINY = [
+    "progress=false",
+    "tensorboard=false",
+    "task.eval_size=0",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "engine.kv_budget_tokens=2048",
+    "save_every=1",
+]
 
 
 def test_resuming_from_flipped_weight_bytes_is_refused_by_train(tmp_path_factory, tmp_path, capfd):

@@ -4,6 +4,7 @@ A two-rank run samples exactly the one-process run's first batch (seeds follow t
 batch, not the rank), trains with the whole batch's gradient (equal to one process's up to the order of
 the sum), keeps train/rollout logprobs bitwise equal on every rank, and resumes like an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,24 @@ import sys
 
 import pytest
 import torch
+from conftest import default_job_model
 
 import exactrl
-from conftest import default_job_model
 from exactrl.cli import main as cli_main
 from exactrl.distributed import Ranks
 
-SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-         "task.eval_size=6", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096",
-         "algorithm.entropy_coef=0.01", "optim.warmup_steps=2"]  # a changing lr: it must reach every shard
+SMALL = [
+    "progress=false",
+    "tensorboard=false",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "task.eval_size=6",
+    "eval_every=2",
+    "optim.lr=1e-3",
+    "engine.kv_budget_tokens=4096",
+    "algorithm.entropy_coef=0.01",
+    "optim.warmup_steps=2",
+]  # a changing lr: it must reach every shard
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +71,9 @@ def _collectives(rank: int, port: int, out) -> None:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     ranks = Ranks(rank, 2)
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     c, d = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
@@ -126,8 +137,13 @@ def test_two_ranks_train_on_policy_and_sample_the_one_process_batch(model_dir, t
     assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 for r in two)
     assert all(r["perf/completion_tokens"] > 0 and r["train/grad_norm"] > 0 for r in two)
     # step 1: the same weights, and seeds that follow the prompt, not the rank -> the same batch
-    for k in ("rollout/reward_mean", "rollout/response_len_mean", "rollout/response_len_max",
-              "perf/completion_tokens", "eval/initial_accuracy"):
+    for k in (
+        "rollout/reward_mean",
+        "rollout/response_len_mean",
+        "rollout/response_len_max",
+        "perf/completion_tokens",
+        "eval/initial_accuracy",
+    ):
         assert two[0][k] == one[0][k], k
     assert two[2]["rollout/kl_ref_per_seq"] > 0
     assert two[2]["rollout/kl_ref_per_seq"] == pytest.approx(one[2]["rollout/kl_ref_per_seq"], rel=1e-3)
@@ -144,8 +160,9 @@ def test_two_ranks_train_on_policy_and_sample_the_one_process_batch(model_dir, t
     b = exactrl.load_model(two_dir / "checkpoints" / "step_000003")
     p = torch.cat([t.detach().flatten() for t in a.parameters()])
     q = torch.cat([t.detach().flatten() for t in b.parameters()])
-    names = [n for (n, t), u in zip(a.named_parameters(), b.parameters())
-             if not torch.allclose(u, t, rtol=1e-3, atol=1e-5)]
+    names = [
+        n for (n, t), u in zip(a.named_parameters(), b.parameters()) if not torch.allclose(u, t, rtol=1e-3, atol=1e-5)
+    ]
     assert ((q - p).abs() > 1e-5 + 1e-3 * p.abs()).sum() <= 1e-4 * p.numel(), names
     assert (q - p).abs().max() <= 2 * 3 * 1e-3, names  # optim.lr=1e-3 (SMALL)
     state = json.loads((two_dir / "checkpoints" / "step_000003" / "state.json").read_text())
@@ -172,8 +189,7 @@ def test_a_two_rank_run_resumes_like_an_uninterrupted_one(model_dir, tmp_path, w
     assert wrong.returncode != 0 and "--nproc 2" in wrong.stderr
 
 
-def test_sharded_optimizer_state_trains_bitwise_as_the_replicated_one_and_checkpoints_alike(
-        model_dir, tmp_path, whole):
+def test_sharded_optimizer_state_trains_bitwise_as_the_replicated_one_and_checkpoints_alike(model_dir, tmp_path, whole):
     """optim.shard_state (ZeRO-1): each rank keeps part of AdamW's moments, the weights stay bitwise the
     replicated run's (warm-up included: the lr reaches the shards), and a checkpoint holds the whole
     state, so a run moves between sharded and replicated on resume."""
@@ -198,10 +214,15 @@ def test_two_rank_async_runs_as_the_sync_loop_at_staleness_0_and_tags_versions_b
     assert done.returncode == 0, done.stderr[-3000:]
     s0 = rows(tmp_path / "s0")
     drop = ("async/", "time/wait_rollout_s")
-    assert [{k: v for k, v in results(r).items() if not k.startswith(drop)} for r in s0] == \
-        [results(r) for r in whole]
-    done = ranks_run(model_dir, tmp_path / "s1", "max_steps=3", "async.enabled=true", "async.max_staleness=1",
-                     "async.recompute_behaviour=true")
+    assert [{k: v for k, v in results(r).items() if not k.startswith(drop)} for r in s0] == [results(r) for r in whole]
+    done = ranks_run(
+        model_dir,
+        tmp_path / "s1",
+        "max_steps=3",
+        "async.enabled=true",
+        "async.max_staleness=1",
+        "async.recompute_behaviour=true",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     s1 = rows(tmp_path / "s1")
     assert [r["step"] for r in s1] == [1, 2, 3] and all(r["async/staleness_max"] <= 1 for r in s1)
@@ -209,11 +230,16 @@ def test_two_rank_async_runs_as_the_sync_loop_at_staleness_0_and_tags_versions_b
     assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in s1)
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["rollout.prompts_per_step=1"], "rollout.prompts_per_step=1 gives some of the 2 ranks no prompt"),
-    (["rollout_backend.kind=openai", "rollout_backend.base_url=http://127.0.0.1:9", "rollout_backend.model=m"],
-     "rollout_backend.kind=openai runs in one process"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["rollout.prompts_per_step=1"], "rollout.prompts_per_step=1 gives some of the 2 ranks no prompt"),
+        (
+            ["rollout_backend.kind=openai", "rollout_backend.base_url=http://127.0.0.1:9", "rollout_backend.model=m"],
+            "rollout_backend.kind=openai runs in one process",
+        ),
+    ],
+)
 def test_what_a_data_parallel_run_cannot_do_is_refused_naming_the_key(model_dir, tmp_path, extra, words):
     done = ranks_run(model_dir, tmp_path / "run", "max_steps=1", *extra)
     assert done.returncode != 0 and words in done.stderr, done.stderr[-2000:]
@@ -233,18 +259,24 @@ def test_a_sigint_to_the_launcher_alone_reaches_the_ranks(tmp_path, monkeypatch)
     import exactrl.distributed as dist_mod
 
     rank = tmp_path / "rank.py"
-    rank.write_text("import pathlib, sys, time\ntry:\n    pathlib.Path(sys.argv[1] + '.ready').write_text('')\n"
-                    "    while True:\n        time.sleep(0.05)\n"
-                    "except KeyboardInterrupt:\n    pathlib.Path(sys.argv[1]).write_text('interrupted')\n"
-                    "    sys.exit(130)\n")
+    rank.write_text(
+        "import pathlib, sys, time\ntry:\n    pathlib.Path(sys.argv[1] + '.ready').write_text('')\n"
+        "    while True:\n        time.sleep(0.05)\n"
+        "except KeyboardInterrupt:\n    pathlib.Path(sys.argv[1]).write_text('interrupted')\n"
+        "    sys.exit(130)\n"
+    )
     real = subprocess.Popen
-    monkeypatch.setattr(dist_mod.subprocess, "Popen", lambda cmd, env, **kw: real(
-        [sys.executable, str(rank), str(tmp_path / f"rank{env['RANK']}")], env=env, **kw))
+    monkeypatch.setattr(
+        dist_mod.subprocess,
+        "Popen",
+        lambda cmd, env, **kw: real([sys.executable, str(rank), str(tmp_path / f"rank{env['RANK']}")], env=env, **kw),
+    )
 
     def interrupt_when_ready():  # once both ranks run their loop: the signal is the launcher's alone
         while not all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGINT)
+
     threading.Thread(target=interrupt_when_ready, daemon=True).start()
     assert dist_mod.launch(["train"], 2) == 130
     assert all((tmp_path / f"rank{r}").read_text() == "interrupted" for r in (0, 1))
@@ -262,7 +294,8 @@ def test_after_a_rank_fails_the_others_may_finish_a_save_and_a_stuck_one_is_stop
     import exactrl.distributed as dist_mod
 
     rank = tmp_path / "rank.py"
-    rank.write_text(textwrap.dedent("""
+    rank.write_text(
+        textwrap.dedent("""
         import os, pathlib, sys, time
         out = pathlib.Path(sys.argv[1])
         if os.environ["RANK"] == "1":
@@ -273,13 +306,14 @@ def test_after_a_rank_fails_the_others_may_finish_a_save_and_a_stuck_one_is_stop
         time.sleep(1.0)
         out.write_text("saved")
         sys.exit(1)
-        """))
+        """)
+    )
     real, started = subprocess.Popen, []
 
     def popen(cmd, env, **kw):
-        started.append(real([sys.executable, str(rank), str(tmp_path / f"{mode}{env['RANK']}"), mode], env=env,
-                            **kw))
+        started.append(real([sys.executable, str(rank), str(tmp_path / f"{mode}{env['RANK']}"), mode], env=env, **kw))
         return started[-1]
+
     monkeypatch.setattr(dist_mod.subprocess, "Popen", popen)
     for mode, grace in (("saving", 120), ("stuck", 1)):  # 120 s: rank 0's second of saving, on any machine
         monkeypatch.setattr(dist_mod, "FAILED_RANK_GRACE_S", grace)
@@ -299,9 +333,11 @@ def test_a_rank_dies_with_its_launcher_even_a_sigkilled_one(tmp_path):
     import sys
     import time
 
-    launcher = ("import os, subprocess, sys, time\nfrom exactrl.distributed import _dies_with\n"
-                "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
-                "preexec_fn=_dies_with(os.getpid()))\nprint(p.pid, flush=True)\ntime.sleep(60)\n")
+    launcher = (
+        "import os, subprocess, sys, time\nfrom exactrl.distributed import _dies_with\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "preexec_fn=_dies_with(os.getpid()))\nprint(p.pid, flush=True)\ntime.sleep(60)\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)
@@ -321,11 +357,16 @@ def test_a_rank_dies_with_its_launcher_even_a_sigkilled_one(tmp_path):
         raise AssertionError("the rank outlived its SIGKILLed launcher")
 
 
-@pytest.mark.parametrize("env, words", [({"WORLD_SIZE": "2"}, "the environment variable RANK is not set"),
-                                        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
-                                        ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 is not in [0, WORLD_SIZE=2)"),
-                                        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
-                                        ({"WORLD_SIZE": "-2", "RANK": "0"}, "WORLD_SIZE=-2 must be >= 1")])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"WORLD_SIZE": "2"}, "the environment variable RANK is not set"),
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
+        ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 is not in [0, WORLD_SIZE=2)"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+        ({"WORLD_SIZE": "-2", "RANK": "0"}, "WORLD_SIZE=-2 must be >= 1"),
+    ],
+)
 def test_a_bad_torchrun_environment_is_named(monkeypatch, env, words):
     import re
 
@@ -350,10 +391,10 @@ def test_a_run_dir_rank_0_cannot_claim_stops_every_rank_without_a_traceback(mode
     (hook / "sitecustomize.py").write_text(
         "import os\nif os.environ.get('RANK') == '0':\n    import exactrl.train.setup as s\n"
         "    def refused(*a):\n        raise ValueError('injected: another run took the dir')\n"
-        "    s._claim_run_dir = refused\n")
+        "    s._claim_run_dir = refused\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2",
-           *sets(model_dir, tmp_path / "run", "max_steps=1")]
+    cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2", *sets(model_dir, tmp_path / "run", "max_steps=1")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "rank 0): error: injected: another run took the dir" in done.stderr
@@ -371,16 +412,30 @@ def test_ranks_started_with_different_settings_are_refused_naming_the_keys(model
         port = s.getsockname()[1]
     procs = []
     for rank, kernels in ((0, "exact"), (1, "fast")):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "exactrl", "train",
-               *sets(model_dir, tmp_path / "run", "max_steps=1", f"model.kernels={kernels}")]
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "exactrl",
+            "train",
+            *sets(model_dir, tmp_path / "run", "max_steps=1", f"model.kernels={kernels}"),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=300)[1] for p in procs]
     for rank, (p, err) in enumerate(zip(procs, errs)):
         assert p.returncode == 2 and "Traceback" not in err, err[-3000:]
-        assert f"(rank {rank}): error: the ranks were started with different settings (rank 1: model.kernels " \
-               f"('fast' vs rank 0's 'exact'))" in err, err[-3000:]
+        assert (
+            f"(rank {rank}): error: the ranks were started with different settings (rank 1: model.kernels "
+            f"('fast' vs rank 0's 'exact'))" in err
+        ), err[-3000:]
     assert not (tmp_path / "run").exists()
 
 
@@ -403,8 +458,10 @@ def test_the_settings_check_passes_equal_settings_and_names_each_difference():
 
     rank0 = settings_leaves(load_config(None, ["algorithm.loss_kwargs={eps_high: 0.3}"]))
     _check_same_settings(load_config(None, ["algorithm.loss_kwargs={eps_high: 0.3}"]), Rank1(1, 2, rank0))
-    with pytest.raises(ValueError, match=re.escape("(rank 1: algorithm.loss_kwargs.eps_high (unset vs rank 0's 0.3)); "
-                                                   "start every rank")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("(rank 1: algorithm.loss_kwargs.eps_high (unset vs rank 0's 0.3)); start every rank"),
+    ):
         _check_same_settings(load_config(), Rank1(1, 2, rank0))
 
 
@@ -415,8 +472,14 @@ def test_more_ranks_than_cores_is_run_with_a_warning(tmp_path, monkeypatch, caps
 
     started = []
     real = subprocess.Popen
-    monkeypatch.setattr(dist_mod.subprocess, "Popen", lambda cmd, env, **kw: (
-        started.append(env["OMP_NUM_THREADS"]), real([sys.executable, "-c", "pass"], env=env, **kw))[1])
+    monkeypatch.setattr(
+        dist_mod.subprocess,
+        "Popen",
+        lambda cmd, env, **kw: (
+            started.append(env["OMP_NUM_THREADS"]),
+            real([sys.executable, "-c", "pass"], env=env, **kw),
+        )[1],
+    )
     monkeypatch.setattr(dist_mod.os, "sched_getaffinity", lambda pid: {0, 1})
     assert dist_mod.launch(["train"], 3) == 0
     assert "warning: --nproc 3 on 2 cores" in capsys.readouterr().err and started == ["1"] * 3
@@ -438,21 +501,34 @@ def test_a_rank_that_dies_mid_run_leaves_one_line_on_the_others_not_a_gloo_trace
         "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.train.loop as loop\n"
         "    real = loop.train_on\n    def dying(c, step, groups):\n        if step == 2:\n"
         "            os.kill(os.getpid(), signal.SIGKILL)\n        return real(c, step, groups)\n"
-        "    loop.train_on = dying\n")
+        "    loop.train_on = dying\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2", *sets(model_dir, run, "max_steps=4",
-                                                                         "save_every=1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "exactrl",
+        "train",
+        "--nproc",
+        "2",
+        *sets(model_dir, run, "max_steps=4", "save_every=1"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     # the launcher's code is the first failure it sees, a race between rank 1's death and rank 0's error
     assert done.returncode in (2, 137) and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "exactrl train: rank 1 was killed by signal 9" in done.stderr and \
-        "exactrl train: rank 0 exited with code 2" in done.stderr, done.stderr[-3000:]
+    assert (
+        "exactrl train: rank 1 was killed by signal 9" in done.stderr
+        and "exactrl train: rank 0 exited with code 2" in done.stderr
+    ), done.stderr[-3000:]
     # gloo's reason is "Connection closed by peer [...]" or "Read error [...]: Connection reset by peer"
-    assert re.search(r"\(rank 0\): error: another rank left the run \((Connection closed|Read error)[^)]*\); "
-                     r"its own output says why; run .* is kept and its last checkpoint step_000001 is intact: fix that and "
-                     rf"continue it with exactrl train --nproc 2 --set run_dir={re.escape(str(run))} --set "
-                     r"resume=true", done.stderr), done.stderr[-3000:]
+    assert re.search(
+        r"\(rank 0\): error: another rank left the run \((Connection closed|Read error)[^)]*\); "
+        r"its own output says why; run .* is kept and its last checkpoint step_000001 is intact: fix that and "
+        rf"continue it with exactrl train --nproc 2 --set run_dir={re.escape(str(run))} --set "
+        r"resume=true",
+        done.stderr,
+    ), done.stderr[-3000:]
     assert lost_rank(ValueError("gloo")) is None and lost_rank(RuntimeError("an error of ours")) is None
 
 
@@ -465,11 +541,15 @@ def test_a_rank_that_dies_while_setting_up_leaves_one_line_on_the_others(model_d
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os\nif os.environ.get('RANK') == '1':\n    import signal\n    import exactrl.train.setup as setup\n"
-        "    def dying(*args, **kwargs):\n        os.kill(os.getpid(), signal.SIGKILL)\n    setup.build = dying\n")
+        "    def dying(*args, **kwargs):\n        os.kill(os.getpid(), signal.SIGKILL)\n    setup.build = dying\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "exactrl", "train", "--nproc", "2", *sets(model_dir, tmp_path / "run", "max_steps=2")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode in (2, 137) and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "exactrl train: rank 1 was killed by signal 9" in done.stderr, done.stderr[-3000:]
-    assert re.search(r"\(rank 0\): error: another rank left the run \(Connection (closed|reset) by peer[^)]*\); its "
-                     r"own output says why\n", done.stderr), done.stderr[-3000:]
+    assert re.search(
+        r"\(rank 0\): error: another rank left the run \(Connection (closed|reset) by peer[^)]*\); its "
+        r"own output says why\n",
+        done.stderr,
+    ), done.stderr[-3000:]

@@ -12,6 +12,7 @@ or a broken connection, a stall or a trickle. Every outcome is one of two:
 Requests are not retried (external.py documents none): each prompt is sent once. The engine keeps
 working after every failure. Timeouts are short (0.3 s), so the file runs in well under a minute.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -31,20 +32,29 @@ from hypothesis import strategies as st
 from exactrl.engine import SamplingParams
 from exactrl.rollout.external import LOGPROB_SLACK, ExternalEngine, ExternalEngineError, RolloutBackendSettings
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                       HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 V = 50  # the trainer's vocabulary in these tests
 TIMEOUT = 0.3
 FP32_MAX = 3.4028234663852886e38  # the trainer reads logprobs in fp32
 DIALECTS = ("exactrl", "vllm", "sglang")
-LP_FIELD = {"exactrl": "generation_log_probs", "vllm": "logprobs.token_logprobs",
-            "sglang": "meta_info.output_token_logprobs"}
+LP_FIELD = {
+    "exactrl": "generation_log_probs",
+    "vllm": "logprobs.token_logprobs",
+    "sglang": "meta_info.output_token_logprobs",
+}
 
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=4)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=4)
     | st.sampled_from([10**400, -(10**400), -1e39]),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=5)
+    max_leaves=5,
+)
 
 
 # ---------------------------------------------------------------- the fake server
@@ -83,8 +93,10 @@ def server():
 
 @pytest.fixture(scope="module")
 def engine(server):
-    eng = ExternalEngine(RolloutBackendSettings(kind="openai", base_url=server.url, model="m", timeout_s=TIMEOUT,
-                                                max_concurrency=2), vocab_size=V)
+    eng = ExternalEngine(
+        RolloutBackendSettings(kind="openai", base_url=server.url, model="m", timeout_s=TIMEOUT, max_concurrency=2),
+        vocab_size=V,
+    )
     yield eng
     eng.close()
 
@@ -103,8 +115,7 @@ def make_choice(dialect: str, k: int, ids, lps, finish: str, echo) -> dict:
     if dialect == "exactrl":
         c |= {"logprobs": None, "generation_token_ids": ids, "generation_log_probs": lps}
     elif dialect == "vllm":
-        c |= {"token_ids": ids, "logprobs": {"tokens": ["t"] * len(ids), "token_logprobs": lps,
-                                              "top_logprobs": None}}
+        c |= {"token_ids": ids, "logprobs": {"tokens": ["t"] * len(ids), "token_logprobs": lps, "top_logprobs": None}}
     else:
         c["meta_info"] = {"output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps)]}
     return c
@@ -124,13 +135,17 @@ def valid_answers(draw, prompt: list[int], sp: SamplingParams):
         truth.append((ids, lps, finish))
         choices.append(make_choice(dialect, k, ids, lps, finish, list(prompt) if echo else None))
     order = draw(st.permutations(range(sp.n)))
-    return {"id": "cmpl-1", "object": "text_completion", "model": "m",
-            "choices": [choices[i] for i in order]}, truth, dialect
+    return (
+        {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [choices[i] for i in order]},
+        truth,
+        dialect,
+    )
 
 
 # (prompts, n, max_tokens, prompt tokens after the first)
-requests_ = st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5),
-                      st.lists(st.integers(0, V - 1), max_size=4))
+requests_ = st.tuples(
+    st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.lists(st.integers(0, V - 1), max_size=4)
+)
 
 
 def batch(k: int, n: int, max_tokens: int, rest: list[int]):
@@ -177,8 +192,9 @@ def test_valid_answers_and_fields_nobody_reads_pass_bitwise(server, engine, data
     for k, (answer, _, _) in enumerate(drawn):
         # extra keys (names no dialect reads) at the top and in choices; a changed text
         for obj in [answer, *answer["choices"]]:
-            for key, v in data.draw(st.dictionaries(st.text(min_size=1, max_size=6).map("x_".__add__), junk,
-                                                    max_size=2)).items():
+            for key, v in data.draw(
+                st.dictionaries(st.text(min_size=1, max_size=6).map("x_".__add__), junk, max_size=2)
+            ).items():
                 obj[key] = v
         for c in answer["choices"]:
             c["text"] = data.draw(st.text(max_size=5))
@@ -262,8 +278,23 @@ def wrong_answers(draw, prompt, sp):
     choices = answer["choices"]
     c = draw(st.sampled_from(choices))
     ids, lps, _ = truth[c["index"]]
-    kind = draw(st.sampled_from(["no_choices", "count", "index", "id_type", "id_range", "lp_value", "lp_length",
-                                 "finish", "echo", "too_long", "not_a_dict"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "no_choices",
+                "count",
+                "index",
+                "id_type",
+                "id_range",
+                "lp_value",
+                "lp_length",
+                "finish",
+                "echo",
+                "too_long",
+                "not_a_dict",
+            ]
+        )
+    )
     if kind == "no_choices":
         del answer["choices"]
         return answer, "choices"
@@ -298,8 +329,11 @@ def wrong_answers(draw, prompt, sp):
         set_tokens(dialect, c, ids, lps)
         return answer, "vocabulary"
     if kind == "lp_value":
-        lps[j] = draw(st.sampled_from([math.nan, math.inf, -math.inf, -1e39, 10**400, -(10**400), 1])
-                      | st.floats(min_value=LOGPROB_SLACK, exclude_min=True) | st.sampled_from([None, "-1", True, [-1.0]]))
+        lps[j] = draw(
+            st.sampled_from([math.nan, math.inf, -math.inf, -1e39, 10**400, -(10**400), 1])
+            | st.floats(min_value=LOGPROB_SLACK, exclude_min=True)
+            | st.sampled_from([None, "-1", True, [-1.0]])
+        )
         set_tokens(dialect, c, ids, lps)
         return answer, re.escape(LP_FIELD[dialect])
     set_tokens(dialect, c, ids, draw(st.sampled_from([lps[1:], lps + [-1.0]])))
@@ -368,20 +402,27 @@ def trickle(h):  # headers at once, then the body one byte per 0.1 s: 3 s in all
     h.close_connection = True
 
 
-@pytest.mark.parametrize("plan, words", [
-    (close, "the connection to the rollout server at .* broke before an answer"),
-    (reset, "the connection to the rollout server at .* broke before an answer"),
-    # the server answered, then went away: not "cannot reach ... is it running?" as it first said
-    (lambda h: h.reply(200, b'{"choices": [', [("Content-Length", "1000")]) or close(h),
-     "answered HTTP 200, then the connection broke mid-answer"),
-    (lambda h: h.reply(200, b"not gzip at all", [("Content-Encoding", "gzip")]), "decod|gzip"),
-    (lambda h: h.reply(200, gzip.compress(b"[" * 100_000 + b"]" * 100_000), [("Content-Encoding", "gzip")]),
-     "JSON"),
-    (lambda h: h.reply(200, b"[" * 100_000 + b"]" * 100_000), "JSON"),
-    (lambda h: h.reply(200, b"1" * 5000), "JSON"),
-    (stall, "no answer within rollout_backend.timeout_s=0.3s"),
-    (trickle, "no answer within rollout_backend.timeout_s=0.3s"),
-])
+@pytest.mark.parametrize(
+    "plan, words",
+    [
+        (close, "the connection to the rollout server at .* broke before an answer"),
+        (reset, "the connection to the rollout server at .* broke before an answer"),
+        # the server answered, then went away: not "cannot reach ... is it running?" as it first said
+        (
+            lambda h: h.reply(200, b'{"choices": [', [("Content-Length", "1000")]) or close(h),
+            "answered HTTP 200, then the connection broke mid-answer",
+        ),
+        (lambda h: h.reply(200, b"not gzip at all", [("Content-Encoding", "gzip")]), "decod|gzip"),
+        (
+            lambda h: h.reply(200, gzip.compress(b"[" * 100_000 + b"]" * 100_000), [("Content-Encoding", "gzip")]),
+            "JSON",
+        ),
+        (lambda h: h.reply(200, b"[" * 100_000 + b"]" * 100_000), "JSON"),
+        (lambda h: h.reply(200, b"1" * 5000), "JSON"),
+        (stall, "no answer within rollout_backend.timeout_s=0.3s"),
+        (trickle, "no answer within rollout_backend.timeout_s=0.3s"),
+    ],
+)
 def test_transport_failures_are_named_errors_and_not_retried(server, engine, plan, words):
     server.requests.clear()
     server.plan = lambda h, _: plan(h)

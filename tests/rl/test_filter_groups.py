@@ -1,15 +1,24 @@
 """DAPO's dynamic sampling (`rollout.filter_groups`, rl/loop.py `sample_step`): groups whose rewards are all
 equal are set aside and more batches sampled; what is trained, what is logged, resuming, exactness."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import default_job_model, train_rows
 
 import exactrl.train.loop as loop
-from conftest import default_job_model, train_rows
 from exactrl.train.config import load_config
 
-SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-         "task.eval_size=0", "optim.lr=1e-3", "engine.kv_budget_tokens=4096", "rollout.filter_groups=true"]
+SMALL = [
+    "progress=false",
+    "tensorboard=false",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "task.eval_size=0",
+    "optim.lr=1e-3",
+    "engine.kv_budget_tokens=4096",
+    "rollout.filter_groups=true",
+]
 TIMING = ("time/", "perf/tokens_per_s")
 
 
@@ -27,14 +36,20 @@ def test_the_trained_groups_vary_and_the_metrics_count_what_was_set_aside(model_
     real = loop.train_on
     monkeypatch.setattr(loop, "train_on", lambda c, step, groups: (trained.append(groups), real(c, step, groups))[1])
     P, R = 2, 5
-    rows = train_rows(SMALL, model_dir, tmp_path / "r", "max_steps=6", f"rollout.prompts_per_step={P}",
-                      f"rollout.max_sampling_rounds={R}")
+    rows = train_rows(
+        SMALL,
+        model_dir,
+        tmp_path / "r",
+        "max_steps=6",
+        f"rollout.prompts_per_step={P}",
+        f"rollout.max_sampling_rounds={R}",
+    )
     assert len(trained) == 6
     for row, groups in zip(rows, trained):
         rounds, uniform_trained = row["rollout/sampling_rounds"], row["rollout/uniform_groups_trained"]
         assert len(groups) == P and 1 <= rounds <= R
         assert sum(not varies(g) for g in groups) == uniform_trained
-        assert all(varies(g) for g in groups[:P - uniform_trained])  # the varied ones first
+        assert all(varies(g) for g in groups[: P - uniform_trained])  # the varied ones first
         varied = rounds * P - row["rollout/filtered_groups"]  # of every group sampled in the step
         assert uniform_trained == max(0, P - varied)
         if rounds < R:  # it stopped early because enough groups varied
@@ -43,8 +58,9 @@ def test_the_trained_groups_vary_and_the_metrics_count_what_was_set_aside(model_
         assert row["perf/completion_tokens"] >= rounds * P * 4
         assert row["train/train_rollout_logprob_abs_diff"] == 0.0 == row["train/train_rollout_logprob_abs_diff_max"]
     # the filter did something here: (rounds, set aside, uniform trained) per step
-    shown = [(r["rollout/sampling_rounds"], r["rollout/filtered_groups"], r["rollout/uniform_groups_trained"])
-             for r in rows]
+    shown = [
+        (r["rollout/sampling_rounds"], r["rollout/filtered_groups"], r["rollout/uniform_groups_trained"]) for r in rows
+    ]
     assert any(x[0] > 1 for x in shown) and any(x[0] < R for x in shown), shown
 
 
@@ -56,13 +72,19 @@ def test_a_resumed_filtered_run_is_the_uninterrupted_one(model_dir, tmp_path):
     resumed = train_rows(SMALL, model_dir, part, "max_steps=4", "save_every=2", "resume=true")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for x, y in zip(full, resumed):
-        assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == \
-            {k: v for k, v in y.items() if not k.startswith(TIMING)}
+        assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == {
+            k: v for k, v in y.items() if not k.startswith(TIMING)
+        }
 
 
 def test_off_by_default_and_refused_where_it_cannot_work(model_dir, tmp_path, capsys):
-    rows = train_rows([s for s in SMALL if "filter_groups" not in s], model_dir, tmp_path / "off", "max_steps=1",
-                      "rollout.max_sampling_rounds=2")
+    rows = train_rows(
+        [s for s in SMALL if "filter_groups" not in s],
+        model_dir,
+        tmp_path / "off",
+        "max_steps=1",
+        "rollout.max_sampling_rounds=2",
+    )
     assert "rollout/sampling_rounds" not in rows[0]
     assert "note: rollout.max_sampling_rounds has no effect: rollout.filter_groups is false" in capsys.readouterr().out
     with pytest.raises(ValueError, match="rollout.filter_groups with rollout.samples_per_prompt=1"):

@@ -8,6 +8,7 @@ weights) shows up as a cross-token or extra term. Tolerances are fp64-tight unle
 
 Legend: B sequences, T tokens; P prompts, G samples per prompt.
 """
+
 import math
 import statistics
 
@@ -28,8 +29,9 @@ CONSTANT = 9.0  # Dr.GRPO's fixed length for `constant-normalised`
 
 
 def close(actual, expected, rtol=1e-12, atol=1e-14):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64),
-                               rtol=rtol, atol=atol)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64), rtol=rtol, atol=atol
+    )
 
 
 def sigmoid(x):
@@ -55,19 +57,26 @@ def make_batch(seed, B=6, T=7, scale=0.6, token_adv=False):
     lr[1] = [0.0] * T
     adv_seq = torch.randn(B, generator=g, dtype=F64).tolist()
     adv_seq[3] = 0.0
-    adv = (torch.randn(B, T, generator=g, dtype=F64).tolist() if token_adv
-           else [[adv_seq[b]] * T for b in range(B)])
+    adv = torch.randn(B, T, generator=g, dtype=F64).tolist() if token_adv else [[adv_seq[b]] * T for b in range(B)]
     w = (0.5 + 1.5 * torch.rand(B, T, generator=g, dtype=F64)).tolist()
     old = [[lp[b][t] - lr[b][t] for t in range(T)] for b in range(B)]
     garbage = [float("nan"), float("inf"), -float("inf")]
 
     def dirty(rows):
-        return torch.tensor([[x if mask[b][t] else garbage[(b + t) % 3] for t, x in enumerate(r)]
-                             for b, r in enumerate(rows)], dtype=F64)
+        return torch.tensor(
+            [[x if mask[b][t] else garbage[(b + t) % 3] for t, x in enumerate(r)] for b, r in enumerate(rows)],
+            dtype=F64,
+        )
 
     ref = dict(lp=lp, old=old, adv=adv, w=w, mask=mask, sampled=sampled, B=B, T=T)
-    tensors = dict(lp=dirty(lp), old=dirty(old), adv=dirty(adv), w=dirty(w),
-                   mask=torch.tensor(mask, dtype=F64), sampled=torch.tensor(sampled, dtype=F64))
+    tensors = dict(
+        lp=dirty(lp),
+        old=dirty(old),
+        adv=dirty(adv),
+        w=dirty(w),
+        mask=torch.tensor(mask, dtype=F64),
+        sampled=torch.tensor(sampled, dtype=F64),
+    )
     return ref, tensors
 
 
@@ -83,8 +92,12 @@ def agg_coef(ref, mode):
     coef = []
     for b in range(ref["B"]):
         n_b = sum(ref["sampled"][b])  # the sequence's length as sampled
-        c = {"token-mean": 1.0 / n_tok, "seq-mean-token-mean": 1.0 / (max(n_b, 1) * n_seq),
-             "seq-mean-token-sum": 1.0 / n_seq, "constant-normalised": 1.0 / (CONSTANT * n_seq)}[mode]
+        c = {
+            "token-mean": 1.0 / n_tok,
+            "seq-mean-token-mean": 1.0 / (max(n_b, 1) * n_seq),
+            "seq-mean-token-sum": 1.0 / n_seq,
+            "constant-normalised": 1.0 / (CONSTANT * n_seq),
+        }[mode]
         coef.append([c if ref["mask"][b][t] else 0.0 for t in range(ref["T"])])
     return coef
 
@@ -115,8 +128,11 @@ def ref_ppo(ref, eps_low, eps_high, dual_clip):
         metrics["ratio"] += r
         out[b, t] = (-J, grad)
     n = len(out)
-    m = {"loss/clip_frac_low": metrics["low"] / n, "loss/clip_frac_high": metrics["high"] / n,
-         "loss/ratio_mean": metrics["ratio"] / n}
+    m = {
+        "loss/clip_frac_low": metrics["low"] / n,
+        "loss/clip_frac_high": metrics["high"] / n,
+        "loss/ratio_mean": metrics["ratio"] / n,
+    }
     if dual_clip is not None:
         m["loss/dual_clip_frac"] = metrics["dual"] / n
     return out, m
@@ -225,9 +241,15 @@ LOSS_CASES = [
 
 def run_loss(name, kwargs, x, mode, norm, dtype=F64):
     lp = x["lp"].detach().to(dtype).clone().requires_grad_(True)
-    inp = LossInputs(logprobs_BT=lp, old_logprobs_BT=x["old"].to(dtype), behav_logprobs_BT=x["old"].to(dtype),
-                     advantages_BT=x["adv"].to(dtype), mask_BT=x["mask"], weights_BT=x["w"].to(dtype),
-                     sampled_mask_BT=x["sampled"])
+    inp = LossInputs(
+        logprobs_BT=lp,
+        old_logprobs_BT=x["old"].to(dtype),
+        behav_logprobs_BT=x["old"].to(dtype),
+        advantages_BT=x["adv"].to(dtype),
+        mask_BT=x["mask"],
+        weights_BT=x["w"].to(dtype),
+        sampled_mask_BT=x["sampled"],
+    )
     value, metrics = build_loss(name, **kwargs)(inp, mode, norm)
     value.backward()
     return value, lp.grad, metrics
@@ -245,9 +267,11 @@ def expected_loss(ref, per_token, mode):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name, kwargs, reference", LOSS_CASES,
-                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}"
-                              for n, kw, _ in LOSS_CASES])
+@pytest.mark.parametrize(
+    "name, kwargs, reference",
+    LOSS_CASES,
+    ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}" for n, kw, _ in LOSS_CASES],
+)
 def test_loss_value_gradient_and_metrics(name, kwargs, reference, mode, seed):
     ref, x = make_batch(seed, token_adv=seed == 1)
     value, grad, metrics = run_loss(name, kwargs, x, mode, norm_of(ref))
@@ -270,9 +294,15 @@ def test_loss_bf16_inputs_compute_in_fp32(name, kwargs, reference):
     bf16-rounded inputs to fp32 precision, and the gradient (cast back to bf16) to bf16 precision."""
     ref, x = make_batch(2, scale=0.3)
     rounded = {k: (v.to(torch.bfloat16).to(F64) if k in ("lp", "old", "adv", "w") else v) for k, v in x.items()}
-    ref_r = dict(ref, **{k: [[0.0 if m == 0 else v for v, m in zip(row, mrow)]
-                             for row, mrow in zip(rounded[k].tolist(), ref["mask"])]
-                         for k in ("lp", "old", "adv", "w")})
+    ref_r = dict(
+        ref,
+        **{
+            k: [
+                [0.0 if m == 0 else v for v, m in zip(row, mrow)] for row, mrow in zip(rounded[k].tolist(), ref["mask"])
+            ]
+            for k in ("lp", "old", "adv", "w")
+        },
+    )
     value, grad, _ = run_loss(name, kwargs, x, "seq-mean-token-mean", norm_of(ref), dtype=torch.bfloat16)
     assert value.dtype == torch.float32 and grad.dtype == torch.bfloat16
     want_value, want_grad = expected_loss(ref_r, reference(ref_r)[0], "seq-mean-token-mean")
@@ -286,22 +316,40 @@ def test_micro_batches_add_up_to_the_whole_batch(mode):
     ref, x = make_batch(3)
     for name, kwargs, _ in LOSS_CASES:
         whole_v, whole_g, _ = run_loss(name, kwargs, x, mode, norm_of(ref))
-        parts = [run_loss(name, kwargs, {k: v[s] for k, v in x.items()}, mode, norm_of(ref))
-                 for s in (slice(0, 2), slice(2, None))]
+        parts = [
+            run_loss(name, kwargs, {k: v[s] for k, v in x.items()}, mode, norm_of(ref))
+            for s in (slice(0, 2), slice(2, None))
+        ]
         close(parts[0][0] + parts[1][0], whole_v)
         close(torch.cat([parts[0][1], parts[1][1]]), whole_g)
 
 
 # ---------------------------------------------------------------- extreme log-ratios (kl.py's clamp)
-@pytest.mark.parametrize("name, kwargs", [("ppo", {}), ("ppo", {"dual_clip": 3.0}), ("gspo", {}), ("cispo", {}),
-                                          ("sapo", {}), ("topr", {}), ("reinforce", {})])
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("ppo", {}),
+        ("ppo", {"dual_clip": 3.0}),
+        ("gspo", {}),
+        ("cispo", {}),
+        ("sapo", {}),
+        ("topr", {}),
+        ("reinforce", {}),
+    ],
+)
 @pytest.mark.parametrize("log_ratio", [1e4, -1e4, 700.0, -700.0])
 def test_extreme_log_ratios_stay_finite(name, kwargs, log_ratio):
     """A ratio e^±1e4 (inf in any float) gives finite values and gradients. The bounded cases equal the
     paper's value exactly: A > 0 and r huge is clipped at 1+ε; A < 0 with a dual clip is −cA."""
     lp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], dtype=F64)
-    x = {"lp": lp, "old": lp - log_ratio, "adv": torch.tensor([[2.0, 2.0], [-1.0, -1.0]], dtype=F64),
-         "w": torch.ones(2, 2, dtype=F64), "mask": torch.ones(2, 2, dtype=F64), "sampled": torch.ones(2, 2, dtype=F64)}
+    x = {
+        "lp": lp,
+        "old": lp - log_ratio,
+        "adv": torch.tensor([[2.0, 2.0], [-1.0, -1.0]], dtype=F64),
+        "w": torch.ones(2, 2, dtype=F64),
+        "mask": torch.ones(2, 2, dtype=F64),
+        "sampled": torch.ones(2, 2, dtype=F64),
+    }
     value, grad, metrics = run_loss(name, kwargs, x, "token-mean", LossNorm(4, 2))
     assert math.isfinite(value.item()) and bool(torch.isfinite(grad).all())
     assert all(math.isfinite(v) for v in metrics.values())
@@ -346,8 +394,8 @@ def ref_correction(ref, name, kw):
     rho = ratios(ref)
     lo = kw.get("lower")
     hi = kw.get("upper", 2.0 if name in ("token_tis", "sequence_tis", "token_mask_is", "sequence_mask_is") else None)
-    inside = (lambda v: (lo is None or v >= lo) and (hi is None or v <= hi))
-    trunc = (lambda v: min(max(v, lo if lo is not None else -math.inf), hi if hi is not None else math.inf))
+    inside = lambda v: (lo is None or v >= lo) and (hi is None or v <= hi)
+    trunc = lambda v: min(max(v, lo if lo is not None else -math.inf), hi if hi is not None else math.inf)
     w, keep = {}, {}
     for b in range(ref["B"]):
         ts = seq_tokens(ref, b)
@@ -368,8 +416,11 @@ def ref_correction(ref, name, kw):
             elif name == "geometric_rejection":
                 keep[b, t] = inside(prod ** (1.0 / len(ts)))
             elif name == "kl_rejection":  # estimators of KL(μ‖π_old) with samples from μ: log ratio q/p = ρ
-                est = {"k1": lambda v: -math.log(v), "k2": lambda v: 0.5 * math.log(v) ** 2,
-                       "k3": lambda v: v - 1 - math.log(v)}[kw.get("kind", "k3")]
+                est = {
+                    "k1": lambda v: -math.log(v),
+                    "k2": lambda v: 0.5 * math.log(v) ** 2,
+                    "k3": lambda v: v - 1 - math.log(v),
+                }[kw.get("kind", "k3")]
                 k = est(r) if kw.get("level", "token") == "token" else sum(est(rho[b, u]) for u in ts) / len(ts)
                 keep[b, t] = k <= kw["threshold"]
             elif name == "opsm":  # mean over the sequence of log π_sampling − log π_θ (here μ and π_old)
@@ -378,23 +429,30 @@ def ref_correction(ref, name, kw):
 
 
 CORRECTION_CASES = [
-    ("token_tis", {}), ("token_tis", {"lower": 0.8, "upper": 1.3}),
-    ("decoupled", {}), ("decoupled", {"upper": 1.5}),
-    ("sequence_tis", {}), ("sequence_tis", {"lower": 0.5, "upper": 1.5}),
-    ("token_mask_is", {}), ("token_mask_is", {"lower": 0.7, "upper": 1.4}),
+    ("token_tis", {}),
+    ("token_tis", {"lower": 0.8, "upper": 1.3}),
+    ("decoupled", {}),
+    ("decoupled", {"upper": 1.5}),
+    ("sequence_tis", {}),
+    ("sequence_tis", {"lower": 0.5, "upper": 1.5}),
+    ("token_mask_is", {}),
+    ("token_mask_is", {"lower": 0.7, "upper": 1.4}),
     ("sequence_mask_is", {"lower": 0.4, "upper": 2.5}),
     ("geometric_rejection", {"lower": 0.9, "upper": 1.1}),
-    ("kl_rejection", {"threshold": 0.05}), ("kl_rejection", {"threshold": 0.05, "level": "sequence"}),
-    ("kl_rejection", {"threshold": 0.02, "kind": "k2"}), ("kl_rejection", {"threshold": 0.1, "kind": "k1",
-                                                                          "level": "sequence"}),
+    ("kl_rejection", {"threshold": 0.05}),
+    ("kl_rejection", {"threshold": 0.05, "level": "sequence"}),
+    ("kl_rejection", {"threshold": 0.02, "kind": "k2"}),
+    ("kl_rejection", {"threshold": 0.1, "kind": "k1", "level": "sequence"}),
     ("opsm", {"delta": 0.05}),
 ]
 
 
 @pytest.mark.parametrize("seed", [0, 5])
-@pytest.mark.parametrize("name, kw", CORRECTION_CASES,
-                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}"
-                              for n, kw in CORRECTION_CASES])
+@pytest.mark.parametrize(
+    "name, kw",
+    CORRECTION_CASES,
+    ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}" for n, kw in CORRECTION_CASES],
+)
 def test_correction_weights_masks_and_metrics(name, kw, seed):
     ref, x = make_batch(seed, scale=0.25)
     behav, old = x["lp"].clone().requires_grad_(True), x["old"]  # a graph on μ must not reach the weights
@@ -414,8 +472,9 @@ def test_correction_weights_masks_and_metrics(name, kw, seed):
         close(metrics[f"{key}/weight_mean"], sum(rw.values()) / n)
     elif name == "sequence_tis":
         rho = ratios(ref)
-        clipped = [b for b in nonempty if rw[b, seq_tokens(ref, b)[0]] != math.prod(rho[b, t] for t in
-                                                                                   seq_tokens(ref, b))]
+        clipped = [
+            b for b in nonempty if rw[b, seq_tokens(ref, b)[0]] != math.prod(rho[b, t] for t in seq_tokens(ref, b))
+        ]
         close(metrics[f"{key}/clip_frac"], len(clipped) / len(nonempty))
         close(metrics[f"{key}/weight_mean"], sum(rw[b, seq_tokens(ref, b)[0]] for b in nonempty) / len(nonempty))
     else:
@@ -426,8 +485,11 @@ def test_correction_weights_masks_and_metrics(name, kw, seed):
 
 def test_composed_corrections_multiply_weights_and_and_masks():
     ref, x = make_batch(6, scale=0.25)
-    specs = [{"name": "sequence_tis", "upper": 1.5}, {"name": "token_mask_is", "lower": 0.8, "upper": 1.2},
-             {"name": "opsm", "delta": 0.02}]
+    specs = [
+        {"name": "sequence_tis", "upper": 1.5},
+        {"name": "token_mask_is", "lower": 0.8, "upper": 1.2},
+        {"name": "opsm", "delta": 0.02},
+    ]
     w, m, _ = build_corrections(specs)(x["old"], x["lp"], x["mask"], x["adv"])
     want_w, want_m = [[1.0] * ref["T"] for _ in range(ref["B"])], [r[:] for r in ref["mask"]]
     for spec in specs:
@@ -449,8 +511,13 @@ def test_decoupled_ppo_end_to_end():
     inp = LossInputs(lp, x["old"], behav, x["adv"], m, weights_BT=w, sampled_mask_BT=x["sampled"])
     value, _ = build_loss("ppo")(inp, "token-mean", norm_of(ref))
     value.backward()
-    ref_w = dict(ref, w=[[math.exp(o - bh) if mk else 0.0 for o, bh, mk in zip(ro, rb, rm)]
-                         for ro, rb, rm in zip(ref["old"], behav.tolist(), ref["mask"])])
+    ref_w = dict(
+        ref,
+        w=[
+            [math.exp(o - bh) if mk else 0.0 for o, bh, mk in zip(ro, rb, rm)]
+            for ro, rb, rm in zip(ref["old"], behav.tolist(), ref["mask"])
+        ],
+    )
     want_value, want_grad = expected_loss(ref_w, ref_ppo(ref_w, 0.2, 0.2, None)[0], "token-mean")
     close(value, want_value)
     close(lp.grad, want_grad)
@@ -460,6 +527,7 @@ def test_decoupled_ppo_end_to_end():
 def ref_advantages(name, rows, eps=1e-6, normalize_std=True):
     """DeepSeekMath GRPO (Bessel std), Dr.GRPO, RLOO (leave-one-out mean), REINFORCE++ (global whitening)
     and REINFORCE++-baseline (group mean, then global whitening)."""
+
     def std(xs):
         return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
@@ -467,8 +535,12 @@ def ref_advantages(name, rows, eps=1e-6, normalize_std=True):
         out = []
         for r in rows:  # r − mean is exactly 0 for a group of equal rewards (a float sum could leave an ulp)
             mu = statistics.fmean(r)
-            out.append([(x - mu if len(set(r)) > 1 else 0.0) / ((std(r) + eps) if normalize_std and name == "grpo"
-                                                                 else 1.0) for x in r])
+            out.append(
+                [
+                    (x - mu if len(set(r)) > 1 else 0.0) / ((std(r) + eps) if normalize_std and name == "grpo" else 1.0)
+                    for x in r
+                ]
+            )
         return out
     if name == "rloo":
         return [[x - (sum(r) - x) / (len(r) - 1) if len(r) > 1 else 0.0 for x in r] for r in rows]
@@ -495,8 +567,10 @@ def test_advantages_against_reference(name, shape):
 
 def test_grpo_without_std_and_binary_rewards():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0]], dtype=F64)
-    close(compute_advantages("grpo", rewards, normalize_std=False), ref_advantages("grpo", rewards.tolist(),
-                                                                                    normalize_std=False))
+    close(
+        compute_advantages("grpo", rewards, normalize_std=False),
+        ref_advantages("grpo", rewards.tolist(), normalize_std=False),
+    )
     close(compute_advantages("grpo", rewards, eps=1e-3), ref_advantages("grpo", rewards.tolist(), eps=1e-3))
 
 
@@ -520,8 +594,10 @@ def test_kl_estimator_values_and_gradients(kind):
     close(logp.grad, [[dvalue(p, q) for p, q in zip(rp, rq)] for rp, rq in zip(logp.tolist(), logq.tolist())])
 
 
-@pytest.mark.parametrize("kind, expectation, grad_of", [
-    ("k1", "kl", None), ("k3", "kl", "forward"), ("k2", None, "reverse"), ("k1", None, "zero")])
+@pytest.mark.parametrize(
+    "kind, expectation, grad_of",
+    [("k1", "kl", None), ("k3", "kl", "forward"), ("k2", None, "reverse"), ("k1", None, "zero")],
+)
 def test_kl_estimator_expectations_match_the_module_doc(kind, expectation, grad_of):
     """Exact expectations over a categorical p = softmax(θ) (y ~ p): E[k1] = E[k3] = KL(p‖q);
     E[∇k2] = ∇KL(p‖q), E[∇k3] = ∇KL(q‖p), E[∇k1] = 0 (Tang & Munos 2025), as kl.py states."""
@@ -539,7 +615,7 @@ def test_kl_estimator_expectations_match_the_module_doc(kind, expectation, grad_
         close(grad, torch.zeros(6, dtype=F64), atol=1e-15)
     elif grad_of is not None:
         pq = (logp.exp(), logq.exp())
-        kl = ((pq[0] * (logp - logq)).sum() if grad_of == "reverse" else (pq[1] * (logq - logp)).sum())
+        kl = (pq[0] * (logp - logq)).sum() if grad_of == "reverse" else (pq[1] * (logq - logp)).sum()
         close(grad, torch.autograd.grad(kl, theta)[0])
 
 
@@ -570,11 +646,14 @@ def test_mismatch_metrics_against_reference(seed):
     close(m["mismatch/chi2_token"], sum(v * v for v in rho.values()) / n - 1)
     close(m["mismatch/chi2_seq"], sum(math.prod(s) ** 2 - 1 for s in seq.values()) / len(seq))
     close(m["mismatch/ess"], sum(rho.values()) ** 2 / (n * sum(v * v for v in rho.values())))
-    close([m["mismatch/is_weight_mean"], m["mismatch/is_weight_min"], m["mismatch/is_weight_max"]],
-          [sum(rho.values()) / n, min(rho.values()), max(rho.values())])
+    close(
+        [m["mismatch/is_weight_mean"], m["mismatch/is_weight_min"], m["mismatch/is_weight_max"]],
+        [sum(rho.values()) / n, min(rho.values()), max(rho.values())],
+    )
     # with token TIS at 1.1 and a token mask: figures over the kept tokens, clipping compared with ρ_t
-    c = build_corrections([{"name": "token_tis", "upper": 1.1},
-                           {"name": "token_mask_is", "lower": 0.75, "upper": 100.0}])
+    c = build_corrections(
+        [{"name": "token_tis", "upper": 1.1}, {"name": "token_mask_is", "lower": 0.75, "upper": 100.0}]
+    )
     w, final, _ = c(x["old"], x["lp"], x["mask"])
     m = mismatch_metrics(x["old"], x["lp"], x["mask"], weights_BT=w, final_mask_BT=final)
     kept = [k for k in rho if rho[k] >= 0.75]
@@ -590,8 +669,13 @@ def test_mismatch_metrics_against_reference(seed):
 def test_logprob_diff_is_slimes_definition():
     ref, x = make_batch(12, scale=0.3)
     m = logprob_diff_metrics(x["old"], x["lp"], x["mask"])
-    per_seq = [sum(abs(ref["old"][b][t] - ref["lp"][b][t]) for t in seq_tokens(ref, b)) / len(seq_tokens(ref, b))
-               for b in range(ref["B"]) if seq_tokens(ref, b)]
+    per_seq = [
+        sum(abs(ref["old"][b][t] - ref["lp"][b][t]) for t in seq_tokens(ref, b)) / len(seq_tokens(ref, b))
+        for b in range(ref["B"])
+        if seq_tokens(ref, b)
+    ]
     close(m["train/train_rollout_logprob_abs_diff"], sum(per_seq) / len(per_seq))
-    close(m["train/train_rollout_logprob_abs_diff_max"],
-          max(abs(ref["old"][b][t] - ref["lp"][b][t]) for b, t in tokens(ref)))
+    close(
+        m["train/train_rollout_logprob_abs_diff_max"],
+        max(abs(ref["old"][b][t] - ref["lp"][b][t]) for b, t in tokens(ref)),
+    )

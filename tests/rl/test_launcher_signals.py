@@ -5,6 +5,7 @@ launcher waits for them; a rank that ignores it is killed after STOP_GRACE_S.
 The ranks are small scripts (not exactrl): each writes `ready` once its handlers are set, and what stopped it.
 No wall-clock bounds: the outcome is asserted, pytest-timeout is the hang guard.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,6 +58,7 @@ def ranks(tmp_path, monkeypatch):
         for hook in after_start:
             hook(p)
         return p
+
     monkeypatch.setattr(dist_mod.subprocess, "Popen", popen)
     monkeypatch.setattr(dist_mod, "FORWARD_DELAY_S", 0.2, raising=False)
     yield started, mode, after_start
@@ -68,10 +70,12 @@ def ranks(tmp_path, monkeypatch):
 
 def signal_when_ready(paths, signum: int) -> threading.Thread:
     """Sends `signum` to this process (the launcher) once every rank has written its ready file."""
+
     def run():
         while not all(os.path.exists(f"{p}.ready") for p in paths):
             time.sleep(0.02)
         os.kill(os.getpid(), signum)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t

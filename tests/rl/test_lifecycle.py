@@ -4,6 +4,7 @@ Signals are real: the run installs its SIGTERM handler (rl/run.py) and the tests
 process from inside the run at a chosen point (a reward, a training step, a checkpoint save), so where it
 lands is known; one test sends it from outside, to a child process, at whatever moment it is in.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,21 @@ import threading
 import time
 
 import pytest
-
 from conftest import default_job_model, train_args
+
 from exactrl.cli import main as cli_main
 from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint
 
-SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-         "task.eval_size=8", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096"]
+SMALL = [
+    "progress=false",
+    "tensorboard=false",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "task.eval_size=8",
+    "eval_every=2",
+    "optim.lr=1e-3",
+    "engine.kv_budget_tokens=4096",
+]
 TIMING = ("time/", "perf/tokens_per_s")  # wall-clock metrics, the only ones allowed to differ between runs
 
 
@@ -108,7 +117,8 @@ class Judge(ArithmeticTask):
 @pytest.fixture(scope="module")
 def judge(tmp_path_factory) -> list[str]:
     """Settings for the arithmetic task behind a judge that stops the run at a reward call chosen by
-    EXACTRL_TEST_STOP (16 calls a step here, 8 an evaluation); one file, so a resumed run imports the same task source."""
+    EXACTRL_TEST_STOP (16 calls a step here, 8 an evaluation); one file, so a resumed run imports the same
+    task source."""
     path = tmp_path_factory.mktemp("task") / "lifecycle_judge.py"
     path.write_text(TASK.replace("NAME", "lifecycle_judge"))
     return [f"task.module={path}", "task.name=lifecycle_judge"]
@@ -117,17 +127,18 @@ def judge(tmp_path_factory) -> list[str]:
 # ---------------------------------------------------------------- an error on the rollout thread
 
 
-@pytest.mark.parametrize("error", ["KeyError('no answer key for problem 7')",
-                                   "ZeroDivisionError('judge divided by zero')"])
-def test_an_unexpected_error_on_the_rollout_thread_is_raised_with_its_own_message(model_dir, tmp_path, judge,
-                                                                                  monkeypatch, error):
+@pytest.mark.parametrize(
+    "error", ["KeyError('no answer key for problem 7')", "ZeroDivisionError('judge divided by zero')"]
+)
+def test_an_unexpected_error_on_the_rollout_thread_is_raised_with_its_own_message(
+    model_dir, tmp_path, judge, monkeypatch, error
+):
     """Not a ValueError (which the CLI prints in one line): the traceback's last line must still say what
     went wrong, not only that the rollout thread failed; the thread is gone and step 1's checkpoint stays."""
     monkeypatch.setenv("EXACTRL_TEST_STOP", f"20:{error}")  # within step 2's rollouts
     d = tmp_path / "run"
     with pytest.raises(RuntimeError) as info:  # a hang: pytest-timeout fails it
-        cli_main(args_of(model_dir, d, "max_steps=4", "save_every=1", "task.eval_size=0", "async.enabled=true",
-                         *judge))
+        cli_main(args_of(model_dir, d, "max_steps=4", "save_every=1", "task.eval_size=0", "async.enabled=true", *judge))
     assert error.split("'")[1] in str(info.value), str(info.value)
     assert type(info.value.__cause__).__name__ == error.split("(")[0]
     assert no_rollout_thread_left()
@@ -155,8 +166,9 @@ def stopped_then_resumed(model_dir, d, monkeypatch, code: int, *overrides) -> tu
     return kept, run(model_dir, d, *FULL, *overrides, "resume=true")
 
 
-def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one(model_dir, tmp_path, judge, full_run,
-                                                                     monkeypatch):
+def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one(
+    model_dir, tmp_path, judge, full_run, monkeypatch
+):
     import exactrl.train.checkpoint as ckpt_mod
 
     real = ckpt_mod.save_model
@@ -165,6 +177,7 @@ def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one(model_dir,
         real(model, path)  # step 3's weights are in its temporary directory, its optimizer state not yet
         if path.name == ".tmp_step_000003":
             sigterm_self()
+
     monkeypatch.setattr(ckpt_mod, "save_model", save_model)
     d = tmp_path / "run"
     kept, rows = stopped_then_resumed(model_dir, d, monkeypatch, 143, *judge)
@@ -184,6 +197,7 @@ def test_sigterm_between_a_checkpoints_rename_and_its_pointer(model_dir, tmp_pat
             assert (path.parent / "step_000003" / "state.json").is_file()
             sigterm_self()
         real(path, text)
+
     monkeypatch.setattr(ckpt_mod, "replace_durably", replace_durably)
     d = tmp_path / "run"
     kept, rows = stopped_then_resumed(model_dir, d, monkeypatch, 143, *judge)
@@ -202,6 +216,7 @@ def test_sigterm_in_the_middle_of_a_training_step(model_dir, tmp_path, judge, fu
         if len(calls) == 3:
             sigterm_self()
         return real(*args, **kw)
+
     monkeypatch.setattr(loop_mod, "train_step", train_step)
     kept, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143, *judge)
     assert kept == "step_000002"
@@ -213,12 +228,12 @@ def test_sigterm_in_the_middle_of_a_training_step(model_dir, tmp_path, judge, fu
 @pytest.mark.parametrize("at, kept", [(25, 1), (44, 1), (60, 2), (80, 3)])
 @pytest.mark.parametrize("how", ["ValueError('judge crashed')", "sigterm"])
 def test_stopped_in_the_step_after_a_checkpoint_the_resumed_run_is_the_uninterrupted_one(
-        model_dir, tmp_path, judge, full_run, monkeypatch, at, kept, how):
+    model_dir, tmp_path, judge, full_run, monkeypatch, at, kept, how
+):
     """The step's prompts were taken and its samples drawn before it stopped: the checkpoint's data
     position and random streams, not the ones at the stop, are where the resumed run goes on."""
     monkeypatch.setenv("EXACTRL_TEST_STOP", f"{at}:{how}")
-    left, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143 if how == "sigterm" else 2,
-                                      *judge)
+    left, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143 if how == "sigterm" else 2, *judge)
     assert left == f"step_{kept:06d}"
     same_metrics(full_run, rows)
 
@@ -252,17 +267,20 @@ def test_sigterm_while_the_rollout_thread_samples(model_dir, tmp_path, judge, fu
                 if args[6] == 3 and len(steps) == 2:
                     sigterm_self()
                 on_step()
+
             if args[6] == 3:
                 steps.clear()
             return real(*args, on_step=hook, **kw)
+
         monkeypatch.setattr(async_mod, "generate_groups", generate_groups)
     kept, rows = stopped_then_resumed(model_dir, tmp_path / "run", monkeypatch, 143, *ASYNC, *judge)
     assert kept in ("step_000001", "step_000002")
     same_metrics(full_async_run, rows)
 
 
-def test_a_reward_that_does_not_return_does_not_keep_a_stopped_run_waiting(model_dir, tmp_path, judge, monkeypatch,
-                                                                          capsys):
+def test_a_reward_that_does_not_return_does_not_keep_a_stopped_run_waiting(
+    model_dir, tmp_path, judge, monkeypatch, capsys
+):
     """SIGTERM while the rollout thread is stuck in the task's reward: the run waits STOP_WAIT_S for the
     thread, says it goes on without it, and stops keeping what it saved; the thread ends once the reward
     returns, handing the trainer nothing more."""
@@ -298,6 +316,7 @@ def test_a_non_finite_engine_on_the_rollout_thread_is_named_as_divergence(model_
         if args[6] == 2:
             raise NonFiniteLogitsError(["req-7"])
         return real(*args, **kw)
+
     monkeypatch.setattr(async_mod, "generate_groups", generate_groups)
     d = tmp_path / "run"
     assert cli_main(args_of(model_dir, d, *FULL, *ASYNC)) == 2
@@ -311,12 +330,24 @@ def test_sigterm_from_outside_stops_an_asynchronous_run_which_then_resumes(model
     """A child process, stopped at whatever moment it is in once a checkpoint exists (the rollout thread a
     step ahead): exit 143 without hanging, a whole checkpoint, and a resume that goes on from it."""
     d = tmp_path / "run"
-    sets = [*SMALL, f"model.path={model_dir}", f"run_dir={d}", "max_steps=1000", "save_every=1",
-            "async.enabled=true", "async.max_staleness=1", "task.eval_size=0"]
+    sets = [
+        *SMALL,
+        f"model.path={model_dir}",
+        f"run_dir={d}",
+        "max_steps=1000",
+        "save_every=1",
+        "async.enabled=true",
+        "async.max_staleness=1",
+        "task.eval_size=0",
+    ]
     code = "import sys; from exactrl.cli import main; sys.exit(main(sys.argv[1:]))"
-    p = subprocess.Popen([sys.executable, "-c", code, "train", *[x for o in sets for x in ("--set", o)]],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, "train", *[x for o in sets for x in ("--set", o)]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         t0 = time.monotonic()
         while not (d / "checkpoints" / "latest").is_file():
@@ -329,8 +360,16 @@ def test_sigterm_from_outside_stops_an_asynchronous_run_which_then_resumes(model
     assert p.returncode == 143, err
     assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
     kept = int(intact(d)[5:])
-    rows = run(model_dir, d, f"max_steps={kept + 1}", "save_every=1", "async.enabled=true", "async.max_staleness=1",
-               "task.eval_size=0", "resume=true")
+    rows = run(
+        model_dir,
+        d,
+        f"max_steps={kept + 1}",
+        "save_every=1",
+        "async.enabled=true",
+        "async.max_staleness=1",
+        "task.eval_size=0",
+        "resume=true",
+    )
     assert [r["step"] for r in rows] == list(range(1, kept + 2))
     assert intact(d) == f"step_{kept + 1:06d}"
 
@@ -344,12 +383,25 @@ def test_inflight_updates_at_max_staleness_zero_are_named_as_having_no_effect(mo
     from exactrl.train.config import ignored_settings, load_config
 
     cfg = load_config(None, ["async.enabled=true", "async.max_staleness=0", "async.inflight_updates=true"])
-    assert ignored_settings(cfg) == ["async.inflight_updates has no effect: async.max_staleness is 0, so no new "
-                                     "weights come out while a batch is sampled"]
-    assert ignored_settings(load_config(None, ["async.enabled=true", "async.max_staleness=1",
-                                               "async.inflight_updates=true"])) == []
-    run(model_dir, tmp_path / "run", "max_steps=1", "async.enabled=true", "async.max_staleness=0",
-        "async.inflight_updates=true", "task.eval_size=0")
+    assert ignored_settings(cfg) == [
+        "async.inflight_updates has no effect: async.max_staleness is 0, so no new "
+        "weights come out while a batch is sampled"
+    ]
+    assert (
+        ignored_settings(
+            load_config(None, ["async.enabled=true", "async.max_staleness=1", "async.inflight_updates=true"])
+        )
+        == []
+    )
+    run(
+        model_dir,
+        tmp_path / "run",
+        "max_steps=1",
+        "async.enabled=true",
+        "async.max_staleness=0",
+        "async.inflight_updates=true",
+        "task.eval_size=0",
+    )
     assert "note: async.inflight_updates has no effect" in capsys.readouterr().out
 
 
@@ -358,13 +410,25 @@ def test_async_without_weight_sync_is_refused_when_it_would_stop_half_way():
     drops it all from step max_staleness + 2 on, so a longer run is refused before it starts."""
     from exactrl.train.config import load_config
 
-    server = ["rollout_backend.kind=openai", "rollout_backend.base_url=http://h:1", "rollout_backend.model=m",
-              "async.enabled=true", "async.max_staleness=2"]
-    with pytest.raises(ValueError, match=r"async.enabled with rollout_backend.weight_sync=none: .* from step 4 every "
-                                         r"sample is staler than async.max_staleness=2 .* max_steps=4; use "
-                                         r"rollout_backend.weight_sync=disk"):
+    server = [
+        "rollout_backend.kind=openai",
+        "rollout_backend.base_url=http://h:1",
+        "rollout_backend.model=m",
+        "async.enabled=true",
+        "async.max_staleness=2",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"async.enabled with rollout_backend.weight_sync=none: .* from step 4 every "
+        r"sample is staler than async.max_staleness=2 .* max_steps=4; use "
+        r"rollout_backend.weight_sync=disk",
+    ):
         load_config(None, [*server, "max_steps=4"])
     assert load_config(None, [*server, "max_steps=3"]).max_steps == 3  # it ends before then
-    assert load_config(None, [*server, "max_steps=40", "rollout_backend.weight_sync=disk",
-                              "rollout_backend.sync_dir=/tmp"]).max_steps == 40
+    assert (
+        load_config(
+            None, [*server, "max_steps=40", "rollout_backend.weight_sync=disk", "rollout_backend.sync_dir=/tmp"]
+        ).max_steps
+        == 40
+    )
     assert load_config(None, [*server, "max_steps=40", "async.enabled=false"]).max_steps == 40

@@ -1,4 +1,5 @@
 """metrics.jsonl on resume: rows past the checkpoint go, a row cut short by a crash goes, other damage is named."""
+
 from __future__ import annotations
 
 import json
@@ -82,7 +83,7 @@ def test_flush_fsyncs_the_metrics_file(tmp_path, monkeypatch):
     assert str(tmp_path / "metrics.jsonl") in synced
 
 
-@pytest.mark.parametrize("bad", ['[1, 2]', '{"step": "x"}'])
+@pytest.mark.parametrize("bad", ["[1, 2]", '{"step": "x"}'])
 def test_a_row_of_the_wrong_shape_is_named(tmp_path, bad):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0}\n' + bad + '\n{"step": 2}\n')
@@ -119,8 +120,10 @@ def test_progress_is_a_live_bar_on_a_terminal_and_a_plain_line_a_step_in_a_pipe(
     log.log({"step": 1, "rollout/reward_mean": 0.25, "eval/accuracy": 0.75})
     log.log(row)
     log.close()
-    assert capsys.readouterr().out.splitlines() == ["step 1/3  reward 0.250  eval acc 0.750",
-                                                    "step 2/3  reward 0.500  |Δlogp| 0.00e+00"]
+    assert capsys.readouterr().out.splitlines() == [
+        "step 1/3  reward 0.250  eval acc 0.750",
+        "step 2/3  reward 0.500  |Δlogp| 0.00e+00",
+    ]
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     log = MetricsLogger(tmp_path / "tty", False, True, 3, 0)
     assert log.progress is not None
@@ -128,5 +131,8 @@ def test_progress_is_a_live_bar_on_a_terminal_and_a_plain_line_a_step_in_a_pipe(
     log.close()
     assert "step 2/3" not in capsys.readouterr().out
     MetricsLogger(tmp_path / "quiet", False, False, 3, 0).log(row)
-    assert json.loads(capsys.readouterr().out) == {"rollout/reward_mean": 0.5,
-                                                   "train/train_rollout_logprob_abs_diff": 0.0, "step": 2}
+    assert json.loads(capsys.readouterr().out) == {
+        "rollout/reward_mean": 0.5,
+        "train/train_rollout_logprob_abs_diff": 0.0,
+        "step": 2,
+    }

@@ -3,22 +3,31 @@
 Runs go through `exactrl train` (the CLI) on the default job's model, warm
 started for a few steps only and cached once per session in a temp dir.
 """
+
 from __future__ import annotations
 
 import json
 import math
 
 import pytest
-
 from conftest import default_job_model, train_rows
+
 from exactrl.cli import main as cli_main
+from exactrl.rollout.groups import Rollout
 from exactrl.train.async_loop import drop_stale
 from exactrl.train.config import load_config
-from exactrl.rollout.groups import Rollout
 
 # a few seconds per run: 4 prompts x 4 samples, short answers, a small eval set
-SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-         "task.eval_size=8", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096"]
+SMALL = [
+    "progress=false",
+    "tensorboard=false",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "task.eval_size=8",
+    "eval_every=2",
+    "optim.lr=1e-3",
+    "engine.kv_budget_tokens=4096",
+]
 TIMING = ("time/", "perf/tokens_per_s")  # wall-clock metrics, the only ones allowed to differ between runs
 
 
@@ -50,8 +59,12 @@ def same_metrics(a: list[dict], b: list[dict]) -> None:
 def test_exact_run_has_zero_mismatch_every_step(model_dir, tmp_path):
     rows = run(model_dir, tmp_path / "run", "max_steps=3")
     # every row is a training step with docs/design.md §3's keys; the accuracy before training rides on step 1
-    contract = ("step", "train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max",
-                "rollout/reward_mean")
+    contract = (
+        "step",
+        "train/train_rollout_logprob_abs_diff",
+        "train/train_rollout_logprob_abs_diff_max",
+        "rollout/reward_mean",
+    )
     assert all(k in r for r in rows for k in contract)
     assert 0.0 <= rows[0]["eval/initial_accuracy"] <= 1.0 and not any("eval/initial_accuracy" in r for r in rows[1:])
     train = training_rows(rows)
@@ -61,9 +74,17 @@ def test_exact_run_has_zero_mismatch_every_step(model_dir, tmp_path):
         assert r["train/train_rollout_logprob_abs_diff_max"] == 0.0
         assert r["mismatch/k3"] == 0.0
         assert r["engine/version"] == r["step"] and not any(k.startswith("external/") for k in r)
-        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/entropy", "train/grad_norm",
-                    "loss/clip_frac_low", "loss/clip_frac_high", "perf/tokens_per_s", "time/rollout_s",
-                    "time/train_s"):
+        for key in (
+            "rollout/reward_mean",
+            "rollout/response_len_mean",
+            "train/entropy",
+            "train/grad_norm",
+            "loss/clip_frac_low",
+            "loss/clip_frac_high",
+            "perf/tokens_per_s",
+            "time/rollout_s",
+            "time/train_s",
+        ):
             assert math.isfinite(r[key]), key
     assert "eval/accuracy" in train[1] and "eval/accuracy" in train[2]  # eval_every=2 and the last step
     out = tmp_path / "run"
@@ -85,8 +106,7 @@ def test_fast_kernels_show_a_mismatch(model_dir, tmp_path):
     """The inverse twin: the same job on plain torch kernels is not on-policy."""
     rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=2", "model.kernels=fast"))
     assert any(r["train/train_rollout_logprob_abs_diff"] > 0 for r in rows)
-    assert all(r["train/train_rollout_logprob_abs_diff_max"] >= r["train/train_rollout_logprob_abs_diff"]
-               for r in rows)
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] >= r["train/train_rollout_logprob_abs_diff"] for r in rows)
 
 
 def test_resumed_run_equals_uninterrupted_run(model_dir, tmp_path):
@@ -135,13 +155,17 @@ def test_evaluation_moves_none_of_the_training_streams(model_dir, tmp_path, caps
     args = (f"task.module={task}", "task.name=noisy_arithmetic_for_eval", "save_every=2", "eval_every=4")
     full = training_rows(run(model_dir, tmp_path / "full", "max_steps=4", *args))
     run(model_dir, tmp_path / "part", "max_steps=2", *args)  # evaluates at its last step, 2
-    resumed = training_rows(run(model_dir, tmp_path / "part", "max_steps=4", "resume=true", *args[:-1],
-                                "eval_every=1"))
-    same_metrics(*([{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rows]
-                   for rows in (full, resumed)))
+    resumed = training_rows(run(model_dir, tmp_path / "part", "max_steps=4", "resume=true", *args[:-1], "eval_every=1"))
+    same_metrics(
+        *([{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rows] for rows in (full, resumed))
+    )
     task.write_text(NOISY_TASK.replace("+ random.random()", "* 10.0 + random.random()"))
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'part'}",
-                                            "max_steps=6", "resume=true", *args] for x in ("--set", o)]
+    args = ["train"] + [
+        x
+        for o in SMALL
+        + [f"model.path={model_dir}", f"run_dir={tmp_path / 'part'}", "max_steps=6", "resume=true", *args]
+        for x in ("--set", o)
+    ]
     assert cli_main(args) == 2
     assert "task.module_sha256" in capsys.readouterr().err
     # a dotted module name whose package is gone: a named error, not find_spec's ModuleNotFoundError
@@ -152,8 +176,9 @@ def test_evaluation_moves_none_of_the_training_streams(model_dir, tmp_path, caps
 
 def test_resume_refuses_to_overwrite_or_invent(model_dir, tmp_path, capsys):
     run(model_dir, tmp_path / "r", "max_steps=1")
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=2"]
-                        for x in ("--set", o)]
+    args = ["train"] + [
+        x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=2"] for x in ("--set", o)
+    ]
     assert cli_main(args) == 2
     assert "resume=true" in capsys.readouterr().err
 
@@ -168,8 +193,14 @@ def test_bypass_mode_runs_and_stays_exact(model_dir, tmp_path):
 
 def test_async_staleness_zero_is_bitwise_the_synchronous_loop(model_dir, tmp_path):
     sync = run(model_dir, tmp_path / "sync", "max_steps=3")
-    asyn = run(model_dir, tmp_path / "async", "max_steps=3", "async.enabled=true", "async.max_staleness=0",
-               "async.recompute_behaviour=false")
+    asyn = run(
+        model_dir,
+        tmp_path / "async",
+        "max_steps=3",
+        "async.enabled=true",
+        "async.max_staleness=0",
+        "async.recompute_behaviour=false",
+    )
     same_metrics(sync, [{k: v for k, v in r.items() if not k.startswith("async/")} for r in asyn])
     assert all(r["async/staleness_max"] == 0 for r in training_rows(asyn))
 
@@ -186,8 +217,16 @@ def test_async_evaluation_fits_any_sequence_the_rollout_engine_takes(model_dir, 
 
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
 def test_async_run_is_stale_and_its_behaviour_policy_is_recomputed(model_dir, tmp_path, kernels):
-    rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=4", "async.enabled=true",
-                             "async.max_staleness=2", f"model.kernels={kernels}"))
+    rows = training_rows(
+        run(
+            model_dir,
+            tmp_path / "run",
+            "max_steps=4",
+            "async.enabled=true",
+            "async.max_staleness=2",
+            f"model.kernels={kernels}",
+        )
+    )
     assert max(r["async/staleness_max"] for r in rows) == 2
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in rows)
     # stale data: the engine's μ is not the trainer's π_old, and the diagnostics say so
@@ -201,8 +240,16 @@ def test_async_run_is_stale_and_its_behaviour_policy_is_recomputed(model_dir, tm
 
 
 def test_async_inflight_updates_keep_every_token_exact(model_dir, tmp_path):
-    rows = training_rows(run(model_dir, tmp_path / "run", "max_steps=3", "async.enabled=true",
-                             "async.max_staleness=1", "async.inflight_updates=true"))
+    rows = training_rows(
+        run(
+            model_dir,
+            tmp_path / "run",
+            "max_steps=3",
+            "async.enabled=true",
+            "async.max_staleness=1",
+            "async.inflight_updates=true",
+        )
+    )
     assert all(r["async/behaviour_recompute_abs_diff_max"] == 0.0 for r in rows)
     assert all(r["async/staleness_max"] <= 1 for r in rows)
 
@@ -234,9 +281,16 @@ def test_async_resume_after_a_crash_is_bitwise_although_the_next_batch_drew_ahea
 
     task = tmp_path / "noisy_rollouts.py"
     task.write_text(NOISY_ROLLOUT_TASK)
-    args = (f"task.module={task}", "task.name=noisy_rollouts_for_async_resume", "task.eval_size=16",
-            "eval_every=2", "save_every=2", "async.enabled=true", "async.max_staleness=0",
-            "async.recompute_behaviour=false")
+    args = (
+        f"task.module={task}",
+        "task.name=noisy_rollouts_for_async_resume",
+        "task.eval_size=16",
+        "eval_every=2",
+        "save_every=2",
+        "async.enabled=true",
+        "async.max_staleness=0",
+        "async.recompute_behaviour=false",
+    )
     full = run(model_dir, tmp_path / "full", "max_steps=4", *args)
     crashed = tmp_path / "crashed"  # killed after step 2's checkpoint
     shutil.copytree(tmp_path / "full", crashed)
@@ -287,8 +341,14 @@ def test_async_config_key_and_errors():
 def test_kl_in_the_reward_shapes_the_advantages(model_dir, tmp_path):
     """`kl.where: reward`: step 1 samples from π_ref itself (KL exactly 0); later steps pay β·Σ KL in the reward."""
     plain = run(model_dir, tmp_path / "plain", "max_steps=3")
-    kl = run(model_dir, tmp_path / "kl", "max_steps=3", "algorithm.kl.coef=0.5", "algorithm.kl.where=reward",
-             "algorithm.kl.kind=k1")
+    kl = run(
+        model_dir,
+        tmp_path / "kl",
+        "max_steps=3",
+        "algorithm.kl.coef=0.5",
+        "algorithm.kl.where=reward",
+        "algorithm.kl.kind=k1",
+    )
     assert kl[0]["rollout/kl_ref_per_seq"] == 0.0 and kl[0]["rollout/kl_penalty_mean"] == 0.0
     assert kl[0]["train/grad_norm"] == plain[0]["train/grad_norm"]  # no penalty yet: the same step
     assert kl[2]["rollout/kl_ref_per_seq"] != 0.0
@@ -300,8 +360,14 @@ def test_kl_in_the_reward_shapes_the_advantages(model_dir, tmp_path):
 def test_kl_in_the_reward_with_truncated_sampling_is_finite(model_dir, tmp_path):
     """top-k sampling: π_ref is scored untruncated (rl/kl.py), so a token outside its own top-k costs a
     finite penalty (it used to be +inf, and the run stopped on a non-finite reward)."""
-    kl = run(model_dir, tmp_path / "kl", "max_steps=3", "algorithm.kl.coef=0.5", "algorithm.kl.where=reward",
-             "rollout.top_k=2")
+    kl = run(
+        model_dir,
+        tmp_path / "kl",
+        "max_steps=3",
+        "algorithm.kl.coef=0.5",
+        "algorithm.kl.where=reward",
+        "rollout.top_k=2",
+    )
     assert all(math.isfinite(r["rollout/kl_ref_per_seq"]) for r in kl)
     assert kl[0]["rollout/kl_ref_per_seq"] > 0  # π_θ truncated against π_ref whole: not 0 even at step 1
 
@@ -332,8 +398,11 @@ def test_a_run_dir_in_use_by_another_run_is_refused(model_dir, tmp_path, capsys)
     before = (d / "metrics.jsonl").read_text()
     held = _lock_run_dir(d)
     try:
-        args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=2",
-                                                "resume=true"] for x in ("--set", o)]
+        args = ["train"] + [
+            x
+            for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=2", "resume=true"]
+            for x in ("--set", o)
+        ]
         assert cli_main(args) == 2
         err = capsys.readouterr().err
         assert f"run_dir {d} is in use by another run" in err and "resuming" not in err
@@ -372,8 +441,9 @@ def test_resume_before_the_first_checkpoint_starts_again(model_dir, tmp_path, ca
     d = tmp_path / "r"
     first = run(model_dir, d, "max_steps=1")
     shutil.rmtree(d / "checkpoints")  # killed before its first checkpoint
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=1"]
-                        for x in ("--set", o)]
+    args = ["train"] + [
+        x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=1"] for x in ("--set", o)
+    ]
     assert cli_main(args) == 2 and "start it again from step 0" in capsys.readouterr().err
     again = run(model_dir, d, "max_steps=1", "resume=true")
     same_metrics(first, again)
@@ -382,12 +452,24 @@ def test_resume_before_the_first_checkpoint_starts_again(model_dir, tmp_path, ca
 def test_resume_refuses_changed_settings_and_names_them(model_dir, tmp_path, capsys):
     d = tmp_path / "r"
     run(model_dir, d, "max_steps=2", "save_every=2")
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=3", "resume=true",
-                                            "model.kernels=fast", "optim.lr=0.5"] for x in ("--set", o)]
+    args = ["train"] + [
+        x
+        for o in SMALL
+        + [
+            f"model.path={model_dir}",
+            f"run_dir={d}",
+            "max_steps=3",
+            "resume=true",
+            "model.kernels=fast",
+            "optim.lr=0.5",
+        ]
+        for x in ("--set", o)
+    ]
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert "model.kernels: 'exact' -> 'fast'" in err and "optim.lr: 0.001 -> 0.5" in err
     import exactrl.train.setup as setup_mod  # refused before any model is loaded (or warm-started)
+
     real = setup_mod._model_dir
     setup_mod._model_dir = lambda *a: (_ for _ in ()).throw(AssertionError("the model was loaded"))
     try:
@@ -405,8 +487,11 @@ def test_with_kl_on_resume_refuses_another_model_path(model_dir, tmp_path, capsy
     d, moved = tmp_path / "r", tmp_path / "moved"
     shutil.copytree(model_dir, moved)
     run(model_dir, d, "max_steps=1", "algorithm.kl.coef=0.01")
-    args = ["train"] + [x for o in SMALL + [f"model.path={moved}", f"run_dir={d}", "max_steps=2", "resume=true",
-                                            "algorithm.kl.coef=0.01"] for x in ("--set", o)]
+    args = ["train"] + [
+        x
+        for o in SMALL + [f"model.path={moved}", f"run_dir={d}", "max_steps=2", "resume=true", "algorithm.kl.coef=0.01"]
+        for x in ("--set", o)
+    ]
     assert cli_main(args) == 2 and "model.path: " in capsys.readouterr().err
     e = tmp_path / "e"  # without KL the weights come from the checkpoint alone: the path may move
     run(model_dir, e, "max_steps=1")
@@ -424,8 +509,12 @@ def test_resume_refuses_another_tokenizer(model_dir, tmp_path, capsys):
     cfg["chat_template"] = cfg["chat_template"] + " "
     cfg_path.write_text(json.dumps(cfg))
     run(model_dir, d, "max_steps=1")
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"model.tokenizer={other}", f"run_dir={d}",
-                                            "max_steps=2", "resume=true"] for x in ("--set", o)]
+    args = ["train"] + [
+        x
+        for o in SMALL
+        + [f"model.path={model_dir}", f"model.tokenizer={other}", f"run_dir={d}", "max_steps=2", "resume=true"]
+        for x in ("--set", o)
+    ]
     assert cli_main(args) == 2 and "with another tokenizer" in capsys.readouterr().err
 
 
@@ -438,10 +527,14 @@ def test_ctrl_c_keeps_the_run_and_says_how_to_resume(model_dir, tmp_path, capsys
         if step == 2:
             raise KeyboardInterrupt
         return real(c, step, groups)
+
     monkeypatch.setattr(loop_mod, "train_on", interrupted_at_step_2)
     d = tmp_path / "r"
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=3", "save_every=1"]
-                        for x in ("--set", o)]
+    args = ["train"] + [
+        x
+        for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=3", "save_every=1"]
+        for x in ("--set", o)
+    ]
     assert cli_main(args) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "step_000001" in err and "resume=true" in err
@@ -463,10 +556,12 @@ def test_async_ctrl_c_drops_the_batch_in_flight(model_dir, tmp_path, capsys, mon
     def generate(engine, *args, on_step=None, **kw):
         step = args[5]
         if step == 2:  # sample step 2 in the background, one engine step after another
+
             def hook():
                 started.set()
                 if on_step is not None:
                     on_step()
+
             try:
                 out = real_generate(engine, *args, on_step=hook, **kw)
                 outcome[step] = "finished"
@@ -479,11 +574,22 @@ def test_async_ctrl_c_drops_the_batch_in_flight(model_dir, tmp_path, capsys, mon
     def interrupted(c, step, groups):
         assert started.wait(60)  # the rollout thread is in the middle of step 2's batch
         raise KeyboardInterrupt
+
     monkeypatch.setattr(async_mod, "generate_groups", generate)
     monkeypatch.setattr(async_mod, "train_on", interrupted)
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'r'}", "max_steps=3",
-                                            "async.enabled=true", "rollout.max_tokens=64", "rollout.prompts_per_step=8"]
-                        for x in ("--set", o)]
+    args = ["train"] + [
+        x
+        for o in SMALL
+        + [
+            f"model.path={model_dir}",
+            f"run_dir={tmp_path / 'r'}",
+            "max_steps=3",
+            "async.enabled=true",
+            "rollout.max_tokens=64",
+            "rollout.prompts_per_step=8",
+        ]
+        for x in ("--set", o)
+    ]
     assert cli_main(args) == 130
     assert outcome == {2: "_Stopped"}
     assert "interrupted" in capsys.readouterr().err
@@ -497,13 +603,16 @@ def test_failure_before_the_first_step_leaves_no_run_dir(model_dir, tmp_path, ca
 
     def fails(c, step, groups):
         raise KeyboardInterrupt if interrupt else RuntimeError("rollout server died")
+
     monkeypatch.setattr(loop_mod, "train_on", fails)
 
     def train_in(d):
-        args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=2"]
-                            for x in ("--set", o)]
+        args = ["train"] + [
+            x for o in SMALL + [f"model.path={model_dir}", f"run_dir={d}", "max_steps=2"] for x in ("--set", o)
+        ]
         with contextlib.nullcontext() if interrupt else pytest.raises(RuntimeError, match="rollout server died"):
             assert cli_main(args) == 130
+
     train_in(tmp_path / "new")
     assert not (tmp_path / "new").exists()
     assert ("held nothing and was removed" in capsys.readouterr().err) == interrupt
@@ -535,8 +644,13 @@ def test_overlong_settings_reach_the_step(model_dir, tmp_path):
     short = ["max_steps=1", "rollout.max_tokens=4"]
     plain = run(model_dir, tmp_path / "plain", *short)[0]
     pen = run(model_dir, tmp_path / "pen", *short, "algorithm.overlong.buffer_len=2")[0]
-    masked = run(model_dir, tmp_path / "mask", *short, "algorithm.overlong.buffer_len=2",
-                 "algorithm.overlong.mask_truncated=true")[0]
+    masked = run(
+        model_dir,
+        tmp_path / "mask",
+        *short,
+        "algorithm.overlong.buffer_len=2",
+        "algorithm.overlong.mask_truncated=true",
+    )[0]
     assert 0 < plain["rollout/truncated_frac"] < 1
     # every cut completion is 4 tokens long and pays the whole penalty; some shorter ones pay half
     assert pen["rollout/overlong_penalised_frac"] >= plain["rollout/truncated_frac"]
@@ -591,14 +705,26 @@ class FailingJudge(ArithmeticTask):
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_tasks_error_on_the_rollout_thread_is_named_in_one_line_as_in_the_sync_loop(model_dir, tmp_path, capsys,
-                                                                                       asynchronous):
+def test_a_tasks_error_on_the_rollout_thread_is_named_in_one_line_as_in_the_sync_loop(
+    model_dir, tmp_path, capsys, asynchronous
+):
     task = tmp_path / f"failing_task_{asynchronous}.py"
     task.write_text(FAILING_TASK.replace("failing_judge_for_async", f"failing_judge_{asynchronous}"))
-    args = ["train"] + [x for o in SMALL + [f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "max_steps=3",
-                                            f"task.module={task}", f"task.name=failing_judge_{asynchronous}",
-                                            "task.eval_size=0", "save_every=1", f"async.enabled={asynchronous}"]
-                        for x in ("--set", o)]
+    args = ["train"] + [
+        x
+        for o in SMALL
+        + [
+            f"model.path={model_dir}",
+            f"run_dir={tmp_path / 'run'}",
+            "max_steps=3",
+            f"task.module={task}",
+            f"task.name=failing_judge_{asynchronous}",
+            "task.eval_size=0",
+            "save_every=1",
+            f"async.enabled={asynchronous}",
+        ]
+        for x in ("--set", o)
+    ]
     assert cli_main(args) == 2
     assert "exactrl train: error: the judge says: malformed problem" in capsys.readouterr().err
     assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()  # what was done is kept

@@ -7,21 +7,29 @@ and trainer still agree bitwise, the checkpoint holds the copies, and a resume i
 tests/engine/test_engine_fast_twin.py `test_bf16_long_chunked_prefill`; with the default job's short
 answers bf16 fast kernels happen to agree too.)
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from conftest import default_job_model, train_args, train_rows
 
 import exactrl
-from conftest import default_job_model, train_args, train_rows
 from exactrl.cli import main as cli_main
 from exactrl.train.checkpoint import latest_checkpoint
 from exactrl.train.master_weights import MasterWeights
 
-SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-         "task.eval_size=0", "engine.kv_budget_tokens=4096", "model.dtype=bfloat16"]
+SMALL = [
+    "progress=false",
+    "tensorboard=false",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "task.eval_size=0",
+    "engine.kv_budget_tokens=4096",
+    "model.dtype=bfloat16",
+]
 TIMING = ("time/", "perf/tokens_per_s")
 
 
@@ -107,23 +115,26 @@ def test_a_bf16_run_with_master_weights_is_exact_saves_them_and_resumes_bit_for_
     run(model_dir, part, "max_steps=1", "save_every=1", "optim.lr=1e-5")
     resumed = run(model_dir, part, "max_steps=3", "save_every=1", "optim.lr=1e-5", "resume=true")
     for x, y in zip(full, resumed):
-        assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == \
-            {k: v for k, v in y.items() if not k.startswith(TIMING)}
+        assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == {
+            k: v for k, v in y.items() if not k.startswith(TIMING)
+        }
     # at lr 1e-5 the bf16 weights themselves barely move; with the master copy they add the updates up
-    plain = run(model_dir, tmp_path / "plain", "max_steps=3", "save_every=1", "optim.lr=1e-5",
-                "optim.fp32_master_weights=false")
+    plain = run(
+        model_dir, tmp_path / "plain", "max_steps=3", "save_every=1", "optim.lr=1e-5", "optim.fp32_master_weights=false"
+    )
     assert plain[0]["train/loss"] == full[0]["train/loss"]  # the same first step: only the update differs
 
     def moved(run_dir) -> float:
         start = exactrl.load_model(model_dir, dtype="bfloat16").state_dict()
         now = exactrl.load_model(latest_checkpoint(run_dir), dtype="bfloat16").state_dict()
         return sum((now[k] != v).sum().item() for k, v in start.items()) / sum(v.numel() for v in start.values())
-    assert moved(tmp_path / "plain") < moved(tmp_path / "full"), (moved(tmp_path / "plain"),
-                                                                   moved(tmp_path / "full"))
+
+    assert moved(tmp_path / "plain") < moved(tmp_path / "full"), (moved(tmp_path / "plain"), moved(tmp_path / "full"))
 
 
-def test_a_bf16_run_from_before_the_key_resumes_as_it_ran_and_is_told_what_changing_it_means(model_dir, tmp_path,
-                                                                                              capsys):
+def test_a_bf16_run_from_before_the_key_resumes_as_it_ran_and_is_told_what_changing_it_means(
+    model_dir, tmp_path, capsys
+):
     """A checkpoint whose config has no optim.fp32_master_weights trained the bf16 weights themselves: resuming it
     with the default (true) would change the run, so it is refused naming the key; with false it goes on."""
     d = tmp_path / "old"
@@ -153,9 +164,9 @@ def test_in_float32_the_key_changes_nothing_not_even_what_a_resume_accepts(model
     assert set(opt_state) == {"state", "param_groups"}
     resumed = run32(d, "max_steps=2", "resume=true", "optim.fp32_master_weights=false")
     for x, y in zip(full, resumed):
-        assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == \
-            {k: v for k, v in y.items() if not k.startswith(TIMING)}
-
+        assert {k: v for k, v in x.items() if not k.startswith(TIMING)} == {
+            k: v for k, v in y.items() if not k.startswith(TIMING)
+        }
 
 
 def test_the_bf16_warm_start_steps_through_master_weights_and_its_cache_key_says_so(model_dir):
@@ -173,13 +184,15 @@ def test_the_bf16_warm_start_steps_through_master_weights_and_its_cache_key_says
     for master in (True, False):
         model = load_model(model_dir, dtype="bfloat16")
         before = [p.detach().clone() for p in model.parameters()]
-        warmstart.supervised_finetune(model, tok, task, steps=8, batch_size=4, lr=5e-6, seed=0, log=lambda *a: None,
-                                      fp32_master_weights=master)
+        warmstart.supervised_finetune(
+            model, tok, task, steps=8, batch_size=4, lr=5e-6, seed=0, log=lambda *a: None, fp32_master_weights=master
+        )
         changed = sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
         moved[master] = changed / sum(b.numel() for b in before)
     assert moved[True] > 0.15 and moved[False] < 0.5 * moved[True], moved  # 0.197 and 0.074 here
 
     def key(*sets):
         return warmstart._hash(load_config(None, list(sets)))
+
     assert key("model.dtype=bfloat16") != key("model.dtype=bfloat16", "optim.fp32_master_weights=false")
     assert key() == key("optim.fp32_master_weights=false")

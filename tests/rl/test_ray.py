@@ -5,6 +5,7 @@ engines give the in-process engine's tokens and logprobs bitwise, and a run
 over them logs the in-process run's metrics bitwise. The inverse twin: with
 `fast` kernels the same run measures a non-zero mismatch.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,9 +16,9 @@ import socket
 
 import pytest
 import torch
+from conftest import default_job_model, train_rows
 
 import exactrl
-from conftest import default_job_model, train_rows
 from exactrl.distributed import Ranks
 from exactrl.engine import Engine, NonFiniteLogitsError, SamplingParams
 from exactrl.train.config import load_config
@@ -26,9 +27,17 @@ from exactrl.train.setup import build, check_ranks
 ray = pytest.importorskip("ray")
 from exactrl.distributed.ray_engines import RayEngineError, RayEngines, RayEngineSettings  # noqa: E402
 
-SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-         "task.eval_size=8", "eval_every=2", "optim.lr=1e-3", "engine.kv_budget_tokens=4096",
-         "algorithm.entropy_coef=0.01"]  # an entropy bonus: the weights move even without reward
+SMALL = [
+    "progress=false",
+    "tensorboard=false",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "task.eval_size=8",
+    "eval_every=2",
+    "optim.lr=1e-3",
+    "engine.kv_budget_tokens=4096",
+    "algorithm.entropy_coef=0.01",
+]  # an entropy bonus: the weights move even without reward
 RAY = ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=2"]
 # what only says how fast, or which backend counted what, differs between two runs of one job
 TIMING = ("time/", "perf/", "ray/")
@@ -60,8 +69,18 @@ def workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     """Mixed prompt lengths, n, temperatures (greedy too), top-k / top-p, one stop token."""
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 24))] for _ in range(9)]
-    params = [SamplingParams(temperature=(1.0, 0.7, 0.0)[k % 3], top_k=(-1, 7)[k % 2], top_p=(1.0, 0.9)[k % 2],
-                             max_tokens=10, n=1 + k % 3, seed=100 + k, stop_token_ids=[k]) for k in range(9)]
+    params = [
+        SamplingParams(
+            temperature=(1.0, 0.7, 0.0)[k % 3],
+            top_k=(-1, 7)[k % 2],
+            top_p=(1.0, 0.9)[k % 2],
+            max_tokens=10,
+            n=1 + k % 3,
+            seed=100 + k,
+            stop_token_ids=[k],
+        )
+        for k in range(9)
+    ]
     return prompts, params
 
 
@@ -75,9 +94,14 @@ def test_config_section_and_errors():
     assert cfg.rollout_backend.ray == RayEngineSettings(num_engines=2, threads_per_engine=1)
     with pytest.raises(ValueError, match="num_engines"):
         load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=0"])
-    with pytest.raises(ValueError, match=r"rollout_backend.ray.num_engines=5 exceeds rollout.prompts_per_step=4: "
-                                         r"each engine samples whole prompts, so 1 would never sample"):
-        load_config(None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=5", "rollout.prompts_per_step=4"])
+    with pytest.raises(
+        ValueError,
+        match=r"rollout_backend.ray.num_engines=5 exceeds rollout.prompts_per_step=4: "
+        r"each engine samples whole prompts, so 1 would never sample",
+    ):
+        load_config(
+            None, ["rollout_backend.kind=ray", "rollout_backend.ray.num_engines=5", "rollout.prompts_per_step=4"]
+        )
     with pytest.raises(ValueError, match=r"rollout_backend.ray.\* needs rollout_backend.kind=ray"):
         load_config(None, ["rollout_backend.ray.num_engines=3"])
     with pytest.raises(ValueError, match="samples_per_prompt=8 exceeds engine.max_num_seqs=4"):
@@ -103,8 +127,11 @@ def test_ray_missing_or_no_cluster_at_the_address_is_a_value_error(qwen3_dir, mo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = f"127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(ValueError, match=rf"no Ray cluster at rollout_backend.ray.address='{free}' \(nothing "
-                                         r"accepts a connection there.*leave the address unset"):
+    with pytest.raises(
+        ValueError,
+        match=rf"no Ray cluster at rollout_backend.ray.address='{free}' \(nothing "
+        r"accepts a connection there.*leave the address unset",
+    ):
         RayEngines(RayEngineSettings(num_engines=1, address=free), model, {}, log=lambda *a: None)
     with pytest.raises(ValueError, match=r"no Ray cluster at rollout_backend.ray.address='h:p:q' \(Invalid address"):
         RayEngines(RayEngineSettings(num_engines=1, address="h:p:q"), model, {}, log=lambda *a: None)
@@ -120,16 +147,19 @@ def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwe
     if ray.is_initialized():  # runs before the module's `cluster` in file order; in another order it cannot
         pytest.skip("a Ray instance already runs in this process (the module's cluster): no private one to see")
     model = exactrl.load_model(qwen3_dir)
-    engines = RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1), model, {"kv_budget_tokens": 2048},
-                         log=lambda *a: None)  # one of the instance's 2 CPUs: `joined` takes the other
+    engines = RayEngines(
+        RayEngineSettings(num_engines=1, threads_per_engine=1), model, {"kv_budget_tokens": 2048}, log=lambda *a: None
+    )  # one of the instance's 2 CPUs: `joined` takes the other
     joined = None
     try:
         assert ray.is_initialized() and all("float32, exact kernels, 1 thread(s)" in p for p in engines.places)
         prompts, params = workload(model.config.vocab_size)
-        assert fields(engines.generate(prompts, params)) == fields(Engine(model, kv_budget_tokens=2048).generate(
-            prompts, params))
-        joined = RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1), model, {},
-                            log=lambda *a: None)  # the engines' instance is running: these join it
+        assert fields(engines.generate(prompts, params)) == fields(
+            Engine(model, kv_budget_tokens=2048).generate(prompts, params)
+        )
+        joined = RayEngines(
+            RayEngineSettings(num_engines=1, threads_per_engine=1), model, {}, log=lambda *a: None
+        )  # the engines' instance is running: these join it
     finally:
         engines.close()
     assert not ray.is_initialized()
@@ -147,8 +177,9 @@ def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwe
 def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwen3_dir, dtype):
     model = exactrl.load_model(qwen3_dir, dtype=dtype)
     prompts, params = workload(model.config.vocab_size)
-    engines = RayEngines(RayEngineSettings(num_engines=2), model, {"kv_budget_tokens": 2048}, [5], version=3,
-                         log=lambda *a: None)
+    engines = RayEngines(
+        RayEngineSettings(num_engines=2), model, {"kv_budget_tokens": 2048}, [5], version=3, log=lambda *a: None
+    )
     try:
         assert all(f"{dtype}, exact kernels" in p for p in engines.places)
         local = Engine(model, stop_token_ids=[5], kv_budget_tokens=2048)
@@ -158,7 +189,7 @@ def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwe
         assert {v for o in got for c in o for v in c.versions} == {3}
         for o, p, sp in zip(got, prompts, params):  # and the trainer's forward agrees (docs/design.md §1)
             lp = exactrl.sequence_logprobs(model, [p + o[0].token_ids], sp.temperature or 1.0, sp.top_k, sp.top_p)[0]
-            assert o[0].logprobs == lp[len(p) - 1:].tolist()
+            assert o[0].logprobs == lp[len(p) - 1 :].tolist()
         assert fields(engines.generate(prompts[:1], params[:1])) == fields(got[:1])  # an engine left idle
 
         new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
@@ -189,8 +220,11 @@ def test_ray_engines_sample_what_the_in_process_engine_does_bitwise(cluster, qwe
 
         # diverged weights: the engine's own error (named as divergence by `exactrl train`), its message once
         engines.update_weights({k: v * float("nan") for k, v in new.items()})
-        with pytest.raises(NonFiniteLogitsError, match=r"^non-finite logits \(NaN or inf\) for request\(s\) "
-                                                       r"\['req-\d+'.*\]: the model's weights .* were aborted$"):
+        with pytest.raises(
+            NonFiniteLogitsError,
+            match=r"^non-finite logits \(NaN or inf\) for request\(s\) "
+            r"\['req-\d+'.*\]: the model's weights .* were aborted$",
+        ):
             engines.generate(prompts, params)
         engines.update_weights(new)
 
@@ -218,15 +252,25 @@ def test_engines_get_the_models_kernels_and_settings_and_bad_ones_are_a_value_er
 
 def test_engines_that_cannot_be_placed_are_refused_and_held_cpus_time_out(cluster, qwen3_dir):
     model = exactrl.load_model(qwen3_dir)
-    with pytest.raises(ValueError, match=r"num_engines=3 engines of 1 thread\(s\) each do not fit the Ray "
-                                         r"cluster's machines \(2 CPUs\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_engines=3 engines of 1 thread\(s\) each do not fit the Ray "
+        r"cluster's machines \(2 CPUs\)",
+    ):
         RayEngines(RayEngineSettings(num_engines=3), model, {}, log=lambda *a: None)
     holder = RayEngines(RayEngineSettings(num_engines=2), model, {}, log=lambda *a: None)  # both CPUs
     try:
-        with pytest.raises(RayEngineError, match=r"1 of 1 Ray engines did not start within "
-                                                 r"rollout_backend.ray.start_timeout_s=2 s; the cluster has 0 CPUs"):
-            RayEngines(RayEngineSettings(num_engines=1, threads_per_engine=1, start_timeout_s=2), model, {},
-                       log=lambda *a: None)
+        with pytest.raises(
+            RayEngineError,
+            match=r"1 of 1 Ray engines did not start within "
+            r"rollout_backend.ray.start_timeout_s=2 s; the cluster has 0 CPUs",
+        ):
+            RayEngines(
+                RayEngineSettings(num_engines=1, threads_per_engine=1, start_timeout_s=2),
+                model,
+                {},
+                log=lambda *a: None,
+            )
     finally:
         holder.close()
 
@@ -237,8 +281,11 @@ def test_a_call_that_outlasts_its_timeout_is_an_error_naming_the_engine(cluster,
     engines = RayEngines(RayEngineSettings(num_engines=1, call_timeout_s=0.001), model, {}, log=lambda *a: None)
     try:
         prompts, _ = workload(model.config.vocab_size)
-        with pytest.raises(RayEngineError, match=r"Ray engine 0 \(.*\) did not finish (checking the batch|sampling) within "
-                                                 r"rollout_backend.ray.call_timeout_s=0.001 s"):
+        with pytest.raises(
+            RayEngineError,
+            match=r"Ray engine 0 \(.*\) did not finish (checking the batch|sampling) within "
+            r"rollout_backend.ray.call_timeout_s=0.001 s",
+        ):
             engines.generate(prompts, SamplingParams(max_tokens=64, n=4, seed=0))
     finally:
         engines.close()
@@ -248,8 +295,9 @@ def test_an_engine_that_dies_is_named_at_once_while_another_still_works(cluster,
     """The first engine to fail ends the wait: engine 1's death is not reported only once engine 0 (here
     stopped, so it never answers) has finished, which without this took up to call_timeout_s."""
     model = exactrl.load_model(qwen3_dir)
-    engines = RayEngines(RayEngineSettings(num_engines=2, threads_per_engine=1, call_timeout_s=120), model, {},
-                         log=lambda *a: None)
+    engines = RayEngines(
+        RayEngineSettings(num_engines=2, threads_per_engine=1, call_timeout_s=120), model, {}, log=lambda *a: None
+    )
     stopped = int(re.search(r"pid (\d+)", engines.places[0]).group(1))  # this machine's process
     os.kill(stopped, signal.SIGSTOP)
     try:
@@ -269,7 +317,10 @@ def test_a_run_over_ray_engines_logs_the_in_process_runs_metrics_bitwise(cluster
     assert results(over_ray) == results(local)
     assert all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 and r["train/grad_norm"] > 0 for r in over_ray)
     assert [(r["engine/version"], r["ray/engines"], r["ray/weight_syncs"]) for r in over_ray] == [
-        (1, 2, 1), (2, 2, 2), (3, 2, 3)]
+        (1, 2, 1),
+        (2, 2, 2),
+        (3, 2, 3),
+    ]
     assert "eval/accuracy" in over_ray[-1]  # greedy evaluation over the engines too
 
 
@@ -290,7 +341,9 @@ def test_an_async_run_over_ray_engines_logs_the_in_process_async_runs_metrics_bi
     assert [(r["engine/version"], r["ray/engines"]) for r in over_ray] == [(0, 2), (1, 2), (2, 2)]
 
 
-def test_a_run_moves_from_the_in_process_engine_to_ray_engines_on_resume_and_logs_the_uninterrupted_run(cluster, model_dir, tmp_path):
+def test_a_run_moves_from_the_in_process_engine_to_ray_engines_on_resume_and_logs_the_uninterrupted_run(
+    cluster, model_dir, tmp_path
+):
     whole = run(model_dir, tmp_path / "whole", "max_steps=3", "task.eval_size=0", *RAY)
     run(model_dir, tmp_path / "cut", "max_steps=2", "task.eval_size=0")  # in process, then Ray engines
     resumed = run(model_dir, tmp_path / "cut", "max_steps=3", "task.eval_size=0", "resume=true", *RAY)

@@ -9,21 +9,29 @@ tests/test_checkpoint.py and tests/rl/test_loop.py cover the damages one at a ti
 unreadable optimizer.pt, a bad state.json's shape, a lost pointer, a half-written metrics row, a held lock);
 this file resumes whole runs from them and from the ones they leave out.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 
 import pytest
-
 from conftest import default_job_model, train_args
+
 from exactrl.cli import main as cli_main
 
-SMALL = ["progress=false", "tensorboard=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-         "task.eval_size=0", "optim.lr=1e-3", "engine.kv_budget_tokens=4096", "save_every=1",
-         "keep_checkpoints=3"]
+SMALL = [
+    "progress=false",
+    "tensorboard=false",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "task.eval_size=0",
+    "optim.lr=1e-3",
+    "engine.kv_budget_tokens=4096",
+    "save_every=1",
+    "keep_checkpoints=3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +58,7 @@ def _digest(ckpt) -> dict[str, str]:
 
 def _truncate(path, keep: float = 0.5) -> None:
     data = path.read_bytes()
-    path.write_bytes(data[:int(len(data) * keep)])
+    path.write_bytes(data[: int(len(data) * keep)])
 
 
 def _edit_state(d, step: int, edit) -> None:
@@ -74,16 +82,21 @@ DAMAGES = [
     ("state_no_prompts", lambda d: _edit_state(d, 2, lambda s: s.pop("prompts")), "step_000002"),
     ("state_no_torch_rng", lambda d: _edit_state(d, 2, lambda s: s.pop("torch_rng")), "step_000002"),
     ("state_no_python_rng", lambda d: _edit_state(d, 2, lambda s: s.pop("python_rng")), "step_000002"),
-    ("state_torch_rng_short", lambda d: _edit_state(d, 2, lambda s: s.update(torch_rng=s["torch_rng"][:10])),
-     "step_000002"),
+    (
+        "state_torch_rng_short",
+        lambda d: _edit_state(d, 2, lambda s: s.update(torch_rng=s["torch_rng"][:10])),
+        "step_000002",
+    ),
     ("state_torch_rng_str", lambda d: _edit_state(d, 2, lambda s: s.update(torch_rng="x")), "step_000002"),
-    ("state_python_rng_short", lambda d: _edit_state(d, 2, lambda s: s.update(python_rng=s["python_rng"][:5])),
-     "step_000002"),
+    (
+        "state_python_rng_short",
+        lambda d: _edit_state(d, 2, lambda s: s.update(python_rng=s["python_rng"][:5])),
+        "step_000002",
+    ),
     ("state_numpy_rng_bad", lambda d: _edit_state(d, 2, lambda s: s.update(numpy_rng=[1, 2])), "step_000002"),
     ("state_numpy_rng_str", lambda d: _edit_state(d, 2, lambda s: s.update(numpy_rng="x")), "step_000002"),
     ("state_prompts_list", lambda d: _edit_state(d, 2, lambda s: s.update(prompts=[1])), "step_000002"),
-    ("state_prompts_index_str", lambda d: _edit_state(d, 2, lambda s: s["prompts"].update(index="x")),
-     "step_000002"),
+    ("state_prompts_index_str", lambda d: _edit_state(d, 2, lambda s: s["prompts"].update(index="x")), "step_000002"),
     ("state_prompts_no_epoch", lambda d: _edit_state(d, 2, lambda s: s["prompts"].pop("epoch")), "step_000002"),
     ("state_step_float", lambda d: _edit_state(d, 2, lambda s: s.update(step=2.0)), "step_000002"),
     ("state_step_bool", lambda d: _edit_state(d, 2, lambda s: s.update(step=True)), "step_000002"),
@@ -105,8 +118,7 @@ DAMAGES = [
     ("state_digests_garbage", lambda d: _edit_state(d, 2, lambda s: s.update(file_sha256=[1])), "step_000002"),
     ("model_config_missing", lambda d: (_ckpt(d, 2) / "config.json").unlink(), "step_000002"),
     ("model_config_not_json", lambda d: (_ckpt(d, 2) / "config.json").write_text("{"), "step_000002"),
-    ("model_config_no_layers", lambda d: _edit_json(_ckpt(d, 2) / "config.json", "num_hidden_layers"),
-     "step_000002"),
+    ("model_config_no_layers", lambda d: _edit_json(_ckpt(d, 2) / "config.json", "num_hidden_layers"), "step_000002"),
     ("pointer_names_nothing", lambda d: (d / "checkpoints" / "latest").write_text("step_000009\n"), None),
     ("pointer_is_garbage", lambda d: (d / "checkpoints" / "latest").write_bytes(b"\xff\x00/../x"), None),
     # the step is trained, step_000003 renamed in place, then the pointer cannot replace a directory
@@ -176,8 +188,9 @@ def _insert_line(path, line: str) -> None:
 
 
 @pytest.mark.parametrize("name,damage,named", DAMAGES, ids=[d[0] for d in DAMAGES])
-def test_resume_from_a_damaged_run_dir_continues_or_names_the_problem(model_dir, base, tmp_path, capfd, name,
-                                                                      damage, named):
+def test_resume_from_a_damaged_run_dir_continues_or_names_the_problem(
+    model_dir, base, tmp_path, capfd, name, damage, named
+):
     d = tmp_path / "run"
     shutil.copytree(base, d)
     root = d / "checkpoints"
@@ -185,8 +198,11 @@ def test_resume_from_a_damaged_run_dir_continues_or_names_the_problem(model_dir,
     damage(d)
     # the ones the damage left alone; a complete step_000002 the pointer does not name is one a crash left
     # unnamed, which a resume from step_000001 redoes by design (checkpoint.py)
-    intact = {n: h for n, h in before.items() if (root / n).is_dir() and _digest(root / n) == h
-              and not (name == "pointer_names_older" and n == "step_000002")}
+    intact = {
+        n: h
+        for n, h in before.items()
+        if (root / n).is_dir() and _digest(root / n) == h and not (name == "pointer_names_older" and n == "step_000002")
+    }
     capfd.readouterr()
     code = train(model_dir, d, "max_steps=3", "resume=true")
     out, err = capfd.readouterr()
@@ -205,8 +221,7 @@ def test_resume_from_a_damaged_run_dir_continues_or_names_the_problem(model_dir,
         assert "Traceback" not in err and named in lines[0], err
 
 
-def test_a_checkpoint_records_the_software_and_a_resume_under_another_torch_says_so(model_dir, base, tmp_path,
-                                                                                     capfd):
+def test_a_checkpoint_records_the_software_and_a_resume_under_another_torch_says_so(model_dir, base, tmp_path, capfd):
     import torch
 
     import exactrl

@@ -1,4 +1,5 @@
 """Advantage estimators and KL estimators against hand-computed values."""
+
 import math
 
 import pytest

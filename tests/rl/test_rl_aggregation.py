@@ -1,4 +1,5 @@
 """Aggregation modes against hand-computed sums, the micro-batch property, empty input."""
+
 import math
 
 import pytest
@@ -14,12 +15,15 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=t
 NORM = LossNorm(total_tokens=4, total_seqs=3, constant=5.0)
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", (1 + 2 + 3 + 4) / 4),                       # 2.5
-    ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1 + 0) / 3),  # 2.0
-    ("seq-mean-token-sum", ((1 + 2 + 3) + 4 + 0) / 3),          # 10/3
-    ("constant-normalised", (1 + 2 + 3 + 4) / (5.0 * 3)),       # 2/3
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 3 + 4) / 4),  # 2.5
+        ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1 + 0) / 3),  # 2.0
+        ("seq-mean-token-sum", ((1 + 2 + 3) + 4 + 0) / 3),  # 10/3
+        ("constant-normalised", (1 + 2 + 3 + 4) / (5.0 * 3)),  # 2/3
+    ],
+)
 def test_modes_hand_computed(mode, expected):
     out = aggregate(VALUES, MASK, mode, NORM)
     assert out.item() == pytest.approx(expected, rel=1e-12)
@@ -68,8 +72,9 @@ def test_micro_batches_sum_to_full_batch(mode):
     halves = aggregate(values[:3], mask[:3], mode, norm) + aggregate(values[3:], mask[3:], mode, norm)
     assert halves.item() == pytest.approx(whole.item(), rel=1e-12, abs=1e-15)
     # and a local norm would NOT give the same sum (the property is not vacuous)
-    local = aggregate(values[:3], mask[:3], mode, LossNorm.from_mask(mask[:3], 6.0)) + \
-        aggregate(values[3:], mask[3:], mode, LossNorm.from_mask(mask[3:], 6.0))
+    local = aggregate(values[:3], mask[:3], mode, LossNorm.from_mask(mask[:3], 6.0)) + aggregate(
+        values[3:], mask[3:], mode, LossNorm.from_mask(mask[3:], 6.0)
+    )
     assert local.item() != pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -94,8 +99,14 @@ def test_from_masks_counts_tokens_and_all_rows():
     assert (norm.total_tokens, norm.total_seqs, norm.constant) == (4 + 10, 3 + 2, 2.0)
 
 
-@pytest.mark.parametrize("kwargs", [dict(total_tokens=-1, total_seqs=1), dict(total_tokens=1.5, total_seqs=1),
-                                    dict(total_tokens=1, total_seqs=1, constant=0.0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(total_tokens=-1, total_seqs=1),
+        dict(total_tokens=1.5, total_seqs=1),
+        dict(total_tokens=1, total_seqs=1, constant=0.0),
+    ],
+)
 def test_bad_norm(kwargs):
     with pytest.raises(ValueError, match="LossNorm"):
         LossNorm(**kwargs)

@@ -1,12 +1,24 @@
 """Corrections against hand-computed weights and masks; composition, config, errors."""
+
 import math
 
 import pytest
 import torch
 
-from exactrl.algo.corrections import (CORRECTIONS, OPSM, DecoupledIS, GeometricMeanRejection, KLRejection,
-                                    SequenceMaskIS, SequenceTIS, TokenMaskIS, TokenTIS, apply_bypass,
-                                    build_corrections, compose)
+from exactrl.algo.corrections import (
+    CORRECTIONS,
+    OPSM,
+    DecoupledIS,
+    GeometricMeanRejection,
+    KLRejection,
+    SequenceMaskIS,
+    SequenceTIS,
+    TokenMaskIS,
+    TokenTIS,
+    apply_bypass,
+    build_corrections,
+    compose,
+)
 from exactrl.algo.losses import PPOClipLoss
 from exactrl.algo.types import LossInputs, LossNorm
 
@@ -85,7 +97,8 @@ def test_kl_rejection_token_and_sequence():
     _, m, metrics = call(KLRejection(threshold=0.15))
     assert m.tolist() == [[0, 0, 1], [1, 1, 0], [0, 0, 0]]
     assert metrics["correction/kl_rejection_token/kl_mean"] == pytest.approx(
-        (k3(3) + k3(0.5) + 0 + 2 * k3(1.5)) / 5, rel=1e-12)
+        (k3(3) + k3(0.5) + 0 + 2 * k3(1.5)) / 5, rel=1e-12
+    )
     _, m, _ = call(KLRejection(threshold=0.15, level="sequence"))  # means 0.365 | 0.095
     assert m.tolist() == [[0, 0, 0], [1, 1, 0], [0, 0, 0]]
     _, m, _ = call(KLRejection(threshold=0.15, kind="k1", level="sequence"))  # k1 means −0.135 | −0.405
@@ -129,25 +142,44 @@ def test_compose_multiplies_weights_ands_masks_in_any_order():
 
 
 def test_build_corrections_from_config():
-    c = build_corrections([{"name": "token_tis", "upper": 2.0}, {"name": "sequence_mask_is", "upper": 2.0},
-                           {"name": "opsm", "delta": 1.0}])
+    c = build_corrections(
+        [
+            {"name": "token_tis", "upper": 2.0},
+            {"name": "sequence_mask_is", "upper": 2.0},
+            {"name": "opsm", "delta": 1.0},
+        ]
+    )
     adv = torch.ones(3, 3, dtype=F64)
     w, m, _ = c(OLD, BEHAV, MASK, adv)
     assert w[0].tolist() == pytest.approx([2.0, 0.5, 1.0]) and m[1].tolist() == [0, 0, 0]
-    assert set(CORRECTIONS) == {"token_tis", "sequence_tis", "token_mask_is", "sequence_mask_is",
-                                "geometric_rejection", "kl_rejection", "opsm", "decoupled"}
+    assert set(CORRECTIONS) == {
+        "token_tis",
+        "sequence_tis",
+        "token_mask_is",
+        "sequence_mask_is",
+        "geometric_rejection",
+        "kl_rejection",
+        "opsm",
+        "decoupled",
+    }
 
 
-@pytest.mark.parametrize("spec, match", [
-    ({"name": "bypass"}, "algorithm.bypass=true"),
-    ({"upper": 2.0}, "'name'"),
-    ({"name": "token_tis", "cap": 2.0}, "cap"),
-    ({"name": "token_tis", "lower": 3.0, "upper": 2.0}, "lower < upper"),
-    ({"name": "token_mask_is", "lower": None, "upper": None}, "at least one"),
-    ({"name": "kl_rejection", "threshold": 0.1, "kind": "k9"}, r"corrections\[0\] \('kl_rejection'\): KLRejection kind .*'k9'"),
-    ({"name": "kl_rejection", "threshold": 0.1, "level": "batch"}, "level"),
-    ({"name": "geometric_rejection", "lower": 0.9}, "upper"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"name": "bypass"}, "algorithm.bypass=true"),
+        ({"upper": 2.0}, "'name'"),
+        ({"name": "token_tis", "cap": 2.0}, "cap"),
+        ({"name": "token_tis", "lower": 3.0, "upper": 2.0}, "lower < upper"),
+        ({"name": "token_mask_is", "lower": None, "upper": None}, "at least one"),
+        (
+            {"name": "kl_rejection", "threshold": 0.1, "kind": "k9"},
+            r"corrections\[0\] \('kl_rejection'\): KLRejection kind .*'k9'",
+        ),
+        ({"name": "kl_rejection", "threshold": 0.1, "level": "batch"}, "level"),
+        ({"name": "geometric_rejection", "lower": 0.9}, "upper"),
+    ],
+)
 def test_build_corrections_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         build_corrections([spec])
@@ -166,7 +198,8 @@ def test_non_finite_in_padding_is_fine():
     old = OLD.clone()
     old[2, 1], old[1, 2] = float("nan"), math.inf
     w, m, _ = build_corrections([{"name": "sequence_tis"}, {"name": "kl_rejection", "threshold": 1.0}])(
-        old, BEHAV, MASK)
+        old, BEHAV, MASK
+    )
     assert torch.isfinite(w).all() and torch.isfinite(m).all()
 
 
@@ -185,8 +218,9 @@ def test_huge_sequence_ratio_does_not_overflow():
 def test_apply_bypass_takes_the_ratio_against_mu():
     lp = torch.tensor([[-1.0, -2.0]], dtype=F64)
     old, behav = lp - 0.05, lp - L(1.5)  # π_θ/π_old ≈ 1.05 (unclipped) but π_θ/μ = 1.5 (clipped)
-    inp = LossInputs(lp.clone().requires_grad_(True), old, behav, torch.ones(1, 2, dtype=F64),
-                     torch.ones(1, 2, dtype=F64))
+    inp = LossInputs(
+        lp.clone().requires_grad_(True), old, behav, torch.ones(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64)
+    )
     bypass = apply_bypass(inp)
     assert torch.equal(bypass.old_logprobs_BT, behav) and torch.equal(inp.old_logprobs_BT, old)
     v, _ = PPOClipLoss(0.2, 0.2)(bypass, "token-mean", LossNorm(2, 1))
@@ -197,8 +231,11 @@ def test_apply_bypass_takes_the_ratio_against_mu():
 
 @pytest.mark.parametrize("name", sorted(CORRECTIONS))
 def test_everything_masked_is_neutral(name):
-    kwargs = {"geometric_rejection": dict(lower=0.9, upper=1.1), "kl_rejection": dict(threshold=0.1),
-              "opsm": dict(delta=0.1)}.get(name, {})
+    kwargs = {
+        "geometric_rejection": dict(lower=0.9, upper=1.1),
+        "kl_rejection": dict(threshold=0.1),
+        "opsm": dict(delta=0.1),
+    }.get(name, {})
     mask = torch.zeros(2, 3, dtype=F64)
     old = torch.full((2, 3), float("nan"), dtype=F64)
     w, m, metrics = build_corrections([{"name": name, **kwargs}])(old, BEHAV[:2], mask, -torch.ones(2, 3))

@@ -1,4 +1,5 @@
 """Mismatch diagnostics and the public train/rollout logprob-diff keys, by hand."""
+
 import math
 
 import pytest
@@ -23,12 +24,16 @@ def test_raw_mismatch_metrics():
     assert m["mismatch/k3"] == pytest.approx(k3 / 3, rel=1e-12)
     assert m["mismatch/log_ppl_diff"] == pytest.approx((0.0 + L(1.5)) / 2, rel=1e-12)
     assert m["mismatch/chi2_token"] == pytest.approx((4 + 0.25 + 2.25) / 3 - 1, rel=1e-12)
-    assert m["mismatch/chi2_seq"] == pytest.approx(((2 * 0.5) ** 2 - 1 + 1.5 ** 2 - 1) / 2, rel=1e-12)
+    assert m["mismatch/chi2_seq"] == pytest.approx(((2 * 0.5) ** 2 - 1 + 1.5**2 - 1) / 2, rel=1e-12)
     assert m["mismatch/ess"] == pytest.approx((2 + 0.5 + 1.5) ** 2 / (3 * (4 + 0.25 + 2.25)), rel=1e-12)
-    assert (m["mismatch/is_weight_mean"], m["mismatch/is_weight_min"], m["mismatch/is_weight_max"]) == \
-        pytest.approx((4 / 3, 0.5, 2.0), rel=1e-12)
-    assert (m["mismatch/token_clip_frac"], m["mismatch/token_mask_frac"], m["mismatch/seq_mask_frac"]) == \
-        (0.0, 0.0, 0.0)
+    assert (m["mismatch/is_weight_mean"], m["mismatch/is_weight_min"], m["mismatch/is_weight_max"]) == pytest.approx(
+        (4 / 3, 0.5, 2.0), rel=1e-12
+    )
+    assert (m["mismatch/token_clip_frac"], m["mismatch/token_mask_frac"], m["mismatch/seq_mask_frac"]) == (
+        0.0,
+        0.0,
+        0.0,
+    )
 
 
 def test_with_final_weights_and_mask():
@@ -38,7 +43,7 @@ def test_with_final_weights_and_mask():
     assert m["mismatch/token_clip_frac"] == pytest.approx(1 / 2)  # of the 2 kept tokens, 1 truncated
     assert m["mismatch/token_mask_frac"] == pytest.approx(1 / 3)
     assert m["mismatch/seq_mask_frac"] == pytest.approx(1 / 2)
-    assert m["mismatch/ess"] == pytest.approx(2.3 ** 2 / (2 * (1.8 ** 2 + 0.25)), rel=1e-12)
+    assert m["mismatch/ess"] == pytest.approx(2.3**2 / (2 * (1.8**2 + 0.25)), rel=1e-12)
     assert m["mismatch/is_weight_max"] == pytest.approx(1.8)
     assert m["mismatch/chi2_token"] == pytest.approx((4 + 0.25 + 2.25) / 3 - 1, rel=1e-12)  # raw, uncorrected
 
@@ -95,8 +100,13 @@ def test_logprob_diff_all_masked_and_errors():
 
 # ---- LossInputs validation (types.py)
 def _inputs(**over):
-    base = dict(logprobs_BT=torch.zeros(2, 2, requires_grad=True), old_logprobs_BT=torch.zeros(2, 2),
-                behav_logprobs_BT=torch.zeros(2, 2), advantages_BT=torch.ones(2, 2), mask_BT=torch.ones(2, 2))
+    base = dict(
+        logprobs_BT=torch.zeros(2, 2, requires_grad=True),
+        old_logprobs_BT=torch.zeros(2, 2),
+        behav_logprobs_BT=torch.zeros(2, 2),
+        advantages_BT=torch.ones(2, 2),
+        mask_BT=torch.ones(2, 2),
+    )
     return LossInputs(**(base | over))
 
 
@@ -112,6 +122,7 @@ def test_loss_inputs_defaults_and_errors():
         _inputs(mask_BT=torch.full((2, 2), 0.5))
     with pytest.raises(ValueError, match="float"):
         _inputs(mask_BT=torch.ones(2, 2, dtype=torch.bool))
-    ok = _inputs(logprobs_BT=torch.tensor([[0.0, float("nan")], [0.0, 0.0]]),
-                 mask_BT=torch.tensor([[1.0, 0.0], [1.0, 1.0]]))  # NaN in padding is fine
+    ok = _inputs(
+        logprobs_BT=torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), mask_BT=torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    )  # NaN in padding is fine
     assert ok.mask_BT.sum().item() == 3

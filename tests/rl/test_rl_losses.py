@@ -1,11 +1,11 @@
 """Every loss against hand-computed values and gradients on tiny tensors."""
+
 import math
 
 import pytest
 import torch
 
-from exactrl.algo.losses import (LOSSES, CISPOLoss, GSPOLoss, PPOClipLoss, ReinforceLoss, SAPOLoss, TOPRLoss,
-                               build_loss)
+from exactrl.algo.losses import LOSSES, CISPOLoss, GSPOLoss, PPOClipLoss, ReinforceLoss, SAPOLoss, TOPRLoss, build_loss
 from exactrl.algo.types import LossInputs, LossNorm
 
 F64 = torch.float64
@@ -25,8 +25,14 @@ def make(log_ratio, adv, lp=None, mask=None, weights=None):
     adv = t(adv)
     if adv.dim() == 1:
         adv = adv[:, None].expand_as(lp).clone()
-    return LossInputs(logprobs_BT=lp.clone().requires_grad_(True), old_logprobs_BT=old, behav_logprobs_BT=old,
-                      advantages_BT=adv, mask_BT=mask, weights_BT=None if weights is None else t(weights))
+    return LossInputs(
+        logprobs_BT=lp.clone().requires_grad_(True),
+        old_logprobs_BT=old,
+        behav_logprobs_BT=old,
+        advantages_BT=adv,
+        mask_BT=mask,
+        weights_BT=None if weights is None else t(weights),
+    )
 
 
 def run(loss, inp, mode="token-mean"):
@@ -62,13 +68,16 @@ def test_ppo_asymmetric_eps():
     assert m["loss/clip_frac_high"] == 1.0
 
 
-@pytest.mark.parametrize("log_ratio, adv, dual, expected_grad", [
-    (L(1.1), 2.0, None, -2.0 * 1.1),   # inside the clip: −A r
-    (L(1.5), 2.0, None, 0.0),          # clipped high
-    (L(0.5), -1.0, None, 0.0),         # clipped low
-    (L(4.0), -1.0, None, 4.0),         # negative A, large r, no dual clip: −A r
-    (L(4.0), -1.0, 3.0, 0.0),          # dual clip
-])
+@pytest.mark.parametrize(
+    "log_ratio, adv, dual, expected_grad",
+    [
+        (L(1.1), 2.0, None, -2.0 * 1.1),  # inside the clip: −A r
+        (L(1.5), 2.0, None, 0.0),  # clipped high
+        (L(0.5), -1.0, None, 0.0),  # clipped low
+        (L(4.0), -1.0, None, 4.0),  # negative A, large r, no dual clip: −A r
+        (L(4.0), -1.0, 3.0, 0.0),  # dual clip
+    ],
+)
 def test_ppo_gradient_one_token(log_ratio, adv, dual, expected_grad):
     _, _, grad = run(PPOClipLoss(0.2, 0.2, dual), make([[log_ratio]], [adv]))
     assert grad.item() == pytest.approx(expected_grad, abs=1e-12)
@@ -116,6 +125,7 @@ def test_sapo_soft_gate_value_and_gradient():
 
     def sig(x):
         return 1 / (1 + math.exp(-x))
+
     f_pos = 4.0 * sig(0.2)
     f_neg = 4.0 / 1.05 * sig(1.05 * -0.3)
     assert value == pytest.approx((-f_pos * 1.0 + f_neg * 2.0) / 2, rel=1e-12)
@@ -123,12 +133,13 @@ def test_sapo_soft_gate_value_and_gradient():
     g_pos = -4 * sig(0.2) * (1 - sig(0.2)) * 1.2 * 1.0
     g_neg = -4 * sig(-0.315) * (1 - sig(-0.315)) * 0.7 * -2.0
     assert grad[:, 0].tolist() == pytest.approx([g_pos / 2, g_neg / 2], rel=1e-12)
-    assert m["loss/gate_mean"] == pytest.approx((4 * sig(0.2) * (1 - sig(0.2)) + 4 * sig(-0.315) * (1 - sig(-0.315))) / 2)
+    assert m["loss/gate_mean"] == pytest.approx(
+        (4 * sig(0.2) * (1 - sig(0.2)) + 4 * sig(-0.315) * (1 - sig(-0.315))) / 2
+    )
 
 
 def test_topr_sequence_level():
-    inp = make([[0.0, 0.0], [0.3, -0.8], [0.5, 0.4]], [1.0, -1.0, -1.0],
-               lp=[[-1.0, -2.0], [-1.5, -0.5], [-1.0, -1.0]])
+    inp = make([[0.0, 0.0], [0.3, -0.8], [0.5, 0.4]], [1.0, -1.0, -1.0], lp=[[-1.0, -2.0], [-1.5, -0.5], [-1.0, -1.0]])
     value, m, grad = run(TOPRLoss(), inp)
     w1 = math.exp(-0.5)  # row 1: ρ = e^(0.3−0.8) < 1 ; row 2: ρ = e^0.9 truncated to 1
     expected = [1.0, 2.0, w1 * -1.5, w1 * -0.5, -1.0, -1.0]
@@ -146,13 +157,23 @@ def test_topr_token_level():
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_weights_multiply_the_token_loss(name):
     base = make([[0.1, -0.2], [0.05, 0.3]], [1.0, -0.5], lp=[[-1.0, -2.0], [-0.5, -1.5]])
-    scaled = make([[0.1, -0.2], [0.05, 0.3]], [1.0, -0.5], lp=[[-1.0, -2.0], [-0.5, -1.5]],
-                  weights=[[2.0, 2.0], [2.0, 0.0]])
+    scaled = make(
+        [[0.1, -0.2], [0.05, 0.3]], [1.0, -0.5], lp=[[-1.0, -2.0], [-0.5, -1.5]], weights=[[2.0, 2.0], [2.0, 0.0]]
+    )
     loss = build_loss(name)
     v_base, _, _ = run(loss, base)
-    per_token = [run(loss, make([[0.1, -0.2], [0.05, 0.3]], [1.0, -0.5], lp=[[-1.0, -2.0], [-0.5, -1.5]],
-                                weights=[[1.0 * (i == 0), 1.0 * (i == 1)], [1.0 * (i == 2), 1.0 * (i == 3)]]))[0]
-                 for i in range(4)]
+    per_token = [
+        run(
+            loss,
+            make(
+                [[0.1, -0.2], [0.05, 0.3]],
+                [1.0, -0.5],
+                lp=[[-1.0, -2.0], [-0.5, -1.5]],
+                weights=[[1.0 * (i == 0), 1.0 * (i == 1)], [1.0 * (i == 2), 1.0 * (i == 3)]],
+            ),
+        )[0]
+        for i in range(4)
+    ]
     v_scaled, _, _ = run(loss, scaled)
     assert sum(per_token) == pytest.approx(v_base, rel=1e-10, abs=1e-12)
     assert v_scaled == pytest.approx(2 * (per_token[0] + per_token[1] + per_token[2]), rel=1e-10, abs=1e-12)
@@ -161,8 +182,12 @@ def test_weights_multiply_the_token_loss(name):
 @pytest.mark.parametrize("name", sorted(LOSSES))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"])
 def test_everything_masked(name, mode):
-    inp = make([[0.5, float("nan")], [float("inf"), 0.1]], [[float("nan"), 1.0], [1.0, -1.0]],
-               lp=[[float("nan"), -1.0], [-float("inf"), -2.0]], mask=[[0, 0], [0, 0]])
+    inp = make(
+        [[0.5, float("nan")], [float("inf"), 0.1]],
+        [[float("nan"), 1.0], [1.0, -1.0]],
+        lp=[[float("nan"), -1.0], [-float("inf"), -2.0]],
+        mask=[[0, 0], [0, 0]],
+    )
     value, metrics, grad = run(build_loss(name), inp, mode)
     assert value == 0.0
     assert torch.equal(grad, torch.zeros(2, 2, dtype=F64))
@@ -214,8 +239,9 @@ def test_a_token_removed_by_a_correction_stays_in_its_sequences_length():
     tokens each get 1/4 of the sequence's weight (as under token-mean), not 1/3: masking shrinks the step."""
     lp = t([[-1.0, -2.0, -3.0, -4.0]])
     sampled, kept = torch.ones(1, 4, dtype=F64), t([[1.0, 0.0, 1.0, 1.0]])
-    inp = LossInputs(lp.clone().requires_grad_(True), lp, lp, torch.ones(1, 4, dtype=F64), kept,
-                     sampled_mask_BT=sampled)
+    inp = LossInputs(
+        lp.clone().requires_grad_(True), lp, lp, torch.ones(1, 4, dtype=F64), kept, sampled_mask_BT=sampled
+    )
     value, _ = ReinforceLoss()(inp, "seq-mean-token-mean", LossNorm(total_tokens=4, total_seqs=1))
     value.backward()
     assert value.item() == pytest.approx(-(-1.0 - 3.0 - 4.0) / 4)

@@ -1,6 +1,7 @@
 """How rollouts are scored (rl/rollout.py): what a completion that hits the length limit gets (DAPO's soft
 overlong punishment and overlong filtering, `algorithm.overlong`, against hand-computed values), and what a
 task's reward may be."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,13 +9,21 @@ import pytest
 import torch
 
 from exactrl.envs.base import Problem
-from exactrl.train.config import load_config
 from exactrl.rollout.groups import Rollout, overlong_penalty, overlong_shaped, to_train_batch
+from exactrl.train.config import load_config
 
 
 def _rollout(n_tokens: int, reward: float, finish: str = "stop") -> Rollout:
-    return Rollout(Problem("1+1", "2"), [1, 2], list(range(3, 3 + n_tokens)), [-0.5] * n_tokens,
-                   [0] * n_tokens, finish, "2", reward)
+    return Rollout(
+        Problem("1+1", "2"),
+        [1, 2],
+        list(range(3, 3 + n_tokens)),
+        [-0.5] * n_tokens,
+        [0] * n_tokens,
+        finish,
+        "2",
+        reward,
+    )
 
 
 @pytest.mark.parametrize("length,expected", [(0, 0.0), (4, 0.0), (5, -0.25), (6, -0.5), (8, -1.0)])
@@ -61,10 +70,16 @@ def test_a_step_whose_completions_are_all_masked_learns_nothing(qwen3_dir):
 
     model = exactrl.load_model(qwen3_dir)
     before = [p.detach().clone() for p in model.parameters()]
-    batch = to_train_batch([[_rollout(3, 1.0, "length"), _rollout(3, 0.0, "length")]], "grpo", {},
-                           mask_truncated=True)
-    s = StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=8, agg_mode="token-mean",
-                     agg_constant=None, grad_clip=1.0)
+    batch = to_train_batch([[_rollout(3, 1.0, "length"), _rollout(3, 0.0, "length")]], "grpo", {}, mask_truncated=True)
+    s = StepSettings(
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        micro_batch_size=8,
+        agg_mode="token-mean",
+        agg_constant=None,
+        grad_clip=1.0,
+    )
     m = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), build_loss("ppo"), batch, s)
     assert m["train/grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -88,13 +103,24 @@ def test_a_reward_that_is_not_a_finite_number_names_the_task():
     from exactrl.rollout.groups import _reward
 
     for bad in (None, "1.0", float("nan"), [1]):
-        with pytest.raises(ValueError, match=r"task 'mine': reward\(\) for the prompt '1\+1=' must be a finite number, got "):
+        with pytest.raises(
+            ValueError, match=r"task 'mine': reward\(\) for the prompt '1\+1=' must be a finite number, got "
+        ):
             _reward(_FixedReward(bad), Problem("1+1=", "2"), "2")
     assert [_reward(_FixedReward(x), Problem("1+1=", "2"), "2") for x in (True, 0, np.float32(0.5))] == [1.0, 0, 0.5]
 
 
-@pytest.mark.parametrize("verdict, value", [(True, 1.0), (False, 0.0), (np.True_, 1.0), (np.array(False), 0.0),
-                                            (torch.tensor(True), 1.0), (torch.tensor([False]), 0.0)])
+@pytest.mark.parametrize(
+    "verdict, value",
+    [
+        (True, 1.0),
+        (False, 0.0),
+        (np.True_, 1.0),
+        (np.array(False), 0.0),
+        (torch.tensor(True), 1.0),
+        (torch.tensor([False]), 0.0),
+    ],
+)
 def test_a_bool_reward_is_one_or_zero_for_tasks_and_agents_alike(verdict, value):
     """One rule (exactrl/envs/rewards.py): a verdict of any bool kind reads as 1.0 or 0.0 wherever a reward
     comes from."""

@@ -1,5 +1,6 @@
 """train_step's memory settings: activation checkpointing (bitwise the same step, less peak memory) and
 micro-batches by a token budget (the same step as one sequence per micro-batch, up to fp32 rounding)."""
+
 from __future__ import annotations
 
 import copy
@@ -8,19 +9,30 @@ import random
 
 import pytest
 import torch
-
-import exactrl
-from exactrl.train.activation_ckpt import apply_activation_checkpointing
-from exactrl.train.config import load_config
-from exactrl.algo.losses import build_loss
-from exactrl.train.trainer import StepSettings, TrainBatch, micro_batches, train_step
 from conftest import load_benchmark
 
+import exactrl
+from exactrl.algo.losses import build_loss
+from exactrl.train.activation_ckpt import apply_activation_checkpointing
+from exactrl.train.config import load_config
+from exactrl.train.trainer import StepSettings, TrainBatch, micro_batches, train_step
 
 
 def _settings(**kw) -> StepSettings:
-    return StepSettings(**{**dict(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=8, agg_mode="token-mean",
-                                  agg_constant=None, grad_clip=1e9), **kw})  # no clipping: the raw gradients
+    return StepSettings(
+        **{
+            **dict(
+                temperature=1.0,
+                top_k=-1,
+                top_p=1.0,
+                micro_batch_size=8,
+                agg_mode="token-mean",
+                agg_constant=None,
+                grad_clip=1e9,
+            ),
+            **kw,
+        }
+    )  # no clipping: the raw gradients
 
 
 def _batch(model, lengths: list[tuple[int, int]], seed: int = 0, shared_prompt: bool = False) -> TrainBatch:
@@ -32,7 +44,7 @@ def _batch(model, lengths: list[tuple[int, int]], seed: int = 0, shared_prompt: 
     completions = [[rng.randrange(V) for _ in range(c)] for _, c in lengths]
     with torch.no_grad():
         lps = exactrl.sequence_logprobs(model, [p + c for p, c in zip(prompts, completions)])
-    behav = [lp[len(p) - 1:].tolist() for lp, p in zip(lps, prompts)]
+    behav = [lp[len(p) - 1 :].tolist() for lp, p in zip(lps, prompts)]
     return TrainBatch(prompts, completions, behav, [rng.uniform(-1, 1) for _ in lengths])
 
 
@@ -129,8 +141,9 @@ def test_token_budget_micro_batches_give_the_per_sequence_step(qwen3_dir, agg_mo
     runs = []
     for kw in (dict(micro_batch_size=1), dict(max_tokens_per_micro_batch=60)):  # [0, 1] [2, 3] [4] [5]
         model = exactrl.load_model(qwen3_dir)
-        runs.append(_step(model, _batch(model, lengths, shared_prompt=True), agg_mode=agg_mode, entropy_coef=0.01,
-                          **kw))
+        runs.append(
+            _step(model, _batch(model, lengths, shared_prompt=True), agg_mode=agg_mode, entropy_coef=0.01, **kw)
+        )
     (m0, g0), (m1, g1) = runs
     assert m0 == {**m1, "train/grad_norm": m0["train/grad_norm"]}
     assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-5)

@@ -29,6 +29,7 @@ is not in them); `train/grad_norm` is the norm before clipping, and the clip is 
 
 Legend: B sequences, T tokens; P prompts, G samples per prompt.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,17 +38,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import make_hf_model
 
 import exactrl
-from conftest import make_hf_model
+from exactrl.algo.corrections import build_corrections
+from exactrl.algo.losses import build_loss
 from exactrl.distributed import Ranks
 from exactrl.envs.base import Problem
 from exactrl.model.logprobs import token_logprobs
-from exactrl.train.config import load_config
-from exactrl.algo.corrections import build_corrections
-from exactrl.train.loop import train_on
-from exactrl.algo.losses import build_loss
 from exactrl.rollout.groups import Rollout, rollout_metrics, to_train_batch
+from exactrl.train.config import load_config
+from exactrl.train.loop import train_on
 from exactrl.train.setup import Policy, _step_settings
 from exactrl.train.trainer import train_step
 
@@ -68,10 +69,12 @@ class _Keep(torch.optim.Optimizer):
 
 # ------------------------------------------------------------------ the batch
 # (prompt length, [(completion length, finish_reason, reward), ...]) per group; max_tokens = 8
-GROUPS = [(5, [(6, "stop", 1.0), (2, "stop", 0.0), (8, "length", 0.5)]),
-          (3, [(0, "stop", 0.0), (4, "stop", 1.0), (8, "length", 1.0)]),  # an empty completion
-          (7, [(3, "stop", 0.5), (5, "stop", 0.5), (1, "stop", 0.5)]),  # equal rewards: advantage 0
-          (2, [(7, "stop", 0.2), (8, "length", 0.0), (5, "stop", 0.9)])]
+GROUPS = [
+    (5, [(6, "stop", 1.0), (2, "stop", 0.0), (8, "length", 0.5)]),
+    (3, [(0, "stop", 0.0), (4, "stop", 1.0), (8, "length", 1.0)]),  # an empty completion
+    (7, [(3, "stop", 0.5), (5, "stop", 0.5), (1, "stop", 0.5)]),  # equal rewards: advantage 0
+    (2, [(7, "stop", 0.2), (8, "length", 0.0), (5, "stop", 0.9)]),
+]
 
 
 def make_groups(model, temperature: float) -> list[list[Rollout]]:
@@ -85,7 +88,7 @@ def make_groups(model, temperature: float) -> list[list[Rollout]]:
         for n, finish, reward in samples:
             comp = [rng.randrange(3, 200) for _ in range(n)]
             with torch.no_grad():
-                lp = exactrl.sequence_logprobs(model, [prompt + comp], temperature)[0][plen - 1:]
+                lp = exactrl.sequence_logprobs(model, [prompt + comp], temperature)[0][plen - 1 :]
             behav = [x + (0.3 * (-1) ** t if k % 2 and t % 3 == 0 else 0.0) for t, x in enumerate(lp.tolist())]
             group.append(Rollout(Problem("q", "a"), prompt, comp, behav, [0] * n, finish, "", reward))
             k += 1
@@ -134,7 +137,7 @@ def advantages(rewards: list[float], sizes: list[int], name: str, kw: dict) -> l
     """advantages.py's estimators from their docstrings, group by group (sizes) or over the whole batch."""
     groups, at = [], 0
     for n in sizes:
-        groups.append(rewards[at:at + n])
+        groups.append(rewards[at : at + n])
         at += n
     if name == "grpo":
         return sum((grpo_advantages(g, **kw) for g in groups), [])
@@ -154,8 +157,8 @@ def _forward(model, ref_model, r, rs, ref=False):
     seq, p = r.prompt_ids + r.completion_ids, len(r.prompt_ids)
     if ref:
         with torch.no_grad():
-            return exactrl.sequence_logprobs(ref_model, [seq], rs.temperature)[0][p - 1:].to(F64)
-    return exactrl.sequence_logprobs(model, [seq], rs.temperature, rs.top_k, rs.top_p)[0][p - 1:].to(F64)
+            return exactrl.sequence_logprobs(ref_model, [seq], rs.temperature)[0][p - 1 :].to(F64)
+    return exactrl.sequence_logprobs(model, [seq], rs.temperature, rs.top_k, rs.top_p)[0][p - 1 :].to(F64)
 
 
 def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[str, float]]:
@@ -171,24 +174,38 @@ def reference(model, ref_model, groups, cfg) -> tuple[list[torch.Tensor], dict[s
     for r in flat:
         x, n = r.reward, len(r.completion_ids)
         if a.kl.coef and a.kl.where == "reward":  # β Σ_t k(μ, π_ref) over the completion
-            kl_sums.append(float(kl_token(torch.tensor(r.behav_logprobs, dtype=F64), forward(r, True),
-                                          a.kl.kind).sum()) if n else 0.0)
+            kl_sums.append(
+                float(kl_token(torch.tensor(r.behav_logprobs, dtype=F64), forward(r, True), a.kl.kind).sum())
+                if n
+                else 0.0
+            )
             x -= a.kl.coef * kl_sums[-1]
         L, Lb = rs.max_tokens, a.overlong.buffer_len
         penalties.append(a.overlong.penalty_factor * (L - Lb - n) / Lb if Lb and n > L - Lb else 0.0)  # DAPO eq. 13
         rewards.append(x + penalties[-1])
     adv = advantages(rewards, [len(g) for g in groups], a.advantage, a.advantage_kwargs)
-    rows = [SimpleNamespace(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, behav_logprobs=r.behav_logprobs,
-                            A=A, generated=[1] * len(r.completion_ids),
-                            trained=[int(not (a.overlong.mask_truncated and r.finish_reason == "length"))]
-                            * len(r.completion_ids)) for r, A in zip(flat, adv)]
+    rows = [
+        SimpleNamespace(
+            prompt_ids=r.prompt_ids,
+            completion_ids=r.completion_ids,
+            behav_logprobs=r.behav_logprobs,
+            A=A,
+            generated=[1] * len(r.completion_ids),
+            trained=[int(not (a.overlong.mask_truncated and r.finish_reason == "length"))] * len(r.completion_ids),
+        )
+        for r, A in zip(flat, adv)
+    ]
     grads, metrics = reference_rows(model, ref_model, rows, cfg)
     if kl_sums:  # over every sequence, an empty one's 0 included
-        metrics |= {"rollout/kl_ref_per_seq": sum(kl_sums) / len(kl_sums),
-                    "rollout/kl_penalty_mean": a.kl.coef * sum(kl_sums) / len(kl_sums)}
+        metrics |= {
+            "rollout/kl_ref_per_seq": sum(kl_sums) / len(kl_sums),
+            "rollout/kl_penalty_mean": a.kl.coef * sum(kl_sums) / len(kl_sums),
+        }
     if a.overlong.buffer_len:
-        metrics |= {"rollout/overlong_penalty_mean": sum(penalties) / len(penalties),
-                    "rollout/overlong_penalised_frac": sum(x < 0 for x in penalties) / len(penalties)}
+        metrics |= {
+            "rollout/overlong_penalty_mean": sum(penalties) / len(penalties),
+            "rollout/overlong_penalised_frac": sum(x < 0 for x in penalties) / len(penalties),
+        }
     return grads, metrics
 
 
@@ -226,11 +243,31 @@ def reference_rows(model, ref_model, rows, cfg) -> tuple[list[torch.Tensor], dic
                 raise AssertionError(c)
         ent = None
         if a.entropy_coef:
-            _, (ent,) = token_logprobs(model, [r.prompt_ids + r.completion_ids], temp, top_k, top_p,
-                                       with_entropy=True, first=[len(r.prompt_ids)], entropy_grad=True)
+            _, (ent,) = token_logprobs(
+                model,
+                [r.prompt_ids + r.completion_ids],
+                temp,
+                top_k,
+                top_p,
+                with_entropy=True,
+                first=[len(r.prompt_ids)],
+                entropy_grad=True,
+            )
             ent = ent.to(F64)
-        seqs.append(SimpleNamespace(lp=lp, old=old, mu=mu, A=A, sampled=sampled, gen=gen, keep=keep, w=w, ent=ent,
-                                    ref=forward(r, True) if a.kl.coef and a.kl.where == "loss" else None))
+        seqs.append(
+            SimpleNamespace(
+                lp=lp,
+                old=old,
+                mu=mu,
+                A=A,
+                sampled=sampled,
+                gen=gen,
+                keep=keep,
+                w=w,
+                ent=ent,
+                ref=forward(r, True) if a.kl.coef and a.kl.where == "loss" else None,
+            )
+        )
 
     n_tokens = sum(float(s.sampled.sum()) for s in seqs)  # LossNorm.total_tokens: the loss mask, whole batch
     B = len(seqs)
@@ -243,8 +280,15 @@ def reference_rows(model, ref_model, rows, cfg) -> tuple[list[torch.Tensor], dic
                 continue
             v = torch.where(s.keep > 0, values_of(s), 0.0).sum()
             total = total + (v / s.sampled.sum() if a.agg_mode == "seq-mean-token-mean" else v)
-        return total / {"token-mean": max(n_tokens, 1), "seq-mean-token-mean": B, "seq-mean-token-sum": B,
-                        "constant-normalised": rs.max_tokens * B}[a.agg_mode]
+        return (
+            total
+            / {
+                "token-mean": max(n_tokens, 1),
+                "seq-mean-token-mean": B,
+                "seq-mean-token-sum": B,
+                "constant-normalised": rs.max_tokens * B,
+            }[a.agg_mode]
+        )
 
     flags = {"low": [], "high": [], "ratio": [], "dual": [], "weight": [], "gate": []}
 
@@ -313,8 +357,12 @@ def reference_rows(model, ref_model, rows, cfg) -> tuple[list[torch.Tensor], dic
     def mean(x):
         return sum(x) / max(len(x), 1)
 
-    metrics = {"train/loss": float(obj.detach()), "train/grad_norm": norm, "loss/ratio_mean": mean(flags["ratio"]),
-               "loss/weight_mean": mean(flags["weight"])}
+    metrics = {
+        "train/loss": float(obj.detach()),
+        "train/grad_norm": norm,
+        "loss/ratio_mean": mean(flags["ratio"]),
+        "loss/weight_mean": mean(flags["weight"]),
+    }
     if a.loss in ("ppo", "gspo", "cispo", "topr"):  # TOPR's clip is its negatives' truncation: high only
         metrics["loss/clip_frac_high"] = mean(flags["high"])
     if a.loss in ("ppo", "gspo", "cispo"):
@@ -343,8 +391,9 @@ def components(model, ref_model, cfg, micro_batch_size=None, ranks=Ranks()):
     s = _step_settings(cfg, build_corrections(a.corrections) if a.corrections else None)
     if micro_batch_size is not None:
         s.micro_batch_size = micro_batch_size
-    policy = Policy(model, ref_model if a.kl.coef else None, _Keep(model.parameters()),
-                    build_loss(a.loss, **a.loss_kwargs), s)
+    policy = Policy(
+        model, ref_model if a.kl.coef else None, _Keep(model.parameters()), build_loss(a.loss, **a.loss_kwargs), s
+    )
     return SimpleNamespace(cfg=cfg, policy=policy, ranks=ranks, set_lr=lambda step: 0.0)
 
 
@@ -364,60 +413,119 @@ def assert_grads_close(got, want, rtol=G_RTOL, floor=0.0):
     return worst
 
 
-BASE = ["progress=false", "tensorboard=false", f"rollout.max_tokens={MAX_TOKENS}", "rollout.samples_per_prompt=3",
-        "optim.grad_clip=1e9"]
+BASE = [
+    "progress=false",
+    "tensorboard=false",
+    f"rollout.max_tokens={MAX_TOKENS}",
+    "rollout.samples_per_prompt=3",
+    "optim.grad_clip=1e9",
+]
 CONFIGS = {
     "token-mean ppo": [],
     "seq-mean-token-mean ppo bypass dual clip": [
-        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.bypass=true",
-        "algorithm.loss_kwargs={eps_low: 0.1, eps_high: 0.15, dual_clip: 1.2}"],
+        "algorithm.agg_mode=seq-mean-token-mean",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.1, eps_high: 0.15, dual_clip: 1.2}",
+    ],
     "seq-mean-token-sum gspo bypass": [
-        "algorithm.agg_mode=seq-mean-token-sum", "algorithm.loss=gspo", "algorithm.bypass=true",
-        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}"],
+        "algorithm.agg_mode=seq-mean-token-sum",
+        "algorithm.loss=gspo",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}",
+    ],
     "constant-normalised cispo bypass": [
-        "algorithm.agg_mode=constant-normalised", "algorithm.loss=cispo", "algorithm.bypass=true",
-        "algorithm.loss_kwargs={eps_low_is: 0.2, eps_high_is: 0.1}"],
+        "algorithm.agg_mode=constant-normalised",
+        "algorithm.loss=cispo",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low_is: 0.2, eps_high_is: 0.1}",
+    ],
     "token-mean ppo with corrections": [
-        "algorithm.corrections=[{name: token_tis, upper: 1.2}, {name: sequence_mask_is, upper: 1.5, lower: 0.9}]"],
+        "algorithm.corrections=[{name: token_tis, upper: 1.2}, {name: sequence_mask_is, upper: 1.5, lower: 0.9}]"
+    ],
     "seq-mean-token-mean kl k3 in the loss, entropy": [
-        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.kl.coef=0.3", "algorithm.kl.kind=k3",
-        "algorithm.entropy_coef=0.05", "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]"],
+        "algorithm.agg_mode=seq-mean-token-mean",
+        "algorithm.kl.coef=0.3",
+        "algorithm.kl.kind=k3",
+        "algorithm.entropy_coef=0.05",
+        "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]",
+    ],
     "token-mean kl k1 in the loss, temperature": [
-        "algorithm.kl.coef=0.3", "algorithm.kl.kind=k1", "rollout.temperature=0.7"],
+        "algorithm.kl.coef=0.3",
+        "algorithm.kl.kind=k1",
+        "rollout.temperature=0.7",
+    ],
     "kl k1 in the reward, overlong shaping and masking": [
-        "algorithm.kl.coef=0.05", "algorithm.kl.kind=k1", "algorithm.kl.where=reward",
-        "algorithm.overlong.buffer_len=4", "algorithm.overlong.penalty_factor=0.5",
-        "algorithm.overlong.mask_truncated=true"],
+        "algorithm.kl.coef=0.05",
+        "algorithm.kl.kind=k1",
+        "algorithm.kl.where=reward",
+        "algorithm.overlong.buffer_len=4",
+        "algorithm.overlong.penalty_factor=0.5",
+        "algorithm.overlong.mask_truncated=true",
+    ],
     "seq-mean-token-mean mask_truncated, k3 in the loss": [
-        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.overlong.mask_truncated=true",
-        "algorithm.kl.coef=0.2"],
+        "algorithm.agg_mode=seq-mean-token-mean",
+        "algorithm.overlong.mask_truncated=true",
+        "algorithm.kl.coef=0.2",
+    ],
     "top-k cuts sampled tokens, grad clip": [
-        "rollout.top_k=100", "rollout.temperature=0.9", "algorithm.kl.coef=0.2", "algorithm.kl.kind=k2",
-        "optim.grad_clip=0.05"],
+        "rollout.top_k=100",
+        "rollout.temperature=0.9",
+        "algorithm.kl.coef=0.2",
+        "algorithm.kl.kind=k2",
+        "optim.grad_clip=0.05",
+    ],
     "gspo seq-mean-token-mean, grad clip": [
-        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.loss=gspo", "algorithm.bypass=true",
-        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}", "optim.grad_clip=0.02"],
+        "algorithm.agg_mode=seq-mean-token-mean",
+        "algorithm.loss=gspo",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}",
+        "optim.grad_clip=0.02",
+    ],
     "reinforce bypass, rloo, seq-mean-token-sum": [
-        "algorithm.loss=reinforce", "algorithm.bypass=true", "algorithm.advantage=rloo",
-        "algorithm.agg_mode=seq-mean-token-sum"],
+        "algorithm.loss=reinforce",
+        "algorithm.bypass=true",
+        "algorithm.advantage=rloo",
+        "algorithm.agg_mode=seq-mean-token-sum",
+    ],
     "sapo bypass, dr_grpo, seq-mean-token-mean": [
-        "algorithm.loss=sapo", "algorithm.bypass=true", "algorithm.loss_kwargs={tau_pos: 2.0, tau_neg: 3.0}",
-        "algorithm.advantage=dr_grpo", "algorithm.agg_mode=seq-mean-token-mean"],
+        "algorithm.loss=sapo",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={tau_pos: 2.0, tau_neg: 3.0}",
+        "algorithm.advantage=dr_grpo",
+        "algorithm.agg_mode=seq-mean-token-mean",
+    ],
     "sapo, grpo without std, kl k2 in the loss, entropy": [
-        "algorithm.loss=sapo", "algorithm.advantage_kwargs={normalize_std: false}", "algorithm.kl.coef=0.2",
-        "algorithm.kl.kind=k2", "algorithm.entropy_coef=0.05"],
+        "algorithm.loss=sapo",
+        "algorithm.advantage_kwargs={normalize_std: false}",
+        "algorithm.kl.coef=0.2",
+        "algorithm.kl.kind=k2",
+        "algorithm.entropy_coef=0.05",
+    ],
     "topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is": [
-        "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9}",
+        "algorithm.loss=topr",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={upper: 0.9}",
         "algorithm.advantage=reinforce_pp",
-        "algorithm.kl.coef=0.05", "algorithm.kl.kind=k1", "algorithm.kl.where=reward",
-        "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]"],
+        "algorithm.kl.coef=0.05",
+        "algorithm.kl.kind=k1",
+        "algorithm.kl.where=reward",
+        "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]",
+    ],
     "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis": [
-        "algorithm.loss=topr", "algorithm.bypass=true", "algorithm.loss_kwargs={upper: 0.9, level: token}",
-        "algorithm.advantage=reinforce_pp_baseline", "algorithm.advantage_kwargs={eps: 0.01}",
-        "algorithm.agg_mode=constant-normalised", "algorithm.corrections=[{name: token_tis, upper: 1.2}]"],
+        "algorithm.loss=topr",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={upper: 0.9, level: token}",
+        "algorithm.advantage=reinforce_pp_baseline",
+        "algorithm.advantage_kwargs={eps: 0.01}",
+        "algorithm.agg_mode=constant-normalised",
+        "algorithm.corrections=[{name: token_tis, upper: 1.2}]",
+    ],
     "topr upper 0.5, grpo eps 0.1, mask_truncated": [
-        "algorithm.loss=topr", "algorithm.loss_kwargs={upper: 0.5}", "algorithm.advantage_kwargs={eps: 0.1}",
-        "algorithm.overlong.mask_truncated=true"],
+        "algorithm.loss=topr",
+        "algorithm.loss_kwargs={upper: 0.5}",
+        "algorithm.advantage_kwargs={eps: 0.1}",
+        "algorithm.overlong.mask_truncated=true",
+    ],
 }
 
 
@@ -443,41 +551,68 @@ def test_one_step_is_the_gradient_of_the_configured_objective(models, name):
     g1 = got[1][0]
     if cfg.optim.grad_clip < 1:  # the clip acted, and `train/grad_norm` is the norm before it
         assert want_m["train/grad_norm"] > cfg.optim.grad_clip
-        assert math.sqrt(sum(float((g.double() ** 2).sum()) for g in g1)) == pytest.approx(cfg.optim.grad_clip,
-                                                                                            rel=1e-4)
+        assert math.sqrt(sum(float((g.double() ** 2).sum()) for g in g1)) == pytest.approx(
+            cfg.optim.grad_clip, rel=1e-4
+        )
 
 
 def test_the_references_see_what_they_test(models):
     """The batch makes every feature above act: clipping, dual clip, cut tokens, masks, shaping."""
     model, ref_model = models
-    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
-        "seq-mean-token-mean ppo bypass dual clip"])), 1, make_groups(model, 1.0))
+    m = train_on(
+        components(model, ref_model, load_config(None, BASE + CONFIGS["seq-mean-token-mean ppo bypass dual clip"])),
+        1,
+        make_groups(model, 1.0),
+    )
     assert m["loss/clip_frac_low"] > 0 and m["loss/clip_frac_high"] > 0 and m["loss/dual_clip_frac"] > 0
-    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
-        "top-k cuts sampled tokens, grad clip"])), 1, make_groups(model, 0.9))
+    m = train_on(
+        components(model, ref_model, load_config(None, BASE + CONFIGS["top-k cuts sampled tokens, grad clip"])),
+        1,
+        make_groups(model, 0.9),
+    )
     assert 0.1 < m["mismatch/out_of_support_frac"] < 0.9
-    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
-        "token-mean ppo with corrections"])), 1, make_groups(model, 1.0))
+    m = train_on(
+        components(model, ref_model, load_config(None, BASE + CONFIGS["token-mean ppo with corrections"])),
+        1,
+        make_groups(model, 1.0),
+    )
     assert m["correction/token_tis/clip_frac"] > 0 and 0 < m["correction/sequence_mask_is/mask_frac"] < 1
-    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
-        "kl k1 in the reward, overlong shaping and masking"])), 1, make_groups(model, 1.0))
+    m = train_on(
+        components(
+            model, ref_model, load_config(None, BASE + CONFIGS["kl k1 in the reward, overlong shaping and masking"])
+        ),
+        1,
+        make_groups(model, 1.0),
+    )
     assert m["rollout/overlong_penalised_frac"] > 0 and m["rollout/kl_ref_per_seq"] != 0
-    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
-        "seq-mean-token-mean kl k3 in the loss, entropy"])), 1, make_groups(model, 1.0))
+    m = train_on(
+        components(
+            model, ref_model, load_config(None, BASE + CONFIGS["seq-mean-token-mean kl k3 in the loss, entropy"])
+        ),
+        1,
+        make_groups(model, 1.0),
+    )
     assert 0 < m["correction/token_mask_is/mask_frac"] < 0.5
-    m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[
-        "sapo bypass, dr_grpo, seq-mean-token-mean"])), 1, make_groups(model, 1.0))
+    m = train_on(
+        components(model, ref_model, load_config(None, BASE + CONFIGS["sapo bypass, dr_grpo, seq-mean-token-mean"])),
+        1,
+        make_groups(model, 1.0),
+    )
     assert m["loss/gate_mean"] < 0.99  # the gate is off 1 where π_θ ≠ μ
     # TOPR: sequence ratios 1 (clipped at 0.9), e^-0.3 and e^-0.6 (the mask drops the +0.3 tokens); token ratios
     # 1, e^±0.3
-    for name in ("topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is",
-                 "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis"):
+    for name in (
+        "topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is",
+        "topr token level bypass, reinforce_pp_baseline, constant-normalised, token_tis",
+    ):
         m = train_on(components(model, ref_model, load_config(None, BASE + CONFIGS[name])), 1, make_groups(model, 1.0))
         assert 0 < m["loss/clip_frac_high"] < 0.5
     # every estimator gives this batch other advantages (so each reference above checks its own)
     rewards, sizes = [r for _, g in GROUPS for _, _, r in g], [len(g) for _, g in GROUPS]
-    adv = {name: advantages(rewards, sizes, name, {}) for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp",
-                                                                   "reinforce_pp_baseline")}
+    adv = {
+        name: advantages(rewards, sizes, name, {})
+        for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    }
     assert len({tuple(round(x, 6) for x in v) for v in adv.values()}) == len(adv)
     assert all(v[6:9] == [0.0] * 3 for k, v in adv.items() if k != "reinforce_pp")  # the equal-reward group
 
@@ -528,8 +663,9 @@ class _RankDone(Exception):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", ["token-mean kl k1 in the loss, temperature",
-                                  "seq-mean-token-mean mask_truncated, k3 in the loss"])
+@pytest.mark.parametrize(
+    "name", ["token-mean kl k1 in the loss, temperature", "seq-mean-token-mean mask_truncated, k3 in the loss"]
+)
 def test_data_parallel_shares_are_normalised_by_the_whole_batch(models, world, name):
     """Each rank's loss is divided by the whole batch's token and sequence counts, so the ranks' summed
     gradient is the one-process gradient (a rank's own count would scale its share up by ~W)."""
@@ -546,7 +682,9 @@ def test_data_parallel_shares_are_normalised_by_the_whole_batch(models, world, n
         c = components(model, ref_model, cfg, micro_batch_size=2, ranks=ranks)
         model.zero_grad(set_to_none=True)
         try:
-            m = train_step(model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, ranks)
+            m = train_step(
+                model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, ranks
+            )
         except _RankDone:
             assert rank
             continue
@@ -562,15 +700,18 @@ def _rank_step(rank: int, port: int, dirs, name: str, out) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     model, ref_model = exactrl.load_model(dirs[0]), exactrl.load_model(dirs[1]).requires_grad_(False)
     cfg = load_config(None, BASE + CONFIGS[name])
     groups = make_groups(model, cfg.rollout.temperature)
     a = cfg.algorithm
     batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
     c = components(model, ref_model, cfg, micro_batch_size=2, ranks=Ranks(rank, 2))
-    m = train_step(model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, c.ranks)
+    m = train_step(
+        model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model, c.ranks
+    )
     out.put((rank, [g.numpy() for g in step_grads(model)], m))  # numpy: a tensor would go by shared memory
     dist.destroy_process_group()
 

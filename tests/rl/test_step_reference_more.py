@@ -16,6 +16,7 @@
 
 Legend: P problems, G episodes per problem.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,6 +26,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_step_reference import (  # noqa: F401
+    BASE,
+    CONFIGS,
+    advantages,
+    assert_grads_close,
+    components,
+    make_groups,
+    models,  # (models, ref_dir: fixtures)
+    ref_dir,
+    reference,
+    reference_rows,
+    step_grads,
+)
 
 import exactrl
 from exactrl.chat.trajectory import Trajectory
@@ -34,20 +48,23 @@ from exactrl.train.async_loop import drop_stale
 from exactrl.train.config import load_config
 from exactrl.train.loop import train_on
 from exactrl.train.trainer import train_step
-from test_step_reference import (BASE, CONFIGS, advantages, assert_grads_close, components, make_groups,  # noqa: F401
-                                 models, ref_dir, reference, reference_rows, step_grads)  # (models, ref_dir: fixtures)
-
 
 # ------------------------------------------------------------------ 1. agent trajectories
 # per problem, per episode: (reward, [trajectory: [(tokens, generated?), ...] after the shared prompt]); a
 # branch repeats its episode's earlier turns (the server gives each branch whole); one trajectory is a
 # prompt alone, with nothing generated
-EPISODES = [[(1.0, [[(4, 1), (3, 0), (2, 1)]]),
-             (0.0, [[(3, 1), (5, 0), (4, 1), (2, 0), (1, 1)], [(3, 1), (5, 0), (6, 1)]]),  # two branches
-             (0.5, [[(7, 1)]])],
-            [(0.0, [[(2, 1), (4, 0), (3, 1)], []]),  # a trajectory with no generated token
-             (1.0, [[(5, 1), (2, 0), (5, 1)]]),
-             (1.0, [[(1, 1), (6, 0), (2, 1), (3, 0), (2, 1)]])]]
+EPISODES = [
+    [
+        (1.0, [[(4, 1), (3, 0), (2, 1)]]),
+        (0.0, [[(3, 1), (5, 0), (4, 1), (2, 0), (1, 1)], [(3, 1), (5, 0), (6, 1)]]),  # two branches
+        (0.5, [[(7, 1)]]),
+    ],
+    [
+        (0.0, [[(2, 1), (4, 0), (3, 1)], []]),  # a trajectory with no generated token
+        (1.0, [[(5, 1), (2, 0), (5, 1)]]),
+        (1.0, [[(1, 1), (6, 0), (2, 1), (3, 0), (2, 1)]]),
+    ],
+]
 
 
 def agent_groups(model, exact: bool = False) -> list[list[AgentRollout]]:
@@ -68,14 +85,23 @@ def agent_groups(model, exact: bool = False) -> list[list[AgentRollout]]:
                     comp += turns[(j, n, gen)] if j < len(layout) - 1 else [rng.randrange(3, 200) for _ in range(n)]
                     mask += [gen] * n
                 with torch.no_grad():
-                    lp = exactrl.sequence_logprobs(model, [prompt + comp], 1.0)[0][len(prompt) - 1:].tolist()
+                    lp = exactrl.sequence_logprobs(model, [prompt + comp], 1.0)[0][len(prompt) - 1 :].tolist()
                 behav, at = [], 0
                 for x, m in zip(lp, mask):
                     off = 0.3 * (-1) ** at if m and not exact and k % 2 and at % 3 == 0 else 0.0
                     behav.append(x + off if m else 0.0)
                     at += m
-                out.append(Trajectory(prompt, comp, mask, behav, [0 if m else -1 for m in mask],
-                                      num_turns=sum(g for _, g in layout), sampling=[[1.0, -1, 1.0]]))
+                out.append(
+                    Trajectory(
+                        prompt,
+                        comp,
+                        mask,
+                        behav,
+                        [0 if m else -1 for m in mask],
+                        num_turns=sum(g for _, g in layout),
+                        sampling=[[1.0, -1, 1.0]],
+                    )
+                )
                 k += 1
             group.append(AgentRollout(Problem("q", "a"), reward, out, None))
         groups.append(group)
@@ -85,27 +111,53 @@ def agent_groups(model, exact: bool = False) -> list[list[AgentRollout]]:
 def agent_rows(groups, advantage: str, kwargs: dict) -> list[SimpleNamespace]:
     """Each trajectory with a generated token, with its episode's advantage: generated = trained = its mask."""
     adv = advantages([r.reward for g in groups for r in g], [len(g) for g in groups], advantage, kwargs)
-    return [SimpleNamespace(prompt_ids=t.prompt_ids, completion_ids=t.completion_ids, behav_logprobs=t.behav_logprobs,
-                            A=A, generated=t.loss_mask, trained=t.loss_mask)
-            for r, A in zip((r for g in groups for r in g), adv) for t in r.trajectories if any(t.loss_mask)]
+    return [
+        SimpleNamespace(
+            prompt_ids=t.prompt_ids,
+            completion_ids=t.completion_ids,
+            behav_logprobs=t.behav_logprobs,
+            A=A,
+            generated=t.loss_mask,
+            trained=t.loss_mask,
+        )
+        for r, A in zip((r for g in groups for r in g), adv)
+        for t in r.trajectories
+        if any(t.loss_mask)
+    ]
 
 
 AGENT_BASE = BASE + ["rollout.max_tokens=24"]  # constant-normalised's constant
 AGENT_CONFIGS = {
     "token-mean ppo bypass, kl k3 in the loss, entropy": [
-        "algorithm.bypass=true", "algorithm.loss_kwargs={eps_low: 0.1, eps_high: 0.1}", "algorithm.kl.coef=0.3",
-        "algorithm.entropy_coef=0.05"],
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.1, eps_high: 0.1}",
+        "algorithm.kl.coef=0.3",
+        "algorithm.entropy_coef=0.05",
+    ],
     "seq-mean-token-mean cispo bypass, token_mask_is, rloo": [
-        "algorithm.agg_mode=seq-mean-token-mean", "algorithm.loss=cispo", "algorithm.bypass=true",
-        "algorithm.loss_kwargs={eps_low_is: 0.2, eps_high_is: 0.1}", "algorithm.advantage=rloo",
-        "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]"],
+        "algorithm.agg_mode=seq-mean-token-mean",
+        "algorithm.loss=cispo",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low_is: 0.2, eps_high_is: 0.1}",
+        "algorithm.advantage=rloo",
+        "algorithm.corrections=[{name: token_mask_is, upper: 1.2}]",
+    ],
     "seq-mean-token-sum gspo bypass, kl k2 in the loss": [
-        "algorithm.agg_mode=seq-mean-token-sum", "algorithm.loss=gspo", "algorithm.bypass=true",
-        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}", "algorithm.kl.coef=0.2", "algorithm.kl.kind=k2"],
+        "algorithm.agg_mode=seq-mean-token-sum",
+        "algorithm.loss=gspo",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={eps_low: 0.03, eps_high: 0.04}",
+        "algorithm.kl.coef=0.2",
+        "algorithm.kl.kind=k2",
+    ],
     "constant-normalised topr bypass, token_tis, reinforce_pp_baseline": [
-        "algorithm.agg_mode=constant-normalised", "algorithm.loss=topr", "algorithm.bypass=true",
-        "algorithm.loss_kwargs={upper: 0.9}", "algorithm.advantage=reinforce_pp_baseline",
-        "algorithm.corrections=[{name: token_tis, upper: 1.2}]"],
+        "algorithm.agg_mode=constant-normalised",
+        "algorithm.loss=topr",
+        "algorithm.bypass=true",
+        "algorithm.loss_kwargs={upper: 0.9}",
+        "algorithm.advantage=reinforce_pp_baseline",
+        "algorithm.corrections=[{name: token_tis, upper: 1.2}]",
+    ],
 }
 
 
@@ -114,7 +166,9 @@ def agent_step(model, ref_model, cfg, groups, mbs):
     c = components(model, ref_model, cfg, mbs)
     batch = agent_train_batch(groups, a.advantage, a.advantage_kwargs)
     model.zero_grad(set_to_none=True)
-    return batch, train_step(model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model)
+    return batch, train_step(
+        model, c.policy.optimizer, c.policy.loss_fn, batch, c.policy.step_settings, c.policy.ref_model
+    )
 
 
 @pytest.mark.parametrize("name", list(AGENT_CONFIGS))
@@ -126,8 +180,9 @@ def test_an_agent_step_trains_the_generated_tokens_only(models, name):
     want, want_m = reference_rows(model, ref_model, rows, cfg)
     for mbs in (1, 3, 64):  # 3: an episode's branches in different micro-batches
         batch, m = agent_step(model, ref_model, cfg, groups, mbs)
-        assert [(p, c, mk) for p, c, mk in zip(batch.prompt_ids, batch.completion_ids, batch.loss_mask)] == \
-            [(r.prompt_ids, r.completion_ids, r.trained) for r in rows]  # the empty trajectory left out
+        assert [(p, c, mk) for p, c, mk in zip(batch.prompt_ids, batch.completion_ids, batch.loss_mask)] == [
+            (r.prompt_ids, r.completion_ids, r.trained) for r in rows
+        ]  # the empty trajectory left out
         assert batch.advantages == pytest.approx([r.A for r in rows], rel=1e-6, abs=1e-7)
         assert_grads_close(step_grads(model), want)
         for k, v in want_m.items():
@@ -148,8 +203,10 @@ def test_agent_behaviour_logprobs_sit_on_their_tokens(models):
     for g in shifted:
         for r in g:
             for t in r.trajectories:
-                t.behav_logprobs[:] = [t.behav_logprobs[i + 1] if i + 1 < len(t.loss_mask) and t.loss_mask[i + 1]
-                                       else t.behav_logprobs[i] for i in range(len(t.loss_mask))]
+                t.behav_logprobs[:] = [
+                    t.behav_logprobs[i + 1] if i + 1 < len(t.loss_mask) and t.loss_mask[i + 1] else t.behav_logprobs[i]
+                    for i in range(len(t.loss_mask))
+                ]
     _, m = agent_step(model, ref_model, cfg, shifted, 4)
     assert m["train/train_rollout_logprob_abs_diff"] > 0.1
 
@@ -180,17 +237,42 @@ def test_a_kl_term_without_its_reference_model_is_refused(models):
         train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), c.policy.loss_fn, batch, c.policy.step_settings)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="kl_coef=0.3 .* no ref_model"):  # before any episode runs
-        agent_train_step(model, c.policy.optimizer, c.policy.loss_fn, c.policy.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1)
+        agent_train_step(
+            model,
+            c.policy.optimizer,
+            c.policy.loss_fn,
+            c.policy.step_settings,
+            None,
+            "http://127.0.0.1:1",
+            None,
+            [],
+            2,
+            0,
+            1,
+        )
     c.policy.step_settings.kl_in_loss = False  # the KL in the reward: the agent path shapes no reward
     with pytest.raises(ValueError, match="KL in the reward"):
-        agent_train_step(model, c.policy.optimizer, c.policy.loss_fn, c.policy.step_settings, None, "http://127.0.0.1:1", None, [], 2, 0, 1,
-                         ref_model=ref_model)
+        agent_train_step(
+            model,
+            c.policy.optimizer,
+            c.policy.loss_fn,
+            c.policy.step_settings,
+            None,
+            "http://127.0.0.1:1",
+            None,
+            [],
+            2,
+            0,
+            1,
+            ref_model=ref_model,
+        )
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """A tiny model with the project's tokenizer and chat template, served in process, and a trainer copy."""
     from conftest import make_hf_model
+
     from exactrl.engine import Engine
     from exactrl.envs.tool_use import CalculatorTask
     from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus
@@ -199,8 +281,9 @@ def live(tmp_path_factory):
     d = tmp_path_factory.mktemp("agent_model")
     build_tokenizer(d, default_tokenizer_corpus([CalculatorTask()], 50, 0), vocab_size=400)
     tok = exactrl.load_tokenizer(d)
-    make_hf_model(d, "qwen3", seed=0, vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id,
-                  pad_token_id=tok.pad_token_id)
+    make_hf_model(
+        d, "qwen3", seed=0, vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id, pad_token_id=tok.pad_token_id
+    )
     model = exactrl.load_model(d)
     rng = random.Random(3)
     problems = [CalculatorTask().generate(rng) for _ in range(2)]
@@ -209,8 +292,9 @@ def live(tmp_path_factory):
     with torch.no_grad():
         for p in ref_model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids),
-                    kv_budget_tokens=4096)
+    engine = Engine(
+        copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids), kv_budget_tokens=4096
+    )
     state = ServerState(engine, tok, ServerConfig("agent"))
     with ServerThread(create_app(state)) as srv:
         yield SimpleNamespace(model=model, ref_model=ref_model, tok=tok, state=state, url=srv.url, problems=problems)
@@ -260,15 +344,32 @@ def test_a_live_tool_episode_step_is_the_reference_step(live):
     from exactrl.rollout.agents import TURN_SEEDS, agent_train_step
     from exactrl.seeds import derive_seed
 
-    cfg = load_config(None, AGENT_BASE + AGENT_CONFIGS["token-mean ppo bypass, kl k3 in the loss, entropy"]
-                      + ["rollout.temperature=0.7"])
+    cfg = load_config(
+        None,
+        AGENT_BASE + AGENT_CONFIGS["token-mean ppo bypass, kl k3 in the loss, entropy"] + ["rollout.temperature=0.7"],
+    )
     c = components(live.model, live.ref_model, cfg, micro_batch_size=3)
     problems, seen = live.problems, {}
     live.model.zero_grad(set_to_none=True)
-    m = agent_train_step(live.model, c.policy.optimizer, c.policy.loss_fn, c.policy.step_settings, live.state, live.url, tool_episode,
-                         problems, group_size=2, seed=0, step=1, env_kwargs=dict(seen=seen), ref_model=live.ref_model)
-    groups = [[AgentRollout(p, float(j), seen[derive_seed(0, 1, k, j) * TURN_SEEDS], None) for j in range(2)]
-              for k, p in enumerate(problems)]
+    m = agent_train_step(
+        live.model,
+        c.policy.optimizer,
+        c.policy.loss_fn,
+        c.policy.step_settings,
+        live.state,
+        live.url,
+        tool_episode,
+        problems,
+        group_size=2,
+        seed=0,
+        step=1,
+        env_kwargs=dict(seen=seen),
+        ref_model=live.ref_model,
+    )
+    groups = [
+        [AgentRollout(p, float(j), seen[derive_seed(0, 1, k, j) * TURN_SEEDS], None) for j in range(2)]
+        for k, p in enumerate(problems)
+    ]
     for g in groups:
         for r in g:
             (t,) = r.trajectories
@@ -288,9 +389,14 @@ def test_a_live_tool_episode_step_is_the_reference_step(live):
 
 
 # ------------------------------------------------------------------ 2. the asynchronous loop's stale groups
-@pytest.mark.parametrize("name", ["kl k1 in the reward, overlong shaping and masking",
-                                  "topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is",
-                                  "seq-mean-token-mean kl k3 in the loss, entropy"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kl k1 in the reward, overlong shaping and masking",
+        "topr bypass, reinforce_pp, kl k1 in the reward, token_mask_is",
+        "seq-mean-token-mean kl k3 in the loss, entropy",
+    ],
+)
 def test_stale_groups_leave_the_step_whole(models, name):
     """As the trainer thread of `train_async` does at step 6 with max_staleness 2: `drop_stale` at version 5,
     then `train_on`. Groups 1 and 2 hold a token 3 and 4 versions old: the step is the reference step of
@@ -300,13 +406,17 @@ def test_stale_groups_leave_the_step_whole(models, name):
     cfg = load_config(None, BASE + CONFIGS[name])
     groups = make_groups(model, cfg.rollout.temperature)
     versions = [lambda t: 5 - t % 3, lambda t: 2 if t == 1 else 5, lambda t: 1 if t == 0 else 5, lambda t: 4]
-    groups = [[replace(r, versions=[v(t) for t in range(len(r.completion_ids))]) for r in g]
-              for g, v in zip(groups, versions)]
+    groups = [
+        [replace(r, versions=[v(t) for t in range(len(r.completion_ids))]) for r in g] for g, v in zip(groups, versions)
+    ]
     kept, m = drop_stale(groups, version=5, max_staleness=2)
     assert kept == [groups[0], groups[3]]
     ages = [5 - v for g in kept for r in g for v in r.versions]
-    assert m == {"async/staleness_mean": pytest.approx(sum(ages) / len(ages), rel=1e-15),
-                 "async/staleness_max": 2.0, "async/dropped_samples": 6.0}
+    assert m == {
+        "async/staleness_mean": pytest.approx(sum(ages) / len(ages), rel=1e-15),
+        "async/staleness_max": 2.0,
+        "async/dropped_samples": 6.0,
+    }
     want, want_m = reference(model, ref_model, kept, cfg)
     model.zero_grad(set_to_none=True)
     got = train_on(components(model, ref_model, cfg, micro_batch_size=4), 6, kept)
@@ -340,9 +450,15 @@ class _Seen:
         return self.loss_fn(inp, agg_mode, norm)
 
 
-@pytest.mark.parametrize("name", ["token-mean ppo", "seq-mean-token-mean kl k3 in the loss, entropy",
-                                  "sapo bypass, dr_grpo, seq-mean-token-mean",
-                                  "kl k1 in the reward, overlong shaping and masking"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "token-mean ppo",
+        "seq-mean-token-mean kl k3 in the loss, entropy",
+        "sapo bypass, dr_grpo, seq-mean-token-mean",
+        "kl k1 in the reward, overlong shaping and masking",
+    ],
+)
 def test_a_bf16_step_is_the_reference_step_to_bf16_rounding(bf16_models, name):
     """bf16 weights and activations (`model.dtype`), logprobs and loss arithmetic in fp32, gradients in bf16.
 
@@ -377,7 +493,17 @@ def test_a_bf16_step_is_the_reference_step_to_bf16_rounding(bf16_models, name):
 def test_bf16_behaviour_logprobs_are_the_trainers_bitwise(bf16_models):
     m16, ref16, _, _ = bf16_models
     cfg = load_config(None, BASE)
-    groups = [[replace(r, behav_logprobs=exactrl.sequence_logprobs(m16, [r.prompt_ids + r.completion_ids])[0][
-        len(r.prompt_ids) - 1:].tolist()) for r in g] for g in make_groups(m16, 1.0)]
+    groups = [
+        [
+            replace(
+                r,
+                behav_logprobs=exactrl.sequence_logprobs(m16, [r.prompt_ids + r.completion_ids])[0][
+                    len(r.prompt_ids) - 1 :
+                ].tolist(),
+            )
+            for r in g
+        ]
+        for g in make_groups(m16, 1.0)
+    ]
     m = train_on(components(m16, ref16, cfg, 5), 1, groups)
     assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/train_rollout_logprob_abs_diff_max"] == 0.0

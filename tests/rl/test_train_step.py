@@ -1,4 +1,5 @@
 """train_step on hand-made batches: what its metrics measure, and batches with nothing to learn from."""
+
 from __future__ import annotations
 
 import math
@@ -6,22 +7,29 @@ import re
 
 import pytest
 import torch
+from conftest import make_hf_model
 
 import exactrl
-from exactrl.model.logprobs import token_logprobs
 from exactrl.algo.corrections import build_corrections
 from exactrl.algo.losses import build_loss
+from exactrl.model.logprobs import token_logprobs
 from exactrl.train.trainer import StepSettings, TrainBatch, train_step
-from conftest import make_hf_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6]]
 COMPLETIONS = [[7, 8, 9, 10], [11, 12, 13, 14]]
 
 
 def _settings(**kw) -> StepSettings:
-    return StepSettings(temperature=1.0, top_k=kw.pop("top_k", -1), top_p=1.0,
-                        micro_batch_size=kw.pop("micro_batch_size", 8),
-                        agg_mode="token-mean", agg_constant=None, grad_clip=1.0, **kw)
+    return StepSettings(
+        temperature=1.0,
+        top_k=kw.pop("top_k", -1),
+        top_p=1.0,
+        micro_batch_size=kw.pop("micro_batch_size", 8),
+        agg_mode="token-mean",
+        agg_constant=None,
+        grad_clip=1.0,
+        **kw,
+    )
 
 
 def _off_policy_batch(model) -> TrainBatch:
@@ -42,12 +50,18 @@ def _step(model_dir, corrections=None, **kw) -> dict:
     return train_step(model, opt, build_loss("ppo"), batch, s)
 
 
-@pytest.mark.parametrize("correction", [{"name": "token_mask_is", "upper": 2.0, "lower": 0.5},
-                                        {"name": "sequence_mask_is", "upper": 2.0, "lower": 0.5}])
+@pytest.mark.parametrize(
+    "correction",
+    [{"name": "token_mask_is", "upper": 2.0, "lower": 0.5}, {"name": "sequence_mask_is", "upper": 2.0, "lower": 0.5}],
+)
 def test_a_masking_correction_does_not_hide_the_mismatch_it_removes(qwen3_dir, correction):
     plain, masked = _step(qwen3_dir), _step(qwen3_dir, [correction])
-    for key in ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max", "mismatch/k3",
-                "mismatch/chi2_token"):
+    for key in (
+        "train/train_rollout_logprob_abs_diff",
+        "train/train_rollout_logprob_abs_diff_max",
+        "mismatch/k3",
+        "mismatch/chi2_token",
+    ):
         assert masked[key] == plain[key], key
     assert plain["train/train_rollout_logprob_abs_diff_max"] == pytest.approx(1.0, abs=1e-5)
     assert plain["mismatch/token_mask_frac"] == 0.0
@@ -75,8 +89,9 @@ def test_a_truncated_sequence_weight_is_reported_as_a_clipped_sequence(qwen3_dir
     assert both["mismatch/seq_clip_frac"] == pytest.approx(1 / 2)  # a mask beside it changes nothing here
 
 
-@pytest.mark.parametrize("correction", [{"name": "token_mask_is", "upper": 2.0},
-                                        {"name": "sequence_tis", "upper": 2.0}])
+@pytest.mark.parametrize(
+    "correction", [{"name": "token_mask_is", "upper": 2.0}, {"name": "sequence_tis", "upper": 2.0}]
+)
 def test_only_truncated_token_ratios_count_as_clipped(qwen3_dir, correction):
     """A masking correction applies weight 1 and a sequence-level one its sequence's weight: neither is a
     token's own ratio, so neither marks tokens as truncated (every ρ_t ≠ 1 here used to count)."""
@@ -93,8 +108,13 @@ def test_micro_batches_with_no_completion_tokens_are_skipped(qwen3_dir, completi
     model = exactrl.load_model(qwen3_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = TrainBatch([[1, 2, 3], [4, 5]], completions, [[0.0] * len(c) for c in completions], [1.0, -1.0])
-    m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), build_loss("ppo"), batch,
-                   _settings(micro_batch_size=1, entropy_coef=entropy_coef))
+    m = train_step(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        build_loss("ppo"),
+        batch,
+        _settings(micro_batch_size=1, entropy_coef=entropy_coef),
+    )
     assert math.isfinite(m["train/loss"])
     changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert changed == any(completions)  # a step with no token at all leaves the weights alone
@@ -113,8 +133,9 @@ def test_shared_prompts_same_step(qwen3_dir):
         model = exactrl.load_model(qwen3_dir)
         with torch.no_grad():
             lps, _ = token_logprobs(model, [p + c for p, c in seqs], first=[40] * len(seqs))
-        batch = TrainBatch([p for p, _ in seqs], [c for _, c in seqs], [lp.tolist() for lp in lps],
-                           [1.0, -0.5, -0.5, 0.3, 0.3, -0.6])
+        batch = TrainBatch(
+            [p for p, _ in seqs], [c for _, c in seqs], [lp.tolist() for lp in lps], [1.0, -0.5, -0.5, 0.3, 0.3, -0.6]
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         m = train_step(model, opt, build_loss("ppo"), batch, _settings(share_prompts=share, micro_batch_size=3))
         results[share] = m, [p.detach().clone() for p in model.parameters()]
@@ -138,8 +159,14 @@ def test_kl_to_the_reference_stays_finite_when_sampling_truncates(qwen3_dir, tmp
     assert any(not torch.isfinite(lp).all() for lp in ref_top1)  # the reference's own top-1 cuts them off
     batch = TrainBatch(PROMPTS, completions, [[0.0] * len(c) for c in completions], [1.0, -1.0])
     for kind in ("k1", "k2", "k3"):
-        m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), batch,
-                       _settings(top_k=1, kl_coef=0.1, kl_kind=kind), ref_model=ref)
+        m = train_step(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-6),
+            build_loss("ppo"),
+            batch,
+            _settings(top_k=1, kl_coef=0.1, kl_kind=kind),
+            ref_model=ref,
+        )
         assert math.isfinite(m["train/kl_ref"]) and m["train/kl_ref"] > 0, (kind, m["train/kl_ref"])
 
 
@@ -149,12 +176,24 @@ def test_cut_completions_left_out_of_the_loss_still_count_in_the_mismatch(qwen3_
     model = exactrl.load_model(qwen3_dir)
     batch = _off_policy_batch(model)
     gen = [[1] * len(c) for c in COMPLETIONS]
-    cut = TrainBatch(batch.prompt_ids, batch.completion_ids, batch.behav_logprobs, batch.advantages,
-                     loss_mask=[[0] * len(c) for c in COMPLETIONS], generated_mask=gen)
+    cut = TrainBatch(
+        batch.prompt_ids,
+        batch.completion_ids,
+        batch.behav_logprobs,
+        batch.advantages,
+        loss_mask=[[0] * len(c) for c in COMPLETIONS],
+        generated_mask=gen,
+    )
     m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), cut, _settings())
     plain = _step(qwen3_dir)
-    for key in ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max", "mismatch/k3",
-                "train/entropy", "mismatch/is_weight_max", "mismatch/chi2_token"):  # no weights: ρ on every token
+    for key in (
+        "train/train_rollout_logprob_abs_diff",
+        "train/train_rollout_logprob_abs_diff_max",
+        "mismatch/k3",
+        "train/entropy",
+        "mismatch/is_weight_max",
+        "mismatch/chi2_token",
+    ):  # no weights: ρ on every token
         assert m[key] == plain[key] and m[key] > 0, key
     assert m["mismatch/ess"] == plain["mismatch/ess"] < 1
     assert m["mismatch/token_mask_frac"] == m["mismatch/seq_mask_frac"] == 0.0  # no correction removed them
@@ -172,10 +211,16 @@ def test_a_token_the_engine_did_not_sample_may_carry_any_behaviour_logprob(qwen3
         batch = _off_policy_batch(model)
         behav = [list(lp) for lp in batch.behav_logprobs]
         behav[0][2] = value
-        b = TrainBatch(batch.prompt_ids, batch.completion_ids, behav, batch.advantages, loss_mask=gen,
-                       generated_mask=gen)
-        m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), build_loss("ppo"), b, _settings(
-            corrections=build_corrections([{"name": "token_tis", "upper": 2.0}])))
+        b = TrainBatch(
+            batch.prompt_ids, batch.completion_ids, behav, batch.advantages, loss_mask=gen, generated_mask=gen
+        )
+        m = train_step(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            build_loss("ppo"),
+            b,
+            _settings(corrections=build_corrections([{"name": "token_tis", "upper": 2.0}])),
+        )
         return m, torch.cat([p.detach().flatten() for p in model.parameters()])
 
     (m, w), (m0, w0) = step(filler, sampled), step(-123.0, sampled)
@@ -190,12 +235,19 @@ def test_weight_figures_cover_the_tokens_the_correction_weighed_when_cut_complet
     model = exactrl.load_model(qwen3_dir)
     batch = _off_policy_batch(model)
     behav = [batch.behav_logprobs[0], [lp - 0.01 for lp in batch.behav_logprobs[1]]]
-    cut = TrainBatch(batch.prompt_ids, batch.completion_ids, behav, batch.advantages,
-                     loss_mask=[[1] * len(COMPLETIONS[0]), [0] * len(COMPLETIONS[1])],
-                     generated_mask=[[1] * len(c) for c in COMPLETIONS])
+    cut = TrainBatch(
+        batch.prompt_ids,
+        batch.completion_ids,
+        behav,
+        batch.advantages,
+        loss_mask=[[1] * len(COMPLETIONS[0]), [0] * len(COMPLETIONS[1])],
+        generated_mask=[[1] * len(c) for c in COMPLETIONS],
+    )
     s = _settings(corrections=build_corrections([{"name": "token_tis", "upper": 2.0}]))
     m = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), build_loss("ppo"), cut, s)
-    assert m["mismatch/token_clip_frac"] == m["correction/token_tis/clip_frac"] == pytest.approx(1 / len(COMPLETIONS[0]))
+    assert (
+        m["mismatch/token_clip_frac"] == m["correction/token_tis/clip_frac"] == pytest.approx(1 / len(COMPLETIONS[0]))
+    )
     n = len(COMPLETIONS[0])  # the first: one token truncated from e to 2, the others at 1
     assert m["mismatch/is_weight_mean"] == pytest.approx((n - 1 + 2.0) / n, rel=1e-6)
     assert m["mismatch/is_weight_max"] == pytest.approx(2.0) and m["mismatch/is_weight_min"] == 1.0
@@ -208,8 +260,14 @@ def test_entropy_is_the_mean_over_the_sampled_tokens_whatever_a_correction_masks
     assert masked["train/entropy"] == plain["train/entropy"]
 
 
-@pytest.mark.parametrize("correction", [{"name": "token_tis", "upper": 2.0}, {"name": "token_mask_is", "upper": 2.0},
-                                        {"name": "sequence_mask_is", "upper": 2.0}])
+@pytest.mark.parametrize(
+    "correction",
+    [
+        {"name": "token_tis", "upper": 2.0},
+        {"name": "token_mask_is", "upper": 2.0},
+        {"name": "sequence_mask_is", "upper": 2.0},
+    ],
+)
 def test_loss_and_correction_metrics_do_not_depend_on_micro_batch_size(qwen3_dir, correction):
     """One token of 8 is 1 nat off: its share is 1/8 however the batch is cut into micro-batches
     (each micro-batch's mean used to be weighted by its sequences: 1/4 with one sequence each)."""
@@ -243,19 +301,30 @@ def test_kl_ref_is_the_token_mean_of_the_estimator_in_every_aggregation(qwen3_di
     assert m["train/kl_ref"] == pytest.approx(k3, rel=1e-5)
 
 
-@pytest.mark.parametrize("masks, words", [
-    ({"loss_mask": [[1, 1]]}, "TrainBatch.loss_mask must have one entry per sequence, got 1 for 2"),
-    ({"loss_mask": [[1, 1], [1]]}, "TrainBatch.loss_mask[1] must be 0/1 for each of its 2 completion tokens"),
-    ({"generated_mask": [[1, 2], [1, 1]]}, "TrainBatch.generated_mask[0] must be 0/1"),
-    ({"loss_mask": [[1, 1], [1, 1]], "generated_mask": [[1, 1], [0, 1]]},
-     "TrainBatch.generated_mask[1] is 0 where loss_mask is 1"),
-    ({"generated_mask": [[1, 0], [1, 1]]}, "TrainBatch.generated_mask[0] is 0 where loss_mask is 1"),  # None: all 1
-])
+@pytest.mark.parametrize(
+    "masks, words",
+    [
+        ({"loss_mask": [[1, 1]]}, "TrainBatch.loss_mask must have one entry per sequence, got 1 for 2"),
+        ({"loss_mask": [[1, 1], [1]]}, "TrainBatch.loss_mask[1] must be 0/1 for each of its 2 completion tokens"),
+        ({"generated_mask": [[1, 2], [1, 1]]}, "TrainBatch.generated_mask[0] must be 0/1"),
+        (
+            {"loss_mask": [[1, 1], [1, 1]], "generated_mask": [[1, 1], [0, 1]]},
+            "TrainBatch.generated_mask[1] is 0 where loss_mask is 1",
+        ),
+        ({"generated_mask": [[1, 0], [1, 1]]}, "TrainBatch.generated_mask[0] is 0 where loss_mask is 1"),  # None: all 1
+    ],
+)
 def test_a_bad_mask_is_refused_before_any_step(masks, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         TrainBatch([[1], [2]], [[3, 4], [5, 6]], [[0.0, 0.0], [0.0, 0.0]], [1.0, -1.0], **masks)
-    ok = TrainBatch([[1], [2]], [[3, 4], [5, 6]], [[0.0, 0.0], [0.0, 0.0]], [1.0, -1.0],
-                    loss_mask=[[0, 1], [0, 0]], generated_mask=[[1, 1], [0, 1]])
+    ok = TrainBatch(
+        [[1], [2]],
+        [[3, 4], [5, 6]],
+        [[0.0, 0.0], [0.0, 0.0]],
+        [1.0, -1.0],
+        loss_mask=[[0, 1], [0, 0]],
+        generated_mask=[[1, 1], [0, 1]],
+    )
     assert len(ok) == 2
 
 
@@ -267,18 +336,32 @@ def test_a_bad_sequence_is_named_by_its_batch_index_before_any_micro_batch(qwen3
     model = exactrl.load_model(qwen3_dir)
     V = model.config.vocab_size
     before = [p.detach().clone() for p in model.parameters()]
-    for prompts, completions, words in (([[1], [2], [3]], [[4], [5], [V]], f"completion_ids[2] holds token id {V}"),
-                                        ([[1], [-1], [3]], [[4], [5], [6]], "prompt_ids[1] holds token id -1")):
+    for prompts, completions, words in (
+        ([[1], [2], [3]], [[4], [5], [V]], f"completion_ids[2] holds token id {V}"),
+        ([[1], [-1], [3]], [[4], [5], [6]], "prompt_ids[1] holds token id -1"),
+    ):
         batch = TrainBatch(prompts, completions, [[0.0]] * 3, [1.0, -1.0, 0.5])
         with pytest.raises(ValueError, match=re.escape(f"TrainBatch.{words}, outside the vocabulary [0, {V})")):
-            train_step(model, torch.optim.AdamW(model.parameters(), lr=1.0), build_loss("ppo"), batch,
-                       _settings(micro_batch_size=1))
+            train_step(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1.0),
+                build_loss("ppo"),
+                batch,
+                _settings(micro_batch_size=1),
+            )
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("corrections, kl_kind", [(None, None), ([{"name": "token_mask_is", "upper": 2.0,
-                                                                    "lower": 0.5}], None),
-                                                   (None, "k2"), (None, "k1"), (None, "k3")])
+@pytest.mark.parametrize(
+    "corrections, kl_kind",
+    [
+        (None, None),
+        ([{"name": "token_mask_is", "upper": 2.0, "lower": 0.5}], None),
+        (None, "k2"),
+        (None, "k1"),
+        (None, "k3"),
+    ],
+)
 def test_a_token_the_trainers_top_k_cuts_leaves_the_loss_and_is_counted(qwen3_dir, corrections, kl_kind):
     """Off-policy (async, an external engine) μ may sample a token that π_old's top-k/top-p cuts: log π_old
     = −inf. It cannot be trained (no ratio, no gradient); the step used to stop with a ValueError. It now
@@ -300,8 +383,11 @@ def test_a_token_the_trainers_top_k_cuts_leaves_the_loss_and_is_counted(qwen3_di
     n_cut = int(sum((~torch.isfinite(x)).sum() for x in cut))
     assert 2 <= n_cut < sum(len(c) for c in completions)  # the last tokens, and perhaps a greedy tie
     batch = TrainBatch(PROMPTS, completions, [lp.tolist() for lp in lps], [1.0, -1.0])
-    s = _settings(top_k=2, corrections=build_corrections(corrections) if corrections else None,
-                  **({"kl_coef": 0.1, "kl_kind": kl_kind} if kl_kind else {}))
+    s = _settings(
+        top_k=2,
+        corrections=build_corrections(corrections) if corrections else None,
+        **({"kl_coef": 0.1, "kl_kind": kl_kind} if kl_kind else {}),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
     ref = exactrl.load_model(qwen3_dir) if kl_kind else None  # its −inf made k2's gradient NaN

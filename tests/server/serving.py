@@ -4,6 +4,7 @@ The server is real: uvicorn on 127.0.0.1 in a background thread, spoken to by
 the official `openai` client over HTTP. Built lazily and shared by the test
 modules (a session fixture per module would rebuild it).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+from conftest import make_hf_model
 
 import exactrl
-from conftest import make_hf_model
 from exactrl.envs import ArithmeticTask
 from exactrl.envs.tool_use import CALCULATOR_TOOL, CalculatorTask, ideal_transcript
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer, render_chat_template
@@ -29,19 +30,19 @@ def tokenizer_corpus() -> list[str]:
     rng = random.Random(0)
     task = CalculatorTask()
     texts = default_tokenizer_corpus([ArithmeticTask(), task], 200, 0)
-    texts += [render_chat_template(ideal_transcript(task.generate(rng)), [CALCULATOR_TOOL], False)
-              for _ in range(200)]
+    texts += [render_chat_template(ideal_transcript(task.generate(rng)), [CALCULATOR_TOOL], False) for _ in range(200)]
     return texts + ["hello world, the quick brown fox jumps over the lazy dog. " * 3] * 20
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_dir() -> Path:
     d = Path(tempfile.mkdtemp(prefix="exactrl-server-model-"))
     atexit.register(shutil.rmtree, d, True)
     build_tokenizer(d, tokenizer_corpus(), vocab_size=512)
     tok = load_tokenizer(d)
-    make_hf_model(d, "qwen3", seed=0, vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id,
-                  pad_token_id=tok.pad_token_id)
+    make_hf_model(
+        d, "qwen3", seed=0, vocab_size=tok.vocab_size, eos_token_id=tok.end_of_turn_id, pad_token_id=tok.pad_token_id
+    )
     return d
 
 
@@ -66,7 +67,7 @@ class Served:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="test", max_retries=0, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def served() -> Served:
     state = build_state(str(model_dir()), kv_budget_tokens=8192, access=Access(weight_updates=True))
     thread = ServerThread(create_app(state)).start()
@@ -74,14 +75,15 @@ def served() -> Served:
     return Served(thread.url, state, thread)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trainer_model():
     """A separate copy of the served weights: the trainer path the server's logprobs must match."""
     return exactrl.load_model(model_dir())
 
 
-def trainer_logprobs(tokens: list[int], temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
-                     model=None) -> list[float]:
+def trainer_logprobs(
+    tokens: list[int], temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, model=None
+) -> list[float]:
     return exactrl.sequence_logprobs(model or trainer_model(), [tokens], temperature, top_k, top_p)[0].tolist()
 
 
@@ -89,7 +91,7 @@ def check_turns(tok, turns, temperature=1.0, top_k=-1, top_p=1.0, model=None) ->
     """Each turn's prompt extends the previous turn's exact tokens; logprobs equal the trainer's bitwise."""
     for prev, cur in zip(turns, turns[1:]):
         hist = prev.prompt_token_ids + prev.generation_token_ids
-        assert cur.prompt_token_ids[:len(hist)] == hist
+        assert cur.prompt_token_ids[: len(hist)] == hist
         if hist[-1] != tok.end_of_turn_id:
             assert cur.prompt_token_ids[len(hist)] == tok.end_of_turn_id
     last = turns[-1]
@@ -97,8 +99,8 @@ def check_turns(tok, turns, temperature=1.0, top_k=-1, top_p=1.0, model=None) ->
     lps = trainer_logprobs(full, temperature, top_k, top_p, model)
     for m in turns:
         start = len(m.prompt_token_ids)
-        assert full[start:start + len(m.generation_token_ids)] == m.generation_token_ids
-        assert lps[start - 1:start - 1 + len(m.generation_token_ids)] == m.generation_log_probs  # bitwise
+        assert full[start : start + len(m.generation_token_ids)] == m.generation_token_ids
+        assert lps[start - 1 : start - 1 + len(m.generation_token_ids)] == m.generation_log_probs  # bitwise
 
 
 def warm_start(model, tokenizer, problems, steps: int, lr: float = 1e-2) -> float:
@@ -130,8 +132,8 @@ def check_trajectory(t: dict, turns, temperature=1.0, model=None) -> None:
     want = [0] * len(full)
     for m in turns:
         a = len(m.prompt_token_ids)
-        want[a:a + len(m.generation_token_ids)] = [1] * len(m.generation_token_ids)
+        want[a : a + len(m.generation_token_ids)] = [1] * len(m.generation_token_ids)
     p = len(t["prompt_ids"])
     assert t["loss_mask"] == want[p:] and t["num_turns"] == len(turns)
-    lps = trainer_logprobs(full, temperature, model=model)[p - 1:]
+    lps = trainer_logprobs(full, temperature, model=model)[p - 1 :]
     assert t["behav_logprobs"] == [lp if m else 0.0 for lp, m in zip(lps, t["loss_mask"])]  # bitwise

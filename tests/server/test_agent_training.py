@@ -6,6 +6,7 @@
    trajectories (tool/template tokens masked) train the policy for a few steps with zero train/rollout
    logprob mismatch, and the new weights go back into the server's engine.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,15 +16,15 @@ import random
 import httpx
 import pytest
 import torch
+from serving import check_trajectory, check_turns, model_dir, warm_start
 
 import exactrl
+from exactrl.algo.losses import build_loss
 from exactrl.engine import Engine
 from exactrl.envs.tool_use import CALCULATOR_TOOL, CalculatorTask, calculate, calculator_episode, first_messages
 from exactrl.rollout.agents import agent_train_step
-from exactrl.algo.losses import build_loss
-from exactrl.train.trainer import StepSettings
 from exactrl.server.app import ServerConfig, ServerState, ServerThread, create_app
-from serving import check_trajectory, check_turns, model_dir, warm_start
+from exactrl.train.trainer import StepSettings
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,9 @@ def calc():
     rng = random.Random(0)
     problems = [CalculatorTask().generate(rng) for _ in range(2)]
     warm_start(model, tok, problems, steps=50)  # learns the tool-call format, not yet reliably
-    engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids),
-                    kv_budget_tokens=8192)
+    engine = Engine(
+        copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids), kv_budget_tokens=8192
+    )
     state = ServerState(engine, tok, ServerConfig("calc-agent"))
     with ServerThread(create_app(state)) as srv:
         yield dict(tok=tok, model=model, engine=engine, state=state, url=srv.url, problems=problems)
@@ -55,8 +57,9 @@ def test_tool_call_turns_are_token_exact(calc):
     # the same request streamed: the tool call arrives as a delta, the token fields in the closing chunk
     chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
-        [(call.function.name, json.loads(call.function.arguments))]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (call.function.name, json.loads(call.function.arguments))
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert chunks[-1].choices[0].delta.generation_token_ids == m1.generation_token_ids
     result = calculate(json.loads(call.function.arguments)["expression"])
@@ -68,23 +71,42 @@ def test_tool_call_turns_are_token_exact(calc):
     check_turns(calc["tok"], [m1, m2, m3], temperature=0.0, model=calc["model"])
     (traj,) = httpx.get(calc["url"] + "/sessions/tools/trajectories").json()["trajectories"][-1:]
     check_trajectory(traj, [m1, m2, m3], temperature=0.0, model=calc["model"])
-    assert traj["completion_ids"][-len(m3.generation_token_ids):] == m3.generation_token_ids
-    tool_turn = m2.prompt_token_ids[len(m1.prompt_token_ids) + len(m1.generation_token_ids):]
-    assert calc["tok"].decode(tool_turn) == (f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>"
-                                             f"<|im_end|>\n<|im_start|>assistant\n")
+    assert traj["completion_ids"][-len(m3.generation_token_ids) :] == m3.generation_token_ids
+    tool_turn = m2.prompt_token_ids[len(m1.prompt_token_ids) + len(m1.generation_token_ids) :]
+    assert calc["tok"].decode(tool_turn) == (
+        f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_calculator_agent_trains_end_to_end(calc):
     model, engine, state = calc["model"], calc["engine"], calc["state"]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    settings = StepSettings(temperature=1.0, top_k=-1, top_p=1.0, micro_batch_size=8, agg_mode="token-mean",
-                            agg_constant=None, grad_clip=1.0)
+    settings = StepSettings(
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        micro_batch_size=8,
+        agg_mode="token-mean",
+        agg_constant=None,
+        grad_clip=1.0,
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     history = []
     for step in (1, 2):
-        m = agent_train_step(model, opt, build_loss("ppo"), settings, state, calc["url"], calculator_episode,
-                             calc["problems"], group_size=4, seed=0, step=step,
-                             env_kwargs=dict(model="calc-agent", max_tokens=40, temperature=1.0))
+        m = agent_train_step(
+            model,
+            opt,
+            build_loss("ppo"),
+            settings,
+            state,
+            calc["url"],
+            calculator_episode,
+            calc["problems"],
+            group_size=4,
+            seed=0,
+            step=step,
+            env_kwargs=dict(model="calc-agent", max_tokens=40, temperature=1.0),
+        )
         history.append(m)
         assert m["train/train_rollout_logprob_abs_diff"] == 0.0
         assert m["train/train_rollout_logprob_abs_diff_max"] == 0.0
@@ -115,8 +137,11 @@ def test_a_failing_episode_takes_only_its_group_out_of_the_step(calc):
         return reward
 
     sessions = len(calc["state"].sessions)
-    groups = asyncio.run(collect_agent_groups(calc["url"], env, calc["problems"], 2, seed=0, step=1,
-                                              env_kwargs=dict(model="calc-agent", max_tokens=8)))
+    groups = asyncio.run(
+        collect_agent_groups(
+            calc["url"], env, calc["problems"], 2, seed=0, step=1, env_kwargs=dict(model="calc-agent", max_tokens=8)
+        )
+    )
     kept, failed = complete_groups(groups)
     assert failed == 1 and len(kept) == 1 and kept[0] is groups[0]
     assert isinstance(groups[1][1], RuntimeError)

@@ -1,5 +1,6 @@
 """API keys (`exactrl serve --api-key`, EXACTRL_API_KEY): every route needs OpenAI's bearer token, a 401 in
 OpenAI's error JSON otherwise; the official client and the external rollout backend send it."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,12 +8,12 @@ import argparse
 import httpx
 import openai
 import pytest
+from serving import model_dir
 
-from exactrl.rollout.external import ExternalEngine, RolloutBackendSettings
 from exactrl.engine import SamplingParams
+from exactrl.rollout.external import ExternalEngine, RolloutBackendSettings
 from exactrl.server.app import ServerThread, access_of, build_state, create_app
 from exactrl.server.guard import Access
-from serving import model_dir
 
 KEYS = ("key-one", "key-two")
 MSGS = [{"role": "user", "content": "hello"}]
@@ -46,13 +47,25 @@ def test_the_openai_client_without_the_key_is_401(keyed):
         assert KEYS[0] not in str(e.value.body)  # the answer names no key
 
 
-@pytest.mark.parametrize("method, path", [
-    ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-    ("POST", "/v1/completions"), ("POST", "/update_weights_from_disk"), ("GET", "/sessions/s/trajectories"),
-    ("POST", "/sessions/s/v1/chat/completions"), ("DELETE", "/sessions/s"), ("GET", "/no/such/route"),
-])
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEYS[0]}"},
-                                     {"Authorization": KEYS[0]}])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/update_weights_from_disk"),
+        ("GET", "/sessions/s/trajectories"),
+        ("POST", "/sessions/s/v1/chat/completions"),
+        ("DELETE", "/sessions/s"),
+        ("GET", "/no/such/route"),
+    ],
+)
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEYS[0]}"}, {"Authorization": KEYS[0]}],
+)
 def test_every_route_needs_the_key(keyed, method, path, headers):
     url, state = keyed
     r = httpx.request(method, url + path, headers=headers, json={"model_path": str(model_dir())}, timeout=60)
@@ -68,8 +81,9 @@ def test_weight_updates_need_the_key_too(keyed):
     body = {"model_path": str(model_dir())}
     assert httpx.post(url + "/update_weights_from_disk", json=body, timeout=60).status_code == 401
     assert state.engine.version == version
-    r = httpx.post(url + "/update_weights_from_disk", json=body, timeout=60,
-                   headers={"Authorization": f"Bearer {KEYS[1]}"})
+    r = httpx.post(
+        url + "/update_weights_from_disk", json=body, timeout=60, headers={"Authorization": f"Bearer {KEYS[1]}"}
+    )
     assert r.status_code == 200 and r.json()["version"] == version + 1
 
 
@@ -110,16 +124,19 @@ def test_keys_come_from_the_flag_or_the_environment(monkeypatch):
 def test_a_non_loopback_bind_without_a_key_warns(monkeypatch, caplog):
     """serve_main's start, with the model load and uvicorn replaced: only what it says is looked at."""
     import uvicorn
+    from serving import served
 
     import exactrl.server.app as app_mod
-    from serving import served
 
     monkeypatch.delenv("EXACTRL_API_KEY", raising=False)
     monkeypatch.setattr(app_mod, "_check_listen", lambda host, port: None)
     monkeypatch.setattr(app_mod, "build_state", lambda *a, **kw: served().state)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
-    for argv, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False),
-                         (["--host", "127.0.0.1"], False)):
+    for argv, warned in (
+        (["--host", "0.0.0.0"], True),
+        (["--host", "0.0.0.0", "--api-key", "k"], False),
+        (["--host", "127.0.0.1"], False),
+    ):
         caplog.clear()
         with caplog.at_level("WARNING", logger="exactrl.server"):
             assert app_mod.serve_main(serve_args(*argv)) == 0

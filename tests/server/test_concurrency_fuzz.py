@@ -13,6 +13,7 @@ mid-stream or before a JSON answer, and invalid requests, all started within a f
      and no session is left busy;
   5. the server still answers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,10 +28,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from serving import check_trajectory, model_dir, trainer_logprobs
 
 from exactrl.server.app import ServerThread, build_state, create_app
 from exactrl.server.guard import Access
-from serving import check_trajectory, model_dir, trainer_logprobs
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 KV_BUDGET = 160  # 5 pages of 32 tokens: two long generations at once preempt each other
@@ -61,8 +62,13 @@ class Outcome:
 def server():
     # 32-token steps: prompts are prefilled in chunks, decodes share steps with them; 8 sequence slots:
     # requests of n = 3 queue for seats
-    state = build_state(str(model_dir()), kv_budget_tokens=KV_BUDGET, max_num_batched_tokens=32, max_num_seqs=8,
-                        access=Access(weight_updates=True))
+    state = build_state(
+        str(model_dir()),
+        kv_budget_tokens=KV_BUDGET,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        access=Access(weight_updates=True),
+    )
     thread = ServerThread(create_app(state)).start()
     yield SimpleNamespace(url=thread.url, state=state, model=state.config.model_name)
     thread.stop()
@@ -89,8 +95,7 @@ def _messages(draw) -> list[dict]:
 
 @st.composite
 def specs(draw, model: str) -> Spec:
-    kind = draw(st.sampled_from(["chat", "chat", "completion", "completion", "session", "hangup", "invalid",
-                                 "reload"]))
+    kind = draw(st.sampled_from(["chat", "chat", "completion", "completion", "session", "hangup", "invalid", "reload"]))
     delay = draw(st.sampled_from([0.0, 0.0, 0.05, 0.2, 0.5]))
     stream = draw(st.booleans())
     base = {"model": model, "max_tokens": draw(st.integers(1, 100)), "n": draw(st.integers(1, 3))} | _sampling(draw)
@@ -116,10 +121,24 @@ def specs(draw, model: str) -> Spec:
         spec.hangup_after = draw(st.integers(0, 6)) if spec.body["stream"] else -1
         spec.session = draw(st.booleans())
     elif kind == "invalid":
-        bad = draw(st.sampled_from([("top_k", 10**30), ("n", 0), ("n", 9), ("temperature", 3), ("model", "gpt-4"),
-                                    ("max_tokens", 10**6), ("seed", 2**64), ("stop", [""]),
-                                    ("logit_bias", {"5": 1.0}), ("prompt", [512]), ("prompt", [1] * 400),
-                                    ("messages", [{"role": "wizard", "content": "x"}])]))
+        bad = draw(
+            st.sampled_from(
+                [
+                    ("top_k", 10**30),
+                    ("n", 0),
+                    ("n", 9),
+                    ("temperature", 3),
+                    ("model", "gpt-4"),
+                    ("max_tokens", 10**6),
+                    ("seed", 2**64),
+                    ("stop", [""]),
+                    ("logit_bias", {"5": 1.0}),
+                    ("prompt", [512]),
+                    ("prompt", [1] * 400),
+                    ("messages", [{"role": "wizard", "content": "x"}]),
+                ]
+            )
+        )
         if bad[0] == "prompt":
             spec.path, spec.body = COMPLETIONS, {k: v for k, v in spec.body.items() if k != "messages"}
         elif bad[0] == "messages":
@@ -140,7 +159,8 @@ def _token_fields(holder: dict, finish_reason) -> dict:
     assert len(gen) == len(lps) and all(math.isfinite(lp) and lp <= 0 for lp in lps), holder
     assert finish_reason in ("stop", "length", "tool_calls"), finish_reason
     return {k: holder[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")} | {
-        "finish_reason": finish_reason}
+        "finish_reason": finish_reason
+    }
 
 
 def _json_choices(r: httpx.Response, path: str, expect: int) -> list[dict]:
@@ -152,8 +172,10 @@ def _json_choices(r: httpx.Response, path: str, expect: int) -> list[dict]:
     for c in choices:
         if path.endswith(CHAT):
             m = c["message"]
-            o = _token_fields(m, c["finish_reason"]) | {"message": m, "text": (m.get("reasoning_content") or "",
-                                                                                m["content"] or "")}
+            o = _token_fields(m, c["finish_reason"]) | {
+                "message": m,
+                "text": (m.get("reasoning_content") or "", m["content"] or ""),
+            }
             if c["logprobs"] is not None:
                 o["logprobs"] = [e["logprob"] for e in c["logprobs"]["content"]]
         else:
@@ -187,9 +209,12 @@ async def _stream_choices(r: httpx.Response, path: str, expect: int) -> list[dic
     for o, p in zip((done[j] for j in range(expect)), parts):
         if path.endswith(CHAT):
             msg = {"role": "assistant", "content": p["content"]} | (
-                {"reasoning_content": p["reasoning_content"]} if p["reasoning_content"] else {})
-            o |= {"message": msg | {k: o[k] for k in o if k != "finish_reason"},
-                  "text": (p["reasoning_content"], p["content"])}
+                {"reasoning_content": p["reasoning_content"]} if p["reasoning_content"] else {}
+            )
+            o |= {
+                "message": msg | {k: o[k] for k in o if k != "finish_reason"},
+                "text": (p["reasoning_content"], p["content"]),
+            }
             if p["logprobs"]:
                 o["logprobs"] = p["logprobs"]
         else:
@@ -213,8 +238,9 @@ async def request(client: httpx.AsyncClient, path: str, body: dict) -> list[dict
 
 def scores_alternatives(body: dict) -> bool:
     """Top logprobs or echo: scored after generation, a 409 if the weights changed since sampling."""
-    return bool(body.get("top_logprobs") or body.get("echo") or type(body.get("logprobs")) is int
-                and body["logprobs"] > 0)
+    return bool(
+        body.get("top_logprobs") or body.get("echo") or type(body.get("logprobs")) is int and body["logprobs"] > 0
+    )
 
 
 async def run_client(client: httpx.AsyncClient, spec: Spec, sid: str, reloads: bool) -> Outcome:
@@ -234,8 +260,9 @@ async def run_client(client: httpx.AsyncClient, spec: Spec, sid: str, reloads: b
     elif spec.kind == "session":
         messages = list(spec.body["messages"])
         for t in range(2):
-            (c,) = await request(client, f"/sessions/{sid}{CHAT}", spec.body | {"messages": messages,
-                                                                                 "seed": spec.body["seed"] + t})
+            (c,) = await request(
+                client, f"/sessions/{sid}{CHAT}", spec.body | {"messages": messages, "seed": spec.body["seed"] + t}
+            )
             msg = {k: v for k, v in c.pop("message").items() if k != "finish_reason"}
             out.turns.append(c)
             messages = messages + [msg, {"role": "user", "content": "go on"}]
@@ -253,8 +280,11 @@ async def run_client(client: httpx.AsyncClient, spec: Spec, sid: str, reloads: b
                     await anext(lines)
         else:  # a JSON request given up on: the connection is closed under it (unless it was quicker)
             try:
-                out.choices = _json_choices(await client.post(path, json=spec.body, timeout=0.05 + spec.delay),
-                                            spec.path, expected_choices(spec))
+                out.choices = _json_choices(
+                    await client.post(path, json=spec.body, timeout=0.05 + spec.delay),
+                    spec.path,
+                    expected_choices(spec),
+                )
             except httpx.TimeoutException:
                 pass
 
@@ -291,7 +321,7 @@ def check_exact(choices: list[dict], body: dict, cache: dict) -> None:
         if key not in cache:
             cache[key] = trainer_logprobs(full, *sampling_of(body))
         start = len(c["prompt_token_ids"])
-        assert cache[key][start - 1:] == c["generation_log_probs"], (body, c)  # bitwise
+        assert cache[key][start - 1 :] == c["generation_log_probs"], (body, c)  # bitwise
         if body.get("logprobs") is True:  # chat's logprobs.content, streamed or not: the same values
             assert c.get("logprobs", []) == c["generation_log_probs"], (body, c)
 
@@ -306,8 +336,11 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
     t0 = time.time()
     while True:
         m = httpx.get(url + "/metrics", timeout=10).json()
-        if (m["engine/unfinished_requests"] == 0 and m["engine/kv_pages_free"] == m["engine/kv_pages_total"]
-                and m["engine/num_requests"] == m["engine/num_running"] == m["engine/num_waiting"] == 0):
+        if (
+            m["engine/unfinished_requests"] == 0
+            and m["engine/kv_pages_free"] == m["engine/kv_pages_total"]
+            and m["engine/num_requests"] == m["engine/num_running"] == m["engine/num_waiting"] == 0
+        ):
             return m
         assert time.time() - t0 < timeout, f"the engine did not go idle: {m}"
         time.sleep(0.05)
@@ -337,8 +370,9 @@ def replay_alone(url: str, model: str, outcomes: list[Outcome], rng: random.Rand
             assert a["generation_log_probs"] == c["generation_log_probs"], (body, a, c)
             if not o.spec.body.get("echo"):
                 assert a["text"] == c["text"], (body, a, c)
-    r = httpx.post(url + CHAT, timeout=60, json={"model": model, "max_tokens": 2,
-                                                 "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        url + CHAT, timeout=60, json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert r.status_code == 200, r.text
 
 
@@ -369,8 +403,12 @@ def run_and_check(server, schedule: list[Spec], cache: dict) -> None:
 
 
 # no shrinking: each example is a whole crowd of requests (minutes to shrink); the failing schedule is printed
-SCHEDULES = settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SCHEDULES = settings(
+    max_examples=15,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 def test_concurrent_clients_are_exact_and_leave_nothing_behind(server):
@@ -381,6 +419,7 @@ def test_concurrent_clients_are_exact_and_leave_nothing_behind(server):
     @given(schedule=schedules(server.model, 12))
     def run(schedule):
         run_and_check(server, schedule, cache)
+
     run()
     after = wait_idle(server.url)
     assert after["engine/num_preemptions"] > before["engine/num_preemptions"]  # the KV budget was contended
@@ -394,4 +433,5 @@ def test_concurrent_clients_many_schedules(server):
     @given(schedule=schedules(server.model, 24))
     def run(schedule):
         run_and_check(server, schedule, cache)
+
     run()

@@ -1,5 +1,6 @@
 """Every error comes back as OpenAI's error JSON with the right status, through the real client, and the
 server keeps serving; a client that disconnects aborts its generation and frees its KV pages."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ import time
 import httpx
 import openai
 import pytest
+from serving import model_dir, served
 
 from exactrl.envs.tool_use import CALCULATOR_TOOL
-from serving import model_dir, served
 
 MSGS = [{"role": "user", "content": "hello"}]
 
@@ -31,49 +32,73 @@ def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
 
 def test_malformed_json_and_missing_fields():
     s = served()
-    r = post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+    r = post(
+        "/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"}
+    )
     assert_error(r, 400, "malformed JSON")
     assert_error(post("/v1/chat/completions", json={"model": s.model}), 400, "missing", "messages")
     assert_error(post("/v1/chat/completions", json={"messages": MSGS}), 400, "model")
     assert_error(post("/v1/completions", json={"model": s.model}), 400, "prompt")
     assert_error(post("/v1/chat/completions", json=[1, 2]), 400)
-    assert_error(post("/v1/chat/completions", json={"model": s.model, "messages": MSGS, "temperature": "hot"}), 400,
-                 "temperature")
+    assert_error(
+        post("/v1/chat/completions", json={"model": s.model, "messages": MSGS, "temperature": "hot"}),
+        400,
+        "temperature",
+    )
     # a tiny temperature would overflow z / T: refused up front, it never reaches (and fails) a shared engine step
-    assert_error(post("/v1/chat/completions", json={"model": s.model, "messages": MSGS, "temperature": 1e-39}), 400,
-                 "temperature")
+    assert_error(
+        post("/v1/chat/completions", json={"model": s.model, "messages": MSGS, "temperature": 1e-39}),
+        400,
+        "temperature",
+    )
     with pytest.raises(openai.BadRequestError):
         s.client().chat.completions.create(model=s.model, messages=[])
     with pytest.raises(openai.BadRequestError, match="role"):
         s.client().chat.completions.create(model=s.model, messages=[{"role": "wizard", "content": "x"}])
 
 
-@pytest.mark.parametrize("body, content_type, words", [
-    # FastAPI answered these "There was an error parsing the body", naming nothing
-    (b'{"model": "m\xff", "messages": []}', "application/json", ["not valid UTF-8", "invalid start byte (byte 12)"]),
-    (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
-     ["malformed JSON body", "nested too deeply"]),
-    (b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", "application/json", ["malformed JSON body", "4300 digits"]),
-    # read as bytes, not JSON: it read "must be a JSON object, got b'{...'"
-    (json.dumps({"model": "m", "messages": MSGS}).encode(), "text/plain",
-     ["must be JSON sent with Content-Type: application/json, got Content-Type 'text/plain'"]),
-    (json.dumps({"model": "m", "messages": MSGS}).encode(), None, ["application/json, got no Content-Type"]),
-    # a field name that is not Unicode: it read "must be a JSON object, got '\\ud800'"
-    (b'{"model": "m", "messages": [], "\\ud800": 1}', "application/json", ["field name that is not valid Unicode"]),
-])
+@pytest.mark.parametrize(
+    "body, content_type, words",
+    [
+        # FastAPI answered these "There was an error parsing the body", naming nothing
+        (
+            b'{"model": "m\xff", "messages": []}',
+            "application/json",
+            ["not valid UTF-8", "invalid start byte (byte 12)"],
+        ),
+        (
+            b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "application/json",
+            ["malformed JSON body", "nested too deeply"],
+        ),
+        (b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", "application/json", ["malformed JSON body", "4300 digits"]),
+        # read as bytes, not JSON: it read "must be a JSON object, got b'{...'"
+        (
+            json.dumps({"model": "m", "messages": MSGS}).encode(),
+            "text/plain",
+            ["must be JSON sent with Content-Type: application/json, got Content-Type 'text/plain'"],
+        ),
+        (json.dumps({"model": "m", "messages": MSGS}).encode(), None, ["application/json, got no Content-Type"]),
+        # a field name that is not Unicode: it read "must be a JSON object, got '\\ud800'"
+        (b'{"model": "m", "messages": [], "\\ud800": 1}', "application/json", ["field name that is not valid Unicode"]),
+    ],
+)
 def test_a_body_that_cannot_be_read_as_json_says_why(body, content_type, words):
     r = post("/v1/chat/completions", content=body, headers={"content-type": content_type} if content_type else {})
     assert assert_error(r, 400, *words)["param"] is None
     assert served().client().chat.completions.create(model=served().model, messages=MSGS, max_tokens=1).choices
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("model", "m" * 100_000, ["The model 'mmmmmmmmmmmm...mmmmmmmmmmmmm' does not exist"]),
-    ("repetition_penalty", list(range(100_000)), ["repetition_penalty=[0, 1, 2, 3, 4, 5, ...] is not supported"]),
-    ("messages", [{"role": "r" * 100_000, "content": "x"}], ["messages[0].role must be one of"]),
-    ("tools", [{"type": "function", "function": {"name": "f " * 50_000}}], ["tools[0].function.name must match"]),
-    ("tool_choice", "c" * 100_000, ["tool_choice must be"]),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("model", "m" * 100_000, ["The model 'mmmmmmmmmmmm...mmmmmmmmmmmmm' does not exist"]),
+        ("repetition_penalty", list(range(100_000)), ["repetition_penalty=[0, 1, 2, 3, 4, 5, ...] is not supported"]),
+        ("messages", [{"role": "r" * 100_000, "content": "x"}], ["messages[0].role must be one of"]),
+        ("tools", [{"type": "function", "function": {"name": "f " * 50_000}}], ["tools[0].function.name must match"]),
+        ("tool_choice", "c" * 100_000, ["tool_choice must be"]),
+    ],
+)
 def test_an_error_quotes_a_long_value_shortened(field, value, words):
     """The message names the value it refuses, not a copy of the whole (it was the client's 100 kB again)."""
     r = post("/v1/chat/completions", json={"model": served().model, "messages": MSGS, "max_tokens": 1, field: value})
@@ -103,24 +128,47 @@ def test_prompt_too_long():
         s.client().completions.create(model=s.model, prompt=[5] * 600)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=-1), dict(temperature=2.5), dict(top_p=0), dict(top_p=1.5), dict(n=0), dict(max_tokens=0),
-    dict(max_completion_tokens=0), dict(extra_body={"top_k": 0}), dict(logprobs=True, top_logprobs=21),
-    dict(top_logprobs=2), dict(presence_penalty=0.5), dict(frequency_penalty=1.0), dict(logit_bias={"5": 10}),
-    dict(stop=["a", "b", "c", "d", "e"]), dict(stop=[""]), dict(n=1000),
-    dict(response_format={"type": "json_object"}), dict(stream=True, logprobs=True, top_logprobs=2),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(temperature=2.5),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(max_completion_tokens=0),
+        dict(extra_body={"top_k": 0}),
+        dict(logprobs=True, top_logprobs=21),
+        dict(top_logprobs=2),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=1.0),
+        dict(logit_bias={"5": 10}),
+        dict(stop=["a", "b", "c", "d", "e"]),
+        dict(stop=[""]),
+        dict(n=1000),
+        dict(response_format={"type": "json_object"}),
+        dict(stream=True, logprobs=True, top_logprobs=2),
+    ],
+)
 def test_invalid_sampling_values(kw):
     s = served()
     with pytest.raises(openai.BadRequestError):
         s.client().chat.completions.create(model=s.model, messages=MSGS, **kw)
 
 
-@pytest.mark.parametrize("path, field", [
-    ("/v1/chat/completions", "top_k"), ("/v1/chat/completions", "n"), ("/v1/chat/completions", "temperature"),
-    ("/v1/chat/completions", "max_tokens"), ("/v1/chat/completions", "seed"), ("/v1/completions", "logprobs"),
-    ("/v1/completions", "top_p"),
-])
+@pytest.mark.parametrize(
+    "path, field",
+    [
+        ("/v1/chat/completions", "top_k"),
+        ("/v1/chat/completions", "n"),
+        ("/v1/chat/completions", "temperature"),
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/chat/completions", "seed"),
+        ("/v1/completions", "logprobs"),
+        ("/v1/completions", "top_p"),
+    ],
+)
 def test_true_or_false_is_no_number(path, field):
     """pydantic's lax mode read `top_k: true` as 1 (greedy) and `n: true` as 1: a 400 naming the field."""
     s = served()
@@ -137,23 +185,28 @@ def test_structured_output_is_refused_on_both_endpoints():
     s = served()
     for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
         with pytest.raises(openai.BadRequestError) as e:
-            s.client().completions.create(model=s.model, prompt=[1, 2, 3], max_tokens=2,
-                                          extra_body={"response_format": fmt})
+            s.client().completions.create(
+                model=s.model, prompt=[1, 2, 3], max_tokens=2, extra_body={"response_format": fmt}
+            )
         assert e.value.body["param"] == "response_format"
-    s.client().completions.create(model=s.model, prompt=[1, 2, 3], max_tokens=2,
-                                  extra_body={"response_format": {"type": "text"}})
+    s.client().completions.create(
+        model=s.model, prompt=[1, 2, 3], max_tokens=2, extra_body={"response_format": {"type": "text"}}
+    )
     s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=2, response_format={"type": "text"})
 
 
-@pytest.mark.parametrize("tools, tool_choice", [
-    ([{"type": "function", "function": {"name": "no spaces allowed"}}], None),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None),
-    ([{"type": "code_interpreter"}], None),
-    ([CALCULATOR_TOOL, CALCULATOR_TOOL], None),
-    ([CALCULATOR_TOOL], "required"),
-    ([CALCULATOR_TOOL], {"type": "function", "function": {"name": "calculator"}}),
-    (None, "auto"),
-])
+@pytest.mark.parametrize(
+    "tools, tool_choice",
+    [
+        ([{"type": "function", "function": {"name": "no spaces allowed"}}], None),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None),
+        ([{"type": "code_interpreter"}], None),
+        ([CALCULATOR_TOOL, CALCULATOR_TOOL], None),
+        ([CALCULATOR_TOOL], "required"),
+        ([CALCULATOR_TOOL], {"type": "function", "function": {"name": "calculator"}}),
+        (None, "auto"),
+    ],
+)
 def test_invalid_tools(tools, tool_choice):
     s = served()
     kw = {"tools": tools} if tools is not None else {}
@@ -171,22 +224,65 @@ def _nested(levels: int) -> dict:
     return d
 
 
-@pytest.mark.parametrize("where, kw", [
-    ("tools", {"tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": _nested(600)}}}]}),
-    ("messages", {"messages": MSGS + [{"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "id": "c1", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "1"}]}),
-    ("messages", {"messages": MSGS + [{"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "id": "c1", "function": {"name": "f", "arguments": _nested(600)}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "1"}]}),
-])
+@pytest.mark.parametrize(
+    "where, kw",
+    [
+        (
+            "tools",
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "properties": _nested(600)}},
+                    }
+                ]
+            },
+        ),
+        (
+            "messages",
+            {
+                "messages": MSGS
+                + [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "type": "function",
+                                "id": "c1",
+                                "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                ]
+            },
+        ),
+        (
+            "messages",
+            {
+                "messages": MSGS
+                + [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"type": "function", "id": "c1", "function": {"name": "f", "arguments": _nested(600)}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                ]
+            },
+        ),
+    ],
+)
 def test_deeply_nested_tool_json_is_a_400_naming_the_field(where, kw):
     """The template renders tool schemas and arguments recursively: a few hundred levels were a 500
     (RecursionError) with thousands of lines of traceback in the log."""
     s = served()
-    r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
-                   json={"model": s.model, "messages": MSGS, "max_tokens": 2} | kw)
+    r = httpx.post(
+        f"{s.url}/v1/chat/completions", timeout=60, json={"model": s.model, "messages": MSGS, "max_tokens": 2} | kw
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == where and "nested deeper than 64 levels" in r.json()["error"]["message"]
     assert s.client().chat.completions.create(model=s.model, messages=MSGS, max_tokens=2).choices
@@ -207,12 +303,15 @@ def test_token_fields_and_monotonicity_policies():
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=s.model, messages=edited, max_tokens=4)
     assert e.value.body["code"] == "non_monotonic_history" and "first differing token at position" in e.value.message
-    split = client.chat.completions.create(model=s.model, messages=edited, max_tokens=4,
-                                           extra_body={"monotonicity": "split"})
+    split = client.chat.completions.create(
+        model=s.model, messages=edited, max_tokens=4, extra_body={"monotonicity": "split"}
+    )
     assert split.choices[0].message.prompt_token_ids == s.tokenizer.apply_chat_template(
-        [edited[0], {"role": "assistant", "content": msg["content"]}, follow])
-    client.chat.completions.create(model=s.model, messages=edited, max_tokens=4,
-                                   extra_body={"monotonicity": "truncate"})
+        [edited[0], {"role": "assistant", "content": msg["content"]}, follow]
+    )
+    client.chat.completions.create(
+        model=s.model, messages=edited, max_tokens=4, extra_body={"monotonicity": "truncate"}
+    )
     after = httpx.get(s.url + "/metrics").json()
     for k in ("raise", "split", "truncate"):
         assert after[f"chat/monotonicity_{k}"] == before[f"chat/monotonicity_{k}"] + 1
@@ -228,11 +327,13 @@ def test_completions_bad_prompts():
     with pytest.raises(openai.BadRequestError, match="suffix"):
         s.client().completions.create(model=s.model, prompt="hi", suffix="x")
     # in a list, the message names the prompt it is about
-    for prompt, kw, needle in ((["hi", ""], {}, "prompt[1] must be non-empty"),
-                               ([[5, 6], [5, 10**6]], {}, "prompt[1] holds token id 1000000 outside"),
-                               (["a", "hi\ud800"], {}, "prompt[1]: "),
-                               ([[5, 6], [5] * 9000], {}, "prompt[1]: This model's maximum context length is"),
-                               ([5] * 9000, {}, "This model's maximum context length is")):
+    for prompt, kw, needle in (
+        (["hi", ""], {}, "prompt[1] must be non-empty"),
+        ([[5, 6], [5, 10**6]], {}, "prompt[1] holds token id 1000000 outside"),
+        (["a", "hi\ud800"], {}, "prompt[1]: "),
+        ([[5, 6], [5] * 9000], {}, "prompt[1]: This model's maximum context length is"),
+        ([5] * 9000, {}, "This model's maximum context length is"),
+    ):
         body = json.dumps({"model": s.model, "prompt": prompt, "max_tokens": 2} | kw)  # "\ud800" escaped
         r = post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert assert_error(r, 400)["message"].startswith(needle), (needle, r.text)
@@ -245,9 +346,11 @@ def test_update_weights_from_a_damaged_directory_is_400_and_the_server_keeps_ser
     (bad["nokey"] / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 512}')
     (bad["trunc"] / "model.safetensors").write_bytes((bad["trunc"] / "model.safetensors").read_bytes()[:100])
     (bad["nojson"] / "config.json").write_text("{")
-    for name, words in [("nokey", ["config.json is missing 'hidden_size'"]),
-                        ("trunc", [f"{bad['trunc'] / 'model.safetensors'} is not a valid safetensors file"]),
-                        ("nojson", [f"{bad['nojson'] / 'config.json'} is not valid JSON"])]:
+    for name, words in [
+        ("nokey", ["config.json is missing 'hidden_size'"]),
+        ("trunc", [f"{bad['trunc'] / 'model.safetensors'} is not a valid safetensors file"]),
+        ("nojson", [f"{bad['nojson'] / 'config.json'} is not valid JSON"]),
+    ]:
         err = assert_error(post("/update_weights_from_disk", json={"model_path": str(bad[name])}), 400, *words)
         assert err["param"] == "model_path"
     assert s.state.engine.version == version
@@ -266,8 +369,15 @@ def _wait_idle(url: str, timeout: float = 20.0) -> dict:
 
 
 def _long_request(stream: bool) -> dict:
-    return {"model": served().model, "messages": MSGS, "max_tokens": 480, "n": 8, "ignore_eos": True, "seed": 1,
-            "stream": stream}
+    return {
+        "model": served().model,
+        "messages": MSGS,
+        "max_tokens": 480,
+        "n": 8,
+        "ignore_eos": True,
+        "seed": 1,
+        "stream": stream,
+    }
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
@@ -353,8 +463,10 @@ def test_a_failed_prompt_of_a_list_aborts_its_siblings():
     before = _wait_idle(s.url)
     eng.step = poisoned_step
     try:
-        r = post("/v1/completions", json={"model": s.model, "prompt": [[5, 6, 8], poison], "max_tokens": 480,
-                                          "n": 4, "ignore_eos": True})
+        r = post(
+            "/v1/completions",
+            json={"model": s.model, "prompt": [[5, 6, 8], poison], "max_tokens": 480, "n": 4, "ignore_eos": True},
+        )
         assert r.status_code == 500, r.text
         after = _wait_idle(s.url)
     finally:

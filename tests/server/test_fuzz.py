@@ -9,6 +9,7 @@ whose message names a field the example touched (or the body); never a 5xx, a tr
 the input, or a hang (the client's timeout). After each example the server still answers a valid request,
 on the same keep-alive connection.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,22 +20,29 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from exactrl.server.schemas import DISTRIBUTION_EXTRAS, ChatCompletionRequest, CompletionRequest
 from serving import served
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                       HealthCheck.function_scoped_fixture])
+from exactrl.server.schemas import DISTRIBUTION_EXTRAS, ChatCompletionRequest, CompletionRequest
+
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # characters: an error quotes the value it refuses shortened, not a megabyte of it (a whole integer may be
 # quoted: Python's JSON reads at most 4300 digits)
 MAX_MESSAGE = 5000
 LEAKS = ("Traceback", 'File "', " object at 0x", "<class ", "There was an error parsing the body")
 # a change to one field can make another field's value invalid: the error may name either
-RELATED = {"stream": {"stream_options", "logprobs", "top_logprobs"}, "logprobs": {"top_logprobs"},
-           "n": {"best_of", "prompt"}, "tools": {"tool_choice"}, "prompt": {"max_tokens"},
-           "messages": {"max_tokens", "max_completion_tokens"}, "max_tokens": {"prompt", "messages"},
-           "max_completion_tokens": {"messages"}}
+RELATED = {
+    "stream": {"stream_options", "logprobs", "top_logprobs"},
+    "logprobs": {"top_logprobs"},
+    "n": {"best_of", "prompt"},
+    "tools": {"tool_choice"},
+    "prompt": {"max_tokens"},
+    "messages": {"max_tokens", "max_completion_tokens"},
+    "max_tokens": {"prompt", "messages"},
+    "max_completion_tokens": {"messages"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,49 +53,123 @@ def http():
 
 
 # ---------------------------------------------------------------- values
-SPECIAL = st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**30, -(10**30), 0.5, -0.0, 1e-39, 1e308,
-                           float("nan"), float("inf"), float("-inf"), "", " ", "1", "true", "null", "\ud800",
-                           "\x00", "é😀", True, False, None, [], {}, [None], {"": None}])
-HUGE = st.sampled_from(["x" * 20_000, list(range(3000)), {f"k{i}": i for i in range(500)}, [[[[[[[[1]]]]]]]] * 200,
-                        int("9" * 4000), -(int("9" * 4000))])
+SPECIAL = st.sampled_from(
+    [
+        0,
+        -1,
+        1,
+        2**31,
+        2**63,
+        -(2**63) - 1,
+        10**30,
+        -(10**30),
+        0.5,
+        -0.0,
+        1e-39,
+        1e308,
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        "",
+        " ",
+        "1",
+        "true",
+        "null",
+        "\ud800",
+        "\x00",
+        "é😀",
+        True,
+        False,
+        None,
+        [],
+        {},
+        [None],
+        {"": None},
+    ]
+)
+HUGE = st.sampled_from(
+    [
+        "x" * 20_000,
+        list(range(3000)),
+        {f"k{i}": i for i in range(500)},
+        [[[[[[[[1]]]]]]]] * 200,
+        int("9" * 4000),
+        -(int("9" * 4000)),
+    ]
+)
 SCALARS = st.one_of(SPECIAL, st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=12))
-GARBAGE = st.one_of(SCALARS, HUGE, st.recursive(SCALARS, lambda xs: st.lists(xs, max_size=3)
-                                                | st.dictionaries(st.text(max_size=6), xs, max_size=3),
-                                                max_leaves=8))
+GARBAGE = st.one_of(
+    SCALARS,
+    HUGE,
+    st.recursive(
+        SCALARS,
+        lambda xs: st.lists(xs, max_size=3) | st.dictionaries(st.text(max_size=6), xs, max_size=3),
+        max_leaves=8,
+    ),
+)
 
 # per-field values near their edges, besides GARBAGE
 EDGES = {
     "max_tokens": st.sampled_from([0, 1, 511, 512, 10**6, 2.0, 2.5, "3", None]),
     "max_completion_tokens": st.sampled_from([0, 1, 511, 512, 10**6, None]),
     "n": st.sampled_from([0, 1, 2, 64, 65, 2.0, True, None]),
-    "temperature": st.sampled_from([0, 0.0, 1e-6, 2, 2.0001, -0.0]), "top_p": st.sampled_from([0, 1e-9, 1, 1.0001]),
-    "top_k": st.sampled_from([-2, -1, 0, 1, 511, 512, 513, 2**63]), "seed": st.sampled_from([2**63 - 1, 2**63, -1]),
+    "temperature": st.sampled_from([0, 0.0, 1e-6, 2, 2.0001, -0.0]),
+    "top_p": st.sampled_from([0, 1e-9, 1, 1.0001]),
+    "top_k": st.sampled_from([-2, -1, 0, 1, 511, 512, 513, 2**63]),
+    "seed": st.sampled_from([2**63 - 1, 2**63, -1]),
     "stop": st.sampled_from(["", [""], ["a"] * 5, ["\n", "e"], "hello", [" "]]),
     "stop_token_ids": st.sampled_from([[], [0], [511], [512], [-1], [True]]),
     "logprobs": st.sampled_from([True, False, 0, 1, 20, 21, -1]),
     "top_logprobs": st.sampled_from([0, 1, 20, 21, -1]),
-    "stream": st.booleans(), "echo": st.booleans(), "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+    "echo": st.booleans(),
+    "ignore_eos": st.booleans(),
     "stream_options": st.sampled_from([{"include_usage": True}, {"include_usage": False}, {}]),
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {}]),
     "monotonicity": st.sampled_from(["raise", "split", "truncate", "never"]),
     "model": st.sampled_from(["gpt-4", "", "m" * 20_000]),
-    "prompt": st.sampled_from([[5] * 510, [5] * 511, [5] * 512, [[5], [6, 7]], ["a", "b"], [511], [512], [[]], [],
-                               "", "\ud800"]),
+    "prompt": st.sampled_from(
+        [[5] * 510, [5] * 511, [5] * 512, [[5], [6, 7]], ["a", "b"], [511], [512], [[]], [], "", "\ud800"]
+    ),
 }
 FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | set(DISTRIBUTION_EXTRAS)
-TOOL = {"type": "function", "function": {"name": "calculator", "description": "calculate",
-                                         "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
-EXTRAS = st.sampled_from(["repetition_penalty", "min_p", "min_tokens", "guided_json", "best_of", "suffix",
-                          "logit_bias", "presence_penalty", "frequency_penalty", "user", "parallel_tool_calls",
-                          "return_token_ids", "whatever"])
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "calculate",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+EXTRAS = st.sampled_from(
+    [
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+        "guided_json",
+        "best_of",
+        "suffix",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "user",
+        "parallel_tool_calls",
+        "return_token_ids",
+        "whatever",
+    ]
+)
 
 
 # ---------------------------------------------------------------- valid bodies
 TEMPERATURES = st.one_of(st.just(0.0), st.floats(1e-5, 2))  # 0 is greedy; below 1e-5 logits / T overflow fp32
+
+
 def _content():
-    return st.one_of(st.sampled_from(["hello", "", "what is 2+3?", "é😀 \n\t"]),
-                     st.just([{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]))
+    return st.one_of(
+        st.sampled_from(["hello", "", "what is 2+3?", "é😀 \n\t"]),
+        st.just([{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]),
+    )
 
 
 @st.composite
@@ -97,10 +179,18 @@ def chat_bodies(draw) -> dict:
         msgs.insert(0, {"role": draw(st.sampled_from(["system", "developer"])), "content": "be brief"})
     if draw(st.booleans()):
         call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"x": "1+1"}'}}
-        msgs += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": "c1", "content": "2"}]
-    body = {"model": served().model, "messages": msgs, "max_tokens": draw(st.integers(1, 3)),
-            "n": draw(st.integers(1, 2)), "stream": draw(st.booleans()), "seed": draw(st.integers(0, 9))}
+        msgs += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        ]
+    body = {
+        "model": served().model,
+        "messages": msgs,
+        "max_tokens": draw(st.integers(1, 3)),
+        "n": draw(st.integers(1, 2)),
+        "stream": draw(st.booleans()),
+        "seed": draw(st.integers(0, 9)),
+    }
     if draw(st.booleans()):
         body["tools"] = [TOOL]
     if draw(st.booleans()):
@@ -109,8 +199,12 @@ def chat_bodies(draw) -> dict:
             body["top_logprobs"] = draw(st.integers(0, 3))
     if body["stream"] and draw(st.booleans()):
         body["stream_options"] = {"include_usage": True}
-    for k, v in (("temperature", TEMPERATURES), ("top_p", st.floats(0.1, 1)), ("top_k", st.integers(1, 512)),
-                 ("stop", st.sampled_from(["\n", ["e", "l"]]))):
+    for k, v in (
+        ("temperature", TEMPERATURES),
+        ("top_p", st.floats(0.1, 1)),
+        ("top_k", st.integers(1, 512)),
+        ("stop", st.sampled_from(["\n", ["e", "l"]])),
+    ):
         if draw(st.booleans()):
             body[k] = draw(v)
     return body
@@ -119,9 +213,15 @@ def chat_bodies(draw) -> dict:
 @st.composite
 def completion_bodies(draw) -> dict:
     prompt = draw(st.sampled_from(["hello world", [5, 6, 7], ["hi", "the quick"], [[5], [6, 7]]]))
-    body = {"model": served().model, "prompt": prompt, "max_tokens": draw(st.integers(1, 3)),
-            "n": draw(st.integers(1, 2)), "stream": draw(st.booleans()), "echo": draw(st.booleans()),
-            "seed": draw(st.integers(0, 9))}
+    body = {
+        "model": served().model,
+        "prompt": prompt,
+        "max_tokens": draw(st.integers(1, 3)),
+        "n": draw(st.integers(1, 2)),
+        "stream": draw(st.booleans()),
+        "echo": draw(st.booleans()),
+        "seed": draw(st.integers(0, 9)),
+    }
     if not body["stream"] and draw(st.booleans()):
         body["logprobs"] = draw(st.integers(0, 3))
     for k, v in (("temperature", TEMPERATURES), ("top_k", st.integers(1, 512)), ("stop", st.just(["o"]))):
@@ -138,17 +238,27 @@ def _bad_message(draw) -> dict:
     if kind == "role":
         msg["role"] = draw(st.one_of(st.sampled_from(["wizard", "function", "USER", "", "tool "]), GARBAGE))
     elif kind == "content":
-        msg["content"] = draw(st.one_of(GARBAGE, st.just([{"type": "image_url", "image_url": {"url": "x"}}]),
-                                        st.lists(st.dictionaries(st.sampled_from(["type", "text"]), GARBAGE),
-                                                 max_size=2)))
+        msg["content"] = draw(
+            st.one_of(
+                GARBAGE,
+                st.just([{"type": "image_url", "image_url": {"url": "x"}}]),
+                st.lists(st.dictionaries(st.sampled_from(["type", "text"]), GARBAGE), max_size=2),
+            )
+        )
     elif kind == "tool_calls":
         msg["tool_calls"] = draw(GARBAGE)
     elif kind == "call":
-        fn = {"name": draw(st.one_of(st.just("calculator"), GARBAGE)),
-              "arguments": draw(st.one_of(st.sampled_from(['{"x": "1"}', "{", "[1]", "", "null", '{"x": NaN}']),
-                                          GARBAGE))}
-        call = {"id": draw(st.one_of(st.just("c9"), GARBAGE)), "type": draw(st.one_of(st.just("function"), GARBAGE)),
-                "function": draw(st.one_of(st.just(fn), GARBAGE))}
+        fn = {
+            "name": draw(st.one_of(st.just("calculator"), GARBAGE)),
+            "arguments": draw(
+                st.one_of(st.sampled_from(['{"x": "1"}', "{", "[1]", "", "null", '{"x": NaN}']), GARBAGE)
+            ),
+        }
+        call = {
+            "id": draw(st.one_of(st.just("c9"), GARBAGE)),
+            "type": draw(st.one_of(st.just("function"), GARBAGE)),
+            "function": draw(st.one_of(st.just(fn), GARBAGE)),
+        }
         msg["tool_calls"] = [draw(st.fixed_dictionaries({}, optional={k: st.just(v) for k, v in call.items()}))]
     elif kind == "tokens":
         ok = {"prompt_token_ids": [5, 6], "generation_token_ids": [7], "generation_log_probs": [-1.0]}
@@ -250,8 +360,9 @@ def check_stream(r: httpx.Response, path: str) -> None:
 
 
 def still_serving(http: httpx.Client) -> None:
-    r = http.post(CHAT, json={"model": served().model, "messages": [{"role": "user", "content": "hi"}],
-                              "max_tokens": 1})
+    r = http.post(
+        CHAT, json={"model": served().model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    )
     assert r.status_code == 200, r.text
 
 
@@ -269,6 +380,7 @@ def test_valid_bodies_are_answered(http, path):
     def run(body, session):
         r = send(http, ("/sessions/fuzz" if session else "") + path, json.dumps(body).encode())
         (check_stream if body["stream"] else check_answer)(r, path)
+
     run()
     http.delete("/sessions/fuzz")
 
@@ -287,12 +399,22 @@ def test_mutated_bodies_are_answered_or_refused_by_name(http, path):
         else:
             check_answer(r, path)
         still_serving(http)
+
     run()
 
 
-CONTENT_TYPES = st.sampled_from([None, "application/json", "application/json; charset=utf-8", "text/plain",
-                                 "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                                 "application/vnd.api+json", ""])
+CONTENT_TYPES = st.sampled_from(
+    [
+        None,
+        "application/json",
+        "application/json; charset=utf-8",
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/vnd.api+json",
+        "",
+    ]
+)
 
 
 @st.composite
@@ -302,7 +424,7 @@ def raw_bodies(draw) -> bytes:
     text = json.dumps(draw(chat_bodies())).encode()
     kind = draw(st.sampled_from(["cut", "splice", "deep", "value", "noise", "bigint"]))
     if kind == "cut":
-        return text[:draw(st.integers(0, len(text) - 1))]
+        return text[: draw(st.integers(0, len(text) - 1))]
     if kind == "splice":
         i = draw(st.integers(0, len(text)))
         junk = draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"'", b"}", b","]))
@@ -327,4 +449,5 @@ def test_bytes_that_are_not_a_json_object_are_refused_by_name(http, path):
             err = check_error(r, FIELDS if r.json()["error"]["param"] is not None else set())
             assert err["param"] is None or content_type and "json" in content_type, err  # only JSON is read
         still_serving(http)
+
     run()

@@ -1,5 +1,6 @@
 """Requests that used to take the server down, fail other clients' requests or lose exact tokens: each is
 refused up front with a 400 naming its field, or now works; streams end with an error event and [DONE]."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,13 +9,12 @@ import shutil
 import threading
 
 import httpx
-import openai
 import pytest
-
 from conftest import make_hf_model
+from serving import check_turns, model_dir, served
+
 from exactrl.engine import SamplingParams
 from exactrl.server.app import ServerThread, build_state, create_app
-from serving import check_turns, model_dir, served
 
 MSGS = [{"role": "user", "content": "hello"}]
 
@@ -48,8 +48,9 @@ def test_n_beyond_the_engine_is_400_naming_n_before_anything_is_built(n, stream)
     s = served()  # a request for 10**30 samples once grew the server to 24 GB before the engine refused it
     err = error_of(post("/v1/chat/completions", json=chat(n=n, max_tokens=1, stream=stream)))
     assert err["param"] == "n" and "max_num_seqs" in err["message"]
-    err = error_of(post("/v1/completions", json={"model": s.model, "prompt": "hi", "n": n, "max_tokens": 1,
-                                                 "stream": stream}))
+    err = error_of(
+        post("/v1/completions", json={"model": s.model, "prompt": "hi", "n": n, "max_tokens": 1, "stream": stream})
+    )
     assert err["param"] == "n"
 
 
@@ -107,8 +108,19 @@ def padded(tmp_path_factory):
 
 def test_padded_vocabulary_ids_are_served_and_accepted_back(padded):
     url, state = padded
-    r = post("/v1/chat/completions", url, json={"model": state.config.model_name, "messages": MSGS, "n": 8,
-                                                "max_tokens": 16, "seed": 0, "logprobs": True, "ignore_eos": True})
+    r = post(
+        "/v1/chat/completions",
+        url,
+        json={
+            "model": state.config.model_name,
+            "messages": MSGS,
+            "n": 8,
+            "max_tokens": 16,
+            "seed": 0,
+            "logprobs": True,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = next(c for c in r.json()["choices"] if max(c["message"]["generation_token_ids"]) >= 512)
     msg = choice["message"]
@@ -116,16 +128,22 @@ def test_padded_vocabulary_ids_are_served_and_accepted_back(padded):
         if t >= 512:
             assert entry["bytes"] == [] and entry["token"] == ""
     follow = [MSGS[0], msg, {"role": "user", "content": "more"}]
-    r2 = post("/v1/chat/completions", url, json={"model": state.config.model_name, "messages": follow,
-                                                 "max_tokens": 2})
+    r2 = post("/v1/chat/completions", url, json={"model": state.config.model_name, "messages": follow, "max_tokens": 2})
     assert r2.status_code == 200, r2.text
     hist = msg["prompt_token_ids"] + msg["generation_token_ids"]
-    assert r2.json()["choices"][0]["message"]["prompt_token_ids"][:len(hist)] == hist
-    r3 = post("/v1/completions", url, json={"model": state.config.model_name, "prompt": [5, 590, 599],
-                                            "max_tokens": 2, "logprobs": 2, "echo": True})
+    assert r2.json()["choices"][0]["message"]["prompt_token_ids"][: len(hist)] == hist
+    r3 = post(
+        "/v1/completions",
+        url,
+        json={"model": state.config.model_name, "prompt": [5, 590, 599], "max_tokens": 2, "logprobs": 2, "echo": True},
+    )
     assert r3.status_code == 200, r3.text
-    assert error_of(post("/v1/completions", url, json={"model": state.config.model_name, "prompt": [600],
-                                                       "max_tokens": 2}))["param"] == "prompt"
+    assert (
+        error_of(
+            post("/v1/completions", url, json={"model": state.config.model_name, "prompt": [600], "max_tokens": 2})
+        )["param"]
+        == "prompt"
+    )
 
 
 # ---------------------------------------------------------------- 4. prompt building off the event loop
@@ -144,8 +162,13 @@ def test_prompt_is_built_off_the_event_loop(monkeypatch):
 
 
 def test_a_conversation_beyond_the_context_is_refused_before_its_history_is_checked():
-    bogus = {"role": "assistant", "content": "x", "prompt_token_ids": [5], "generation_token_ids": [6],
-             "generation_log_probs": [-1.0]}
+    bogus = {
+        "role": "assistant",
+        "content": "x",
+        "prompt_token_ids": [5],
+        "generation_token_ids": [6],
+        "generation_log_probs": [-1.0],
+    }
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 200 + [bogus, MSGS[0]]
     err = error_of(post("/v1/chat/completions", json=chat(messages=msgs, max_tokens=1)))
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
@@ -164,14 +187,18 @@ def failing_step(monkeypatch):
 
     def arm():
         monkeypatch.setattr(engine, "step", step)
+
     return arm
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_engine_failure_in_a_stream_is_an_error_event_then_done(path, failing_step):
     s = served()
-    body = chat(max_tokens=8, stream=True) if "chat" in path else {
-        "model": s.model, "prompt": "hello", "max_tokens": 8, "stream": True}
+    body = (
+        chat(max_tokens=8, stream=True)
+        if "chat" in path
+        else {"model": s.model, "prompt": "hello", "max_tokens": 8, "stream": True}
+    )
     before = httpx.get(s.url + "/metrics").json()
     failing_step()
     with httpx.stream("POST", s.url + path, json=body, timeout=60) as r:
@@ -195,6 +222,7 @@ def test_an_internal_error_is_a_500_and_the_connection_stays_usable(monkeypatch)
     def broken():
         monkeypatch.setattr(s.state, "metrics", real)
         raise RuntimeError("injected metrics failure")
+
     monkeypatch.setattr(s.state, "metrics", broken)
     with httpx.Client(base_url=s.url, timeout=60) as client:
         r = client.get("/metrics")
@@ -206,7 +234,6 @@ def test_weights_from_disk_must_be_finite(tmp_path):
     """NaN weights loaded by /update_weights_from_disk would fail every later request: a 400 names the weight,
     and the served weights stay."""
     from safetensors.torch import load_file, save_file
-
     from serving import model_dir
 
     d = shutil.copytree(model_dir(), tmp_path / "m")
@@ -224,9 +251,9 @@ def test_weights_from_disk_must_be_finite(tmp_path):
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_text_that_is_not_unicode_is_a_400(path):
     """A lone surrogate ("\\ud800" in the JSON) cannot be tokenized: a 400 naming it, not a 500."""
-    body = ('{"model": "%s", "max_tokens": 1, ' % served().model
-            + ('"messages": [{"role": "user", "content": "\\ud800 x"}]}' if "chat" in path
-               else '"prompt": "\\ud800 x"}'))
+    body = f'{{"model": "{served().model}", "max_tokens": 1, ' + (
+        '"messages": [{"role": "user", "content": "\\ud800 x"}]}' if "chat" in path else '"prompt": "\\ud800 x"}'
+    )
     err = error_of(post(path, content=body, headers={"content-type": "application/json"}))
     assert "lone surrogate" in err["message"] and err["param"] in ("messages", "prompt")
 
@@ -237,26 +264,32 @@ def test_generation_holding_end_of_turn_tokens_splices_exactly(policy):
     s = served()
     tok = s.tokenizer
     client = s.client()
-    r = client.chat.completions.create(model=s.model, messages=MSGS, max_tokens=200, n=16, seed=3,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=s.model, messages=MSGS, max_tokens=200, n=16, seed=3, extra_body={"ignore_eos": True}
+    )
     pick = next(c.message for c in r.choices if tok.end_of_turn_id in c.message.generation_token_ids[:-1])
     msg = pick.model_dump(exclude_none=True)
     follow = [MSGS[0], msg, {"role": "user", "content": "more"}]
-    r2 = client.chat.completions.create(model=s.model, messages=follow, max_tokens=3, seed=0,
-                                        extra_body={"monotonicity": policy})
-    assert r2.choices[0].message.prompt_token_ids[:len(pick.prompt_token_ids) + 200] == (
-        pick.prompt_token_ids + pick.generation_token_ids)
+    r2 = client.chat.completions.create(
+        model=s.model, messages=follow, max_tokens=3, seed=0, extra_body={"monotonicity": policy}
+    )
+    assert r2.choices[0].message.prompt_token_ids[: len(pick.prompt_token_ids) + 200] == (
+        pick.prompt_token_ids + pick.generation_token_ids
+    )
     check_turns(tok, [pick, r2.choices[0].message])
 
 
 # ---------------------------------------------------------------- 7. /v1/completions streaming options
 def test_completion_stream_echo_and_usage_match_the_json_answer():
     s = served()
-    body = {"model": s.model, "prompt": ["hello world", "the quick"], "max_tokens": 5, "seed": 0, "echo": True,
-            "n": 2}
+    body = {"model": s.model, "prompt": ["hello world", "the quick"], "max_tokens": 5, "seed": 0, "echo": True, "n": 2}
     js = post("/v1/completions", json=body).json()
-    with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
-                      json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        s.url + "/v1/completions",
+        timeout=60,
+        json=body | {"stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         got = events(r)
     assert got[-1] == "[DONE]" and got[-2]["choices"] == [] and got[-2]["usage"] == js["usage"]
     texts = {}
@@ -271,12 +304,23 @@ def test_completion_stream_echo_and_usage_match_the_json_answer():
 
 
 # ---------------------------------------------------------------- 8. extras that change the distribution
-@pytest.mark.parametrize("field, value", [
-    ("repetition_penalty", 2.0), ("min_p", 0.9), ("min_tokens", 50), ("allowed_token_ids", [5]),
-    ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("use_beam_search", True),
-    ("structured_outputs", {"json": {}}), ("typical_p", 0.5), ("min_p", True),
-    ("best_of", 3),  # chat ignored it: plain samples answered to a client that asked for the best of 3
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("repetition_penalty", 2.0),
+        ("min_p", 0.9),
+        ("min_tokens", 50),
+        ("allowed_token_ids", [5]),
+        ("bad_words", ["x"]),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a+"),
+        ("use_beam_search", True),
+        ("structured_outputs", {"json": {}}),
+        ("typical_p", 0.5),
+        ("min_p", True),
+        ("best_of", 3),  # chat ignored it: plain samples answered to a client that asked for the best of 3
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_distribution_changing_extras_are_400_naming_the_field(field, value, path):
     s = served()
@@ -286,9 +330,19 @@ def test_distribution_changing_extras_are_400_naming_the_field(field, value, pat
 
 
 def test_neutral_extras_are_accepted():
-    r = post("/v1/chat/completions", json=chat(max_tokens=1, repetition_penalty=1.0, min_p=0, min_tokens=0,
-                                              allowed_token_ids=None, bad_words=[], use_beam_search=False,
-                                              best_of=1))
+    r = post(
+        "/v1/chat/completions",
+        json=chat(
+            max_tokens=1,
+            repetition_penalty=1.0,
+            min_p=0,
+            min_tokens=0,
+            allowed_token_ids=None,
+            bad_words=[],
+            use_beam_search=False,
+            best_of=1,
+        ),
+    )
     assert r.status_code == 200, r.text
     r = post("/v1/chat/completions", json=chat(max_tokens=1, n=2, best_of=2))
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
@@ -307,21 +361,27 @@ def test_distinct_seeds_draw_distinct_samples_and_out_of_range_seeds_are_400():
         assert error_of(post("/v1/chat/completions", json=chat(max_tokens=1, seed=seed)))["param"] == "seed"
 
 
-@pytest.mark.parametrize("body, param, words", [
-    (None, None, ["body is empty"]),
-    ({"prompt": [1, "x"]}, "prompt", ["prompt must be one of", "[1, 'x']"]),
-    ({"prompt": [True, False]}, "prompt", ["prompt must be one of"]),
-    ({"prompt": [[1, True]]}, "prompt", ["prompt"]),
-    ({"prompt": "hi", "n": "two"}, "n", ["invalid n", "two"]),
-    ({"prompt": "hi", "temperature": 1e-6}, "temperature", ["temperature"]),
-    ({"prompt": "hi", "n": 100}, "n", ["n must be"]),
-    ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids", ["stop_token_ids"]),
-    ({"prompt": "hi", "stop_token_ids": [512]}, "stop_token_ids", ["stop_token_ids"]),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (None, None, ["body is empty"]),
+        ({"prompt": [1, "x"]}, "prompt", ["prompt must be one of", "[1, 'x']"]),
+        ({"prompt": [True, False]}, "prompt", ["prompt must be one of"]),
+        ({"prompt": [[1, True]]}, "prompt", ["prompt"]),
+        ({"prompt": "hi", "n": "two"}, "n", ["invalid n", "two"]),
+        ({"prompt": "hi", "temperature": 1e-6}, "temperature", ["temperature"]),
+        ({"prompt": "hi", "n": 100}, "n", ["n must be"]),
+        ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids", ["stop_token_ids"]),
+        ({"prompt": "hi", "stop_token_ids": [512]}, "stop_token_ids", ["stop_token_ids"]),
+    ],
+)
 def test_error_messages_name_the_field(body, param, words):
     s = served()
-    r = post("/v1/completions", content=b"", headers={"content-type": "application/json"}) if body is None else \
-        post("/v1/completions", json={"model": s.model, "max_tokens": 1} | body)
+    r = (
+        post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+        if body is None
+        else post("/v1/completions", json={"model": s.model, "max_tokens": 1} | body)
+    )
     err = error_of(r)
     assert err["param"] == param
     for w in words:
@@ -341,15 +401,17 @@ def test_a_completions_request_of_too_many_sequences_is_refused():
     from exactrl.server.schemas import MAX_SEQUENCES
 
     s = served()
-    r = post("/v1/completions", json={"model": s.model, "prompt": [[5]] * (MAX_SEQUENCES // 4 + 1), "n": 4,
-                                      "max_tokens": 1})
+    r = post(
+        "/v1/completions", json={"model": s.model, "prompt": [[5]] * (MAX_SEQUENCES // 4 + 1), "n": 4, "max_tokens": 1}
+    )
     assert "sequences in one request" in error_of(r)["message"] and error_of(r)["param"] == "prompt"
 
 
 def test_streamed_completions_refuse_logprobs_rather_than_drop_them():
     s = served()
-    err = error_of(post("/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2, "stream": True,
-                                                 "logprobs": 0}))
+    err = error_of(
+        post("/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2, "stream": True, "logprobs": 0})
+    )
     assert err["param"] == "logprobs" and "generation_log_probs" in err["message"]
 
 
@@ -381,6 +443,7 @@ def held_in_engine(monkeypatch, path: str, body: dict):
         stepping.set()
         release.wait(30)
         return real()
+
     monkeypatch.setattr(engine, "step", held_step)
     got: dict = {}
     thread = threading.Thread(target=lambda: got.update(r=post(path, json=body)))
@@ -401,8 +464,11 @@ def test_session_deleted_during_a_request_stays_deleted(path, stream, monkeypatc
     session under the same id starts empty (the late record used to bring the deleted session back)."""
     s = served()
     sid = f"del-{stream}-{path.rsplit('/', 1)[-1]}"
-    body = chat(max_tokens=4, stream=stream) if "chat" in path else {
-        "model": s.model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    body = (
+        chat(max_tokens=4, stream=stream)
+        if "chat" in path
+        else {"model": s.model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    )
     with held_in_engine(monkeypatch, f"/sessions/{sid}" + path, body) as got:
         deleted = httpx.delete(f"{s.url}/sessions/{sid}").json()["deleted"]
     assert deleted  # the session exists from its first request's start
@@ -422,8 +488,11 @@ def test_idle_sessions_are_dropped_and_sessions_in_use_are_kept(path, stream, mo
     monkeypatch.setattr(s.state.config, "session_ttl_s", 100.0)
     tag = f"{stream}-{path.rsplit('/', 1)[-1]}"
     idle, busy = f"idle-{tag}", f"busy-{tag}"
-    body = chat(max_tokens=4, stream=stream) if "chat" in path else {
-        "model": s.model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    body = (
+        chat(max_tokens=4, stream=stream)
+        if "chat" in path
+        else {"model": s.model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    )
     assert post(f"/sessions/{idle}" + path, json=body).status_code == 200
     assert s.state.sessions[idle].busy == 0  # the finished request gave it back
     s.state.sessions[idle].last_used -= 1000  # as if unused for 1000 s
@@ -445,8 +514,10 @@ def test_idle_sessions_are_dropped_and_sessions_in_use_are_kept(path, stream, mo
 def test_sessions_never_expire_with_ttl_0(monkeypatch):
     s = served()
     monkeypatch.setattr(s.state.config, "session_ttl_s", 0.0)
-    assert post("/sessions/kept/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2}
-                ).status_code == 200
+    assert (
+        post("/sessions/kept/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2}).status_code
+        == 200
+    )
     s.state.sessions["kept"].last_used -= 10**9
     httpx.get(f"{s.url}/metrics")
     assert httpx.get(f"{s.url}/sessions/kept/trajectories").status_code == 200
@@ -458,7 +529,8 @@ def test_a_stream_its_client_left_gives_its_session_back(path):
     s = served()
     sid = f"left-{path.rsplit('/', 1)[-1]}"
     body = {"model": s.model, "max_tokens": 64, "stream": True, "ignore_eos": True} | (
-        {"messages": MSGS} if "chat" in path else {"prompt": "hello"})
+        {"messages": MSGS} if "chat" in path else {"prompt": "hello"}
+    )
     with httpx.stream("POST", f"{s.url}/sessions/{sid}" + path, json=body, timeout=60) as r:
         next(r.iter_lines())  # the first event, then the client goes
     for _ in range(200):
@@ -495,8 +567,15 @@ def test_a_streamed_delta_never_sends_the_start_of_a_stop_string_before_a_split_
     g = Generation(NS(tokenizer=tok, loop=None), [1], SamplingParams(max_tokens=100), ["x😀"], track_text=True)
     c, sent = g.choices[0], ""
     for k in range(1, len(ids) + 1):
-        g._advance(c, NS(token_ids=ids[:k], logprobs=[0.0] * k, versions=[0] * k,
-                         finish_reason=None if k < len(ids) else "length"))
+        g._advance(
+            c,
+            NS(
+                token_ids=ids[:k],
+                logprobs=[0.0] * k,
+                versions=[0] * k,
+                finish_reason=None if k < len(ids) else "length",
+            ),
+        )
         sent += c.text_delta(g.hold)
         if c.done:
             break
@@ -518,8 +597,9 @@ def test_logprob_bytes_of_a_sentencepiece_byte_fallback_tokenizer():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
     vocab |= {"\u2581hello": len(vocab), "hello": len(vocab) + 1}
     t = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                   decoders.Strip(" ", 1, 0)])
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     hf = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     st = NS(tokenizer=NS(hf=hf, decode=hf.decode), _token_str={}, _token_bytes={})
     st.token_str = lambda i: ServerState.token_str(st, i)
@@ -546,8 +626,9 @@ def test_a_sentencepiece_generation_keeps_its_leading_space():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
     vocab |= {"\u2581The": 259, "\u2581capital": 260, "\u2581is": 261, "\u2581Paris": 262, ".": 263}
     t = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                   decoders.Strip(" ", 1, 0)])
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     hf = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     tok = NS(hf=hf, byte_level=False, decode=lambda ids, skip_special_tokens=False: hf.decode(ids))
     prompt, gen = [1, 259, 260, 261], [262, 263]
@@ -589,6 +670,7 @@ def test_streamed_text_is_decoded_incrementally_and_exactly():
         def decode(self, xs, skip_special_tokens=False):
             decoded.append(len(xs))
             return tok.decode(xs, skip_special_tokens)
+
     g = Generation(NS(tokenizer=Counting(), loop=None), [1], SamplingParams(max_tokens=5000), [], track_text=True)
     c = g.choices[0]
     for k in range(1, len(ids) + 1):
@@ -611,18 +693,24 @@ def test_a_streamed_completion_closes_each_choice_once(monkeypatch):
     async def slow(self):
         await asyncio.sleep(0.02)
         return await check(self)
+
     monkeypatch.setattr(Request, "is_disconnected", slow)
     s = served()
-    body = {"model": s.model, "prompt": ["hello world", "the quick"], "max_tokens": 8, "stream": True, "n": 2,
-            "seed": 0}
+    body = {
+        "model": s.model,
+        "prompt": ["hello world", "the quick"],
+        "max_tokens": 8,
+        "stream": True,
+        "n": 2,
+        "seed": 0,
+    }
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         evs = events(r)
     closing = [c["index"] for e in evs if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
     assert sorted(closing) == [0, 1, 2, 3]
     answer = post("/v1/completions", json=body | {"stream": False}).json()["choices"]
     streamed = {c["index"]: c for e in evs if e != "[DONE]" for c in e["choices"] if c["finish_reason"]}
-    assert [streamed[c["index"]]["generation_token_ids"] for c in answer] == [c["generation_token_ids"]
-                                                                              for c in answer]
+    assert [streamed[c["index"]]["generation_token_ids"] for c in answer] == [c["generation_token_ids"] for c in answer]
 
 
 def test_a_failed_completion_under_a_session_records_no_trajectory(monkeypatch):
@@ -633,6 +721,7 @@ def test_a_failed_completion_under_a_session_records_no_trajectory(monkeypatch):
 
     async def weights_changed(*_a, **_k):
         raise APIError(409, "the weights changed", code="weights_changed")
+
     monkeypatch.setattr(completions, "_completion_logprobs", weights_changed)
     s = served()
     body = {"model": s.model, "prompt": "hello", "max_tokens": 4, "logprobs": 1, "n": 2}
@@ -648,8 +737,13 @@ def test_a_choice_a_stop_string_ends_frees_its_engine_sample_while_the_others_go
     body = {"model": s.model, "prompt": [7] * 20, "max_tokens": 120, "ignore_eos": True, "n": 2, "seed": 11}
     full = post("/v1/completions", json=body).json()["choices"]
     t0, t1 = full[0]["text"], full[1]["text"]
-    stop = next(t0[i:i + 4] for i in range(len(t0) - 4) if "\ufffd" not in t0[i:i + 4] and t0[i:i + 4] not in t1
-                and len(t0[:i + 4].encode()) < len(t0.encode()) // 2)  # well before choice 0's end
+    stop = next(
+        t0[i : i + 4]
+        for i in range(len(t0) - 4)
+        if "\ufffd" not in t0[i : i + 4]
+        and t0[i : i + 4] not in t1
+        and len(t0[: i + 4].encode()) < len(t0.encode()) // 2
+    )  # well before choice 0's end
     before = s.state.loop.stats.aborted
     cut = post("/v1/completions", json=body | {"stop": [stop]}).json()["choices"]
     assert cut[0]["finish_reason"] == "stop" and stop not in cut[0]["text"] and t0.startswith(cut[0]["text"])
@@ -657,29 +751,44 @@ def test_a_choice_a_stop_string_ends_frees_its_engine_sample_while_the_others_go
     assert s.state.loop.stats.aborted == before + 1  # sample 0 alone, as soon as its stop string showed
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("reasoning_content", 5, "messages[1].reasoning_content must be a string, a list of text parts or null"),
-    ("reasoning_content", [{"type": "image"}], "messages[1].reasoning_content[0]: only text parts"),
-    ("content", 5, "messages[1].content must be a string, a list of text parts or null"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("reasoning_content", 5, "messages[1].reasoning_content must be a string, a list of text parts or null"),
+        ("reasoning_content", [{"type": "image"}], "messages[1].reasoning_content[0]: only text parts"),
+        ("content", 5, "messages[1].content must be a string, a list of text parts or null"),
+    ],
+)
 def test_a_bad_message_field_is_named_by_its_path(field, value, needle):
     msgs = MSGS + [{"role": "assistant", "content": "x", field: value}, {"role": "user", "content": "y"}]
     assert needle in error_of(post("/v1/chat/completions", json=chat(messages=msgs, max_tokens=2)))["message"]
 
 
-@pytest.mark.parametrize("message,needle", [
-    # fields the template would have dropped without a word
-    ({"role": "user", "content": "y", "tool_calls": []}, None),  # empty: nothing dropped
-    ({"role": "user", "content": "y", "tool_calls": [{"function": {"name": "f"}}]},
-     "messages[1].tool_calls belongs on 'assistant' messages, not on role 'user'"),
-    ({"role": "system", "content": "y", "reasoning_content": "r"},
-     "messages[1].reasoning_content belongs on 'assistant' messages, not on role 'system'"),
-    ({"role": "user", "content": "y", "tool_call_id": "c1"},
-     "messages[1].tool_call_id belongs on 'tool' messages, not on role 'user'"),
-    # an id that is not a string: str() made {"x": 1} the id "{'x': 1}"
-    ({"role": "tool", "content": "5", "tool_call_id": {"x": 1}}, "messages[1].tool_call_id must be a string, got dict"),
-    ({"role": "tool", "content": "5", "name": 3}, "messages[1].name must be a string, got int"),
-])
+@pytest.mark.parametrize(
+    "message,needle",
+    [
+        # fields the template would have dropped without a word
+        ({"role": "user", "content": "y", "tool_calls": []}, None),  # empty: nothing dropped
+        (
+            {"role": "user", "content": "y", "tool_calls": [{"function": {"name": "f"}}]},
+            "messages[1].tool_calls belongs on 'assistant' messages, not on role 'user'",
+        ),
+        (
+            {"role": "system", "content": "y", "reasoning_content": "r"},
+            "messages[1].reasoning_content belongs on 'assistant' messages, not on role 'system'",
+        ),
+        (
+            {"role": "user", "content": "y", "tool_call_id": "c1"},
+            "messages[1].tool_call_id belongs on 'tool' messages, not on role 'user'",
+        ),
+        # an id that is not a string: str() made {"x": 1} the id "{'x': 1}"
+        (
+            {"role": "tool", "content": "5", "tool_call_id": {"x": 1}},
+            "messages[1].tool_call_id must be a string, got dict",
+        ),
+        ({"role": "tool", "content": "5", "name": 3}, "messages[1].name must be a string, got int"),
+    ],
+)
 def test_a_message_field_its_role_cannot_carry_is_refused(message, needle):
     r = post("/v1/chat/completions", json=chat(messages=MSGS + [message], max_tokens=2))
     if needle is None:
@@ -707,11 +816,15 @@ def test_serve_passes_its_engine_sizes(monkeypatch):
     built = []
     monkeypatch.setattr(server_app, "create_app", lambda state: built.append(state))
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
-    assert main(["serve", "--model", str(model_dir()), "--port", "0", "--max-num-seqs", "3",
-                 "--kv-budget-tokens", "512"]) == 0
+    assert (
+        main(["serve", "--model", str(model_dir()), "--port", "0", "--max-num-seqs", "3", "--kv-budget-tokens", "512"])
+        == 0
+    )
     engine = built[0].engine
     assert engine.scheduler.max_num_seqs == 3
-    assert engine.pool.num_pages * engine.model.block_size >= 512 > (engine.pool.num_pages - 2) * engine.model.block_size
+    assert (
+        engine.pool.num_pages * engine.model.block_size >= 512 > (engine.pool.num_pages - 2) * engine.model.block_size
+    )
 
 
 def test_a_small_kv_budget_is_the_context_limit_clients_are_told_and_it_is_named():
@@ -724,11 +837,18 @@ def test_a_small_kv_budget_is_the_context_limit_clients_are_told_and_it_is_named
         assert card["max_model_len"] == 64 < state.engine.max_model_len == 512
         err = error_of(post("/v1/completions", thread.url, json={"model": card["id"], "prompt": [5] * 100}))
         assert err["code"] == "context_length_exceeded"
-        assert err["message"].startswith("This model's maximum context length is 64 tokens (this server's KV "
-                                         "cache: exactrl serve --kv-budget-tokens), but the prompt has 100 tokens")
+        assert err["message"].startswith(
+            "This model's maximum context length is 64 tokens (this server's KV "
+            "cache: exactrl serve --kv-budget-tokens), but the prompt has 100 tokens"
+        )
         long = " ".join(["hello world"] * 60)
-        err = error_of(post("/v1/chat/completions", thread.url,
-                            json={"model": card["id"], "messages": [{"role": "user", "content": long}]}))
+        err = error_of(
+            post(
+                "/v1/chat/completions",
+                thread.url,
+                json={"model": card["id"], "messages": [{"role": "user", "content": long}]},
+            )
+        )
         assert "64 tokens (this server's KV cache: exactrl serve --kv-budget-tokens)" in err["message"]
     finally:
         thread.stop()
@@ -742,6 +862,7 @@ def test_a_streamed_event_is_one_line_for_every_line_splitter():
     """The model may generate U+0085, U+2028 or U+2029; JSON leaves them raw, and str.splitlines (httpx's
     aiter_lines) ends a line there: an event cut inside its text (seen in the concurrency fuzz)."""
     from exactrl.server.generation import sse
+
     text = "a\x85b\u2028c\u2029d é😀\n\r\x1c"
     event = sse({"choices": [{"text": text}]})
     assert event.endswith("\n\n") and len(event.splitlines()) == 2 and event.splitlines()[1] == ""

@@ -1,6 +1,7 @@
 """guard.py's large-body slots, driven through the body-limit middleware with a stub ASGI app (no sockets):
 a large request waits for a slot once its body is whole, gives it back when its prompt is built, small
 requests never wait, and the heap is trimmed when the last large request building a prompt ends."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ class _Request:  # what prompt_built reads of a Starlette request
 
 def run(size: int, events: list, name: str, release: asyncio.Event):
     """A request of `size` body bytes whose app records when it has its body, then waits for `release`."""
+
     async def app(scope, receive, send):
         while (await receive())["more_body"]:
             pass
@@ -29,8 +31,10 @@ def run(size: int, events: list, name: str, release: asyncio.Event):
         events.append(f"{name} built its prompt")
         await send({"type": "http.response.start", "status": 200, "headers": []})
 
-    chunks = [{"type": "http.request", "body": b"x" * (size // 2), "more_body": True},
-              {"type": "http.request", "body": b"x" * (size - size // 2), "more_body": False}]
+    chunks = [
+        {"type": "http.request", "body": b"x" * (size // 2), "more_body": True},
+        {"type": "http.request", "body": b"x" * (size - size // 2), "more_body": False},
+    ]
 
     async def receive():
         return chunks.pop(0)
@@ -54,8 +58,10 @@ def test_large_requests_take_turns_and_small_ones_do_not_wait(monkeypatch):
     async def main():
         large = LargeBodies(1)
         events, gates = [], {k: asyncio.Event() for k in ("a", "b", "small")}
-        tasks = [asyncio.create_task(_one(large, LARGE_BODY_BYTES, events, "a", gates["a"])),
-                 asyncio.create_task(_one(large, LARGE_BODY_BYTES * 2, events, "b", gates["b"]))]
+        tasks = [
+            asyncio.create_task(_one(large, LARGE_BODY_BYTES, events, "a", gates["a"])),
+            asyncio.create_task(_one(large, LARGE_BODY_BYTES * 2, events, "b", gates["b"])),
+        ]
         small = asyncio.create_task(_one(large, 1000, events, "small", gates["small"]))
         for _ in range(20):
             await asyncio.sleep(0)
@@ -94,8 +100,7 @@ def test_a_large_request_that_fails_gives_back_its_slot(monkeypatch):
             return chunks.pop(0)
 
         with pytest.raises(ValueError):
-            await _BodyLimit(failing, 8 << 20, lambda key: None, large)({"type": "http", "headers": []}, receive,
-                                                                         None)
+            await _BodyLimit(failing, 8 << 20, lambda key: None, large)({"type": "http", "headers": []}, receive, None)
         assert large.building == 0 and large.free._value == 1 and large.trims == 1
 
     asyncio.run(main())

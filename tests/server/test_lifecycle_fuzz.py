@@ -4,6 +4,7 @@ concurrent updates, and sessions whose requests meet an update.
 
 Its own server (weights change here; the shared one of serving.py stays as it was built).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from conftest import make_hf_model
+from serving import model_dir, trainer_logprobs
 
 import exactrl
-from conftest import make_hf_model
 from exactrl.server.app import ServerThread, build_state, create_app
 from exactrl.server.guard import Access
-from serving import model_dir, trainer_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,14 @@ def other(tmp_path_factory):
     """A checkpoint of the served model's configuration with other weights."""
     d = shutil.copytree(model_dir(), tmp_path_factory.mktemp("ckpt") / "other")
     cfg = json.loads((d / "config.json").read_text())
-    make_hf_model(d, "qwen3", seed=1, vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
-                  pad_token_id=cfg.get("pad_token_id"))
+    make_hf_model(
+        d,
+        "qwen3",
+        seed=1,
+        vocab_size=cfg["vocab_size"],
+        eos_token_id=cfg["eos_token_id"],
+        pad_token_id=cfg.get("pad_token_id"),
+    )
     return d
 
 
@@ -73,10 +80,14 @@ def refused(srv, path, *words) -> dict:
 
 
 # ---------------------------------------------------------------- refused updates
-@pytest.mark.parametrize("change, words", [
-    ({"rope_parameters": {"rope_theta": 30000.0, "rope_type": "default"}}, ["rope_theta is 30000.0 there"]),
-    ({"rms_norm_eps": 0.5}, ["rms_norm_eps is 0.5 there"]),
-    ({"max_position_embeddings": 64}, ["max_position_embeddings is 64 there, 512 here"])])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"rope_parameters": {"rope_theta": 30000.0, "rope_type": "default"}}, ["rope_theta is 30000.0 there"]),
+        ({"rms_norm_eps": 0.5}, ["rms_norm_eps is 0.5 there"]),
+        ({"max_position_embeddings": 64}, ["max_position_embeddings is 64 there, 512 here"]),
+    ],
+)
 def test_a_checkpoint_of_another_configuration_is_refused_naming_the_key(srv, tmp_path, change, words):
     """Its weights have the served shapes, but loaded under the served configuration they would not be the
     checkpoint's model: the trainer holding it would compute other logprobs than the server samples with."""
@@ -119,6 +130,7 @@ class HeldEngine:
                 self.reached.set()
                 assert self.go.wait(30)
             return real()
+
         monkeypatch.setattr(state.engine, "step", step)
 
     def release_after_update(self, srv, path) -> dict:
@@ -139,18 +151,28 @@ class HeldEngine:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tokens_sampled_across_an_update_carry_the_version_and_logprobs_of_their_weights(
-        srv, other, monkeypatch, stream):
+    srv, other, monkeypatch, stream
+):
     """A session's request (n=2) and a queued one run across an update: each token's recorded version is
     that of the weights that sampled it, and its logprob is the trainer's under those weights, bitwise."""
     old_model = exactrl.load_model(model_dir())
     v0 = srv.state.engine.version
     held = HeldEngine(srv.state, monkeypatch, at=4)
-    body = {"model": srv.model, "prompt": "hello", "max_tokens": 40, "ignore_eos": True, "n": 2, "seed": 9,
-            "stream": stream}
+    body = {
+        "model": srv.model,
+        "prompt": "hello",
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "n": 2,
+        "seed": 9,
+        "stream": stream,
+    }
     sid = f"across-{stream}"
     results = []
-    clients = [threading.Thread(target=lambda p=p: results.append(httpx.post(srv.url + p, json=body, timeout=60)))
-               for p in (f"/sessions/{sid}/v1/completions", f"/sessions/{sid}-queued/v1/completions")]
+    clients = [
+        threading.Thread(target=lambda p=p: results.append(httpx.post(srv.url + p, json=body, timeout=60)))
+        for p in (f"/sessions/{sid}/v1/completions", f"/sessions/{sid}-queued/v1/completions")
+    ]
     clients[0].start()
     assert held.reached.wait(30)
     clients[1].start()  # queued behind the held step
@@ -173,8 +195,10 @@ def test_tokens_sampled_across_an_update_carry_the_version_and_logprobs_of_their
                 assert versions[0] == v0  # the first tokens were sampled before the update
             else:
                 assert set(versions) == {v0 + 1}  # queued: nothing sampled before the update
-            lps = {v0: trainer_logprobs(full, model=old_model)[p - 1:],
-                   v0 + 1: trainer_logprobs(full, model=new_model)[p - 1:]}
+            lps = {
+                v0: trainer_logprobs(full, model=old_model)[p - 1 :],
+                v0 + 1: trainer_logprobs(full, model=new_model)[p - 1 :],
+            }
             assert t["behav_logprobs"] == [lps[v][i] for i, v in enumerate(versions)]  # bitwise
         assert httpx.delete(f"{srv.url}/sessions/{s}").json()["deleted"]
     assert update(srv, model_dir()).status_code == 200  # the served weights back, for the other tests
@@ -184,11 +208,21 @@ def test_top_logprobs_across_an_update_are_409_and_the_session_records_nothing(s
     """The alternatives would come from other weights than the tokens: 409 weights_changed, no record of
     the turn in its session, the session given back, and the same request answered once sent again."""
     held = HeldEngine(srv.state, monkeypatch, at=3)
-    body = {"model": srv.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
-            "ignore_eos": True, "logprobs": True, "top_logprobs": 3, "seed": 1}
+    body = {
+        "model": srv.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "seed": 1,
+    }
     got: dict = {}
-    client = threading.Thread(target=lambda: got.update(
-        r=httpx.post(srv.url + "/sessions/top-409/v1/chat/completions", json=body, timeout=60)))
+    client = threading.Thread(
+        target=lambda: got.update(
+            r=httpx.post(srv.url + "/sessions/top-409/v1/chat/completions", json=body, timeout=60)
+        )
+    )
     client.start()
     v0 = srv.state.engine.version
     assert held.release_after_update(srv, other).status_code == 200
@@ -218,8 +252,9 @@ def test_concurrent_updates_each_get_their_own_version_and_the_last_one_serves(s
     paths = {"base": model_dir(), "other": other, "missing": missing}
     v0, count0 = srv.state.engine.version, srv.state.counters["server/weight_updates"]
     answers: dict = {}
-    threads = [threading.Thread(target=lambda k=k, n=n: answers.update({k: update(srv, paths[n])}))
-               for k, n in enumerate(plan)]
+    threads = [
+        threading.Thread(target=lambda k=k, n=n: answers.update({k: update(srv, paths[n])})) for k, n in enumerate(plan)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -244,7 +279,8 @@ def test_a_session_deleted_while_a_request_builds_its_prompt_stays_deleted(srv, 
 
     sid = "del-plan-chat" if "chat" in path else "del-plan-text"
     body = {"model": srv.model, "max_tokens": 3} | (
-        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hello"})
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hello"}
+    )
     url = f"{srv.url}/sessions/{sid}{path}"
     assert httpx.post(url, json=body, timeout=60).status_code == 200  # the session exists, one turn in it
     building, go = threading.Event(), threading.Event()
@@ -254,7 +290,9 @@ def test_a_session_deleted_while_a_request_builds_its_prompt_stays_deleted(srv, 
             building.set()
             assert go.wait(30)
             return real(*a, **k)
+
         return build
+
     if "chat" in path:
         monkeypatch.setattr(srv.state.splicer, "build", held(srv.state.splicer.build))
     else:
@@ -283,6 +321,7 @@ def test_a_request_the_engine_cannot_take_fails_alone_and_the_next_one_is_served
             if len(calls) == 1:
                 raise TypeError("broken on purpose")
             return real(*a, **kw)
+
         monkeypatch.setattr(state.engine, "add_request", once_broken)
         r = httpx.post(t.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 500 and "could not take the request" in r.text and "broken on purpose" in r.text
@@ -298,6 +337,7 @@ def test_if_the_engine_thread_stops_requests_fail_instead_of_hanging_and_health_
 
         def broken():  # called by the thread after every step, outside any command's or step's guard
             raise KeyError("broken on purpose")
+
         monkeypatch.setattr(state.engine, "stats", broken)
         r = httpx.post(t.url + "/v1/completions", json=body, timeout=60)  # the request in flight when it stops
         assert r.status_code == 500 and "engine thread stopped" in r.text and "broken on purpose" in r.text, r.text

@@ -1,6 +1,7 @@
 """What one request may cost: its body (413 past --max-body-mb), its text (refused before it is tokenized when
 it cannot fit the context), the event loop (tokenizing runs in a worker thread), a connection's time to send
 its request head (closed past --header-timeout)."""
+
 from __future__ import annotations
 
 import socket
@@ -9,11 +10,11 @@ import threading
 import httpx
 import openai
 import pytest
+from serving import model_dir, served
+from test_auth import serve_args
 
 from exactrl.server.app import ServerThread, access_of, build_state, create_app
 from exactrl.server.guard import Access
-from serving import model_dir, served
-from test_auth import serve_args
 
 LIMIT = 64 << 10
 MSGS = [{"role": "user", "content": "hello"}]
@@ -34,22 +35,25 @@ def test_the_default_limit_is_8_mb():
 def test_a_body_past_the_limit_is_413(limited):
     url, state = limited
     big = [{"role": "user", "content": "x" * LIMIT}]
-    r = httpx.post(url + "/v1/chat/completions", json={"model": state.config.model_name, "messages": big},
-                   timeout=60)
+    r = httpx.post(url + "/v1/chat/completions", json={"model": state.config.model_name, "messages": big}, timeout=60)
     assert r.status_code == 413, r.text
     err = r.json()["error"]
     assert err["code"] == "request_too_large" and "--max-body-mb" in err["message"]
     with pytest.raises(openai.APIStatusError) as e:  # through the official client
         openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(
-            model=state.config.model_name, messages=big, max_tokens=1)
+            model=state.config.model_name, messages=big, max_tokens=1
+        )
     assert e.value.status_code == 413
     # without a Content-Length (chunked): refused as the chunks pass the limit
     chunks = (b'{"model": "m", "prompt": "' + b"y" * 8192 if i == 0 else b"y" * 8192 for i in range(2 * LIMIT // 8192))
     r = httpx.post(url + "/v1/completions", content=chunks, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     # under the limit: served
-    r = httpx.post(url + "/v1/chat/completions", json={"model": state.config.model_name, "messages": MSGS,
-                                                       "max_tokens": 1}, timeout=60)
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": state.config.model_name, "messages": MSGS, "max_tokens": 1},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert state.metrics()["server/errors_413"] == 3
 
@@ -63,6 +67,7 @@ def encoded(monkeypatch):
     def spy(self, text):
         texts.append(text)
         return encode(self, text)
+
     monkeypatch.setattr(cls, "encode", spy)
     return texts
 
@@ -72,10 +77,15 @@ def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(enco
     st = s.state
     big = "the quick brown fox " * (st.context_limit * st.splicer.max_token_chars // 20 + 1)
     post = lambda path, body: httpx.post(s.url + path, json={"model": s.model} | body, timeout=60)
-    for path, body, start in (("/v1/completions", {"prompt": big}, "This model's maximum context length is"),
-                              ("/v1/completions", {"prompt": ["hi", big]}, "prompt[1]: This model's maximum"),
-                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]},
-                               "This model's maximum context length is")):
+    for path, body, start in (
+        ("/v1/completions", {"prompt": big}, "This model's maximum context length is"),
+        ("/v1/completions", {"prompt": ["hi", big]}, "prompt[1]: This model's maximum"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": big}]},
+            "This model's maximum context length is",
+        ),
+    ):
         r = post(path, body)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -98,10 +108,16 @@ def test_tokenizing_does_not_hold_the_event_loop(monkeypatch):
             entered.set()
             assert release.wait(60)
         return encode(self, text)
+
     monkeypatch.setattr(cls, "encode", held)
     answers = []
-    t = threading.Thread(target=lambda: answers.append(httpx.post(
-        s.url + "/v1/completions", json={"model": s.model, "prompt": "HOLD hello", "max_tokens": 1}, timeout=60)))
+    t = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                s.url + "/v1/completions", json={"model": s.model, "prompt": "HOLD hello", "max_tokens": 1}, timeout=60
+            )
+        )
+    )
     t.start()
     try:
         assert entered.wait(60)

@@ -1,5 +1,6 @@
 """Review of the engine thread's failure path (server/loop.py): a weight update or scoring call racing the
 thread's death is failed once, and no request queued behind it is left waiting."""
+
 from __future__ import annotations
 
 import asyncio
@@ -60,6 +61,7 @@ def test_a_call_whose_future_the_dying_thread_settled_returns_it():
 def test_a_future_its_caller_failed_first_leaves_no_request_behind_it_waiting():
     """The other order: a `call` sees the error and fails its future before the dying thread drains the queue,
     which met the failed future (RuntimeError in its handler) and never failed the request queued after it."""
+
     async def main():
         engine = FakeEngine()
         loop = EngineLoop(engine)
@@ -71,6 +73,7 @@ def test_a_future_its_caller_failed_first_leaves_no_request_behind_it_waiting():
             loop._commands.put(("add", "req-after", [1], None, stream))
             assert fut.set_running_or_notify_cancel()
             fut.set_exception(RuntimeError("the engine thread stopped (as call() words it)"))
+
         engine.before_death = others
         engine.broken = True
         loop.start()
@@ -78,4 +81,5 @@ def test_a_future_its_caller_failed_first_leaves_no_request_behind_it_waiting():
         loop._thread.join(timeout=30)
         with pytest.raises(RuntimeError, match="the engine thread stopped"):
             await asyncio.wait_for(stream.get(), 10)
+
     asyncio.run(main())

@@ -12,6 +12,7 @@ sessions used for several turns (token fields sent back) then deleted or left to
     Session, Record) is still alive, nor any asyncio task.
 Structures, never RSS or time (`soak` drives longer runs that measure RSS too; none is a threshold here).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,11 +26,11 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
 from conftest import make_hf_model
+from serving import model_dir
+
 from exactrl.server.app import ServerThread, build_state, create_app
 from exactrl.server.guard import Access
-from serving import model_dir
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 WORDS = ["hello", "world", "what is 2+3?", "the quick brown fox", "go on", "é😀", "12*7"]
@@ -41,13 +42,28 @@ def build_server(tmp: Path, kv_budget_tokens: int = 1024) -> SimpleNamespace:
     """A server of its own (its weights change) and a second checkpoint of the same configuration."""
     other = shutil.copytree(model_dir(), tmp / "other")
     cfg = json.loads((other / "config.json").read_text())
-    make_hf_model(other, "qwen3", seed=1, vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
-                  pad_token_id=cfg.get("pad_token_id"))
-    state = build_state(str(model_dir()), kv_budget_tokens=kv_budget_tokens, session_ttl_s=SESSION_TTL,
-                        access=Access(weight_updates=True))
+    make_hf_model(
+        other,
+        "qwen3",
+        seed=1,
+        vocab_size=cfg["vocab_size"],
+        eos_token_id=cfg["eos_token_id"],
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+    state = build_state(
+        str(model_dir()),
+        kv_budget_tokens=kv_budget_tokens,
+        session_ttl_s=SESSION_TTL,
+        access=Access(weight_updates=True),
+    )
     thread = ServerThread(create_app(state)).start()
-    return SimpleNamespace(url=thread.url, state=state, thread=thread, model=state.config.model_name,
-                           checkpoints=[str(model_dir()), str(other)])
+    return SimpleNamespace(
+        url=thread.url,
+        state=state,
+        thread=thread,
+        model=state.config.model_name,
+        checkpoints=[str(model_dir()), str(other)],
+    )
 
 
 # ---------------------------------------------------------------- one client action each
@@ -98,7 +114,8 @@ async def _hangup(srv, client, rng):
     """A client that leaves mid-stream, or before a long JSON answer."""
     path = rng.choice([CHAT, COMPLETIONS])
     body = {"model": srv.model, "max_tokens": 100, "ignore_eos": True, "n": rng.choice([1, 2])} | (
-        {"messages": _messages(rng)} if path == CHAT else {"prompt": rng.choice(WORDS)})
+        {"messages": _messages(rng)} if path == CHAT else {"prompt": rng.choice(WORDS)}
+    )
     if rng.random() < 0.2:
         path = f"/sessions/hangup-{rng.randrange(10**9)}" + path
     if rng.random() < 0.6:
@@ -117,26 +134,42 @@ async def _bad(srv, client, rng):
     """A request refused with a 400 (before or after its session was taken)."""
     sid = f"/sessions/bad-{rng.randrange(10**9)}" if rng.random() < 0.3 else ""
     chat = {"model": srv.model, "messages": _messages(rng)}
-    body, path = rng.choice([
-        (chat | {"max_tokens": 0}, CHAT),
-        (chat | {"top_logprobs": 3, "stream": True, "logprobs": True}, CHAT),
-        (chat | {"max_tokens": 10**6}, CHAT),
-        ({"model": srv.model, "messages": [{"role": "user", "content": "x"},
-                                          {"role": "assistant", "content": "y", "prompt_token_ids": [1, 2],
-                                           "generation_token_ids": [3], "generation_log_probs": [-1.0]},
-                                          {"role": "user", "content": "z"}]}, CHAT),
-        ({"model": srv.model, "prompt": [10**7], "max_tokens": 2}, COMPLETIONS),
-        ({"model": srv.model, "prompt": "hi", "logprobs": 1, "stream": True}, COMPLETIONS),
-        ({"model": srv.model, "prompt": [], "max_tokens": 2}, COMPLETIONS),
-    ])
+    body, path = rng.choice(
+        [
+            (chat | {"max_tokens": 0}, CHAT),
+            (chat | {"top_logprobs": 3, "stream": True, "logprobs": True}, CHAT),
+            (chat | {"max_tokens": 10**6}, CHAT),
+            (
+                {
+                    "model": srv.model,
+                    "messages": [
+                        {"role": "user", "content": "x"},
+                        {
+                            "role": "assistant",
+                            "content": "y",
+                            "prompt_token_ids": [1, 2],
+                            "generation_token_ids": [3],
+                            "generation_log_probs": [-1.0],
+                        },
+                        {"role": "user", "content": "z"},
+                    ],
+                },
+                CHAT,
+            ),
+            ({"model": srv.model, "prompt": [10**7], "max_tokens": 2}, COMPLETIONS),
+            ({"model": srv.model, "prompt": "hi", "logprobs": 1, "stream": True}, COMPLETIONS),
+            ({"model": srv.model, "prompt": [], "max_tokens": 2}, COMPLETIONS),
+        ]
+    )
     r = await client.post(sid + path, json=body)
     assert r.status_code == 400, r.text
 
 
 def _streamed_message(sse: str) -> dict:
     """The assistant message a streamed chat answer (n = 1) adds up to, token fields included."""
-    deltas = [c["delta"] for line in sse.split("\n\n") if line.startswith("data: {")
-              for c in json.loads(line[6:])["choices"]]
+    deltas = [
+        c["delta"] for line in sse.split("\n\n") if line.startswith("data: {") for c in json.loads(line[6:])["choices"]
+    ]
     msg = {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas)}
     if reasoning := "".join(d.get("reasoning_content", "") for d in deltas):
         msg["reasoning_content"] = reasoning
@@ -202,8 +235,12 @@ def wait_idle(srv, timeout: float = 10.0) -> None:
         st._next_sweep = 0.0
         httpx.get(srv.url + "/metrics", timeout=10)  # a sweep of the idle sessions (on the server's loop)
         eng = st.engine
-        if not eng.has_unfinished() and not st.loop._streams and not st.sessions and \
-                eng.pool.num_free == eng.pool.num_pages:
+        if (
+            not eng.has_unfinished()
+            and not st.loop._streams
+            and not st.sessions
+            and eng.pool.num_free == eng.pool.num_pages
+        ):
             return
         assert time.time() - t0 < timeout, (eng.stats(), len(st.loop._streams), st.sessions.keys())
         time.sleep(0.05)
@@ -259,5 +296,9 @@ def test_mixed_requests_leave_the_server_idle(srv):
     assert m["server/sessions_expired"] > 0 and m["server/client_disconnects"] > 0 and m["engine/aborted"] > 0
     assert m["server/weight_updates"] > 0 and m.get("server/errors_400", 0) > 0
     assert len(srv.state.counters) <= counters + 10  # new kinds of events at most, never one key per request
-    assert httpx.post(srv.url + CHAT, json={"model": srv.model, "messages": _messages(random.Random(0)),
-                                            "max_tokens": 2}).status_code == 200
+    assert (
+        httpx.post(
+            srv.url + CHAT, json={"model": srv.model, "messages": _messages(random.Random(0)), "max_tokens": 2}
+        ).status_code
+        == 200
+    )

@@ -1,17 +1,18 @@
 """POST /update_weights_from_disk swaps the served weights: off (403 naming the flag) unless
 --enable-weight-updates; with --weights-root, only checkpoints under it, and one message for any other path,
 whatever it is (no filesystem oracle)."""
+
 from __future__ import annotations
 
 import shutil
 
 import httpx
 import pytest
+from serving import model_dir
+from test_auth import serve_args
 
 from exactrl.server.app import ServerThread, access_of, build_state, create_app
 from exactrl.server.guard import Access
-from serving import model_dir
-from test_auth import serve_args
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,17 @@ def test_a_weights_root_allows_only_paths_under_it_with_one_message_for_the_rest
     (tmp_path / "file").write_text("x")
     (tmp_path / "noconfig").mkdir()
     (root / "escape").symlink_to(tmp_path)
-    outside = [tmp_path / "missing", tmp_path / "file", tmp_path / "noconfig", model_dir(), "/etc", "../",
-               root / ".." / root.name / ".." / "x", root / "escape" / "noconfig", "a\0b"]
+    outside = [
+        tmp_path / "missing",
+        tmp_path / "file",
+        tmp_path / "noconfig",
+        model_dir(),
+        "/etc",
+        "../",
+        root / ".." / root.name / ".." / "x",
+        root / "escape" / "noconfig",
+        "a\0b",
+    ]
     with thread:
         post = lambda p: httpx.post(thread.url + "/update_weights_from_disk", json={"model_path": str(p)}, timeout=60)
         messages = set()
@@ -81,6 +91,7 @@ def test_a_checkpoint_with_flipped_bytes_is_refused_naming_the_file_and_an_intac
 
     import exactrl
     from exactrl.train.checkpoint import save_checkpoint
+
     model = exactrl.load_model(model_dir())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     intact = save_checkpoint(tmp_path / "run", 1, model, opt, {"prompts": {}}, keep=2)

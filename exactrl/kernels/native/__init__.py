@@ -11,177 +11,49 @@ parallel region computes in its caller's flush-to-zero / denormal mode.
 
 Why C: the exact attention computes each query row on its own with a fixed
 reduction order (`exact.c`). In torch ops that needs many tiny fixed-shape
-products and masks; measured on a 2-core AMD EPYC (Zen 1) at the 20M shape,
-batch 32, ~16 ms of a 64–68 ms decode step went to them; the C loop, one pass
-over each row's keys, takes ~4 ms of the step. RMSNorm likewise: one call
-instead of ~7 torch ops (and no padding of small batches), 33 calls a step.
+products and masks, whose dispatch costs more than their arithmetic; one C
+loop makes one pass over each row's keys. RMSNorm likewise: one call instead
+of several torch ops, and no padding of small batches (docs/kernels.md).
 
-Build: `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` into
-`$EXACTRL_CACHE` (default `$XDG_CACHE_HOME/exactrl` or `~/.cache/exactrl`), keyed by the source, the flags,
-the compiler's version and the CPU's feature flags, written atomically (a
-crash mid-build leaves no half-written library). `-ffp-contract=off` and no
-`-ffast-math` keep the source's order of every rounding, so `-march=native`
-changes speed, not bits. The kernels' exp is their own (`exp_f.h`), not
-libm's, whose variant glibc picks per CPU: the same bits on every CPU
-(the tests compare the AVX-512, AVX2 and unvectorised builds). No torch headers: the build takes seconds, not a minute.
-Needs a C compiler with OpenMP (gcc or clang: `$CC`, default `cc`); without
-one, exact kernels fail with an error that says so.
+How the library is compiled, cached and loaded: build.py.
 """
-from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
+from __future__ import annotations
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("exact.c", "gemm.c", "pointwise.c", "graph.c"))
-HEADERS = (Path(__file__).with_name("fpmode.h"), Path(__file__).with_name("exp_f.h"))
-# other builds, for the tests: the same sums, so the same bits, as the machine's own build ("portable":
-# gemm.c's plain-C kernel and no vectorising at all)
-BUILDS = {"": [], "avx2": ["-mno-avx512f"], "portable": ["-DEXACTRL_PORTABLE", "-fno-tree-vectorize"]}
+from exactrl.kernels.native.build import (  # noqa: F401 (the build's names, as the package's)
+    BUILDS,
+    FLAGS,
+    HEADERS,
+    SOURCES,
+    KernelBuildError,
+    _compiler,
+    _library,
+    _recording,
+    library,
+)
+
 _DTYPES = (torch.float32, torch.bfloat16)  # what the C kernels read
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
-class KernelBuildError(OSError):
-    """The exact kernels cannot be built here (no C compiler, an unwritable cache, a failed compile): a
-    problem of the machine's set-up, which the CLI reports in one line as it does other OSErrors."""
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:  # not Linux: the compiler's own target description stands in
-        return ""
-
-
-def _cache_dir() -> Path:
-    if "EXACTRL_CACHE" in os.environ:
-        return Path(os.environ["EXACTRL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "exactrl"
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise KernelBuildError(f"exactrl's exact kernels are compiled on first use and need a C compiler with "
-                               f"OpenMP (gcc or clang), but {cc!r} was not found: install one (apt-get install gcc) "
-                               f"or set CC")
-    return cc
-
-
-def library(build: str = "") -> ctypes.CDLL:
-    """The compiled kernels. Another `build` ("avx2": without AVX-512, as on an AVX2-only CPU; "portable":
-    gemm.c without vector intrinsics, plain C `fmaf`, nothing vectorised) is for the tests, which compare
-    its bits. While `graph.recording` is active on this thread, calls through it are also noted."""
-    calls = getattr(_recording, "calls", None)
-    return _library(build) if calls is None else _Recorder(_library(build), build, calls)
-
-
-_recording = threading.local()  # .calls: the list `graph.recording` notes this thread's kernel calls in
-
-
-class _Recorder:
-    """`library()` while a recording is active: each kernel call is made and noted as
-    (build, function name, argument types, arguments)."""
-
-    def __init__(self, lib: ctypes.CDLL, build: str, calls: list):
-        self._lib, self._build, self._calls = lib, build, calls
-
-    def __getattr__(self, name: str):
-        fn = getattr(self._lib, name)
-
-        def call(*args):
-            self._calls.append((self._build, name, fn.argtypes, args))
-            return fn(*args)
-        return call
-
-
-@functools.cache  # one entry per build, however it is asked for
-def _library(build: str) -> ctypes.CDLL:
-    cc = _compiler()
-    flags = FLAGS + BUILDS[build]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), " ".join(flags), version,
-                                     _cpu_flags()]).encode())
-    cache = _cache_dir()
-    so = cache / f"exact-kernels-{key.hexdigest()[:16]}.so"
-    if not so.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        except OSError as e:
-            raise KernelBuildError(f"cannot write exactrl's compiled kernels to {cache} ({e.strerror}): set "
-                                   f"EXACTRL_CACHE to a writable directory") from None
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
-                                  text=True)
-            if done.returncode != 0:
-                raise KernelBuildError(f"compiling exactrl's exact kernels failed ({cc} {' '.join(flags)}):\n"
-                                       f"{done.stderr[-2000:]}")
-            os.replace(tmp, so)  # atomic: a concurrent or interrupted build never leaves a partial file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(so))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.exactrl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                                      ctypes.c_float, ptr, ptr, ctypes.c_int]
-    lib.exactrl_attention.restype = ctypes.c_int
-    lib.exactrl_attention_backward.argtypes = [ptr] * 9 + [i64] * 8 + [ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
-    lib.exactrl_attention_backward.restype = ctypes.c_int
-    lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
-    lib.exactrl_rms_norm.restype = None
-    lib.exactrl_rotary.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr]
-    lib.exactrl_rotary.restype = None
-    lib.exactrl_write_rows.argtypes, lib.exactrl_write_rows.restype = [ptr, ptr, i64, i64, ptr], None
-    lib.exactrl_gemm_build.argtypes, lib.exactrl_gemm_build.restype = [], ctypes.c_char_p
-    lib.exactrl_gemm_panel_width.argtypes, lib.exactrl_gemm_panel_width.restype = [], i64
-    lib.exactrl_pack_weight.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-    lib.exactrl_pack_weight.restype = None
-    lib.exactrl_pack_weight_t.argtypes, lib.exactrl_pack_weight_t.restype = [ptr, i64, i64, ptr, ctypes.c_int], None
-    lib.exactrl_linear.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    lib.exactrl_linear.restype = None
-    lib.exactrl_linear_multi.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
-    lib.exactrl_linear_multi.restype = None
-    lib.exactrl_check_layout.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
-    lib.exactrl_check_layout.restype = ctypes.c_int
-    f32 = ctypes.c_float
-    for name, args in [("exactrl_exp", [ptr, i64, ptr]),
-                       ("exactrl_swiglu", [ptr, ptr, i64, ptr, ctypes.c_int]),
-                       ("exactrl_log_softmax", [ptr, i64, i64, ptr, ctypes.c_int]),
-                       ("exactrl_swiglu_backward", [ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]),
-                       ("exactrl_rms_norm_backward", [ptr, ptr, ptr, i64, i64, f32, ptr, ptr, ctypes.c_int]),
-                       ("exactrl_draw", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
-                       ("exactrl_sample", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
-                       ("exactrl_entropy", [ptr, i64, i64, ptr, ctypes.c_int]),
-                       ("exactrl_log_softmax_entropy", [ptr, i64, i64, ptr, ptr, ctypes.c_int]),
-                       ("exactrl_add", [ptr, ptr, i64, i64, ptr]),
-                       ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int])]:
-        getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
-    lib.exactrl_graph_kernels.argtypes, lib.exactrl_graph_kernels.restype = [], ctypes.c_char_p
-    lib.exactrl_graph_run.argtypes, lib.exactrl_graph_run.restype = [ptr, i64], i64
-    return lib
-
-
-def check_layout(seq_N: torch.Tensor, pos_N: torch.Tensor, table_SJ: torch.Tensor, block_size: int
-                 ) -> tuple[int, int]:
+def check_layout(seq_N: torch.Tensor, pos_N: torch.Tensor, table_SJ: torch.Tensor, block_size: int) -> tuple[int, int]:
     """(max position + 1, highest page read) of a token layout, or a ValueError naming what is wrong (exact.c)."""
     assert seq_N.dtype == pos_N.dtype == table_SJ.dtype == torch.int64 and seq_N.shape == pos_N.shape
     seq, pos, table = (t if t.is_contiguous() else t.contiguous() for t in (seq_N, pos_N, table_SJ))
     S, J = table.shape
     scratch = torch.empty(S + 2, dtype=torch.int64)
-    err = library().exactrl_check_layout(seq.data_ptr(), pos.data_ptr(), seq.shape[0], table.data_ptr(), S, J,
-                                         block_size, scratch.data_ptr(), scratch[S:].data_ptr())
+    err = library().exactrl_check_layout(
+        seq.data_ptr(),
+        pos.data_ptr(),
+        seq.shape[0],
+        table.data_ptr(),
+        S,
+        J,
+        block_size,
+        scratch.data_ptr(),
+        scratch[S:].data_ptr(),
+    )
     if err == 1:
         raise ValueError("token layout: positions must be >= 0 and sequences rows of the block table")
     if err == 2:
@@ -190,9 +62,17 @@ def check_layout(seq_N: torch.Tensor, pos_N: torch.Tensor, table_SJ: torch.Tenso
     return max_len, max_page
 
 
-def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, seq_N: torch.Tensor,
-              pos_N: torch.Tensor, table_SJ: torch.Tensor, scale: float, with_lse: bool = False, window: int = 0
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def attention(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    seq_N: torch.Tensor,
+    pos_N: torch.Tensor,
+    table_SJ: torch.Tensor,
+    scale: float,
+    with_lse: bool = False,
+    window: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of every query row over its sequence's keys 0..pos, or with a sliding `window` > 0
     the keys pos - window + 1..pos (exact.c): [N, H, D] fp32, and
     with `with_lse` also each row's log-sum-exp of its scaled scores, m + log(sum_t exp(s_t - m)), [N, H]
@@ -209,18 +89,43 @@ def attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     lse = torch.empty(N, H, dtype=torch.float32) if with_lse else None
     if N:
         failed = library().exactrl_attention(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), seq.data_ptr(),
-            pos.data_ptr(), table.data_ptr(), N, H, Hk, D, B, table.shape[1], window, scale, out.data_ptr(),
-            None if lse is None else lse.data_ptr(), torch.get_num_threads())
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            int(q.dtype == torch.bfloat16),
+            seq.data_ptr(),
+            pos.data_ptr(),
+            table.data_ptr(),
+            N,
+            H,
+            Hk,
+            D,
+            B,
+            table.shape[1],
+            window,
+            scale,
+            out.data_ptr(),
+            None if lse is None else lse.data_ptr(),
+            torch.get_num_threads(),
+        )
         if failed:
             raise MemoryError("exact attention could not allocate its per-thread scratch memory")
     return (out, lse) if with_lse else out
 
 
-def attention_backward(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, o_NHD: torch.Tensor,
-                       lse_NH: torch.Tensor, g_NHD: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor,
-                       table_SJ: torch.Tensor, scale: float, window: int = 0
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    o_NHD: torch.Tensor,
+    lse_NH: torch.Tensor,
+    g_NHD: torch.Tensor,
+    seq_N: torch.Tensor,
+    pos_N: torch.Tensor,
+    table_SJ: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of `attention` (exact.c, `exactrl_attention_backward`), all fp32: dq [N, H, D] and each
     sequence's key and value gradients [S, Hk, J * B, D] (key t of sequence s at t, zero past its last
     position), for the caller to sum into the pages. The layout must have passed `check_layout` (the kernel
@@ -237,8 +142,24 @@ def attention_backward(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     dk, dv = torch.zeros(2, S, Hk, J * B, D, dtype=torch.float32)  # zero past each sequence's last position
     if N:
         failed = library().exactrl_attention_backward(
-            *(t.data_ptr() for t in ts), seq.data_ptr(), pos.data_ptr(), table.data_ptr(), N, S, H, Hk, D, B, J,
-            window, scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
+            *(t.data_ptr() for t in ts),
+            seq.data_ptr(),
+            pos.data_ptr(),
+            table.data_ptr(),
+            N,
+            S,
+            H,
+            Hk,
+            D,
+            B,
+            J,
+            window,
+            scale,
+            dq.data_ptr(),
+            dk.data_ptr(),
+            dv.data_ptr(),
+            torch.get_num_threads(),
+        )
         if failed:
             raise MemoryError("the exact attention backward could not allocate its scratch memory")
     return dq, dk, dv
@@ -255,13 +176,22 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
     out = torch.empty_like(x)
     rows = x.numel() // D if D else 0
     if rows:
-        library().exactrl_rms_norm(x.data_ptr(), weight_D.data_ptr(), x.dtype == torch.bfloat16, rows, D, eps,
-                                   out.data_ptr(), torch.get_num_threads())
+        library().exactrl_rms_norm(
+            x.data_ptr(),
+            weight_D.data_ptr(),
+            x.dtype == torch.bfloat16,
+            rows,
+            D,
+            eps,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
     return out
 
 
-def rms_norm_backward(x: torch.Tensor, weight_D: torch.Tensor, g: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward(
+    x: torch.Tensor, weight_D: torch.Tensor, g: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) of the fp32 RMSNorm for the output gradient g (exact.c has the formula), dx shaped as x."""
     D = x.shape[-1]
     assert x.dtype == weight_D.dtype == g.dtype == torch.float32 and g.shape == x.shape and weight_D.shape == (D,)
@@ -270,8 +200,9 @@ def rms_norm_backward(x: torch.Tensor, weight_D: torch.Tensor, g: torch.Tensor, 
     dx, dw_TD = torch.empty_like(x), torch.zeros(threads, D)
     rows = x.numel() // D if D else 0
     if rows:
-        library().exactrl_rms_norm_backward(x.data_ptr(), w.data_ptr(), g.data_ptr(), rows, D, eps, dx.data_ptr(),
-                                            dw_TD.data_ptr(), threads)
+        library().exactrl_rms_norm_backward(
+            x.data_ptr(), w.data_ptr(), g.data_ptr(), rows, D, eps, dx.data_ptr(), dw_TD.data_ptr(), threads
+        )
     return dx, dw_TD.sum(0)
 
 
@@ -284,8 +215,9 @@ def rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> t
     x, c, s = (t if t.is_contiguous() else t.contiguous() for t in (x_NHD, c, s))
     out = torch.empty_like(x)
     if N:
-        library().exactrl_rotary(x.data_ptr(), c.data_ptr(), s.data_ptr(), x.dtype == torch.bfloat16, N, H, D,
-                                 out.data_ptr())
+        library().exactrl_rotary(
+            x.data_ptr(), c.data_ptr(), s.data_ptr(), x.dtype == torch.bfloat16, N, H, D, out.data_ptr()
+        )
     return out
 
 
@@ -300,8 +232,9 @@ def write_rows(dst_RD: torch.Tensor, rows_N: torch.Tensor, src_ND: torch.Tensor,
     src = src_ND if src_ND.is_contiguous() else src_ND.contiguous()
     rows = rows_N if rows_N.is_contiguous() else rows_N.contiguous()
     if rows.shape[0]:
-        library().exactrl_write_rows(src.data_ptr(), rows.data_ptr(), rows.shape[0], D * src.element_size(),
-                                     dst_RD.data_ptr())
+        library().exactrl_write_rows(
+            src.data_ptr(), rows.data_ptr(), rows.shape[0], D * src.element_size(), dst_RD.data_ptr()
+        )
 
 
 def _f32(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -320,7 +253,7 @@ def exp(x: torch.Tensor, build: str = "") -> torch.Tensor:
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b, float32, b of a's shape or of its last dimensions (broadcast over the rest): torch's bits
     (pointwise.c). What a recorded graph runs for a residual add or a bias."""
-    assert b.dim() <= a.dim() and a.shape[a.dim() - b.dim():] == b.shape, (a.shape, b.shape)
+    assert b.dim() <= a.dim() and a.shape[a.dim() - b.dim() :] == b.shape, (a.shape, b.shape)
     a, b = _f32(a, b)
     out = torch.empty_like(a)
     if b.numel():
@@ -337,14 +270,16 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
     return out
 
 
-def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(
+    g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dg, du) of out = silu(g) * u for the output gradient dy (pointwise.c)."""
     assert g.shape == u.shape == dy.shape, (g.shape, u.shape, dy.shape)
     g, u, dy = _f32(g, u, dy)
     dg, du = torch.empty_like(g), torch.empty_like(g)
-    library(build).exactrl_swiglu_backward(g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(),
-                                           du.data_ptr(), torch.get_num_threads())
+    library(build).exactrl_swiglu_backward(
+        g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(), torch.get_num_threads()
+    )
     return dg, du
 
 
@@ -358,16 +293,18 @@ def log_softmax(z_RV: torch.Tensor, build: str = "") -> torch.Tensor:
     return out
 
 
-def draw(lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str = ""
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [R] int64, its logprob [R]) of each row: inverse CDF at uniform_R (float64) in blocks of
     `block` tokens, or the first argmax where greedy_R (bool) is set (pointwise.c, exactrl_draw). A row with
     nothing to draw (NaN, or no mass: every entry -inf) gets token -1 and a NaN logprob."""
     return _draw("exactrl_draw", lp_RV, block, uniform_R, greedy_R, build)
 
 
-def _draw(name: str, lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(
+    name: str, lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     R, V = lp_RV.shape
     (lp,) = _f32(lp_RV)
     u = uniform_R.to(torch.float64).contiguous()
@@ -377,13 +314,24 @@ def _draw(name: str, lp_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, g
     threads = torch.get_num_threads()
     mass = torch.empty(threads * -(-V // block), dtype=torch.float64)
     if R:
-        getattr(library(build), name)(lp.data_ptr(), R, V, block, u.data_ptr(), greedy.data_ptr(), tok.data_ptr(),
-                                      tok_lp.data_ptr(), mass.data_ptr(), threads)
+        getattr(library(build), name)(
+            lp.data_ptr(),
+            R,
+            V,
+            block,
+            u.data_ptr(),
+            greedy.data_ptr(),
+            tok.data_ptr(),
+            tok_lp.data_ptr(),
+            mass.data_ptr(),
+            threads,
+        )
     return tok, tok_lp
 
 
-def sample(z_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str = ""
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    z_RV: torch.Tensor, block: int, uniform_R: torch.Tensor, greedy_R: torch.Tensor, build: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`draw(log_softmax(z_RV), ...)` bit for bit, without writing the [R, V] log-probabilities
     (pointwise.c, exactrl_sample)."""
     return _draw("exactrl_sample", z_RV, block, uniform_R, greedy_R, build)
@@ -399,8 +347,9 @@ def entropy(lp_RV: torch.Tensor, build: str = "") -> torch.Tensor:
     return out
 
 
-def log_softmax_entropy(z_RV: torch.Tensor, inplace: bool = False, build: str = ""
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def log_softmax_entropy(
+    z_RV: torch.Tensor, inplace: bool = False, build: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_softmax(z), entropy(log_softmax(z))) bit for bit, in one pass (pointwise.c); `inplace` writes the
     log-probabilities over z (which must be contiguous float32) and returns it."""
     R, V = z_RV.shape
@@ -412,14 +361,23 @@ def log_softmax_entropy(z_RV: torch.Tensor, inplace: bool = False, build: str = 
         out = torch.empty_like(z)
     ent = torch.empty(R, dtype=torch.float32)
     if R and V:
-        library(build).exactrl_log_softmax_entropy(z.data_ptr(), R, V, out.data_ptr(), ent.data_ptr(),
-                                                   torch.get_num_threads())
+        library(build).exactrl_log_softmax_entropy(
+            z.data_ptr(), R, V, out.data_ptr(), ent.data_ptr(), torch.get_num_threads()
+        )
     return out, ent
 
 
-def head_grad(lp_RV: torch.Tensor, g_lp_R: torch.Tensor, g_hit_R: torch.Tensor, tgt_R: torch.Tensor,
-              g_ent_R: torch.Tensor | None, ent_R: torch.Tensor, temperature: float, build: str = "",
-              inplace: bool = False) -> torch.Tensor:
+def head_grad(
+    lp_RV: torch.Tensor,
+    g_lp_R: torch.Tensor,
+    g_hit_R: torch.Tensor,
+    tgt_R: torch.Tensor,
+    g_ent_R: torch.Tensor | None,
+    ent_R: torch.Tensor,
+    temperature: float,
+    build: str = "",
+    inplace: bool = False,
+) -> torch.Tensor:
     """Gradient of sum_r g_lp[r] lp[r, tgt[r]] + g_ent[r] H[r] with respect to the tempered logits
     (pointwise.c, exactrl_head_grad, has the formula): [R, V] float32; `inplace` writes it over lp (which
     must be contiguous float32) and returns that."""
@@ -432,9 +390,19 @@ def head_grad(lp_RV: torch.Tensor, g_lp_R: torch.Tensor, g_hit_R: torch.Tensor, 
     ge = None if g_ent_R is None else _f32(g_ent_R)[0]
     gz = lp if inplace else torch.empty(R, V, dtype=torch.float32)
     if R:
-        library(build).exactrl_head_grad(lp.data_ptr(), R, V, g_lp.data_ptr(), g_hit.data_ptr(), tgt.data_ptr(),
-                                         None if ge is None else ge.data_ptr(), ent.data_ptr(), float(temperature),
-                                         gz.data_ptr(), torch.get_num_threads())
+        library(build).exactrl_head_grad(
+            lp.data_ptr(),
+            R,
+            V,
+            g_lp.data_ptr(),
+            g_hit.data_ptr(),
+            tgt.data_ptr(),
+            None if ge is None else ge.data_ptr(),
+            ent.data_ptr(),
+            float(temperature),
+            gz.data_ptr(),
+            torch.get_num_threads(),
+        )
     return gz
 
 

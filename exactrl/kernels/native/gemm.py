@@ -1,5 +1,6 @@
 """The Python side of gemm.c, the fp32 exact linear: weights packed into its panels, and its calls
 (`linear`, `linears`). Re-exported by `exactrl.kernels.native`."""
+
 from __future__ import annotations
 
 import ctypes
@@ -17,8 +18,9 @@ class PackedLinearWeight:
 
     def __init__(self, w_NK: torch.Tensor | Sequence[torch.Tensor], build: str = ""):
         ws = [w_NK] if isinstance(w_NK, torch.Tensor) else list(w_NK)
-        assert ws and all(w.dim() == 2 and w.dtype == torch.float32 and w.shape[1] == ws[0].shape[1] for w in ws), \
-            [(w.shape, w.dtype) for w in ws]
+        assert ws and all(w.dim() == 2 and w.dtype == torch.float32 and w.shape[1] == ws[0].shape[1] for w in ws), [
+            (w.shape, w.dtype) for w in ws
+        ]
         self.build, self.lib = build, _library(build)
         self.Ns = tuple(w.shape[0] for w in ws)
         self.N, self.K = sum(self.Ns), ws[0].shape[1]
@@ -35,8 +37,9 @@ class PackedLinearWeight:
         nr, at = self.lib.exactrl_gemm_panel_width(), 0
         for w in ws:  # each weight's panels, its last one zero-padded
             w = w.detach().contiguous()
-            self.lib.exactrl_pack_weight(w.data_ptr(), w.shape[0], self.K, self.panels[at:].data_ptr(),
-                                         torch.get_num_threads())
+            self.lib.exactrl_pack_weight(
+                w.data_ptr(), w.shape[0], self.K, self.panels[at:].data_ptr(), torch.get_num_threads()
+            )
             at += -(-w.shape[0] // nr) * nr * self.K
 
 
@@ -62,8 +65,9 @@ def linear(x_MK: torch.Tensor, w: PackedLinearWeight) -> torch.Tensor:
     x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
     y = torch.empty(M, w.N, dtype=torch.float32)
     if M and w.N:
-        library(w.build).exactrl_linear(x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(),
-                                        torch.get_num_threads())
+        library(w.build).exactrl_linear(
+            x.data_ptr(), w.panels.data_ptr(), M, w.N, K, y.data_ptr(), torch.get_num_threads()
+        )
     return y
 
 
@@ -74,6 +78,7 @@ def linears(x_MK: torch.Tensor, w: PackedLinearWeight) -> list[torch.Tensor]:
     x = x_MK if x_MK.is_contiguous() else x_MK.contiguous()
     y = torch.empty(M * w.N, dtype=torch.float32)  # the outputs one after another, each contiguous
     if M:
-        library(w.build).exactrl_linear_multi(x.data_ptr(), w.panels.data_ptr(), M, K, len(w.Ns), w._Ns, y.data_ptr(),
-                                   torch.get_num_threads())
+        library(w.build).exactrl_linear_multi(
+            x.data_ptr(), w.panels.data_ptr(), M, K, len(w.Ns), w._Ns, y.data_ptr(), torch.get_num_threads()
+        )
     return [part.view(M, n) for part, n in zip(y.split([M * n for n in w.Ns]), w.Ns)]

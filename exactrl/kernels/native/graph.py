@@ -6,6 +6,7 @@ thread while it runs; `Graph(calls)` encodes them as `graph.c`'s ops, and
 loop. Pointers are replayed as they were: whoever records must keep every
 tensor they point at alive and in place (engine/graph.py does).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,10 @@ class Graph:
         self._keep = []  # ctypes arrays passed by pointer (a packed weight's column counts)
         for op, (build, name, argtypes, args) in zip(self.ops, calls):
             if build != "" or name not in kinds:
-                raise RuntimeError(f"a graph cannot replay {name!r} (build {build!r}); graph.c replays "
-                                   f"{sorted(kinds)} of the machine's own build")
+                raise RuntimeError(
+                    f"a graph cannot replay {name!r} (build {build!r}); graph.c replays "
+                    f"{sorted(kinds)} of the machine's own build"
+                )
             op.kind = kinds[name]
             floats = 0
             for i, (t, v) in enumerate(zip(argtypes, args)):
@@ -57,5 +60,4 @@ class Graph:
     def run(self) -> None:
         failed = native.library().exactrl_graph_run(ctypes.addressof(self.ops), len(self.ops))
         if failed:
-            raise MemoryError(f"graph op {failed - 1} ({self.names[failed - 1]}) could not allocate its scratch "
-                              f"memory")
+            raise MemoryError(f"graph op {failed - 1} ({self.names[failed - 1]}) could not allocate its scratch memory")

@@ -15,6 +15,7 @@ defined, so the environment must say which it is before then (`check_backend`).
 
 Legend: N tokens, H heads, Hk kv heads, D head dim, B keys per page, R rows, V vocabulary.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,10 @@ from exactrl.kernels.attention import FastPlan, TokenLayout
 def check_backend(device: torch.device) -> None:
     """Raises ValueError naming what is missing for the triton backend on `device`."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' on device='cpu' runs Triton's interpreter, which needs "
-                         "TRITON_INTERPRET=1 in the environment before the process starts (or use backend='native')")
+        raise ValueError(
+            "backend='triton' on device='cpu' runs Triton's interpreter, which needs "
+            "TRITON_INTERPRET=1 in the environment before the process starts (or use backend='native')"
+        )
     try:
         import triton  # noqa: F401
     except ImportError as e:
@@ -44,7 +47,14 @@ def check_backend(device: torch.device) -> None:
 
 def _ops():
     from exactrl.kernels.triton import ops
+
     return ops
+
+
+def _attention_ops():
+    from exactrl.kernels.triton import attention
+
+    return attention
 
 
 @dataclass
@@ -72,8 +82,13 @@ class TritonPlan:
         if self._fast is None:
             p = _attn.plan_fast(self.layout, self.block_size)
             dev = self.seq_N.device
-            self._fast = replace(p, tok_SQ=p.tok_SQ.to(dev), pos_SQ=p.pos_SQ.to(dev),
-                                 block_table_SJ=p.block_table_SJ.to(dev), valid_x=p.valid_x.to(dev))
+            self._fast = replace(
+                p,
+                tok_SQ=p.tok_SQ.to(dev),
+                pos_SQ=p.pos_SQ.to(dev),
+                block_table_SJ=p.block_table_SJ.to(dev),
+                valid_x=p.valid_x.to(dev),
+            )
         return self._fast
 
 
@@ -133,14 +148,27 @@ class TritonKernels(Kernels):
             return F.silu(gate) * up
         return _SwiGLU.apply(gate, up)
 
-    def plan_attention(self, layout: TokenLayout, num_heads: int, num_kv_heads: int, block_size: int,
-                       device: torch.device | None = None):
+    def plan_attention(
+        self,
+        layout: TokenLayout,
+        num_heads: int,
+        num_kv_heads: int,
+        block_size: int,
+        device: torch.device | None = None,
+    ):
         dev = torch.device("cpu") if device is None else device
         max_page = _check_layout(layout, block_size) if len(layout.seq_N) else -1
-        plan = TritonPlan(layout, layout.seq_N.to(dev), layout.pos_N.to(dev), layout.block_table_SJ.to(dev),
-                          max_page, num_heads // num_kv_heads, block_size)
+        plan = TritonPlan(
+            layout,
+            layout.seq_N.to(dev),
+            layout.pos_N.to(dev),
+            layout.block_table_SJ.to(dev),
+            max_page,
+            num_heads // num_kv_heads,
+            block_size,
+        )
         if self.exact and len(layout.seq_N):
-            first, count = _ops().attention_tiles(layout.seq_N, plan.group)
+            first, count = _attention_ops().attention_tiles(layout.seq_N, plan.group)
             plan.tiles = (first.to(dev), count.to(dev))
         return plan
 
@@ -149,8 +177,10 @@ class TritonKernels(Kernels):
         rows = plan.kv_rows(Hk)
         k_xD, v_xD = k_NHD.reshape(-1, D), v_NHD.reshape(-1, D)
         if k_NHD.requires_grad or v_NHD.requires_grad:  # the trainer's scratch store: out of place
-            return (k_pages.reshape(-1, D).index_copy(0, rows, k_xD).view(k_pages.shape),
-                    v_pages.reshape(-1, D).index_copy(0, rows, v_xD).view(v_pages.shape))
+            return (
+                k_pages.reshape(-1, D).index_copy(0, rows, k_xD).view(k_pages.shape),
+                v_pages.reshape(-1, D).index_copy(0, rows, v_xD).view(v_pages.shape),
+            )
         k_pages.view(-1, D).index_copy_(0, rows, k_xD)
         v_pages.view(-1, D).index_copy_(0, rows, v_xD)
         return k_pages, v_pages
@@ -180,11 +210,13 @@ class TritonKernels(Kernels):
 
     def sampling_logprobs(self, logits_NV, temperature_N, top_k_N, top_p_N):
         cumsum = _ops().cumsum if self.exact else (lambda x: torch.cumsum(x, dim=-1))
-        return _rowwise.sampling_logprobs(logits_NV, temperature_N, top_k_N, top_p_N,
-                                          row_log_softmax=self.log_softmax, row_cumsum=cumsum)
+        return _rowwise.sampling_logprobs(
+            logits_NV, temperature_N, top_k_N, top_p_N, row_log_softmax=self.log_softmax, row_cumsum=cumsum
+        )
 
     def sample(self, logits_RV, rows):
         from exactrl.engine.sampling import row_logprobs
+
         lp_RV = row_logprobs(logits_RV, rows, self)
         keys = torch.tensor([int(u * 2.0**53) for u in rows.uniform], dtype=torch.int64)  # the draw's 53 bits
         greedy = torch.tensor([t == 0 for t in rows.temperature], dtype=torch.int32)
@@ -264,14 +296,15 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class _Attention(torch.autograd.Function):
-    """Exact forward values (`ops.attention`); the gradient is SDPA's, recomputed from the inputs."""
+    """Exact forward values (`attention.attention`); the gradient is SDPA's, recomputed from the inputs."""
 
     @staticmethod
     def forward(ctx, q_NHD, k_pages, v_pages, plan: TritonPlan, scale, window):  # type: ignore[override]
         ctx.save_for_backward(q_NHD, k_pages, v_pages)
         ctx.plan, ctx.scale, ctx.window = plan, scale, window
-        o, _ = _ops().attention(q_NHD, k_pages, v_pages, plan.tiles, plan.seq_N, plan.pos_N, plan.table_SJ, scale,
-                                window)
+        o, _ = _attention_ops().attention(
+            q_NHD, k_pages, v_pages, plan.tiles, plan.seq_N, plan.pos_N, plan.table_SJ, scale, window
+        )
         return o
 
     @staticmethod
