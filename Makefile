@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: run test test-all install dev clean
+.PHONY: run test test-unit test-all lint format install dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,18 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest
+
+# day-to-day: the fast tests (tests/unit: one process, no server), under 2 minutes
+test-unit: $(VENV)/.dev
+	$(BIN)/python -m pytest tests/unit
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check exactrl tests benchmarks examples
+	$(BIN)/ruff format --check exactrl tests benchmarks examples
+
+format: $(VENV)/.dev
+	$(BIN)/ruff check --fix exactrl tests benchmarks examples
+	$(BIN)/ruff format exactrl tests benchmarks examples
 
 test-all: $(VENV)/.dev
 	$(BIN)/python -m pytest -m ''

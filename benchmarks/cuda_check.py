@@ -140,10 +140,13 @@ def env():
     )
 
 
+CUDA_TESTS = "tests/unit/kernels/test_cuda.py"
+
+
 @section("pytest -m cuda")
 def cuda_tests():
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", CUDA_TESTS],
         capture_output=True,
         text=True,
         timeout=240,

@@ -3,7 +3,7 @@
 One random Qwen3 of `--size` (benchmarks/_common.py SIZES) runs `train_step`
 (PPO-clip, token-mean, one micro-batch, AdamW) on `--seqs` sequences of
 `--prompt` + `--completion` tokens, once per `optim.activation_checkpointing`
-mode (rl/activation_ckpt.py).
+mode (train/activation_ckpt.py).
 
 - peak: the most heap bytes in use during the step above those in use before it, read from glibc's
   `mallinfo2` (heap in use + mmapped chunks, the main arena: the thread that calls the ops allocates

@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_rank(code: int) -> None:
     """A rank of a distributed run leaves without the C++ teardown that follows Python's.
 
-    By now its work is saved and its process group destroyed (rl/run.py). Yet twice in CI (a suite runs
+    By now its work is saved and its process group destroyed (train/run.py). Yet twice in CI (a suite runs
     ~15 two-rank jobs) a rank then aborted in torch's C++ teardown ("terminate called without an active
     exception"; faulthandler: one thread, no Python frame): the run was done, the rank's exit code said
     it failed. So the rank flushes its output and ends here."""

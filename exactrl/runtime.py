@@ -1,13 +1,12 @@
-"""Process-level settings that make CPU training fast: the heap keeps freed memory.
+"""Process-level allocator settings that make CPU training fast; none changes a numerical result.
 
 PyTorch's CPU tensors come straight from glibc's malloc, which serves every
 block over its mmap threshold (at most 32 MB) with a fresh mapping and
 returns it to the kernel on free. A training step allocates and frees
 hundreds of such blocks (activations of [tokens, hidden], logits chunks,
-gradients), and every 4 kB page of each is then faulted in and zeroed again.
-Measured on this 2-core VM, one exactrl GRPO train step at the `bench train`
-shape (64 sequences x 160 tokens, 20M model): 1.8 M page faults, ~10 s of
-kernel time, 10 s per step; with the heap keeping its memory: 7 s per step.
+gradients), and every 4 kB page of each is then faulted in and zeroed again:
+at the `bench train` shape the kernel's page faulting takes a large share of
+the step (docs/performance.md).
 
 `tune_allocator` tells glibc (mallopt) to serve every block from the heap and
 never to trim it, so memory freed by one step is reused by the next without
@@ -21,10 +20,8 @@ It changes no numerical result (allocation never touches values).
 2 MB pages (madvise) wherever malloc takes memory. A page fault then brings
 in 2 MB instead of 4 kB, and the weights a decode step streams through sit
 on 512x fewer pages (fewer TLB misses; the CPU's prefetchers stop at page
-ends). Measured on a 2-core Xeon VM (docs/performance.md): the 33 matmuls of a 20M
-decode step at batch 32, back to back, 3.96 -> 3.55 ms (4.03 -> 3.73 in a
-second pair); a `bench train` step's training phase grew its heap with
-210 k faults (~1.3 s) on the first timed step without them, none with.
+ends): a decode step's matmuls run faster, and a training step grows its
+heap with far fewer faults (docs/performance.md has the figures).
 A tunable is read when the process starts, so the `exactrl` command runs
 itself again with it set (`exec`, before any work); EXACTRL_MALLOC=default
 turns this off too.

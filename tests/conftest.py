@@ -1,12 +1,20 @@
-"""Shared fixtures: tiny random Hugging Face models built and saved locally (no hub)."""
+"""Shared fixtures: tiny random Hugging Face models built and saved locally (no hub).
+
+tests/unit: fast, in one process, no server; tests/integration: servers, ranks, Ray, end-to-end runs.
+Helper modules shared by both live in tests/helpers (on sys.path here).
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 TINY = dict(
     vocab_size=211,

@@ -217,7 +217,7 @@ def server_mismatch(
     """How far a rollout server's logprobs are from this trainer's, on the same weights (docs/design.md §9).
 
     `prompts` random token-id prompts of `length` tokens go to `base_url`'s /v1/completions (the
-    external rollout backend's one dialect, rl/external.py); the trainer scores the returned tokens
+    external rollout backend's one dialect, rollout/external.py); the trainer scores the returned tokens
     with `sequence_logprobs` under the same sampling distribution. Returns the training loop's own
     mismatch keys (`train/train_rollout_logprob_abs_diff` and `_max`, `mismatch/k3`, `mismatch/ess`,
     ...) plus `parity/tokens`: 0.0 differences from an `exactrl serve --kernels exact` over the same

@@ -5,7 +5,7 @@
                                                           across machines (RANK, WORLD_SIZE, MASTER_ADDR, ...)
 
 Every rank holds the whole model, its own engine and the same optimizer. A
-step (rl/loop.py):
+step (train/loop.py):
 
     prompts: every rank takes the same batch; rank r samples the prompts
              k = r, r + W, r + 2W, ...  (seeds depend on k only: the tokens
@@ -192,7 +192,7 @@ def _sharded(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _inner(optimizer):
-    """The optimizer that holds the moments: the inner one of fp32 master weights (rl/master_weights.py)."""
+    """The optimizer that holds the moments: the inner one of fp32 master weights (train/master_weights.py)."""
     return getattr(optimizer, "inner", optimizer)
 
 

@@ -12,7 +12,7 @@ anyway). Each actor builds an exactrl.Engine over the trainer's model definition
 trainer's kernels and dtype, from a bitwise copy of its weights (pickled tensors keep every bit).
 A request's tokens depend only on its prompt, its seed and the weights, not on what else is in the
 batch nor on the thread count (docs/design.md §1), and each prompt's seed follows its place in the
-step's batch (rl/rollout.py). So which engine samples a prompt changes nothing: a run over Ray
+step's batch (rollout/groups.py). So which engine samples a prompt changes nothing: a run over Ray
 engines logs the metrics of a run over the in-process engine, bitwise (tested), and μ = π_old
 exactly. Across machines this holds where they compute alike (one CPU kind); where they do not,
 `train/train_rollout_logprob_abs_diff` and the `mismatch/` diagnostics show it.

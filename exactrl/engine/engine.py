@@ -410,7 +410,7 @@ class Engine:
 
     def close(self) -> None:
         """Nothing to release (the KV pool goes with the engine); every rollout backend closes alike
-        (rl/external.py, distributed/ray_engines.py)."""
+        (rollout/external.py, distributed/ray_engines.py)."""
 
     # ------------------------------------------------------------ weights
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:

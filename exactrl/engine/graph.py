@@ -1,8 +1,9 @@
-"""Decode graphs: a decode step's kernel calls recorded once, then replayed by one C call.
+"""Decode graphs: a decode step's kernel calls recorded once, then replayed by one C call, with the same
+bits as the eager forward.
 
-Why: a decode step of the 20M model at batch 32 makes ~120 kernel calls, and
-the Python and torch around them (module calls, checks, allocations, ctypes)
-took 2.5-3 ms of its ~11.5 ms on a 2-vCPU Xeon: more than attention. vLLM,
+Why: a decode step makes a hundred or more small kernel calls, and the Python
+and torch around them (module calls, checks, allocations, ctypes) cost a
+small model's step a large share of its time (docs/performance.md). vLLM,
 SGLang and gpt-fast meet the same cost on GPUs with CUDA graphs; this is
 their CPU analogue, for the exact fp32 kernels, which are all native.
 

@@ -189,7 +189,7 @@ class CountdownTask(Task):
         self.num_numbers = num_numbers  # numbers per problem
         self.max_number = max_number  # numbers are drawn uniformly from [1, max_number]
         self.max_target = max_target  # targets are integers in [1, max_target]
-        self.ops = ops  # operators used to build targets (completions may use all four)
+        self.ops = ops  # the operators targets are built from (completions may use all four)
         self.use_all_numbers = use_all_numbers  # False: each number at most once; True: exactly once
         self.format_reward = format_reward  # score of a well-formed but wrong expression
         usage = "exactly once" if use_all_numbers else "at most once"

@@ -72,7 +72,7 @@ class Kernels:
 
     def prepare(self, linear_weights) -> None:
         """One-off checks the exact linear would otherwise run at its first call of few rows (an engine's
-        first small decode step, which would wait for them: 0.6 s at 20M, 1.8 s at 100M)."""
+        first small decode step, which would then wait for them)."""
         if self.exact:
             for w in linear_weights:
                 check_short_rows(w)
@@ -93,8 +93,8 @@ class Kernels:
 
     def swiglu(self, gate, up):
         """silu(gate) * up, the MLP's activation. Elementwise, so invariant either way; exact runs fp32 as one
-        C pass forward and one backward (native/pointwise.c; at [10240, 1024] 4.5 ms vs torch's 6.3 forward,
-        6.1 vs ~40 backward); bf16 and `fast` keep torch's ops."""
+        C pass forward and one backward (native/pointwise.c), fewer passes over memory than torch's ops and
+        their autograd; bf16 and `fast` keep torch's ops."""
         if not (self.exact and gate.dtype == up.dtype == torch.float32):
             return torch.nn.functional.silu(gate) * up
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
@@ -174,7 +174,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class _Rotary(torch.autograd.Function):
-    """RoPE as one C pass forward and one backward (torch's ops and their autograd took ~5 passes each way).
+    """RoPE as one C pass forward and one backward (torch's ops and their autograd take ~5 passes each way).
 
     Rotating each pair (x_d, x_d+D/2) by θ is orthogonal, so the gradient is the rotation by −θ:
     gx = rotary(g, cos, −sin). That reads sin_d for both halves of a pair, which `rotary_tables` makes

@@ -1,4 +1,5 @@
-"""Causal attention over a paged KV store: the row-wise exact kernel (C) and SDPA.
+"""Causal attention over a paged KV store: the exact kernel computes each query row alone, in one order fixed
+by the row's own position, so a row's bits never depend on the batch; `fast` is SDPA.
 
 Every forward — a trainer batch (padded or packed), a full or chunked prefill,
 a decode step — is described the same way: a flat list of N query tokens, each
@@ -23,7 +24,7 @@ a row's keys at max(0, pos - W + 1), transformers' (pos - W, pos]: a function
 of the row's own position, so the order stays fixed past the window too.
 The loop is one C function per backend (exactrl/kernels/native): the same
 rule expressed in torch ops needs many tiny products per decode step, whose
-dispatch costs more than the arithmetic (docs/kernels.md has the figures).
+dispatch costs more than the arithmetic (docs/performance.md has the figures).
 
 Legend: N tokens, H query heads, Hk kv heads, D head dim, S sequences,
 J blocks per sequence, P pages, B keys per block.
@@ -91,7 +92,7 @@ class FastPlan:
 
 def plan_exact(layout: TokenLayout, block_size: int) -> ExactPlan:
     """Checks that every key a query row reads has a page (the kernel reads pages unchecked): one C pass,
-    where a dozen torch ops took ~0.15 ms of a 20M decode step."""
+    rather than a dozen torch ops whose dispatch would cost a decode step more than the check."""
     if len(layout.seq_N) == 0:
         return ExactPlan(layout, block_size, -1)
     _, max_page = native.check_layout(layout.seq_N, layout.pos_N, layout.block_table_SJ, block_size)
@@ -167,12 +168,10 @@ class _ExactAttention(torch.autograd.Function):
     deterministic (one thread per sequence and kv head, rows in call order).
     Each sequence's key and value gradients come back per key position and go
     to their pages with index_add (pages that sequences share: summed, in
-    one order). It replaced SDPA's CPU flash backward (a private aten op,
-    fed per-sequence query slots and a mask): on Zen 4, 20M, a bench-train
-    batch of 64 x 160 tokens with 8 prompts shared, 38-42 ms a layer alone
-    against 57-71 ms, and 261 against 464 ms for the 6 layers of a profiled
-    training step (a whole step's time moves by more than that from one step
-    to the next). On an earlier Xeon a first C version was no faster.
+    one order). It is used rather than SDPA's CPU flash backward (a private
+    aten op, which would need per-sequence query slots and a mask): on the
+    trainer's shapes it is at least as fast, and faster on some CPUs
+    (docs/performance.md).
     """
 
     @staticmethod
@@ -236,7 +235,7 @@ def fast_attention(
     k, v = gather(k_pages), gather(v_pages)
     Q, (_, H, D) = plan.tok_SQ.shape[1], q_NHD.shape
     # row copies by index_select / index_copy: their backwards are index_add / index_select, where
-    # advanced indexing's was an accumulating index_put (~7 ms each, 19 per 20M training step)
+    # advanced indexing's is an accumulating index_put, far slower at a training step's sizes
     q = q_NHD.index_select(0, plan.tok_SQ.reshape(-1)).view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
     key_K = torch.arange(J * B, device=q_NHD.device)[None, None, :]
     mask = key_K <= plan.pos_SQ[:, :, None]

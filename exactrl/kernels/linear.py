@@ -1,21 +1,19 @@
-"""Linear layers: the exact batch-invariant matmul and the plain fast one.
+"""Linear layers: `exact_linear` gives every output row the same bits whatever the number of rows, the
+row's neighbours and the thread count; `fast_linear` is plain `F.linear`.
 
 The problem: on CPU, `x[:M] @ W` picks a different GEMM kernel (and so a
-different reduction order over K) depending on M — in fp32 the first row of
-the product already changes its last bits between M <= 3 and M >= 4 (measured
-with torch 2.13). The exact linear must give every row the same bits whatever
-the number of rows, the row's neighbours and the thread count. Two ways,
-chosen by dtype alone (so a row of a given weight always takes the same one):
+different reduction order over K) depending on M: with torch 2.13, in fp32,
+the first row of the product changes its last bits between M <= 3 and
+M >= 4. The exact linear fixes the order in one of two ways, chosen by dtype
+alone (so a row of a given weight always takes the same one):
 
 fp32: the native linear (`native/gemm.c`). Every output is summed in an order
 fixed by K alone (an fma chain over each block of 256 k's, the blocks' sums
 added in order), in a register-blocked C kernel over a packed copy of the
 weight. No tiles, no padding, nothing to check at run time; its AVX-512, AVX2
-and plain-C builds give the same bits. Measured on a 2-core AVX-512 Xeon at
-2 threads (20M and 100M model shapes): at 32 rows 330-430 GFLOP/s, 1.1-2.2x
-`F.linear`; at 4096 rows 0.7-1.0x `F.linear`; one decode row about as fast
-as `F.linear`. A 20M decode step's matmuls at batch 32, back to back: 3.7 ms,
-against 7.8 ms with the oneDNN tiles below, which fp32 used before.
+and plain-C builds give the same bits. Having no per-tile calls and no
+padding rows, it is also faster than fp32 tiles at decode sizes
+(docs/performance.md, "Kernel measurements", has its speeds).
 
 bf16 (and any mixed dtypes): row tiles. The rows are padded to a multiple of
 a fixed tile `ROW_TILE` and every tile is computed with a GEMM of ONE fixed
@@ -25,9 +23,8 @@ place in the tile; the tests sweep these (also at 1 and 2 threads). Two other
 shapes are used only where the running process checked that they give a
 tile's bits: fewer rows for a short call (`short_rows`) and BIG_TILE rows for
 a long one on the oneDNN path (`big_tile_ok`). A native bf16 kernel could do
-without tiles too; bf16 keeps oneDNN for its AMX products where the CPU has
-AMX (that Xeon: a 20M decode step's matmuls at batch 32 in 0.59x the native
-fp32 kernel's time).
+without tiles too; bf16 keeps oneDNN because on CPUs with AMX its bf16
+products run faster than the native fp32 kernel.
 
 Two implementations of the tile rule, chosen per weight by its shape and dtype alone:
 
@@ -36,17 +33,16 @@ Two implementations of the tile rule, chosen per weight by its shape and dtype a
   re-laid out into oneDNN's blocked format for 32-row products
   (`mkldnn._reorder_linear_weight`) and each 32-row tile is one
   `mkldnn._linear_pointwise` call (or each run of BIG_TILE rows, below).
-  oneDNN accumulates in fp32 and rounds once. Its cost is one call (~20 us)
-  per tile. The other path upcasts the weight at every call: measured on a
-  2-core AMX Xeon, 32 rows x 384 -> 384: 116 us upcast and batched vs 40 us
-  packed oneDNN; at 4096 rows 7.4 ms vs 1.1 ms.
+  oneDNN accumulates in fp32 and rounds once. Its cost is one call per tile;
+  the other path upcasts the weight at every call, which for such weights
+  costs more, at one tile and at thousands of rows alike.
 - otherwise: ONE batched matmul over `(n_tiles, ROW_TILE, K)` with the weight
   broadcast along the batch (stride 0), in fp32 (bf16 operands upcast
   exactly, product rounded to bf16 once). A weight with more than SPLIT_ABOVE
   output features (the vocabulary projection) is multiplied in blocks of
-  COL_BLOCK columns, so a block stays in cache while the tiles pass (8192
-  rows x 384 -> 16384: 93 GFLOP/s unsplit, 127 split); the split is decided by
-  the weight's shape alone, so it is the same for every call.
+  COL_BLOCK columns, so a block stays in cache while the tiles pass; the
+  split is decided by the weight's shape alone, so it is the same for every
+  call.
 
 Packed weights (native and oneDNN alike) cost a copy of the weight, so they
 are made per call unless a `PackedWeights` cache is active (`using_packed`):
@@ -55,9 +51,8 @@ the engine keeps one for its weights, which change only through
 change by itself (writes through `.data` or a fused optimizer leave the
 version counter alone), so no cache outlives its owner's knowledge.
 
-Tile size: 32 rows. At training sizes 16-row tiles cost up to 1.9x plain
-matmul for K=1024, 32-row tiles ~1.1x (batched-matmul path, measured in fp32
-when fp32 took tiles); a decode batch of 32 is one tile either way.
+Tile size: 32 rows. Smaller tiles make more, smaller products, which cost
+more at training sizes; a decode batch of 32 is one tile.
 
 Fewer rows than a tile (a decode step of fewer than 32 sequences, a short
 prompt): padding them to 32 computes up to 32x the rows wanted. Such a call is
@@ -68,15 +63,14 @@ count, on random operands (`_rows_like_tile`); an engine runs the checks when
 it is created (`Kernels.prepare`), anything else at its first short call.
 
 Many rows on the oneDNN path (a trainer batch, a long prefill): one call per
-32-row tile pays oneDNN's per-call cost for every tile (4096 x 384 -> 384 in
-bf16: 7.4 ms in tiles, 1.1 ms in 512-row calls). So whole runs of BIG_TILE
-rows go through one product of the fixed shape BIG_TILE x K, the rest through
-tiles, when that product gives bitwise the rows its tiles give, for this
-weight shape, dtype and thread count. That is checked in the running process
-once per key, like `short_rows` (`_big_tile_like_tiles`); when it fails every
-row stays in tiles. It is not a given: in bf16 on that Xeon, oneDNN's 512-row
-products of the 100M model's 768 -> 768, 2048 -> 768 and 768 -> 32000 weights
-differ from their tiles (so those stay in tiles).
+32-row tile pays oneDNN's per-call cost for every tile, which dominates at
+many rows. So whole runs of BIG_TILE rows go through one product of the fixed
+shape BIG_TILE x K, the rest through tiles, when that product gives bitwise
+the rows its tiles give, for this weight shape, dtype and thread count. That
+is checked in the running process once per key, like `short_rows`
+(`_big_tile_like_tiles`); when it fails every row stays in tiles. It is not
+a given: oneDNN may pick another kernel for BIG_TILE rows than for 32, and
+for some bf16 weight shapes on some CPUs it does; those weights stay in tiles.
 
 Backward: only the forward values must be batch-invariant. The gradients use
 plain products (a custom autograd function), which avoids materialising the
@@ -115,9 +109,9 @@ def pad_rows(x_MK: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
 
 
 USE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# oneDNN's bf16 linear needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; on an AVX2-only CPU (measured: AMD EPYC
-# Zen 1) packing a bf16 weight raises, so bf16 weights take the batched-matmul path there. A property of the
-# machine, fixed for the process: a weight's path still depends on nothing but its shape and dtype.
+# oneDNN's bf16 linear needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; where it is missing, packing a bf16 weight
+# raises, so bf16 weights take the batched-matmul path there. A property of the machine, fixed for the
+# process: a weight's path still depends on nothing but its shape and dtype.
 ONEDNN_DTYPES = (torch.bfloat16,) if USE_ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
 ONEDNN_MIN_WEIGHT_BF16 = 1 << 14  # elements (K x N) of a bf16 weight that uses oneDNN; a rule on the shape only
 
@@ -235,9 +229,8 @@ def short_rows(onednn: bool, w_NK: torch.Tensor, m: int) -> int:
     """Rows to pad a call of m < ROW_TILE rows to: the fewest r >= m whose product gives bitwise the rows
     of a whole tile's, for this weight shape, dtype and thread count (ROW_TILE when none does).
 
-    Which r do is checked once per key in this process (`_rows_like_tile`); measured in fp32 when fp32 took
-    tiles, oneDNN gave a tile's bits for any r except r = 1 at K = 2048, the batched matmul for multiples
-    of 4.
+    Which r do is checked once per key in this process (`_rows_like_tile`), never assumed: it depends on the
+    GEMM (oneDNN or the batched matmul), the weight's shape and the CPU.
     """
     key = (onednn, tuple(w_NK.shape), w_NK.dtype, torch.get_num_threads())
     ok = _SHORT_OK.get(key)
@@ -313,8 +306,9 @@ def _probe_operands(rows: int, k: int, dtype: torch.dtype, g: torch.Generator, r
     of two bf16 neighbours: column 0 gives 1, column 1 gives 2^-8, and the other columns cancel
     exactly in pairs half a row apart (weight columns equal, activation columns negated; products
     of bf16 numbers are exact in fp32). Their fp32 rounding errors are what is left, and the order
-    decides their sign, hence which neighbour the output rounds to. Measured with a product that sums
-    K in two parts: 39-43% of its outputs differ on these operands, 0.01-0.03% on plain random ones.
+    decides their sign, hence which neighbour the output rounds to. So a product that sums K in another
+    order changes a large share of its outputs on these operands, where on plain random ones it would
+    change almost none.
     """
     t = torch.randn(rows, k, generator=g) * 2.0**-6
     if dtype == torch.bfloat16 and k >= 4:
@@ -346,8 +340,8 @@ def fuses_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
 
 def exact_linears(x_MK: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """[x W_s^T for each weight] in one native call (`fuses_linears` must hold): each the same bits as
-    `exact_linear(x, W_s)`. A layer's q/k/v and gate/up projections: a 20M decode step's 57 products become
-    33, 0.92x their time back to back."""
+    `exact_linear(x, W_s)`. A layer's q/k/v and gate/up projections: fewer, wider products, each reading x
+    once."""
     return native.linears(x_MK, _active.cache.get_stack(weights))
 
 
@@ -396,9 +390,9 @@ def weight_grad(g_MN: torch.Tensor, x_MK: torch.Tensor) -> torch.Tensor:
 
         N <= K:  gᵀ · (xᵀ)ᵀ                 N > K:  (xᵀ · (gᵀ)ᵀ)ᵀ
 
-    On Zen 5, for 8448 rows of the 20M model's layers, the product alone runs at 450-490 GFLOP/s, with
-    the copy and the packing 245-280, against torch's 180-210 (packing xᵀ from a transposed copy cost
-    more than it saved); a bench-train backward went 2.68 -> 2.23 s. Other dtypes: a plain matmul."""
+    The wider operand is packed from its rows rather than from a transposed copy, which would cost more
+    than it saves. With the copy and the packing, this runs faster than torch's GEMM on the trainer's
+    shapes (many rows, narrow layers). Other dtypes: a plain matmul."""
     if not _uses_native(g_MN, x_MK):
         return g_MN.t() @ x_MK
     (m, n), k = g_MN.shape, x_MK.shape[1]
@@ -411,10 +405,9 @@ def weight_grad(g_MN: torch.Tensor, x_MK: torch.Tensor) -> torch.Tensor:
 
 def input_grad(g_MN: torch.Tensor, w_NK: torch.Tensor | native.PackedLinearWeight) -> torch.Tensor:
     """∂L/∂x = g W for y = x Wᵀ. In fp32 the native linear over Wᵀ's panels (`w_NK` may be them already,
-    packed once for many calls): gemm.c reads W once per 32-row panel, where torch's GEMM ran these
-    products (many rows, K the layer's small output width) at about half its speed on a Zen 5 core
-    (8448 x 384 -> 384: 437 against 207 GFLOP/s; on Zen 4 the two were within 5-20%). The bits are no
-    longer thread-count dependent either. Other dtypes: a plain matmul."""
+    packed once for many calls): gemm.c reads W once per 32-row panel, where torch's GEMM runs these
+    products (many rows, K the layer's small output width) well below its peak on some CPUs. The bits do
+    not depend on the thread count either. Other dtypes: a plain matmul."""
     if isinstance(w_NK, native.PackedLinearWeight):
         return native.linear(g_MN, w_NK)
     if not _uses_native(g_MN, w_NK):
@@ -430,7 +423,7 @@ def transposed_panels(w_NK: torch.Tensor) -> native.PackedLinearWeight:
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b with a batch-invariant matmul: native in fp32, row tiles otherwise (module docstring)."""
     if x.dim() == 2 and bias is None and not torch.is_grad_enabled() and _uses_native(x, weight):
-        return native.linear(x, _packed(weight))  # the engine's calls: ~3.5 us each spared of the below
+        return native.linear(x, _packed(weight))  # the engine's calls: none of the reshapes and checks below
     lead = x.shape[:-1]
     x_MK = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):

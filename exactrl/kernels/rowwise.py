@@ -1,15 +1,15 @@
-"""Per-row ops: RMSNorm, rotary embedding, and the sampling distribution.
+"""Per-row ops (RMSNorm, rotary embedding, the sampling distribution): a row's bits depend on that row
+alone, never on the rows beside it.
 
 A per-row reduction is invariant as long as each row is reduced by one code
 path. The exact RMSNorm is a C loop that reduces every row alone in one fixed
-order (native/exact.c); it replaced torch ops that had to pad small batches
-and took ~7 ops per call, 33 calls per decode step of a Qwen3 at 20M.
-log_softmax is C too (native/pointwise.c): one thread reduces each row in one
-fixed order. torch's log_softmax parallelises over rows when there are at
-least as many rows as threads but may split a single long row across threads
-when there are fewer, so its bits for a row depended on the batch size (it
-was used here with small batches padded to ROW_TILE rows: up to 32x the work
-for a decode step of one sequence).
+order (native/exact.c): one call, where torch ops would take several per call
+and need small batches padded. log_softmax is C too (native/pointwise.c): one
+thread reduces each row in one fixed order. torch's log_softmax parallelises
+over rows when there are at least as many rows as threads but may split a
+single long row across threads when there are fewer, so its bits for a row
+depend on the batch size; padding small batches to ROW_TILE rows would fix
+that at up to 32x the work for a decode step of one sequence.
 
 The sampling distribution is the one contract between engine and trainer
 (docs/design.md §1): `log_softmax` of fp32 logits divided by the temperature, with
@@ -44,9 +44,9 @@ def exact_rms_norm(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float) -> to
 
 
 class _ExactRMSNorm(torch.autograd.Function):
-    """Exact forward values; the backward is the gradient of `rms_norm`: in C for fp32 (`exact.c`, one pass:
-    0.27 s of a 20M GRPO step's 4.5 s training phase went to the autograd recompute), autograd of `rms_norm`
-    recomputed from the inputs otherwise (bf16 rounds between its products).
+    """Exact forward values; the backward is the gradient of `rms_norm`: in C for fp32 (`exact.c`, one pass,
+    where autograd's recompute makes several over [rows, D] temporaries), autograd of `rms_norm` recomputed
+    from the inputs otherwise (bf16 rounds between its products).
 
     As for the linear layers and attention, only forward values carry the
     contract (docs/design.md §1); the gradient is that of the same function.

@@ -1,4 +1,5 @@
-"""Request schemas (OpenAI's, plus a few vLLM-style extras) and OpenAI error bodies.
+"""Request schemas (OpenAI's, plus a few vLLM-style extras) and OpenAI error bodies: a request whose sampling
+the engine could not serve, or the trainer could not reproduce, is refused here with a 400 naming the field.
 
 Known fields are validated strictly, as OpenAI does: a number sent as text
 (`max_tokens: "5"`), a bool as a number or a number as a bool is a 400 naming
@@ -65,7 +66,7 @@ def context_error(limit: int, max_model_len: int, detail: str, param: str) -> AP
 
 
 def _not_bool(v: Any) -> Any:
-    """true / false are not numbers (pydantic's lax mode reads them as 1 / 0: `top_k: true` was greedy)."""
+    """true / false are not numbers (pydantic's lax mode reads them as 1 / 0: `top_k: true` would be greedy)."""
     if isinstance(v, bool):
         raise ValueError(f"must be a number, not {str(v).lower()}")
     return v

@@ -159,7 +159,7 @@ def train_on(c: Run, step: int, groups: list[list[Rollout]]) -> dict[str, float]
 
 
 def kl_shaped_rewards(c: Run, groups: list[list[Rollout]]) -> tuple[list[list[Rollout]], dict[str, float]]:
-    """The groups with reward − β·Σ_t KL_t(π‖π_ref) (rl/kl.py `kl_reward_penalty`); the task reward stays in
+    """The groups with reward − β·Σ_t KL_t(π‖π_ref) (algo/kl.py `kl_reward_penalty`); the task reward stays in
     the rollout metrics, the shaped one only drives the advantages."""
     rs, flat = c.cfg.rollout, [r for g in groups for r in g]
     mine = [flat[k] for k in c.ranks.shard(len(flat))]  # each rank scores its share; all get every score

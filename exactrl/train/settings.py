@@ -74,7 +74,7 @@ class KLSettings(BaseModel):
     coef: float = Field(0.0, ge=0.0)
     """Weight of KL(π_θ‖π_ref); 0 disables the reference model entirely."""
     kind: Literal["k1", "k2", "k3"] = "k3"
-    """Schulman's estimator (rl/kl.py). In the loss, k1's expected gradient is 0, k2's is the reverse KL's,
+    """Schulman's estimator (algo/kl.py). In the loss, k1's expected gradient is 0, k2's is the reverse KL's,
     k3's the forward KL's; π_ref is taken at the sampling temperature without top-k/top-p."""
     where: Literal["loss", "reward"] = "loss"
     """`loss`: added to the loss per token; `reward`: subtracted from the sequence reward."""
@@ -89,7 +89,7 @@ class OverlongSettings(BaseModel):
     their group's advantage baseline and in the rollout metrics."""
     buffer_len: int = Field(0, ge=0)
     """DAPO's soft overlong punishment over the last `buffer_len` tokens before `rollout.max_tokens`
-    (rl/rollout.py `overlong_penalty`); 0 = off."""
+    (rollout/groups.py `overlong_penalty`); 0 = off."""
     penalty_factor: float = Field(1.0, ge=0.0)
     """Penalty at `rollout.max_tokens` tokens; it grows linearly from 0 across the buffer."""
 
@@ -106,7 +106,7 @@ class AlgorithmSettings(BaseModel):
     loss_kwargs: PlainData = Field(default_factory=dict)
     """e.g. {eps_low: 0.2, eps_high: 0.28, dual_clip: 3.0} for PPO."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-normalised"] = "token-mean"
-    """How per-token losses become one number (rl/aggregation.py), over the step's whole batch: `token-mean`
+    """How per-token losses become one number (algo/aggregation.py), over the step's whole batch: `token-mean`
     divides by its loss-mask tokens, `seq-mean-token-mean` averages each sequence over its own tokens and
     divides by its sequences, `seq-mean-token-sum` divides by its sequences, `constant-normalised` (Dr.GRPO)
     by rollout.max_tokens x its sequences."""
@@ -137,10 +137,10 @@ class OptimSettings(BaseModel):
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
     """Micro-batches by tokens instead of sequences: consecutive sequences while their prompt + completion
     tokens fit this budget (`micro_batch_size` then has no effect); a sequence longer than the budget is
-    a micro-batch of its own. The loss denominators are the whole batch's either way (rl/trainer.py
+    a micro-batch of its own. The loss denominators are the whole batch's either way (train/trainer.py
     `micro_batches`). null: `micro_batch_size` sequences per micro-batch."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in the backward instead of keeping them (rl/activation_ckpt.py): `full`
+    """Recompute activations in the backward instead of keeping them (train/activation_ckpt.py): `full`
     checkpoints every decoder layer, `selective` every layer's MLP (its 3 x [tokens, intermediate]
     tensors). The same loss and gradients bit for bit, less peak memory, one more forward (`full`) or
     MLP forward (`selective`) per step. The engine never recomputes."""
@@ -151,14 +151,14 @@ class OptimSettings(BaseModel):
     """Steps of linear learning-rate warm-up from 0 (0 = none)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """The learning rate after the warm-up: `constant`, or decaying from `lr` towards `min_lr_ratio` x
-    `lr` at `max_steps` (rl/setup.py `scheduled_lr`; as Hugging Face's schedulers, the last step's is
+    `lr` at `max_steps` (train/setup.py `scheduled_lr`; as Hugging Face's schedulers, the last step's is
     still above it). A resume with another `max_steps` takes the new length's schedule from its next
     step on (the rate jumps to it)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Where `linear` and `cosine` decay to, as a fraction of `lr` (verl's `min_lr_ratio`)."""
     fp32_master_weights: bool = True
     """With `model.dtype: bfloat16`: AdamW steps fp32 copies of the weights and rounds them into the bf16
-    model after each step (rl/master_weights.py; the engine and trainer still share the bf16 bits). false
+    model after each step (train/master_weights.py; the engine and trainer still share the bf16 bits). false
     steps the bf16 weights themselves, where an update under half a bf16 spacing is lost (most of them
     at RL's learning rates). The default job's SFT warm start follows it too. No effect in float32."""
     shard_state: bool = False
@@ -171,7 +171,7 @@ class AsyncSettings(BaseModel):
     model_config = _STRICT
 
     enabled: bool = False
-    """Generate the next batches on a second thread while the trainer trains (rl/async_loop.py)."""
+    """Generate the next batches on a second thread while the trainer trains (train/async_loop.py)."""
     max_staleness: int = Field(1, ge=0)
     """Largest policy-version lag of a trained token; the rollout thread runs at most this many steps
     ahead. 0 reproduces the synchronous loop bit for bit. Above 0, a resumed run's first batches are

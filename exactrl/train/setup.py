@@ -149,7 +149,7 @@ def _check_paths(cfg: RunConfig) -> None:
 
 
 def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer: Tokenizer, start: int, log=print) -> RolloutBackend:
-    """The in-process exactrl.Engine over its own copy of the model, an external server (rl/external.py), or
+    """The in-process exactrl.Engine over its own copy of the model, an external server (rollout/external.py), or
     exactrl Engines as Ray actors (distributed/ray_engines.py).
 
     Policy versions are training steps, also across a resume: the engine starts at version `start`.
@@ -206,7 +206,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
             f"bypass, or keep only masking corrections (token_mask_is, geometric_rejection, ...)"
         )
     # a dry run on one group of two zero rewards: a bad estimator name or argument fails now, with the
-    # checks and message of the first training step (rl/rollout.py to_train_batch)
+    # checks and message of the first training step (rollout/groups.py to_train_batch)
     try:
         compute_advantages(a.advantage, torch.zeros(1, 2), **a.advantage_kwargs)
     except ValueError as e:

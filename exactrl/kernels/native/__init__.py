@@ -1,9 +1,11 @@
-"""Native (C) exact kernels: compiled on first use with the machine's C compiler, loaded with ctypes.
+"""Native (C) kernels: every output's order of roundings is fixed in the source, so the batch, the build's
+vector width and (in the forward kernels) the thread count change speed, not bits. Compiled on first use
+with the machine's C compiler, loaded with ctypes.
 
 `exact.c`: attention, RMSNorm, RoPE. `gemm.c`: the fp32 exact linear (its
 order of sums is in that file's header). `pointwise.c`: fp32 SwiGLU and its
 gradient, the engine's token draw, the LM head's entropy and logit gradient,
-each one pass over memory where torch took several. `fpmode.h`: every thread of a
+each one pass over memory where torch takes several. `fpmode.h`: every thread of a
 parallel region computes in its caller's flush-to-zero / denormal mode.
 `exp_f.h`: the kernels' own float32 exp (vectorisable, the same bits on every CPU).
 `gemm.py` is the Python side of `gemm.c` (its packed weights and calls).
@@ -168,7 +170,8 @@ def attention_backward(
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, each row in one fixed order (exact.c), in x's dtype.
 
-    Lean on purpose: 33 calls per decode step of a 20M Qwen3, each ~10 us of work.
+    Lean on purpose: a decode step calls it several times per layer (Qwen3 also normalises q and k), each call
+    on little work, so the Python around the kernel is kept short.
     """
     D = x.shape[-1]
     assert x.dtype in _DTYPES and weight_D.dtype == x.dtype and weight_D.shape[0] == D and weight_D.is_contiguous()
@@ -222,8 +225,9 @@ def rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> t
 
 
 def write_rows(dst_RD: torch.Tensor, rows_N: torch.Tensor, src_ND: torch.Tensor, max_row: int) -> None:
-    """dst_RD[rows_N] = src_ND in place (a KV store's new rows), one C loop where index_copy_ took ~20 us per
-    call at a decode step's 64 rows. `max_row` is the largest of rows_N (checked against dst_RD once here)."""
+    """dst_RD[rows_N] = src_ND in place (a KV store's new rows), one C loop: at a decode step's few rows
+    index_copy_'s dispatch costs more than the copy. `max_row` is the largest of rows_N (checked against dst_RD
+    once here)."""
     R, D = dst_RD.shape
     assert dst_RD.is_contiguous() and src_ND.dtype == dst_RD.dtype and rows_N.dtype == torch.int64
     assert src_ND.shape == (rows_N.shape[0], D), (src_ND.shape, rows_N.shape, D)

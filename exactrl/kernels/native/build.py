@@ -1,4 +1,5 @@
-"""The native kernels' shared library: compiled on first use, cached, loaded with ctypes.
+"""The native kernels' shared library: compiled on first use, cached under a key of everything that could
+change its code (source, flags, compiler, CPU features), loaded with ctypes.
 
 Build: `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` into
 `$EXACTRL_CACHE` (default `$XDG_CACHE_HOME/exactrl` or `~/.cache/exactrl`), keyed by the source, the flags,

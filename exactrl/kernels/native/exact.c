@@ -21,8 +21,8 @@
  * forward give the same bits. Built with -ffp-contract=off and without
  * -ffast-math, so the compiler keeps exactly this order (vectorising only
  * the independent lanes); exp is exp_f.h's (vectorised over t, the same
- * bits on every CPU; libm's expf, one call per key, took ~half of a decode
- * step's attention at 20M).
+ * bits on every CPU; libm's expf is one call per key, a large share of a
+ * decode step's attention).
  *
  * Layouts: q [N, H, D]; k_pages, v_pages [P, Hk, B, D] (key t of sequence s
  * is slot t % B of page table[s, t / B]); out [N, H, D] float32. The query
@@ -88,8 +88,8 @@ static inline void load_block(const void *store, int bf16, int64_t at, vblock *v
 
 /* acc[g, :] = sum_t e[g, t] * v_t for t = 0..L-1 in ascending order, one running sum per (g, d).
  * The loop runs over blocks of VB features outside and keys inside, so a block's G x VB sums stay in
- * registers while the keys pass (the whole attention call: 0.8x the time of a keys-outside loop, 20M shape,
- * batch 32, Zen 1); each sum still adds its terms in the order t = 0, 1, ..., L-1: the bits are unchanged. */
+ * registers while the keys pass (faster than a loop with the keys outside); each sum still adds its terms in
+ * the order t = 0, 1, ..., L-1: the bits are those of either loop. */
 #define FIXED_G 8  /* up to this many query heads per kv head, G is a compile-time constant (registers) */
 #define WV_BLOCKS 4 /* feature blocks summed together while the keys pass: 4 x G independent running sums */
 
@@ -222,7 +222,7 @@ static inline vblock pair_sums(vblock a, vblock b) {
 /* out[g * stride + j] = dot(q_g, k_j) for 8 consecutive keys k_0..k_7 (rows of D floats, D a multiple of LANES)
  * and the G query heads: each key's LANES partial sums as dot's, then dot's tree for the 8 keys at once, by
  * shuffles that add the same pairs (lanes 2i and 2i + 1, then those pairs' pairs, then the two halves). The
- * same bits as 8 G calls of dot, without a scalar tree per score (the tree was ~1/3 of a score's work). */
+ * same bits as 8 G calls of dot, without a scalar tree per score (a large share of a score's work). */
 static inline __attribute__((always_inline)) void scores8(int64_t G, const float *q, const float *k, int64_t D,
                                                           float *out, int64_t stride) {
     for (int64_t g = 0; g < G; g++) {
@@ -246,8 +246,8 @@ static inline __attribute__((always_inline)) void scores8(int64_t G, const float
 
 /* max_t x[t] over t < L, NaNs passed over: the value a fold of fmaxf gives, taken in LANES lanes (a max is
  * exact in any order). Only the sign of a zero maximum could differ, and no output reads it: exp(s - m) and
- * m + log(l) are the same for m = +0 and m = -0. A call of libm's fmaxf per score took ~1/3 of a decode
- * step's attention (AMD EPYC Zen 4, 20M, batch 32). */
+ * m + log(l) are the same for m = +0 and m = -0. Not libm's fmaxf: a call per score would cost a large share
+ * of a decode step's attention. */
 static inline float row_max(const float *x, int64_t L) {
     float mx[LANES];
     for (int i = 0; i < LANES; i++) mx[i] = -INFINITY;
@@ -357,10 +357,9 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                 const int64_t base = (table_SJ[s * J + t0 / B] * Hk + kvh) * B - t0, end = t0 + B < L ? t0 + B : L;
                 /* speed only: while key t is scored, the key in its slot one page ahead (this sequence's next
                  * page, else the next item's first) and value t start coming from memory (a layer's KV store
-                 * is larger than the caches). 0.93x the time of prefetching 4 keys ahead (20M, batch 32, Zen 1).
-                 * Into L2, not L1 (locality 1, prefetcht1): an item's values do not fit in L1 beside its keys,
-                 * and on Zen 4 a decode step's attention took 0.7x the time of L1 prefetches (100M, batch 32:
-                 * 12 layers 6.6 -> 4.8 ms with the KV store in memory; 20M, batch 64: 4.0 -> 3.0 ms). */
+                 * is larger than the caches); a page ahead is faster than a few keys ahead. Into L2, not L1
+                 * (locality 1, prefetcht1): an item's values do not fit in L1 beside its keys, and L2
+                 * prefetches make the step's attention faster than L1 ones. */
                 const int64_t next = item + 1, ahead =
                     t0 + B < L ? (table_SJ[s * J + t0 / B + 1] * Hk + kvh) * B - t0
                     : next < N * Hk ? (table_SJ[seq_N[next / Hk] * J] * Hk + next % Hk) * B - t0 : base;
@@ -571,7 +570,7 @@ void exactrl_rms_norm(const void *x, const void *w, int bf16, int64_t rows, int6
  *     dx = r (g w - n (sum_d g_d w_d n_d) / D)        dw += g n   (over the rows)
  *
  * dw_part is [threads, D], zeroed by the caller: each thread adds its rows' terms into its own row, and the
- * caller sums them. One pass where autograd of the torch expression took ~10 ops of [rows, D] temporaries. */
+ * caller sums them. One pass where autograd of the torch expression takes ~10 ops of [rows, D] temporaries. */
 void exactrl_rms_norm_backward(const float *x, const float *w, const float *g, int64_t rows, int64_t D, float eps,
                                float *dx, float *dw_part, int threads) {
     FP_MODE_OF_CALLER;

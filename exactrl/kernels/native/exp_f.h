@@ -4,8 +4,8 @@
  * are the same on every CPU and in every build (glibc picks an expf variant per CPU). No libm call but
  * `fmaf`, which rounds once whatever computes it (an FMA instruction, vectorised or not, or libm's exact
  * software fma on a CPU without one), and no other contraction (the kernels build with -ffp-contract=off):
- * the same roundings everywhere. The fused steps made the loops ~10-20% faster than separate multiply and
- * add (log-softmax, draw and entropy rows of 16k floats on the AVX-512 Xeon).
+ * the same roundings everywhere. The fused steps make the loops (log-softmax, the draw, entropy) faster than
+ * separate multiply and add.
  */
 #ifndef EXACTRL_EXP_F_H
 #define EXACTRL_EXP_F_H

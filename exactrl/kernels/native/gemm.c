@@ -9,7 +9,8 @@
  *     y[m,n] = ((s_0 + s_1) + s_2) + ...                     blocks ascending
  *
  * (Summing in blocks of 256 keeps the rounding error near a blocked GEMM's:
- * one fma chain over K = 2048 had ~3x the error of torch's `F.linear`.)
+ * one fma chain over a long K has several times the error of torch's
+ * `F.linear`.)
  * fma rounds once, whatever instruction computes it, so the AVX-512, AVX2
  * and portable builds below give the same bits, and so does a row computed
  * alone or among thousands. KC is part of that contract: never vary it.
@@ -21,12 +22,10 @@
  * BLIS / GotoBLAS micro-kernels). Work is split over panels, so one thread
  * computes each output from start to end. With a few blocks of rows (a decode
  * step's batch), each block also prefetches its share of the next chunk into
- * L2, so memory is read while all the blocks compute, not only the first: at
- * 32 rows the 100M model's 85 products went from 32.2 to 25.5 ms back to back
- * (the compute alone, from cache, would take ~20 ms). Measured on a 2-core Xeon with
- * AVX-512 at 2 threads: 330-430 GFLOP/s at 32 and 4096 rows for the 20M and
- * 100M models' shapes, against 60-410 for `F.linear` (oneDNN/MKL) on the same
- * shapes.
+ * L2, so memory is read while all the blocks compute, not only the first: a
+ * decode step's products stream their weights from memory, and this hides
+ * much of that behind the compute. Speeds against `F.linear` are in
+ * docs/performance.md ("Kernel measurements").
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -72,8 +71,8 @@ typedef __m256 vf;
 #endif
 #define MC 96  /* rows of x kept in cache while a thread walks its panels: speed only */
 /* Rows of x whose stride is a multiple of 2 KB (K a multiple of 512) fall into one or two of L1's 64 sets
- * (32 KB, 8-way: a 4 KB period), so a micro-kernel's 12 rows evict each other and the panel: with K = 2048
- * (the 100M model's MLP down projection) 32-row products ran at 131 GFLOP/s, at 198 with K = 2040. Such x
+ * (32 KB, 8-way: a 4 KB period), so a micro-kernel's 12 rows evict each other and the panel, and such a K
+ * (a 100M model's MLP down projection: K = 2048) would run far slower than a K just off the multiple. Such x
  * is first copied, one chunk of MC rows at a time, into a buffer of row stride K + PAD. Speed only: the
  * values, and so every sum, are the same. */
 #define PAD 16

@@ -1,5 +1,6 @@
-"""The Python side of gemm.c, the fp32 exact linear: weights packed into its panels, and its calls
-(`linear`, `linears`). Re-exported by `exactrl.kernels.native`."""
+"""The Python side of gemm.c, the fp32 exact linear whose every output is summed in an order fixed by K
+alone: weights packed into its panels, and its calls (`linear`, `linears`). Re-exported by
+`exactrl.kernels.native`."""
 
 from __future__ import annotations
 

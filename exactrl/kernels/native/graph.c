@@ -1,7 +1,8 @@
 /* Replays a recorded sequence of kernel calls (exactrl/engine/graph.py) in one C loop, where each call made
- * from Python costs 10-20 us of interpreter and torch around the kernel. An op names its kernel and holds
- * the arguments it was called with: argument i in a[i] if it is a pointer or an integer, the floats in f[]
- * in their order (their a[i] unused). The same calls with the same arguments: the same bits. */
+ * from Python pays for the interpreter and torch around the kernel, which for a decode step's small kernels
+ * is a large share of their time. An op names its kernel and holds the arguments it was called with:
+ * argument i in a[i] if it is a pointer or an integer, the floats in f[] in their order (their a[i] unused).
+ * The same calls with the same arguments: the same bits. */
 #include <stdint.h>
 
 #define P(i) ((void *)(intptr_t)a[i])

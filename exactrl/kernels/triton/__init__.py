@@ -1,4 +1,5 @@
-"""The `triton` backend: the `Kernels` interface over Triton kernels (CUDA tensors, or CPU under the interpreter).
+"""The `triton` backend: the `Kernels` interface over Triton kernels (CUDA tensors, or CPU under the interpreter),
+with the native backend's contract: in `exact` no forward value depends on the batch.
 
 `exact` runs every op whose bits could depend on the batch through a kernel
 of `ops.py`, whose reduction order is fixed by the op's own shape (docs/design.md

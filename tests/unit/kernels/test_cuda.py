@@ -1,0 +1,96 @@
+"""The triton backend on a GPU (marked `cuda`: skipped without one; benchmarks/cuda_check.sh runs them).
+
+The same properties as the interpreter tests (tests/unit/kernels/test_triton_backend.py) at the shapes and dtypes that
+matter on a GPU: every kernel against a float64 reference, batch invariance at real model widths, engine ==
+trainer bitwise, and the fast twins that must differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import exactrl
+from exactrl.model import ModelConfig, build_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def rel(a, ref):
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(2048, 1024), (1024, 3072), (151936, 1024)])
+def test_linear_matches_float64_and_is_row_invariant(dtype, n, k):
+    from exactrl.kernels.triton import ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dtype)
+    x = torch.randn(300, k, device="cuda", generator=g).to(dtype)
+    y = ops.linear(x, w)
+    assert rel(y, x.double() @ w.double().T) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    for m in (1, 2, 7, 64, 129):
+        assert torch.equal(ops.linear(x[:m], w), y[:m])
+    big = torch.cat([torch.randn(1000, k, device="cuda", generator=g).to(dtype), x])
+    assert torch.equal(ops.linear(big, w)[1000:], y)
+
+
+def test_fast_linear_differs_with_the_row_count():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1024, 3072, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(4096, 3072, device="cuda", generator=g, dtype=torch.bfloat16)
+    full = torch.nn.functional.linear(x, w)
+    assert any(not torch.equal(torch.nn.functional.linear(x[:m], w), full[:m]) for m in (1, 2, 3, 8, 17, 64))
+
+
+def tiny_cfg(**over):
+    base = dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    return ModelConfig.from_hf({**base, **over})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_equals_trainer_on_cuda(dtype):
+    model = build_model(tiny_cfg(), dtype=dtype, kernels="exact", device="cuda")
+    eng = exactrl.Engine(model, kv_budget_tokens=8192)
+    prompts = [[(7 * i + j) % 4096 for j in range(5 + 37 * i)] for i in range(6)]
+    outs = eng.generate(prompts, exactrl.SamplingParams(max_tokens=40, n=3, seed=1, top_p=0.9))
+    seqs = [p + c.token_ids for p, cs in zip(prompts, outs) for c in cs]
+    lps = exactrl.sequence_logprobs(model, seqs, top_p=0.9)
+    k = 0
+    for p, cs in zip(prompts, outs):
+        for c in cs:
+            assert torch.equal(torch.tensor(c.logprobs), lps[k][len(p) - 1 :])
+            k += 1
+
+
+def test_fast_engine_differs_from_its_trainer():
+    model = build_model(tiny_cfg(), dtype="bfloat16", kernels="fast", device="cuda")
+    eng = exactrl.Engine(model, kv_budget_tokens=8192)
+    prompts = [[(7 * i + j) % 4096 for j in range(5 + 37 * i)] for i in range(6)]
+    outs = eng.generate(prompts, exactrl.SamplingParams(max_tokens=40, n=3, seed=1))
+    seqs = [p + c.token_ids for p, cs in zip(prompts, outs) for c in cs]
+    lps = exactrl.sequence_logprobs(model, seqs)
+    got = torch.cat([torch.tensor(c.logprobs) for cs in outs for c in cs])
+    want = torch.cat([lp[len(p) - 1 :] for lp, p in zip(lps, [p for p in prompts for _ in range(3)])])
+    assert (got - want).abs().max().item() > 0
+
+
+def test_update_weights_copies_on_the_device():
+    model = build_model(tiny_cfg(), dtype="bfloat16", kernels="exact", device="cuda")
+    eng = exactrl.Engine(build_model(tiny_cfg(), dtype="bfloat16", kernels="exact", device="cuda", seed=1))
+    eng.update_weights({k: v.detach() for k, v in model.state_dict().items()})
+    for (k, a), b in zip(model.state_dict().items(), eng.model.state_dict().values()):
+        assert b.device.type == "cuda" and torch.equal(a, b), k
