@@ -214,6 +214,23 @@ def token_logprobs(
     return list(torch.split(lp_N, sizes)), ent
 
 
+def completion_log_probs(
+    model: CausalLM, token_ids: list[list[int]], first: list[int], temperature: float = 1.0
+) -> list[torch.Tensor]:
+    """log p(· | token_ids[k][:f_k + j]) over the whole vocabulary, [len_k − f_k, V] fp32 per sequence, at the
+    positions `token_logprobs(..., first=first)` scores (autograd flows to the model). For losses over the
+    vocabulary (distillation's forward KL and JSD); holds an [N, V] tensor, so a step calls it per micro-batch."""
+    check_temperature(temperature)
+    token_ids = validate_token_ids(token_ids, model.config.vocab_size)
+    if len(first) != len(token_ids) or any(not 1 <= f <= len(s) for f, s in zip(first, token_ids)):
+        raise ValueError(f"first must give each of the {len(token_ids)} sequences a start in [1, its length]")
+    hidden, starts = _hidden(model, token_ids, "packed")
+    rows_N = torch.cat([torch.arange(st + f - 1, st + len(s) - 1) for st, f, s in zip(starts, first, token_ids)])
+    logits_NV = model.logits(hidden[rows_N.to(hidden.device)]) / temperature
+    lp_NV = torch.log_softmax(logits_NV, dim=-1).cpu()
+    return list(torch.split(lp_NV, [len(s) - f for s, f in zip(token_ids, first)]))
+
+
 HEAD_CHUNK_ROWS = 256  # rows projected onto the vocabulary at once; memory and speed only (no exact-mode bit)
 
 

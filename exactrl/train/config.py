@@ -23,6 +23,7 @@ from exactrl.envs.settings import TaskSettings
 from exactrl.model.settings import ModelSettings
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE
 from exactrl.rollout.external import RolloutBackendSettings
+from exactrl.train.distill import DistillSettings
 from exactrl.train.settings import (  # noqa: F401 (re-exported)
     _STRICT,
     AlgorithmSettings,
@@ -67,6 +68,8 @@ class RunConfig(BaseModel):
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
     optim: OptimSettings = Field(default_factory=OptimSettings)
     sft: SFTSettings = Field(default_factory=SFTSettings)
+    distill: DistillSettings = Field(default_factory=DistillSettings)
+    """On-policy distillation: teachers score the student's samples (exactrl/train/distill.py)."""
     async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
     """Asynchronous rollouts (config key `async`)."""
 
@@ -115,7 +118,8 @@ class RunConfig(BaseModel):
                 "rollout.filter_groups with rollout.samples_per_prompt=1: a group of one sample has "
                 "no rewards to differ, so every group would be set aside; raise samples_per_prompt"
             )
-        if self.rollout.samples_per_prompt == 1 and self.algorithm.advantage in GROUP_BASELINE:
+        reward_free = self.distill.enabled and self.distill.reward_coef == 0  # the teacher's advantages alone
+        if self.rollout.samples_per_prompt == 1 and self.algorithm.advantage in GROUP_BASELINE and not reward_free:
             working = sorted(set(ADVANTAGES) - GROUP_BASELINE)
             raise ValueError(
                 f"rollout.samples_per_prompt=1 with algorithm.advantage={self.algorithm.advantage}: "

@@ -141,7 +141,15 @@ def train_on(c: Run, step: int, groups: list[list[Rollout]]) -> dict[str, float]
             groups, c.cfg.rollout.max_tokens, a.overlong.buffer_len, a.overlong.penalty_factor
         )
         shaped |= more
-    batch = to_train_batch(groups, a.advantage, a.advantage_kwargs, a.overlong.mask_truncated)
+    distiller = c.policy.distiller
+    # pure distillation trains on the teacher's advantages alone: the rewards' (a group of one, say) count 0
+    advantage = "dr_grpo" if distiller is not None and distiller.s.reward_coef == 0 else a.advantage
+    batch = to_train_batch(
+        groups, advantage, a.advantage_kwargs if advantage == a.advantage else {}, a.overlong.mask_truncated
+    )
+    if distiller is not None:
+        batch, more = distiller.apply(groups, batch, c.ranks)
+        shaped |= more
     lr = c.set_lr(step)
     return (
         train_step(

@@ -27,6 +27,7 @@ from exactrl.rollout.backend import RolloutBackend
 from exactrl.rollout.external import ExternalEngine
 from exactrl.train.activation_ckpt import apply_activation_checkpointing
 from exactrl.train.config import OptimSettings, RunConfig
+from exactrl.train.distill import Distiller, build_distiller
 from exactrl.train.logger import MetricsLogger, NullLogger
 from exactrl.train.master_weights import MasterWeights
 from exactrl.train.resume import _check_resume_early, _identity, resume, rng_state, software_versions
@@ -44,6 +45,7 @@ class Policy:
     optimizer: torch.optim.Optimizer
     loss_fn: PolicyLoss
     step_settings: StepSettings
+    distiller: Distiller | None = None  # on-policy distillation's teachers (train/distill.py), when configured
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Run:
         the run dir; idempotent."""
         try:
             self.files.logger.close()
+            if self.policy.distiller is not None:
+                self.policy.distiller.close()
         finally:
             try:
                 self.engine.close()
@@ -142,6 +146,12 @@ def _check_paths(cfg: RunConfig) -> None:
     for key, path, fix in (
         ("model.path", cfg.model.path, "a Hugging Face model directory, or unset it for the default model"),
         ("model.tokenizer", cfg.model.tokenizer, "a tokenizer directory, or unset it to use model.path's"),
+        *((f"distill.teachers.{k}", p, "a teacher's model directory") for k, p in cfg.distill.teachers.items()),
+        *(
+            [("distill.teacher", cfg.distill.teacher, "a model directory, `initial` or `self`")]
+            if cfg.distill.teacher not in (None, "initial", "self")
+            else []
+        ),
     ):
         if path is not None and not Path(path).is_dir():
             what = "is not a directory" if Path(path).exists() else "does not exist"
@@ -223,9 +233,10 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
             f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt in the model's "
             f"context of {model.config.max_position_embeddings} tokens (max_position_embeddings)"
         )
-    ref_model = None
-    if cfg.algorithm.kl.coef > 0:
-        ref_model = copy.deepcopy(model).requires_grad_(False)
+    initial = None  # the starting weights, frozen: KL's reference, distill.teacher=initial
+    if cfg.algorithm.kl.coef > 0 or cfg.distill.teacher == "initial":
+        initial = copy.deepcopy(model).requires_grad_(False)
+    ref_model = initial if cfg.algorithm.kl.coef > 0 else None
     model, optimizer, start, ckpt = resume(
         cfg, run_dir, model, tokenizer, prompts, ranks, log, lambda m: _optimizer(cfg, m, ranks)
     )
@@ -233,7 +244,10 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     # after the engine's copy of the model: its layers run as they are (they never recompute anyway)
     apply_activation_checkpointing(model, cfg.optim.activation_checkpointing)
     try:  # from here on a failure stops the engines too (Ray actors, a server's client)
-        policy = Policy(model, ref_model, optimizer, loss_fn, _step_settings(cfg, corrections))
+        distiller = _distiller(cfg, model, tokenizer, task, initial) if cfg.distill.enabled else None
+        settings = _step_settings(cfg, corrections)
+        settings.distill = distiller if distiller is not None and cfg.distill.kind != "reverse_kl" else None
+        policy = Policy(model, ref_model, optimizer, loss_fn, settings, distiller)
         data = Data(tokenizer, task, prompts, eval_problems)
         ranks.check_same(
             "starting weights",
@@ -304,6 +318,23 @@ def _model_dir(cfg: RunConfig, log, ranks: Ranks) -> Path:
             f"model every rank reads"
         )
     return Path(model_dir)
+
+
+def _distiller(cfg: RunConfig, model: CausalLM, tokenizer: Tokenizer, task: Task, initial: CausalLM | None):
+    """The run's teachers (train/distill.py); a teacher directory loads as the run's model does."""
+
+    def load(path: str, where: str) -> CausalLM:
+        teacher_tok = Path(path) / "tokenizer.json"
+        if teacher_tok.is_file() and load_tokenizer(path).hf.get_vocab() != tokenizer.hf.get_vocab():
+            raise ValueError(
+                f"{where} {path} has another tokenizer than the student's ({tokenizer.path}): their token ids "
+                f"differ, so the teacher cannot score the student's tokens; use a teacher of the same family"
+            )
+        return load_model(
+            path, dtype=cfg.model.dtype, kernels=cfg.model.kernels, device=cfg.model.device, backend=cfg.model.backend
+        )
+
+    return build_distiller(cfg.distill, model, tokenizer, task, cfg.rollout.temperature, load, initial)
 
 
 def _optimizer(cfg: RunConfig, model: CausalLM, ranks: Ranks) -> torch.optim.Optimizer:

@@ -50,6 +50,10 @@ class TrainBatch:
     generated_mask: list[list[int]] | None = None  # 1 where the engine sampled the token (None = loss_mask):
     # the tokens the mismatch metrics and the entropy are measured on, whether trained on or not
     ref_logprobs: list[torch.Tensor] | None = None  # filled by the trainer when KL is on
+    token_advantages: list[list[float]] | None = None  # per completion token, added to the sequence advantage
+    # (on-policy distillation's log π_t − log π_s; train/distill.py)
+    teacher_prompt_ids: list[list[int]] | None = None  # the prompt each completion is scored after by its teacher
+    teacher_keys: list[str] | None = None  # which teacher scores each sequence (train/distill.py)
 
     def __post_init__(self):
         for name in ("prompt_ids", "completion_ids", "behav_logprobs"):
@@ -68,6 +72,14 @@ class TrainBatch:
             )
         if n == 0:
             raise ValueError("TrainBatch is empty: no sequence to train on")
+        if self.token_advantages is not None:
+            if len(self.token_advantages) != n:
+                raise ValueError(
+                    f"TrainBatch.token_advantages has {len(self.token_advantages)} entries for {n} sequences"
+                )
+            for k, (c, a) in enumerate(zip(self.completion_ids, self.token_advantages)):
+                if len(_numbers(f"token_advantages[{k}]", a)) != len(c):
+                    raise ValueError(f"TrainBatch.token_advantages[{k}] has {len(a)} values for {len(c)} tokens")
         for name in ("prompt_ids", "completion_ids"):
             _check_token_ids(name, getattr(self, name))
         behav = [_numbers(f"behav_logprobs[{k}]", lp, finite=False) for k, lp in enumerate(self.behav_logprobs)]
@@ -161,6 +173,7 @@ class StepSettings:
     bypass: bool = False  # loss ratio against μ instead of π_old (corrections.apply_bypass)
     share_prompts: bool = True  # a micro-batch's repeated prompts are laid out once (logprobs.pack_shared)
     max_tokens_per_micro_batch: int | None = None  # micro-batches by tokens (micro_batches); None: by micro_batch_size
+    distill: object | None = None  # a Distiller (train/distill.py) whose `vocab_term` enters the loss, coef ×
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -228,6 +241,8 @@ def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings
     behav_BT = _pad([torch.tensor(batch.behav_logprobs[k], dtype=torch.float32) for k in idx], T)
     behav_BT = torch.where(gen_BT > 0, behav_BT, 0.0)  # μ of a token not sampled is never read (TrainBatch)
     adv_BT = torch.tensor([batch.advantages[k] for k in idx], dtype=torch.float32)[:, None].expand(-1, T)
+    if batch.token_advantages is not None:
+        adv_BT = adv_BT + _pad([torch.tensor(batch.token_advantages[k], dtype=torch.float32) for k in idx], T)
     adv_BT = adv_BT * (mask_BT > 0)
     return logp_BT, ent_BT, mask_BT, gen_BT, behav_BT, adv_BT
 
@@ -262,7 +277,7 @@ def train_step(
     T = max(1, max(len(c) for c in batch.completion_ids))
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
-    kept = {k: [] for k in ("old", "behav", "loss_mask", "live", "gen", "adv", "final", "ent", "kl")}
+    kept = {k: [] for k in ("old", "behav", "loss_mask", "live", "gen", "adv", "final", "ent", "kl", "distill")}
     optimizer.zero_grad(set_to_none=True)
     lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
     for idx in micro_batches(ranks.shard(len(batch)), lengths, s):
@@ -291,7 +306,11 @@ def train_step(
             # a cut token's −inf would make k2's gradient NaN through the mask: it is the reference there (KL 0)
             kl_BT = kl_estimate(torch.where(live_BT > 0, logp_BT, ref_BT), ref_BT, s.kl_kind)
             kept["kl"].append(kl_BT.detach())
-        loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm)
+        d_BT = None
+        if s.distill is not None:
+            d_BT = s.distill.vocab_term(model, batch, idx, T)
+            kept["distill"].append(d_BT.detach())
+        loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm, d_BT)
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
         for k, t in zip(
@@ -319,14 +338,17 @@ def train_step(
     return _batch_metrics(whole, loss_fn, s, norm) | {"train/grad_norm": float(grad_norm)}
 
 
-def _regularised(loss, ent_BT, kl_BT, mask_BT, sampled_BT, s: StepSettings, norm: LossNorm):
-    """loss − entropy_coef·agg(H) + kl_coef·agg(KL) (the KL term only when `kl_BT` is given), aggregated as
-    the loss is; seq-mean-token-mean's n_b counts the sampled tokens (a masked one stays in it)."""
+def _regularised(loss, ent_BT, kl_BT, mask_BT, sampled_BT, s: StepSettings, norm: LossNorm, d_BT=None):
+    """loss − entropy_coef·agg(H) + kl_coef·agg(KL) + distill.coef·agg(D) (the KL and distillation terms only
+    when given), aggregated as the loss is; seq-mean-token-mean's n_b counts the sampled tokens (a masked
+    one stays in it)."""
     lengths_B = sampled_BT.sum(dim=1)
     if s.entropy_coef:
         loss = loss - s.entropy_coef * aggregate(ent_BT, mask_BT, s.agg_mode, norm, lengths_B)
     if kl_BT is not None:
         loss = loss + s.kl_coef * aggregate(kl_BT, mask_BT, s.agg_mode, norm, lengths_B)
+    if d_BT is not None:
+        loss = loss + s.distill.s.coef * aggregate(d_BT, mask_BT, s.agg_mode, norm, lengths_B)
     return loss
 
 
@@ -367,11 +389,13 @@ def _batch_metrics(t: dict, loss_fn, s: StepSettings, norm: LossNorm) -> dict[st
         sampled_mask_BT=t["loss_mask"],
     )
     loss, lm = loss_fn(apply_bypass(inp) if s.bypass else inp, s.agg_mode, norm)
-    loss = _regularised(loss, t["ent"], t["kl"], final, t["loss_mask"], s, norm)  # kl kept only if in the loss
+    loss = _regularised(loss, t["ent"], t["kl"], final, t["loss_mask"], s, norm, t["distill"])  # each if in the loss
     metrics |= cm | lm | {"train/loss": float(loss)}
     metrics["train/entropy"] = float(masked_mean(t["ent"].double(), t["gen"]))  # the policy's, on what it sampled
     if t["kl"] is not None:  # the estimator's token mean over the trained tokens, whatever agg_mode
         metrics["train/kl_ref"] = float(masked_mean(t["kl"].double(), final))
+    if t["distill"] is not None:
+        metrics[f"distill/{s.distill.s.kind}"] = float(masked_mean(t["distill"].double(), final))
     return metrics
 
 
