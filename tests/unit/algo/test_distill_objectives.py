@@ -7,13 +7,7 @@ import math
 import pytest
 import torch
 
-from exactrl.algo.distill import (
-    forward_kl,
-    generalized_jsd,
-    reverse_kl_advantages,
-    teacher_top_k,
-    vocab_divergence,
-)
+from exactrl.algo.distill import forward_kl, generalized_jsd, reverse_kl_advantages, teacher_top_k, vocab_divergence
 
 F64 = torch.float64
 P_T = [0.5, 0.25, 0.125, 0.125]  # teacher
