@@ -36,3 +36,19 @@ def test_the_agent_examples_arguments_are_checked(capsys):
         with pytest.raises(SystemExit):
             agent.main(argv)
         assert needle in capsys.readouterr().err
+
+
+def test_the_distill_example_runs_every_arm_exactly(tmp_path, monkeypatch):
+    from exactrl.train import warmstart
+
+    monkeypatch.setattr(warmstart, "ARTIFACTS", tmp_path / "artifacts")
+    distill = load("distill")
+    out = tmp_path / "distill"
+    small = ["sft.steps=5", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "task.eval_size=4"]
+    argv = ["--steps", "2", "--teacher-steps", "2", "--out", str(out)] + [x for s in small for x in ("--set", s)]
+    assert distill.main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"grpo", "distill", "dgrpo"}
+    assert all(s["logprob_abs_diff_max"] == 0.0 for s in summary.values())
+    assert summary["grpo"]["reverse_kl_first"] is None and summary["distill"]["reverse_kl_first"] is not None
+    assert (out / "distill.png").stat().st_size > 0 and (out / "summary.md").read_text().count("\n") == 5
