@@ -30,6 +30,13 @@ from exactrl.train.settings import _STRICT
 from exactrl.train.sft_data import Example
 
 
+class SFTModelSettings(ModelSettings):
+    path: PathText | None = None
+    """The Hugging Face model directory to fine-tune (required; Qwen3, Qwen2, Llama or Mistral)."""
+    tokenizer: PathText | None = None
+    """Tokenizer directory (with the chat template the data is rendered with); None uses `path`."""
+
+
 class SFTDataSettings(BaseModel):
     model_config = _STRICT
 
@@ -93,8 +100,7 @@ class SFTConfig(BaseModel):
     """A live progress bar on a terminal; a plain line a step to a pipe; false: one line of JSON a step."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events in run_dir."""
-    model: ModelSettings = Field(default_factory=ModelSettings)
-    """The model to fine-tune (`model.path` is required) and how it runs."""
+    model: SFTModelSettings = Field(default_factory=SFTModelSettings)
     data: SFTDataSettings = Field(default_factory=SFTDataSettings)
     optim: SFTOptimSettings = Field(default_factory=SFTOptimSettings)
 
