@@ -252,7 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(fn=_train)
     f = sub.add_parser("sft", help="supervised fine-tuning on a JSONL file of chats or prompt/completion pairs")
-    f.add_argument("config", nargs="?", default=None, type=_path, help="YAML SFT config (every key: docs/training.md)")
+    f.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        type=_path,
+        help="YAML SFT config (every key, type and default: docs/config.md)",
+    )
     f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     f.set_defaults(fn=_sft)
     _add_serve(sub)

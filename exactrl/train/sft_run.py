@@ -94,7 +94,10 @@ def sft_main(config_path: str | None, overrides: list[str]) -> int:
         run = build(cfg)
         if run.start_step >= cfg.max_steps:
             run.close()
-            print(f"nothing to do: run {run.run_dir} is already at step {run.start_step} (max_steps={cfg.max_steps})")
+            print(
+                f"nothing to do: run {run.run_dir} is already at step {run.start_step} (max_steps={cfg.max_steps}); "
+                f"raise max_steps with --set max_steps=N to continue it"
+            )
             return 0
         return _run(run, config_path)
     finally:
