@@ -160,7 +160,9 @@ def _saved_state(ckpt: Path) -> dict:
 def _check_same_run(ckpt: Path, cfg: SFTConfig) -> None:
     """Refuses to resume a checkpoint of another command, or with settings that would make it another run."""
     state = _saved_state(ckpt)
-    if state and state.get("command") != "sft":
+    if not state:
+        return
+    if state.get("command") != "sft":
         raise ValueError(
             f"run_dir {ckpt.parent.parent} holds checkpoints of an `exactrl train` run, not an SFT run: choose "
             f"another run_dir"
@@ -171,7 +173,7 @@ def _check_same_run(ckpt: Path, cfg: SFTConfig) -> None:
         for k in sorted(set(old) | set(new))
         if old.get(k) != new.get(k) and not k.startswith(RESUMABLE)
     ]
-    if state and changed:
+    if changed:
         raise ValueError(
             f"resume from {ckpt} with changed settings ({'; '.join(changed)}): a resumed run keeps the settings "
             f"it was started with; drop these --set overrides, or start a new run_dir"

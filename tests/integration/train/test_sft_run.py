@@ -151,7 +151,7 @@ def test_bad_input_is_one_line_naming_it_and_leaves_no_run_dir(model_dir, data, 
     assert not run_dir.exists()
 
 
-def test_a_resume_refuses_other_settings_and_a_train_run(model_dir, data, tmp_path, capsys):
+def test_a_resume_refuses_other_settings_and_the_other_command(model_dir, data, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert sft(model_dir, data, run_dir, "max_steps=2") == 0
     capsys.readouterr()
@@ -159,6 +159,9 @@ def test_a_resume_refuses_other_settings_and_a_train_run(model_dir, data, tmp_pa
     assert "with changed settings (optim.lr: 0.003 -> 0.01)" in error_of(capsys)
     assert sft(model_dir, data, run_dir) == 2
     assert "already holds checkpoints: pass --set resume=true" in error_of(capsys)
+    rl = ["train", "--set", f"model.path={model_dir}", "--set", f"run_dir={run_dir}", "--set", "resume=true"]
+    assert cli_main(rl) == 2
+    assert f"run_dir {run_dir} holds checkpoints of an `exactrl sft` run: start RL from" in capsys.readouterr().err
     state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
     del state["command"]  # as an `exactrl train` checkpoint has it
     (latest_checkpoint(run_dir) / "state.json").write_text(json.dumps(state))
