@@ -1,4 +1,4 @@
-"""exactrl command line: train | serve | parity | bench | report.
+"""exactrl command line: train | sft | serve | parity | bench | report.
 
 Each command lives in its own module and is imported only when used, so
 `exactrl parity` does not pay for the server's imports.
@@ -174,6 +174,12 @@ def _train(args) -> int:
         raise
 
 
+def _sft(args) -> int:
+    from exactrl.train.sft_run import sft_main
+
+    return sft_main(args.config, args.set)
+
+
 def _serve(args) -> int:
     from exactrl.server.app import serve_main
 
@@ -245,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
         "between them); across machines start ranks with torchrun -m exactrl train",
     )
     t.set_defaults(fn=_train)
+    f = sub.add_parser("sft", help="supervised fine-tuning on a JSONL file of chats or prompt/completion pairs")
+    f.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        type=_path,
+        help="YAML SFT config (every key, type and default: docs/config.md)",
+    )
+    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    f.set_defaults(fn=_sft)
     _add_serve(sub)
     _add_parity(sub)
     b = sub.add_parser("bench", help="benchmarks (prints JSON): kernels | engine | train | serve")

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from datetime import date
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -140,6 +140,9 @@ class RunConfig(BaseModel):
         return self
 
 
+Config = TypeVar("Config", bound=BaseModel)
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
@@ -150,9 +153,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _is_str_field(dotted: str) -> bool:
+def _is_str_field(dotted: str, schema: type[BaseModel] = RunConfig) -> bool:
     """Whether the dotted key names a `str` or `str | None` field, PathText too (keys inside free-form dicts do not)."""
-    node: Any = RunConfig
+    node: Any = schema
     for k in dotted.split("."):
         if not (isinstance(node, type) and issubclass(node, BaseModel)):
             return False
@@ -167,7 +170,7 @@ def _is_str_field(dotted: str) -> bool:
     return bool(kinds) and kinds <= {str, type(None)} and str in kinds
 
 
-def _parse_override(key: str, raw: str) -> Any:
+def _parse_override(key: str, raw: str, schema: type[BaseModel] = RunConfig) -> Any:
     """A --set value parsed as YAML; for a string field, a number or date keeps the text as typed.
 
     So `run_dir=2024-01-01` and `rollout_backend.model=007` mean what they say. true/false and
@@ -179,7 +182,7 @@ def _parse_override(key: str, raw: str) -> Any:
         raise ValueError(
             f"--set {key}: not valid YAML ({_yaml_problem(e)}): {raw!r:.80}; quote the value if it is meant as text"
         ) from None
-    if isinstance(value, (int, float, date)) and not isinstance(value, bool) and _is_str_field(key):
+    if isinstance(value, (int, float, date)) and not isinstance(value, bool) and _is_str_field(key, schema):
         return raw.strip()
     return value
 
@@ -242,8 +245,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """YAML file (optional) + `key=value` overrides -> validated RunConfig."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), schema: type[Config] = RunConfig) -> Config:
+    """YAML file (optional) + `key=value` overrides -> validated RunConfig (or another `schema`: `exactrl sft`'s)."""
     tree = _load_file(Path(path)) if path is not None else {}
     for item in overrides:
         if "=" not in item:
@@ -251,10 +254,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         key, raw = item.split("=", 1)
         if any(not part.strip() for part in key.split(".")):  # "=1", "a..b", "a.": no key to name
             raise ValueError(f"--set expects key=value with a dotted key, got {item!r}")
-        _set_dotted(tree, key.strip(), _parse_override(key.strip(), raw))
-    _no_bools_for_numbers(tree, RunConfig)
+        _set_dotted(tree, key.strip(), _parse_override(key.strip(), raw, schema))
+    _no_bools_for_numbers(tree, schema)
     try:
-        return RunConfig.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as e:
         msgs = []
         for err in e.errors():

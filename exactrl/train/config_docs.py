@@ -1,4 +1,4 @@
-"""`config_reference()`: every run config key with its type, default and docstring, as Markdown
+"""`config_reference()`: every run config key (and `exactrl sft`'s) with its type, default and docstring, as Markdown
 (`docs/config.md` is its text; a test keeps the two the same). Re-exported by `exactrl.train.config`."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def config_reference() -> str:
         "",
     ]
 
-    def section(model: type[BaseModel], prefix: str) -> None:
+    def section(model: type[BaseModel], prefix: str, heading: str = "") -> None:
         rows, subs = [], []
         for name, f in model.model_fields.items():
             key = prefix + (f.alias or name)
@@ -33,12 +33,23 @@ def config_reference() -> str:
         if rows:
             lines.extend(["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
         for sub, key, doc in subs:
-            lines.extend([f"## `{key}`", ""] + ([" ".join(doc.split()), ""] if doc else []))
-            section(sub, key + ".")
+            lines.extend([f"## {heading}`{key}`", ""] + ([" ".join(doc.split()), ""] if doc else []))
+            section(sub, key + ".", heading)
 
     from exactrl.train.config import RunConfig
+    from exactrl.train.sft import SFTConfig
 
     section(RunConfig, "")
+    lines.extend(
+        [
+            "# `exactrl sft` config keys",
+            "",
+            "Generated from `exactrl/train/sft.py` (`SFTConfig`); `exactrl sft CONFIG.yaml --set key=value`. A file of",
+            "its own: `model.path` and `data.train_jsonl` are required (docs/training.md).",
+            "",
+        ]
+    )
+    section(SFTConfig, "", "sft: ")
     return "\n".join(lines)
 
 

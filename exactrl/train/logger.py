@@ -32,7 +32,17 @@ class MetricsLogger:
     same values), and TensorBoard purges them too: a resumed run's log reads like an uninterrupted one,
     but for `eval/*` at the last step of a run that was extended (each run evaluates at its max_steps)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, progress: bool, total_steps: int, start_step: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool,
+        progress: bool,
+        total_steps: int,
+        start_step: int,
+        title: str = "GRPO",
+        display: list[tuple[str, str, str]] = DISPLAY,
+    ):
+        self.display = display  # the figures shown live: (metric key, label, format)
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.exists():
             _keep_steps_up_to(self.path, start_step)
@@ -51,7 +61,7 @@ class MetricsLogger:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
-                TextColumn("[bold]GRPO"),
+                TextColumn(f"[bold]{title}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeRemainingColumn(),
@@ -72,12 +82,12 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, metrics["step"])
         self.last.update(metrics)
         if self.progress is not None:  # the latest of each figure (eval/* comes every eval_every steps)
-            self.progress.update(self.task, completed=metrics["step"], description=_shown(self.last))
+            self.progress.update(self.task, completed=metrics["step"], description=_shown(self.last, self.display))
         elif self.lines is not None:  # this step's figures
-            print(f"step {metrics['step']}{self.lines}  {_shown(metrics)}", flush=True)
+            print(f"step {metrics['step']}{self.lines}  {_shown(metrics, self.display)}", flush=True)
         else:
             print(
-                json.dumps({k: metrics[k] for k, _, _ in DISPLAY if k in metrics} | {"step": metrics["step"]}),
+                json.dumps({k: metrics[k] for k, _, _ in self.display if k in metrics} | {"step": metrics["step"]}),
                 flush=True,
             )
 
@@ -101,8 +111,8 @@ class MetricsLogger:
             tb.close()
 
 
-def _shown(metrics: dict[str, Any]) -> str:
-    return "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in DISPLAY if k in metrics)
+def _shown(metrics: dict[str, Any], display: list[tuple[str, str, str]]) -> str:
+    return "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in display if k in metrics)
 
 
 def _keep_steps_up_to(path: Path, step: int) -> None:

@@ -85,8 +85,22 @@ def _restore_rng(state: dict[str, Any], ranks: Ranks) -> None:
 def _check_resume_early(cfg: RunConfig, run_dir: Path) -> None:
     """Settings a resume refuses, before a warm start or a model load is spent on them."""
     early = latest_checkpoint(run_dir) if run_dir.exists() else None
+    if early is not None and _saved_command(early) == "sft":
+        raise ValueError(
+            f"run_dir {run_dir} holds checkpoints of an `exactrl sft` run: start RL from one of them in a new "
+            f"run_dir (--set model.path={early} --set model.tokenizer=<its tokenizer's directory>)"
+        )
     if early is not None:
         _check_same_run(_saved_config(early), cfg, early)
+
+
+def _saved_command(ckpt: Path) -> str | None:
+    """The command that wrote a checkpoint (`exactrl sft` records it; None: `exactrl train`, or unreadable)."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state.get("command") if isinstance(state, dict) else None
 
 
 def _saved_config(ckpt: Path) -> dict | None:

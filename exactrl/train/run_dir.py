@@ -84,9 +84,10 @@ def default_run_dir() -> str:
     return str(d)
 
 
-def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None, start: int):
+def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None, start: int, logger=MetricsLogger):
     """(run dir, whether this run created it, its lock, the logger): rank 0 creates the dir (a default name
-    taken meanwhile moves to the next free one), locks it and checks it again under the lock."""
+    taken meanwhile moves to the next free one), locks it and checks it again under the lock. `logger`
+    makes the logger (`MetricsLogger`'s arguments)."""
     new_run_dir = make_dir(run_dir)
     while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
         cfg.run_dir = default_run_dir()
@@ -100,11 +101,11 @@ def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None,
                 f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
                 f"wrote it): start again to resume from it, or choose another run_dir"
             )
-        logger = MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
+        log = logger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
     except BaseException:
         run_lock.close()
         raise
-    return run_dir, new_run_dir, run_lock, logger
+    return run_dir, new_run_dir, run_lock, log
 
 
 def lock_run_dir(d: Path, probe: bool = False):

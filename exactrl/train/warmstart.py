@@ -7,9 +7,9 @@ warm start is deliberately short: it teaches the answer format and part of
 the task, leaving RL something to improve (docs/performance.md reports the accuracies
 before and after).
 
-The SFT loss is the mean negative logprob of the answer tokens (plus the
-end-of-turn token) given the rendered prompt, through the same
-`token_logprobs` trainer path as RL.
+The warm start is `exactrl sft`'s step (train/sft.py): the loss is the mean negative logprob of the answer
+tokens (plus the end-of-turn token) given the rendered prompt, through the same `token_logprobs` trainer
+path as RL.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-
 from exactrl.envs import get_task
 from exactrl.envs.base import module_sha256
 from exactrl.envs.prompts import answer_ids, prompt_ids
 from exactrl.model import ModelConfig, build_model, save_model
-from exactrl.model.logprobs import token_logprobs
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer
-from exactrl.train.master_weights import MasterWeights
+from exactrl.train.setup import scheduled_lr
+from exactrl.train.sft import SFTOptimSettings, make_optimizer, sft_step
+from exactrl.train.sft_data import Example
 
 # the cache of warm-started default models: ./artifacts, or where EXACTRL_ARTIFACTS points (one cache for
 # runs started from any directory)
@@ -168,27 +167,27 @@ def supervised_finetune(
     echo_frac: float = 0.0,
     fp32_master_weights: bool = True,
 ) -> None:
-    """AdamW on the answer tokens' mean NLL, the learning rate decaying linearly to 0. A bf16 model's steps
-    go through fp32 master weights (`optim.fp32_master_weights`, as RL's do): without them the decaying
-    steps round away (the default bf16 warm start ended at NLL 0.278 without them, 0.249 with them, fp32 at 0.224)."""
+    """`exactrl sft`'s step (train/sft.py) on demonstrations drawn from the task: AdamW, the learning rate
+    decaying linearly to 0, each step's batch one packed sequence. A bf16 model's steps go through fp32 master
+    weights (`optim.fp32_master_weights`, as RL's do): without them the decaying steps round away (the default
+    bf16 warm start ended at NLL 0.278 without them, 0.249 with them, fp32 at 0.224)."""
     rng = random.Random(seed + 1)
     echo_rng = random.Random(seed + 2)  # its own stream: echo_frac does not change which problems are drawn
-    adamw = lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)  # noqa: E731
-    low_precision = next(model.parameters()).dtype != torch.float32
-    opt = (
-        MasterWeights(model.parameters(), adamw) if low_precision and fp32_master_weights else adamw(model.parameters())
+    o = SFTOptimSettings(
+        lr=lr, betas=(0.9, 0.98), grad_clip=1.0, lr_schedule="linear", fp32_master_weights=fp32_master_weights
     )
-    for step in range(steps):
-        probs = [task.generate(rng) for _ in range(batch_size)]
-        prompts = [prompt_ids(tok, task, p) for p in probs]
-        answers = [answer_ids(tok, p, echo_rng.random() < echo_frac) for p in probs]
-        lps, _ = token_logprobs(model, [a + b for a, b in zip(prompts, answers)], first=[len(a) for a in prompts])
-        nll = -torch.cat(lps).mean()
-        opt.zero_grad(set_to_none=True)
-        nll.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt = make_optimizer(model, o)
+    for step in range(1, steps + 1):
+        batch = [demonstration(tok, task, task.generate(rng), echo_rng, echo_frac) for _ in range(batch_size)]
         for g in opt.param_groups:  # linear decay keeps the end of the warm start stable
-            g["lr"] = lr * (1 - step / max(steps, 1))
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"  sft step {step:4d}  nll {nll.item():.3f}")
+            g["lr"] = scheduled_lr(o, step, steps)
+        m = sft_step(model, opt, batch, sum(len(e.tokens) for e in batch), o.grad_clip)
+        if step % 50 == 1 or step == steps:
+            log(f"  sft step {step - 1:4d}  nll {m['train/loss']:.3f}")
+
+
+def demonstration(tok, task, problem, echo_rng: random.Random, echo_frac: float) -> Example:
+    """The task's prompt as RL renders it, then the demonstrated answer and end of turn (the trained tokens)."""
+    prompt = prompt_ids(tok, task, problem)
+    answer = answer_ids(tok, problem, echo_rng.random() < echo_frac)
+    return Example(prompt + answer, [False] * len(prompt) + [True] * len(answer), problem.prompt)
