@@ -226,6 +226,8 @@ def _yaml_load(text: str) -> Any:
         return yaml.load(text, Loader=_UniqueKeyLoader)
     except RecursionError:
         raise yaml.YAMLError("lists or mappings nested too deeply") from None
+    except ValueError as e:  # PyYAML's scanner lets some bad escapes through as ValueError ("\\U00110000": chr())
+        raise yaml.YAMLError(f"a bad escape in a quoted string ({e})") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

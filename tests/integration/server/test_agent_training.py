@@ -125,14 +125,16 @@ def test_a_failing_episode_takes_only_its_group_out_of_the_step(calc):
     session it opened is deleted. Every group failing is an error carrying the first failure."""
     import asyncio
 
-    from exactrl.rollout.agents import collect_agent_groups, complete_groups
+    from exactrl.rollout.agents import TURN_SEEDS, collect_agent_groups, complete_groups
+    from exactrl.seeds import derive_seed
 
     seeds = []
+    failing = derive_seed(0, 1, 1, 1) * TURN_SEEDS  # run seed 0, step 1, problem 1, episode j = 1
 
     async def env(base_url, problem, *, seed, **kw):
         seeds.append(seed)
         reward = await calculator_episode(base_url, problem, seed=seed, **kw)  # the session now holds turns
-        if problem is calc["problems"][1] and seed % 2000 == 1000:  # episode j = 1 of its group
+        if problem is calc["problems"][1] and seed == failing:
             raise RuntimeError("the tool server is down")
         return reward
 
@@ -145,7 +147,7 @@ def test_a_failing_episode_takes_only_its_group_out_of_the_step(calc):
     kept, failed = complete_groups(groups)
     assert failed == 1 and len(kept) == 1 and kept[0] is groups[0]
     assert isinstance(groups[1][1], RuntimeError)
-    assert len(set(seeds)) == 4 and all(s % 1000 == 0 for s in seeds)  # turns (seed + t) never collide
+    assert len(set(seeds)) == 4 and all(s % TURN_SEEDS == 0 for s in seeds)  # turns (seed + t) never collide
     assert len(calc["state"].sessions) == sessions  # no session left behind
     with pytest.raises(RuntimeError, match="every group had an episode that failed .*the tool server is down"):
         complete_groups([[RuntimeError("the tool server is down"), groups[0][0]]])

@@ -24,7 +24,7 @@ TIMING = ("time/", "perf/tokens_per_s")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return default_job_model(tmp_path_factory, sft_steps=20)  # part trained: some groups vary, many do not
+    return default_job_model(tmp_path_factory, sft_steps=40)  # part trained: some groups vary, many do not
 
 
 def varies(group) -> bool:
