@@ -123,26 +123,9 @@ def _library(build: str) -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(so))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.exactrl_attention.argtypes = [
-        ptr,
-        ptr,
-        ptr,
-        ctypes.c_int,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ptr,
-        ptr,
-        ctypes.c_int,
-    ]
+    lib.exactrl_attention.argtypes = (
+        [ptr] * 3 + [ctypes.c_int] + [ptr] * 3 + [i64] * 7 + [ctypes.c_float, ptr, ptr, ctypes.c_int]
+    )
     lib.exactrl_attention.restype = ctypes.c_int
     lib.exactrl_attention_backward.argtypes = [ptr] * 9 + [i64] * 8 + [ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
     lib.exactrl_attention_backward.restype = ctypes.c_int
