@@ -19,9 +19,11 @@ import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from exactrl.envs.base import Problem, Task
+
+T = TypeVar("T")
 
 _REQUIRED = ("prompt", "answer")
 
@@ -172,39 +174,45 @@ def fingerprint(problems: list[Problem]) -> str:
     return h.hexdigest()[:16]
 
 
-class PromptSource:
-    """An endless, resumable stream of problems: a fresh seeded permutation every epoch."""
+class ResumableStream(Generic[T]):
+    """An endless, resumable stream of items: each epoch in its own seeded order (or file order), its position
+    two integers, so a resumed run draws exactly what the uninterrupted run would have. `fingerprint` names
+    the data a saved position is valid for; `order_key` is part of every epoch's order."""
 
-    def __init__(self, problems: list[Problem], seed: int = 0, shuffle: bool = True):
-        if not problems:
-            raise ValueError("PromptSource needs at least one problem")
-        self.problems = list(problems)  # the dataset, never mutated
+    order_key = "exactrl.PromptSource"
+    what = "PromptSource state"  # how a refused position is named
+    fix = "resume with the same dataset, seed and shuffle setting"
+
+    def __init__(self, items: list[T], seed: int, shuffle: bool, fingerprint: str):
+        if not items:
+            raise ValueError(f"{type(self).__name__} needs at least one item")
+        self.items = list(items)  # the dataset, never mutated
         self.seed = seed  # with the epoch, determines each epoch's order
         self.shuffle = shuffle  # False walks the dataset in file order every epoch
         self.epoch = 0  # epochs completed so far
         self.index = 0  # position within the current epoch's order
-        self._fingerprint = fingerprint(self.problems)
+        self.fingerprint = fingerprint
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.problems)))
+        order = list(range(len(self.items)))
         if self.shuffle:  # a string seed hashes to the same state in every process and Python version
-            random.Random(f"exactrl.PromptSource:{self.seed}:{epoch}").shuffle(order)
+            random.Random(f"{self.order_key}:{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def __iter__(self) -> Iterator[Problem]:
+    def __iter__(self) -> Iterator[T]:
         return self
 
-    def __next__(self) -> Problem:
+    def __next__(self) -> T:
         if self.index == len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._epoch_order(self.epoch)
-        problem = self.problems[self._order[self.index]]
+        item = self.items[self._order[self.index]]
         self.index += 1
-        return problem
+        return item
 
-    def take(self, n: int) -> list[Problem]:
-        """The next `n` problems (crossing epoch boundaries as needed)."""
+    def take(self, n: int) -> list[T]:
+        """The next `n` items (crossing epoch boundaries as needed)."""
         if n < 0:
             raise ValueError(f"take expects n >= 0, got {n}")
         return [next(self) for _ in range(n)]
@@ -216,21 +224,34 @@ class PromptSource:
             "index": self.index,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "size": len(self.problems),
-            "fingerprint": self._fingerprint,
+            "size": len(self.items),
+            "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Moves to a saved position; ValueError if it was saved for another dataset, seed or order."""
+        """Moves to a saved position; ValueError if it was saved for other data, seed or order."""
         mine = self.state_dict()
         for key in ("seed", "shuffle", "size", "fingerprint"):
             if state.get(key) != mine[key]:
                 raise ValueError(
-                    f"PromptSource state was saved with {key}={state.get(key)!r} but this source has "
-                    f"{key}={mine[key]!r}: resume with the same dataset, seed and shuffle setting"
+                    f"{self.what} was saved with {key}={state.get(key)!r} but this run's data has "
+                    f"{key}={mine[key]!r}: {self.fix}"
                 )
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index <= len(self.problems):
-            raise ValueError(f"PromptSource state has an invalid position: epoch={epoch}, index={index}")
+        epoch, index = state.get("epoch"), state.get("index")
+        if type(epoch) is not int or type(index) is not int or epoch < 0 or not 0 <= index <= len(self.items):
+            raise ValueError(f"{self.what} has an invalid position: epoch={epoch!r}, index={index!r}")
         self.epoch, self.index = epoch, index
         self._order = self._epoch_order(epoch)
+
+
+class PromptSource(ResumableStream[Problem]):
+    """The training problems as an endless, resumable stream (`ResumableStream`)."""
+
+    def __init__(self, problems: list[Problem], seed: int = 0, shuffle: bool = True):
+        if not problems:
+            raise ValueError("PromptSource needs at least one problem")
+        super().__init__(problems, seed, shuffle, fingerprint(problems))
+
+    @property
+    def problems(self) -> list[Problem]:
+        return self.items

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from exactrl.chat.messages import check_rendered_text, check_tool_replies, template_message, validate_tools
-from exactrl.envs.dataset import load_json_line
+from exactrl.envs.dataset import ResumableStream, load_json_line
 from exactrl.model.tokenizer import Tokenizer
 
 
@@ -202,58 +201,20 @@ def read_sft_jsonl(path: str | Path, tok: Tokenizer, prompt_format: str = "chat"
     return out
 
 
-class ExampleStream:
-    """An endless, resumable stream of examples: each epoch in its own seeded order (or file order), its
-    position two integers, so a resumed run draws exactly the examples the uninterrupted run would have."""
+class ExampleStream(ResumableStream[Example]):
+    """The SFT examples as an endless, resumable stream (envs/dataset.py `ResumableStream`); its fingerprint is
+    the tokens trained on, so another file or tokenizer is another stream."""
+
+    order_key = "exactrl.sft"
+    what = "its data position"
+    fix = "resume with the same data file, tokenizer, seed and shuffle setting"
 
     def __init__(self, examples: list[Example], seed: int, shuffle: bool = True):
-        self.examples = examples
-        self.seed, self.shuffle = seed, shuffle
-        self.epoch, self.index = 0, 0  # epochs completed, position in the current epoch's order
         h = hashlib.sha256()
         for e in examples:
             h.update(json.dumps([e.tokens, e.loss_mask]).encode() + b"\n")
-        self.fingerprint = h.hexdigest()[:16]  # the tokens trained on: another file or tokenizer differs
-        self._order = self._epoch_order(0)
+        super().__init__(examples, seed, shuffle, h.hexdigest()[:16])
 
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.examples)))
-        if self.shuffle:  # a string seed hashes to the same state in every process and Python version
-            random.Random(f"exactrl.sft:{self.seed}:{epoch}").shuffle(order)
-        return order
-
-    def take(self, n: int) -> list[Example]:
-        """The next `n` examples, crossing epoch boundaries as needed."""
-        out = []
-        for _ in range(n):
-            if self.index == len(self._order):
-                self.epoch, self.index = self.epoch + 1, 0
-                self._order = self._epoch_order(self.epoch)
-            out.append(self.examples[self._order[self.index]])
-            self.index += 1
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "index": self.index,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "size": len(self.examples),
-            "fingerprint": self.fingerprint,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Moves to a saved position; a ValueError if it was saved for other data, seed or order."""
-        mine = self.state_dict()
-        for key in ("seed", "shuffle", "size", "fingerprint"):
-            if state.get(key) != mine[key]:
-                raise ValueError(
-                    f"its data position was saved with {key}={state.get(key)!r} but this run's data has "
-                    f"{key}={mine[key]!r}: resume with the same data file, tokenizer, seed and shuffle setting"
-                )
-        epoch, index = state["epoch"], state["index"]
-        if type(epoch) is not int or type(index) is not int or epoch < 0 or not 0 <= index <= len(self.examples):
-            raise ValueError(f"its data position is invalid: epoch={epoch!r}, index={index!r}")
-        self.epoch, self.index = epoch, index
-        self._order = self._epoch_order(epoch)
+    @property
+    def examples(self) -> list[Example]:
+        return self.items
