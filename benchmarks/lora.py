@@ -12,19 +12,26 @@ RL run holds and does it (train/setup.py, train/loop.py):
   for the adapters' small ones).
 - step_peak_mb: the most heap bytes in use above those at its start during one
   `train_step` (PPO-clip, token-mean, one micro-batch, AdamW): activations,
-  this step's gradients, temporaries (benchmarks/memory.py's `PeakHeap`).
-- step_s: best of `--steps` timed `train_step`s after a warm-up.
-- rollout_s: best of `--steps` `Engine.generate` calls, one completion of
-  `--completion` tokens per sequence (`ignore_eos`), decode graphs on.
-- sync_s: best of `--steps` `Engine.update_weights` of what the loop syncs
+  this step's gradients, temporaries (benchmarks/memory.py's `PeakHeap`). The
+  step first frees the last step's gradients, which the start counts, so in
+  `full` mode this is below the activations' own peak: compare totals.
+- total_mb: state_mb + step_peak_mb, the most the run holds during a step
+  (the KV pool and packed copies aside).
+- rollout_s: `Engine.generate` of one completion of `--completion` tokens
+  per sequence (`ignore_eos`), decode graphs on.
+- step_s: one `train_step`.
+- sync_s: `Engine.update_weights` of what the loop syncs
   (`lora.synced_weights`: every weight, or the adapters alone).
+- times are the best of `--steps` rounds after a warm-up; in each round the
+  modes take turns (rollout, step, sync of one, then of the other), so a
+  change in the machine's load falls on both.
 - checkpoint_mb: the bytes of the model part (model.safetensors, or the PEFT
   adapter files) plus optimizer.pt, as a checkpoint writes them.
 
 Ratios are lora / full. The 1-minute load average at start and end is in the output.
 
     exactrl bench lora [--quick] [--size 20M] [--rank 16] [--alpha 32] [--targets all] [--seqs 8]
-                       [--prompt 32] [--completion 224] [--steps 2] [--dtype float32]
+                       [--prompt 32] [--completion 224] [--steps 3] [--dtype float32]
 
 Legend: B sequences, T tokens per sequence.
 """
@@ -72,52 +79,60 @@ def random_batch(vocab: int, seqs: int, prompt: int, completion: int) -> TrainBa
     return TrainBatch(ids(prompt), ids(completion), [[-1.0] * completion for _ in range(seqs)], advantages)
 
 
-def _best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+class Mode:
+    """One mode's model, engine and optimizer, as train/setup.py builds them."""
 
+    def __init__(self, name: str, cfg, a, batch: TrainBatch, settings: StepSettings):
+        self.name, self.batch, self.settings = name, batch, settings
+        self.model = build_model(cfg, dtype=a.dtype, seed=0)
+        if name == "lora":
+            add_lora(self.model, a.rank, a.alpha, a.targets, seed=0)
+        self.engine = Engine(engine_copy(self.model), kv_budget_tokens=a.seqs * (a.prompt + a.completion) + 64)
+        self.opt = torch.optim.AdamW(trainable_parameters(self.model), lr=1e-6)
+        self.loss = build_loss("ppo")
+        self.sp = SamplingParams(max_tokens=a.completion, seed=0, ignore_eos=True)
+        self.versions = iter(range(1, 10**9))
+        self.times: dict[str, list[float]] = {"rollout_s": [], "step_s": [], "sync_s": []}
 
-def measure_mode(mode: str, cfg, a, batch, settings: StepSettings) -> dict:
-    model = build_model(cfg, dtype=a.dtype, seed=0)
-    if mode == "lora":
-        add_lora(model, a.rank, a.alpha, a.targets, seed=0)
-    engine = Engine(engine_copy(model), kv_budget_tokens=a.seqs * (a.prompt + a.completion) + 64)
-    opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-6)
-    loss = build_loss("ppo")
-    sp = SamplingParams(max_tokens=a.completion, seed=0, ignore_eos=True)
-    engine.generate(batch.prompt_ids, sp)  # warm-up: packed weights, decode graphs
-    rollout_s = _best(lambda: engine.generate(batch.prompt_ids, sp), a.steps)
-    train_step(model, opt, loss, batch, settings)  # warm-up: AdamW's moments, the gradients
-    with PeakHeap() as meter:
-        m = train_step(model, opt, loss, batch, settings)
-    step_s = _best(lambda: train_step(model, opt, loss, batch, settings), a.steps)
-    versions = iter(range(1, 10**6))
-    sync_s = _best(lambda: engine.update_weights(synced_weights(model), version=next(versions)), a.steps)
-    params = list(model.parameters()) + list(engine.model.parameters())
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    moments = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-    with tempfile.TemporaryDirectory() as d:
-        (save_adapters if mode == "lora" else save_model)(model, d)
-        buf = io.BytesIO()
-        torch.save(opt.state_dict(), buf)
-        ckpt = sum(f.stat().st_size for f in Path(d).iterdir() if "safetensors" in f.name) + buf.tell()
-    return {
-        "trainable_params": sum(p.numel() for p in trainable_parameters(model)),
-        "weights_mb": round(_bytes(params) / 2**20, 1),
-        "grads_mb": round(_bytes(grads) / 2**20, 1),
-        "optimizer_mb": round(_bytes(moments) / 2**20, 1),
-        "state_mb": round(_bytes(params + grads + moments) / 2**20, 1),
-        "step_peak_mb": round(meter.peak / 2**20, 1),
-        "step_s": round(step_s, 3),
-        "rollout_s": round(rollout_s, 3),
-        "sync_s": round(sync_s, 4),
-        "checkpoint_mb": round(ckpt / 2**20, 2),
-        "loss": m["train/loss"],
-    }
+    def rollout(self):
+        return self.engine.generate(self.batch.prompt_ids, self.sp)
+
+    def step(self):
+        return train_step(self.model, self.opt, self.loss, self.batch, self.settings)
+
+    def sync(self):
+        return self.engine.update_weights(synced_weights(self.model), version=next(self.versions))
+
+    def timed(self) -> None:
+        for key, fn in (("rollout_s", self.rollout), ("step_s", self.step), ("sync_s", self.sync)):
+            t = time.perf_counter()
+            fn()
+            self.times[key].append(time.perf_counter() - t)
+
+    def memory(self) -> dict:
+        """After the warm-ups: the metered step, then the bytes it keeps (see the module docstring)."""
+        with PeakHeap() as meter:
+            self.step()
+        model, opt = self.model, self.opt
+        params = list(model.parameters()) + list(self.engine.model.parameters())
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        moments = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        with tempfile.TemporaryDirectory() as d:
+            (save_adapters if self.name == "lora" else save_model)(model, d)
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            ckpt = sum(f.stat().st_size for f in Path(d).iterdir() if "safetensors" in f.name) + buf.tell()
+        state, peak = round(_bytes(params + grads + moments) / 2**20, 1), round(meter.peak / 2**20, 1)
+        return {
+            "trainable_params": sum(p.numel() for p in trainable_parameters(model)),
+            "weights_mb": round(_bytes(params) / 2**20, 1),
+            "grads_mb": round(_bytes(grads) / 2**20, 1),
+            "optimizer_mb": round(_bytes(moments) / 2**20, 1),
+            "state_mb": state,
+            "step_peak_mb": peak,
+            "total_mb": round(state + peak, 1),
+            "checkpoint_mb": round(ckpt / 2**20, 2),
+        }
 
 
 def measure(a) -> dict:
@@ -141,12 +156,29 @@ def measure(a) -> dict:
         "sequences": a.seqs,
         "tokens": a.seqs * (a.prompt + a.completion),
         "load_avg_1m_start": os.getloadavg()[0],
-        "modes": {mode: measure_mode(mode, cfg, a, batch, settings) for mode in MODES},
     }
+    modes = [Mode(name, cfg, a, batch, settings) for name in MODES]
+    for m in modes:  # warm-ups: packed weights, decode graphs, AdamW's moments, the gradients
+        m.rollout(), m.step(), m.sync()
+    out["modes"] = {m.name: m.memory() for m in modes}
+    for _ in range(a.steps):  # the modes take turns, so a change in the machine's load falls on both
+        for m in modes:
+            m.timed()
+    for m in modes:
+        out["modes"][m.name] |= {k: round(min(v), 4) for k, v in m.times.items()}
     out["load_avg_1m_end"] = os.getloadavg()[0]  # other processes slow the steps, not the byte counts
     full, lora = out["modes"]["full"], out["modes"]["lora"]
     out["params"] = full["trainable_params"]
-    keys = ("trainable_params", "state_mb", "step_peak_mb", "step_s", "rollout_s", "sync_s", "checkpoint_mb")
+    keys = (
+        "trainable_params",
+        "state_mb",
+        "step_peak_mb",
+        "total_mb",
+        "step_s",
+        "rollout_s",
+        "sync_s",
+        "checkpoint_mb",
+    )
     out["lora_over_full"] = {k: round(lora[k] / full[k], 4) if full[k] else None for k in keys}
     return out
 
@@ -168,7 +200,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--seqs", type=positive_int, default=8)
     p.add_argument("--prompt", type=positive_int, default=32)
     p.add_argument("--completion", type=positive_int, default=224)
-    p.add_argument("--steps", type=positive_int, default=2, help="timed repeats of each measurement (best of)")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed rounds (best of)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="tiny model, short sequences (smoke test)")
     a = p.parse_args(argv)

@@ -16,6 +16,7 @@ def test_bench_lora_quick_prints_both_modes_and_their_ratios(capsys):
     # a LoRA run keeps no gradient or moment of a base weight, and its engine shares the base
     assert lora["grads_mb"] < full["grads_mb"] and lora["optimizer_mb"] < full["optimizer_mb"]
     assert lora["weights_mb"] < full["weights_mb"] and lora["checkpoint_mb"] < full["checkpoint_mb"]
+    assert all(m["total_mb"] == round(m["state_mb"] + m["step_peak_mb"], 1) for m in (full, lora))
     for mode in (full, lora):
         assert mode["step_s"] > 0 and mode["rollout_s"] > 0 and mode["sync_s"] > 0 and mode["step_peak_mb"] > 0
     ratios = out["lora_over_full"]
