@@ -1,4 +1,4 @@
-"""exactrl command line: train | sft | serve | parity | bench | report.
+"""exactrl command line: train | sft | serve | parity | bench | report | export.
 
 Each command lives in its own module and is imported only when used, so
 `exactrl parity` does not pay for the server's imports.
@@ -194,6 +194,29 @@ def _report(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from exactrl.train.export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out, merge=args.merge, base=args.base))
+    return 0
+
+
+def _add_export(sub) -> None:
+    e = sub.add_parser("export", help="a LoRA run's checkpoint as a merged Hugging Face model or PEFT adapters")
+    e.add_argument("checkpoint", type=_path, help="a LoRA run's checkpoint directory (RUN_DIR/checkpoints/step_N)")
+    e.add_argument("--out", type=_path, required=True, help="the directory to write (new or empty)")
+    e.add_argument(
+        "--merge",
+        action="store_true",
+        help="write the base model with the adapters merged into its weights (W + alpha/r B A), a Hugging Face "
+        "model directory; without it, the PEFT adapter files alone",
+    )
+    e.add_argument(
+        "--base", type=_path, default=None, help="the base model directory (default: the one the adapters name)"
+    )
+    e.set_defaults(fn=_export)
+
+
 def _int_in(lo: int, hi: int | None = None):
     """An argparse type: an integer in [lo, hi]."""
 
@@ -272,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run_dir", type=_path, help="the run directory (it holds metrics.jsonl); the plots go to RUN_DIR/report/"
     )
     r.set_defaults(fn=_report)
+    _add_export(sub)
     return p
 
 

@@ -40,6 +40,7 @@ from exactrl.engine.sampling import SampleRows, SamplingParams, params_per_promp
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
 from exactrl.kernels.linear import PackedWeights, using_packed
+from exactrl.model.lora import adapter_weights
 
 
 class Engine:
@@ -422,8 +423,11 @@ class Engine:
         Every running sequence is preempted: its KV cache was computed under the
         old weights, so it is recomputed, and the tokens sampled from now on
         are exactly the new policy's. Names are the model's parameter names (HF
-        names); a tied model ignores `lm_head.weight`. All names, shapes and
-        dtypes are checked before anything is copied (a dtype cast would not be bitwise).
+        names); a tied model ignores `lm_head.weight`. A model with LoRA adapters
+        (model/lora.py) takes either every parameter or its adapters alone (`lora_A`,
+        `lora_B`: what a LoRA run trains and syncs; the base weights stay). All names,
+        shapes and dtypes are checked before anything is copied (a dtype cast would
+        not be bitwise).
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(
@@ -436,9 +440,20 @@ class Engine:
             isinstance(version, int) and not isinstance(version, bool) and version > self.version
         ):
             raise ValueError(f"version must be an int above the current version {self.version}, got {version!r}")
-        missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
-        if missing or unexpected:
-            raise ValueError(f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        adapters = set(adapter_weights(self.model))
+        if adapters and sd and set(sd) <= adapters:  # the adapters alone: all of them
+            missing = sorted(adapters - set(sd))
+            if missing:
+                raise ValueError(
+                    f"state_dict holds some of the model's LoRA adapters but not {missing[:5]}: pass every "
+                    f"adapter (exactrl.model.lora.adapter_weights) or every parameter"
+                )
+        else:
+            missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
+            if missing or unexpected:
+                raise ValueError(
+                    f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
         for k, v in sd.items():
             if not isinstance(v, torch.Tensor):
                 raise ValueError(f"state_dict[{k!r}] is a {type(v).__name__}, not a tensor")
@@ -475,7 +490,7 @@ class Engine:
             raise
         self._weights_broken = None
         # packed again in place, so the decode graphs that point at the packed copies stay valid
-        self._packed.refresh()
+        self._packed.refresh([params[k] for k in sd])
         if self._graphs is not None:
             self._graphs.weights_updated()
         self.version = self.version + 1 if version is None else version

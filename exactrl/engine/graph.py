@@ -19,8 +19,9 @@ Steps with prefill chunks, and any other kernels or dtype, run eagerly.
   scratch page, and every exact kernel is batch-invariant: they change no bit
   of the real rows.
 - While recording, torch ops may only make views and allocations
-  (`_NativeOnly`). An add (the residual, a bias) becomes the native add (the
-  same IEEE sums); any other op raises, as its work would be missing from the
+  (`_NativeOnly`). An add (the residual, a bias) becomes the native add, and
+  a product with a number (LoRA's α/r) the native scale (the same IEEE sums
+  and products); any other op raises, as its work would be missing from the
   replay.
 - A graph points at the weights' packed copies, the norms' weights and the KV
   store. `update_weights` writes the weights and packs them again in place,
@@ -219,7 +220,8 @@ class DecodeGraphs:
 class _NativeOnly(TorchFunctionMode):
     """While a step is recorded: torch ops may make views and allocations, which a replay need not repeat
     (the tensors are kept, so the recorded pointers stay valid); an add (a residual or a bias) runs as the
-    native add, which the recording notes; any other op raises."""
+    native add and a product with a number as the native scale, which the recording notes; any other op
+    raises."""
 
     def __init__(self):
         super().__init__()
@@ -230,6 +232,10 @@ class _NativeOnly(TorchFunctionMode):
         name = getattr(func, "__name__", repr(func))
         if name in ("add", "__add__") and not kwargs and _native_add(*args):
             out = native.add(*args)
+            self.kept.append(out)
+            return out
+        if name in ("mul", "__mul__") and not kwargs and _native_scale(*args):
+            out = native.scale(*args)
             self.kept.append(out)
             return out
         if (
@@ -264,6 +270,17 @@ def _native_add(*args) -> bool:
         return False
     a, b = args
     return b.dim() <= a.dim() and a.shape[a.dim() - b.dim() :] == b.shape
+
+
+def _native_scale(*args) -> bool:
+    """Whether `native.scale` computes a * b: a contiguous fp32 tensor times a Python number (LoRA's α/r)."""
+    return (
+        len(args) == 2
+        and isinstance(args[0], torch.Tensor)
+        and args[0].dtype == torch.float32
+        and args[0].is_contiguous()
+        and type(args[1]) in (float, int)
+    )
 
 
 def _tensors(x) -> list[torch.Tensor]:

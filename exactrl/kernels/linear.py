@@ -152,10 +152,14 @@ class PackedWeights:
     def clear(self) -> None:
         self._packed.clear()
 
-    def refresh(self) -> None:
+    def refresh(self, written: Sequence[torch.Tensor] | None = None) -> None:
         """Packs every entry again from its weights' values now: the fp32 panels in place (so a decode graph
-        that points at them stays valid); other entries, and those whose weights are gone or reshaped, go."""
+        that points at them stays valid); other entries, and those whose weights are gone or reshaped, go.
+        `written`: only the entries of these weights (the others' weights did not change); None: every one."""
+        ids = None if written is None else {id(w) for w in written}
         for key, (refs, _, packed) in list(self._packed.items()):
+            if ids is not None and ids.isdisjoint(key):
+                continue
             ws = tuple(r() for r in refs)
             if (
                 isinstance(packed, native.PackedLinearWeight)

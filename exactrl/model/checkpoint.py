@@ -323,6 +323,11 @@ def _remove_shards(path: Path) -> None:
 
 def save_model(model: CausalLM, path: str | Path) -> None:
     """Writes config.json + model.safetensors in the Hugging Face layout."""
+    if model.lora is not None:  # its adapters are no Hugging Face tensors; a base saved alone would drop them
+        raise ValueError(
+            "the model carries LoRA adapters: save them with exactrl.model.lora_files.save_adapters (PEFT's "
+            "format), or save exactrl.model.lora.merge_lora(model) as one model"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_hf()

@@ -5,9 +5,44 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exactrl.argcheck import PathText
+from exactrl.model.lora import TARGETS, check_targets
+
+
+class LoRASettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    rank: int = Field(default=0, ge=0)
+    """r, the adapters' inner dimension; 0 trains every weight (no LoRA). With r > 0 each targeted projection
+    computes W x + (B (A x))·alpha/r unmerged in the trainer and the engine alike (bitwise equal), only A and
+    B train and only they are synced to the engine; checkpoints hold them in PEFT's format."""
+    alpha: float = Field(default=16.0, gt=0)
+    """alpha: the adapters' output is scaled by alpha/rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Must be 0: dropout on the adapters' input would make the trainer's forward another function than the
+    engine's sampling forward, so the step's logprobs would no longer start equal to the rollouts' (kept for
+    PEFT's lora_dropout, which the checkpoints write as 0)."""
+    targets: list[str] = Field(default_factory=lambda: list(TARGETS))
+    """Projections adapted in every layer, by PEFT's names: q_proj, k_proj, v_proj, o_proj (attention),
+    gate_proj, up_proj, down_proj (MLP)."""
+
+    @field_validator("dropout")
+    @classmethod
+    def _dropout(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError(
+                f"dropout={v}: LoRA dropout is not supported. It drops adapter inputs in the trainer's forward "
+                f"only, so the trainer's logprobs would differ from the engine's that sampled the tokens "
+                f"(train/train_rollout_logprob_abs_diff no longer 0); leave it at 0"
+            )
+        return v
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        return list(check_targets(v))
 
 
 class ModelSettings(BaseModel):
@@ -31,6 +66,8 @@ class ModelSettings(BaseModel):
     backend: Literal["native", "triton"] | None = None
     """Kernel implementation: `native` (C, CPU only) or `triton` (CUDA; on CPU under Triton's interpreter,
     with TRITON_INTERPRET=1 set). None picks native on cpu and triton on cuda."""
+    lora: LoRASettings = Field(default_factory=LoRASettings)
+    """LoRA adapters (model/lora.py; docs/training.md "LoRA"): off unless `rank` > 0."""
 
     @field_validator("device")
     @classmethod

@@ -34,9 +34,20 @@ class Linear(nn.Module):
         self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        # a LoRA adapter (model/lora.py `add_lora`): lora_A [r, d_in] and lora_B [d_out, r] Linears, and α/r
+        self.lora_A: Linear | None = None
+        self.lora_B: Linear | None = None
+        self.lora_scale = 0.0
 
     def forward(self, x):
-        return self.kernels.linear(x, self.weight, self.bias)
+        return self.adapted(x, self.kernels.linear(x, self.weight, self.bias))
+
+    def adapted(self, x, y):
+        """y = W x + b, plus the LoRA term where an adapter is attached: y + B(A x)·α/r, each product through
+        the kernels' linear, then the scale, then the sum, in this order on every path (docs/design.md §5)."""
+        if self.lora_A is None:
+            return y
+        return y + self.lora_B(self.lora_A(x)) * self.lora_scale
 
 
 def project(x, *linears: Linear) -> list[torch.Tensor]:
@@ -44,7 +55,7 @@ def project(x, *linears: Linear) -> list[torch.Tensor]:
     (the engine: the same bits, fewer calls), else a module call each (autograd, forward hooks)."""
     kernels, weights = linears[0].kernels, [m.weight for m in linears]
     if kernels.fuses_linears(x, weights, [m.bias for m in linears]):
-        return kernels.linears(x, weights)
+        return [m.adapted(x, y) for m, y in zip(linears, kernels.linears(x, weights))]
     return [m(x) for m in linears]
 
 
@@ -127,6 +138,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels, block_size: int = DEFAULT_BLOCK_SIZE):
         super().__init__()
         self.config, self.kernels, self.block_size = cfg, kernels, block_size
+        self.lora = None  # the LoRA adapters' settings (model/lora.py `LoRASpec`) once `add_lora` attached them
         self.model = Decoder(cfg, kernels)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(kernels, cfg.hidden_size, cfg.vocab_size, False)

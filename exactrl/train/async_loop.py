@@ -61,6 +61,7 @@ from exactrl.distributed import Ranks
 from exactrl.engine import Engine
 from exactrl.envs.prompts import prompt_ids
 from exactrl.model.logprobs import token_logprobs
+from exactrl.model.lora import synced_weights
 from exactrl.rollout.groups import Rollout, generate_groups
 from exactrl.train.config import AsyncSettings
 from exactrl.train.loop import end_step, engine_metrics, initial_eval, train_on
@@ -295,7 +296,7 @@ def train_async(c: Run, s: AsyncSettings) -> dict[str, float]:
             metrics |= train_on(c, step, groups)
             if eval_engine is not None:  # it shares the trainer's weights, which the step just wrote
                 eval_engine.weights_changed()
-            worker.publish(step, c.policy.model.state_dict())
+            worker.publish(step, synced_weights(c.policy.model))
             if check is not None:  # batch k+1 may hold versions down to k − max_staleness
                 check.keep(step, c.policy.model, step - s.max_staleness)
             t2 = time.perf_counter()

@@ -13,7 +13,10 @@ are pruned only after the pointer is on disk, and a pointer that names no
 complete checkpoint falls back to the newest complete one (checkpoints past the
 step being saved, a history the run left, are moved aside to abandoned_step_N
 so neither pruning nor that fallback mistakes them for the newest). The model part is
-a normal Hugging Face directory that `load_model` and transformers read.
+a normal Hugging Face directory that `load_model` and transformers read; a LoRA
+run's is its adapters alone, {adapter_model.safetensors, adapter_config.json}
+in PEFT's format, which peft loads onto the base model (`exactrl export
+--merge` writes the merged model).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from safetensors import SafetensorError
 
 from exactrl.model import load_model, save_model
+from exactrl.model.lora_files import ADAPTER_CONFIG, is_adapter_dir, load_adapters, save_adapters
 from exactrl.model.transformer import CausalLM
 
 log = logging.getLogger("exactrl.checkpoint")
@@ -89,7 +93,10 @@ def save_checkpoint(
     for stale in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:  # left by a crash or a full disk
         shutil.rmtree(stale, ignore_errors=True)
     try:
-        save_model(model, tmp)
+        if model.lora is not None:  # the adapters alone, in PEFT's format: the base is model.path's, unchanged
+            save_adapters(model, tmp)
+        else:
+            save_model(model, tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         digests = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}  # read back: the bytes on disk
         (tmp / "state.json").write_text(json.dumps({"step": step, **state, DIGESTS: digests}))
@@ -221,10 +228,13 @@ def load_checkpoint(
     note: Callable[[str], Any] = log.warning,
     device: str = "cpu",
     backend: str | None = None,
+    base: CausalLM | None = None,
 ) -> tuple[CausalLM, dict, dict[str, Any]]:
     """(model, optimizer state dict, trainer state) of a checkpoint directory, its files checked against the
     digests state.json records (one written without them is loaded with a `note`); a ValueError naming the
-    file that cannot be read or differs. The model is loaded on `device` with `backend` (`load_model`)."""
+    file that cannot be read or differs. The model is loaded on `device` with `backend` (`load_model`). A
+    LoRA run's checkpoint holds adapters only: they are loaded onto `base` (the run's model with its adapters
+    attached, `lora_files.load_adapters`), which is returned."""
     older = [p.name for p in _step_dirs(path.parent) if p != path]
     hint = (
         f"; older checkpoints there: {', '.join(older)} (remove {path.name} to resume from the newest)" if older else ""
@@ -259,8 +269,16 @@ def load_checkpoint(
             f"note: checkpoint {path.name} records no file digests (written by an earlier exactrl): its files "
             f"are loaded unchecked"
         )
+    if is_adapter_dir(path) and (base is None or base.lora is None):
+        raise ValueError(
+            f"checkpoint {path} holds LoRA adapters ({ADAPTER_CONFIG}), not a whole model: resume it with the "
+            f"model.lora settings it was saved with"
+        )
     try:
-        model = load_model(path, dtype=dtype, kernels=kernels, device=device, backend=backend)
+        if is_adapter_dir(path):
+            model = load_adapters(base, path)
+        else:
+            model = load_model(path, dtype=dtype, kernels=kernels, device=device, backend=backend)
         opt_state = torch.load(path / "optimizer.pt", weights_only=False, map_location=model.device)
     except errors as e:
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}){hint}") from None

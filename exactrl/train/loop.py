@@ -31,6 +31,7 @@ import torch
 from exactrl.algo.kl import kl_reward_penalty
 from exactrl.distributed import whole_optimizer_state
 from exactrl.model.logprobs import token_logprobs
+from exactrl.model.lora import synced_weights
 from exactrl.rollout.groups import Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups, to_train_batch
 from exactrl.seeds import derive_seed
 from exactrl.train.checkpoint import save_checkpoint
@@ -47,7 +48,7 @@ def train(c: Run) -> dict[str, float]:
         groups, sampled, filtered = sample_step(c, step)
         t1 = time.perf_counter()
         metrics = train_on(c, step, groups)
-        c.engine.update_weights(c.policy.model.state_dict(), version=step)
+        c.engine.update_weights(synced_weights(c.policy.model), version=step)
         t2 = time.perf_counter()
         metrics |= {"time/rollout_s": t1 - t_prev, "time/train_s": t2 - t1} | engine_metrics(c.engine) | initial
         last = end_step(c, step, sampled, metrics | filtered, t2 - t_prev, c.engine, c.data.prompts.state_dict())

@@ -16,6 +16,7 @@ import torch
 from exactrl.distributed import Ranks
 from exactrl.envs.base import module_sha256
 from exactrl.envs.dataset import PromptSource
+from exactrl.model.lora import TARGETS
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.model.transformer import CausalLM
 from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -127,6 +128,10 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
     # checkpoint written before the key existed ran as false (the bf16 weights stepped themselves)
     # keys added since: a checkpoint from before them ran as their defaults
     for key, default in (
+        ("model.lora.rank", 0),
+        ("model.lora.alpha", 16.0),
+        ("model.lora.dropout", 0.0),
+        ("model.lora.targets", list(TARGETS)),
         ("optim.lr_schedule", "constant"),
         ("optim.min_lr_ratio", 0.0),
         ("rollout.filter_groups", False),
@@ -182,7 +187,13 @@ def resume(
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     if ckpt is not None:
         model, opt_state, state = load_checkpoint(
-            ckpt, cfg.model.dtype, cfg.model.kernels, note=log, device=cfg.model.device, backend=cfg.model.backend
+            ckpt,
+            cfg.model.dtype,
+            cfg.model.kernels,
+            note=log,
+            device=cfg.model.device,
+            backend=cfg.model.backend,
+            base=model,  # a LoRA run's checkpoint: its adapters go onto the model from model.path
         )
         _check_same_run(state.get("config"), cfg, ckpt)
         if state.get("tokenizer", tokenizer.fingerprint) != tokenizer.fingerprint:

@@ -21,6 +21,7 @@ from exactrl.envs.base import Problem, Task, module_sha256
 from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
 from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
+from exactrl.model.lora import add_lora, engine_copy, trainable_parameters
 from exactrl.model.tokenizer import Tokenizer, load_tokenizer
 from exactrl.model.transformer import CausalLM
 from exactrl.rollout.backend import RolloutBackend
@@ -173,7 +174,7 @@ def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer: Tokenizer, start
         from exactrl.distributed.ray_engines import RayEngines
 
         return RayEngines(cfg.rollout_backend.ray, model, cfg.engine.model_dump(), stops, version=start, log=log)
-    engine = Engine(copy.deepcopy(model).requires_grad_(False), stop_token_ids=stops, **cfg.engine.model_dump())
+    engine = Engine(engine_copy(model), stop_token_ids=stops, **cfg.engine.model_dump())
     engine.version = start
     return engine
 
@@ -191,6 +192,11 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
             f"no hook between its steps to take new weights (use inflight_updates=false)"
         )
     check_ranks(cfg, ranks)
+    if cfg.model.lora.rank and cfg.rollout_backend.kind != "engine":
+        raise ValueError(
+            f"model.lora with rollout_backend.kind={cfg.rollout_backend.kind}: only the in-process engine runs "
+            f"the base weights with unmerged adapters; use rollout_backend.kind=engine"
+        )
     resolve_device(cfg.model.device, cfg.model.backend)  # a missing GPU or triton named before the warm start
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -237,6 +243,9 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     if cfg.algorithm.kl.coef > 0 or cfg.distill.teacher == "initial":
         initial = copy.deepcopy(model).requires_grad_(False)
     ref_model = initial if cfg.algorithm.kl.coef > 0 else None
+    if cfg.model.lora.rank:  # after the reference copies: the reference and the initial teacher are the base model
+        lo = cfg.model.lora
+        add_lora(model, lo.rank, lo.alpha, lo.targets, seed=cfg.seed, base=str(Path(model_dir).resolve()))
     model, optimizer, start, ckpt = resume(
         cfg, run_dir, model, tokenizer, prompts, ranks, log, lambda m: _optimizer(cfg, m, ranks)
     )
@@ -340,9 +349,10 @@ def _distiller(cfg: RunConfig, model: CausalLM, tokenizer: Tokenizer, task: Task
 def _optimizer(cfg: RunConfig, model: CausalLM, ranks: Ranks) -> torch.optim.Optimizer:
     o = cfg.optim
     adamw = dict(lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    params = trainable_parameters(model)  # a LoRA model's adapters alone
     if cfg.model.dtype == "bfloat16" and o.fp32_master_weights:
-        return MasterWeights(model.parameters(), lambda params: make_optimizer(params, ranks, o.shard_state, **adamw))
-    return make_optimizer(model.parameters(), ranks, o.shard_state, **adamw)
+        return MasterWeights(params, lambda params: make_optimizer(params, ranks, o.shard_state, **adamw))
+    return make_optimizer(params, ranks, o.shard_state, **adamw)
 
 
 def _step_settings(cfg: RunConfig, corrections) -> StepSettings:

@@ -265,6 +265,15 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def scale(x: torch.Tensor, s: float) -> torch.Tensor:
+    """x * s, float32, s a number: torch's bits (pointwise.c). What a recorded graph runs for LoRA's α/r."""
+    (x,) = _f32(x)
+    out = torch.empty_like(x)
+    if x.numel():
+        library().exactrl_scale(x.data_ptr(), x.numel(), s, out.data_ptr())
+    return out
+
+
 def swiglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
     """silu(g) * u, elementwise, float32 (pointwise.c)."""
     assert g.shape == u.shape, (g.shape, u.shape)

@@ -319,3 +319,10 @@ void exactrl_add(const float *a, const float *b, int64_t n, int64_t nb, float *o
     for (int64_t r = 0; r < n; r += nb)
         for (int64_t i = 0; i < nb; i++) out[r + i] = a[r + i] + b[i];
 }
+
+/* out = x * s over n floats, as a kernel a recorded graph can replay (graph.c): LoRA's α/r scaling. One IEEE
+ * product per element with s a float, so the bits of torch's `x * s` for a float32 x and a Python number s
+ * (torch rounds the number to float32 first, as the caller's ctypes float does). */
+void exactrl_scale(const float *x, int64_t n, float s, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * s;
+}

@@ -127,13 +127,14 @@ def test_few_graphs_are_kept(model):
 
 
 def test_a_forward_with_a_torch_op_is_refused_not_replayed(model, qwen3_dir, monkeypatch):
-    """A model change that computes with torch (here a scale after the MLP) would be missing from a
-    replay: capture raises, naming the op; decode_graphs=False runs it."""
+    """A model change that computes with torch (here a tanh after the MLP; a product with a number or an
+    add would be recorded as a native kernel) would be missing from a replay: capture raises, naming the
+    op; decode_graphs=False runs it."""
     m = exactrl.load_model(qwen3_dir, dtype="float32", kernels="exact")
     mlp = m.model.layers[0].mlp
     plain = type(mlp).forward
-    monkeypatch.setattr(mlp, "forward", lambda x: plain(mlp, x) * 1.0)
-    with pytest.raises(GraphCaptureError, match="'mul'|'__mul__'"):
+    monkeypatch.setattr(mlp, "forward", lambda x: torch.tanh(plain(mlp, x)))
+    with pytest.raises(GraphCaptureError, match="'tanh'"):
         Engine(m).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     out = Engine(m, decode_graphs=False).generate([[1, 2, 3]], SamplingParams(max_tokens=3, seed=0))
     assert not mismatches(m, [([1, 2, 3], out[0][0], SamplingParams(max_tokens=3, seed=0))])
