@@ -18,7 +18,7 @@ from exactrl.algo.losses import PolicyLoss, build_loss
 from exactrl.distributed import Ranks, make_optimizer
 from exactrl.envs.base import Problem, Task, module_sha256
 from exactrl.envs.custom import build_task
-from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
+from exactrl.envs.dataset import PromptSource, held_out_problems, make_dataset, read_jsonl
 from exactrl.envs.sources import read_dataset, split_rows
 from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
@@ -293,11 +293,7 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     else:
         train = make_dataset(task, cfg.task.train_size, cfg.seed, split="train")
     seen = {task.split_key(p) for p in train} if cfg.task.train_jsonl else set()
-    eval_problems = []
-    for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval"):
-        if (key := task.split_key(p)) not in seen:  # each distinct problem once
-            seen.add(key)
-            eval_problems.append(p)
+    eval_problems = held_out_problems(task, cfg.task.eval_size, cfg.seed, exclude=seen)
     if cfg.task.eval_size and not eval_problems:
         raise ValueError(
             f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
