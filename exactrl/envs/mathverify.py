@@ -43,7 +43,10 @@ class MathTask(Task):
         self.system_prompt = system_prompt  # e.g. "Put the final answer in \\boxed{}."
 
     def generate(self, rng: random.Random) -> Problem:
-        raise ValueError("task 'math' has no problem generator: give its problems with task.dataset")
+        raise ValueError(
+            "task 'math' has no problem generator: give its problems with task.dataset (exactrl eval: "
+            "--dataset), and its model with model.path (the default job's warm start trains on generated problems)"
+        )
 
     def check(self, problem: Problem) -> None:
         if not _parse(problem.answer):

@@ -38,7 +38,11 @@ def test_math_checks_references_and_has_no_generator():
     task.check(Problem("q", "\\frac{3}{4}"))
     with pytest.raises(ValueError, match="math-verify reads no answer in the reference"):
         task.check(Problem("q", "no number here"))
-    with pytest.raises(ValueError, match="task 'math' has no problem generator: give its problems with task.dataset"):
+    with pytest.raises(
+        ValueError,
+        match=r"no problem generator: give its problems with task.dataset \(exactrl eval: --dataset\), and its "
+        r"model with model.path",
+    ):
         task.generate(random.Random(0))
 
 
