@@ -131,6 +131,9 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         ("optim.min_lr_ratio", 0.0),
         ("rollout.filter_groups", False),
         ("rollout.max_sampling_rounds", 3),
+        ("task.dataset", None),
+        ("task.columns", {}),
+        ("task.reward", None),
     ):
         old.setdefault(key, default)
     if old.get("model.dtype") != "bfloat16":

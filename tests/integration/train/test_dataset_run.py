@@ -68,3 +68,19 @@ def test_a_bad_row_stops_the_run_before_it_starts(model_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "task.dataset: " in err and "d.jsonl:2: arithmetic problem '2+2=' has a non-integer answer 'four'" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_from_before_the_dataset_keys_resumes(model_dir, tmp_path):
+    import json
+
+    from exactrl.train.checkpoint import latest_checkpoint
+
+    d = tmp_path / "old"
+    train_rows(SMALL, model_dir, d, "max_steps=1", "save_every=1", "task.eval_size=0")
+    state_path = latest_checkpoint(d) / "state.json"
+    state = json.loads(state_path.read_text())
+    for key in ("dataset", "columns", "reward"):  # as a checkpoint written before the keys existed
+        del state["config"]["task"][key]
+    state_path.write_text(json.dumps(state))
+    rows = train_rows(SMALL, model_dir, d, "max_steps=2", "resume=true", "task.eval_size=0")
+    assert [r["step"] for r in rows] == [1, 2]
