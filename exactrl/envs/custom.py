@@ -10,11 +10,12 @@ exactrl/envs/rewards.py: a finite number or a bool; anything else stops the run 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from typing import Any
 
-from exactrl.envs.base import Problem, Task, get_task, import_task_module
+from exactrl.envs.base import Problem, Task, get_task, import_task_module, module_sha256
 from exactrl.envs.rewards import as_reward
 from exactrl.envs.settings import TaskSettings
 
@@ -25,6 +26,17 @@ def build_task(ts: TaskSettings) -> Task:
         import_task_module(ts.module)
     task = get_task(ts.name, **ts.kwargs)
     return RewardFnTask(task, ts.reward) if ts.reward else task
+
+
+def task_sha256(ts: TaskSettings) -> str | None:
+    """What a resume checks of the task's code (exactrl/train/resume.py): the sha256 of `module`'s source,
+    and with `reward`, of the two sources together (None with neither): an edited file is another task."""
+    if not ts.reward:
+        return module_sha256(ts.module)
+    h = hashlib.sha256()
+    for source in (ts.module, ts.reward.rpartition(":")[0]):
+        h.update((module_sha256(source) or "").encode() + b"\n")
+    return h.hexdigest()
 
 
 def load_function(spec: str, what: str = "task.reward") -> Callable[..., Any]:

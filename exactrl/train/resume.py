@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from exactrl.distributed import Ranks
-from exactrl.envs.base import module_sha256
+from exactrl.envs.custom import task_sha256
 from exactrl.envs.dataset import PromptSource
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.model.transformer import CausalLM
@@ -118,7 +118,7 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         return
     # as state.json holds it; a task module's source only where the checkpoint has it (older ones do not)
     try:
-        sha = module_sha256(cfg.task.module) if "module_sha256" in saved.get("task", {}) else None
+        sha = task_sha256(cfg.task) if "module_sha256" in saved.get("task", {}) else None
     except (OSError, ImportError):  # gone (a file, or a dotted name's package): importing it names the problem
         sha = None
     new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)

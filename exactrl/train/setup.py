@@ -16,8 +16,8 @@ from exactrl.algo.advantages import compute_advantages
 from exactrl.algo.corrections import build_corrections
 from exactrl.algo.losses import PolicyLoss, build_loss
 from exactrl.distributed import Ranks, make_optimizer
-from exactrl.envs.base import Problem, Task, module_sha256
-from exactrl.envs.custom import build_task
+from exactrl.envs.base import Problem, Task
+from exactrl.envs.custom import build_task, task_sha256
 from exactrl.envs.dataset import PromptSource, held_out_problems, make_dataset, read_jsonl
 from exactrl.envs.sources import read_dataset, split_rows
 from exactrl.model import load_model
@@ -203,7 +203,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     _check_resume_early(cfg, run_dir)
     _check_paths(cfg)
     task = build_task(cfg.task)
-    task_sha = module_sha256(cfg.task.module)  # as imported: an edit during the run is not this run's task
+    task_sha = task_sha256(cfg.task)  # as imported: an edit during the run is not this run's task
     a = cfg.algorithm
     loss_fn = build_loss(a.loss, **a.loss_kwargs)
     corrections = build_corrections(a.corrections) if a.corrections else None

@@ -4,7 +4,9 @@ the reward's `problem.meta`, a reward function from a file, and evaluation on it
 from __future__ import annotations
 
 import pytest
-from conftest import default_job_model, train_rows
+from conftest import default_job_model, train_args, train_rows
+
+from exactrl.cli import main
 
 SMALL = [
     "progress=false",
@@ -27,7 +29,8 @@ def model_dir(tmp_path_factory):
     return default_job_model(tmp_path_factory, sft_steps=0)
 
 
-def test_a_run_trains_on_a_parquet_dataset_of_chats_with_a_reward_file(model_dir, tmp_path):
+def test_a_run_trains_on_a_parquet_dataset_of_chats_with_a_reward_file(model_dir, tmp_path, capsys):
+    """...and an edited reward file is another run: a resume is refused."""
     import datasets
 
     rows = [
@@ -49,13 +52,14 @@ def test_a_run_trains_on_a_parquet_dataset_of_chats_with_a_reward_file(model_dir
     assert [r["step"] for r in got] == [1, 2]
     assert all(r["rollout/reward_mean"] == 0.25 for r in got)  # the file's reward, from the meta column
     assert all(r["eval/accuracy"] == 0.0 for r in got)  # 0.25 is no correct answer
+    args = [f"task.dataset={tmp_path / 'd.parquet'}", "task.columns={messages: chat, answer: sol}"]
+    args.append(f"task.reward={tmp_path / 'reward.py'}:weighted")
+    (tmp_path / "reward.py").write_text(REWARD.replace('["weight"]', '["weight"] * 2'))  # another reward
+    assert main(train_args(SMALL, model_dir, tmp_path / "run", *args, "max_steps=3", "resume=true")) == 2
+    assert "task.module_sha256" in capsys.readouterr().err
 
 
 def test_a_bad_row_stops_the_run_before_it_starts(model_dir, tmp_path, capsys):
-    from conftest import train_args
-
-    from exactrl.cli import main
-
     (tmp_path / "d.jsonl").write_text('{"q": "1+1=", "a": "2"}\n{"q": "2+2=", "a": "four"}\n')
     argv = train_args(
         SMALL,
