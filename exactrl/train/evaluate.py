@@ -23,6 +23,8 @@ from typing import Any
 
 from exactrl.envs.base import Problem, Task
 
+HELD_OUT_DRAWS = 200  # --size without --dataset: task.eval_size's default, a training run's evaluation set
+
 
 @dataclass
 class Sampling:
@@ -66,9 +68,10 @@ def eval_problems(args, task: Task) -> list[Problem]:
     if args.dataset is None:
         if args.held_out or args.columns:
             raise ValueError(f"{'--held-out' if args.held_out else '--columns'} needs --dataset")
-        problems = held_out_problems(task, args.size, args.seed)
+        size = args.size or HELD_OUT_DRAWS
+        problems = held_out_problems(task, size, args.seed)
         if not problems:
-            raise ValueError(f"task {task.name!r} drew no held-out problem in --size {args.size} draws")
+            raise ValueError(f"task {task.name!r} drew no held-out problem in --size {size} draws")
         return problems
     columns = {}
     for item in args.columns:
@@ -78,8 +81,8 @@ def eval_problems(args, task: Task) -> list[Problem]:
         columns[role] = column
     rows = read_dataset(args.dataset, columns, check=task.check)
     if args.held_out:
-        return split_rows(rows, task, args.size, args.dataset)[1]
-    return rows[: args.size]
+        return split_rows(rows, task, args.size or len(rows), args.dataset)[1]
+    return rows[: args.size or len(rows)]
 
 
 def _model_dir(path: str) -> Path:
@@ -141,6 +144,8 @@ def _engine(args, tokenizer):
 
 def run_eval(args) -> dict[str, Any]:
     """Samples, scores and summarises (module docstring); the result written to --out as JSON."""
+    from pydantic import ValidationError
+
     from exactrl.envs.custom import build_task
     from exactrl.envs.settings import TaskSettings
     from exactrl.model.tokenizer import load_tokenizer
@@ -157,7 +162,11 @@ def run_eval(args) -> dict[str, Any]:
         raise ValueError(f"--task-kwargs is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise ValueError(f"--task-kwargs must be a JSON object, got {args.task_kwargs!r}")
-    task = build_task(TaskSettings(name=args.task, kwargs=kwargs, module=args.module, reward=args.reward))
+    try:
+        ts = TaskSettings(name=args.task, kwargs=kwargs, module=args.module, reward=args.reward)
+    except ValidationError as e:  # one line, in the flags' words
+        raise ValueError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
+    task = build_task(ts)
     problems = eval_problems(args, task)
     tokenizer = load_tokenizer(_tokenizer_dir(args))
     rs = Sampling(args.n or args.k, args.temperature, args.top_p, args.top_k, args.max_tokens)
@@ -272,7 +281,12 @@ def add_parser(sub) -> None:
     e.add_argument("--dataset", type=_path, help="JSONL, Parquet or save_to_disk folder (default: the task's)")
     e.add_argument("--columns", action="append", default=[], metavar="ROLE=COLUMN", help="as task.columns")
     e.add_argument("--held-out", action="store_true", help="only the dataset's held-out rows (training's eval set)")
-    e.add_argument("--size", type=_int_in(1, 10**6), default=200, help="problems at most (as task.eval_size)")
+    e.add_argument(
+        "--size",
+        type=_int_in(1, 10**6),
+        default=None,
+        help="problems at most: held-out draws (200, as task.eval_size) or dataset rows (all)",
+    )
     e.add_argument("--k", type=_int_in(1), default=4, help="pass@k and mean@k (4)")
     e.add_argument("--n", type=_int_in(1), default=None, help="samples per problem, >= k (default k)")
     e.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0; 0 greedy)")

@@ -55,31 +55,33 @@ def first_char(problem, completion):
 def test_eval_on_a_parquet_dataset_with_columns_and_a_reward_file(model_dir, tmp_path):
     import datasets
 
-    rows = [{"q": f"{a}+{b}=", "sol": str(a + b), "src": "t"} for a in range(4) for b in range(3)]
-    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
-    (tmp_path / "r.py").write_text(REWARD)
-    argv = ["--model", str(model_dir), *FLAGS, "--dataset", str(tmp_path / "d.parquet")]
-    result = run_eval(tmp_path, *argv, "--columns", "prompt=q", "--columns", "answer=sol")
-    assert [r["prompt"] for r in result["per_problem"]] == [r["q"] for r in rows]
-    custom = run_eval(
-        tmp_path,
-        *argv,
-        "--columns",
-        "prompt=q",
-        "--columns",
-        "answer=sol",
-        "--reward",
-        f"{tmp_path}/r.py:first_char",
-        name="c.json",
-    )
-    for row, src in zip(custom["per_problem"], rows):
-        assert row["rewards"] == [float(t.strip()[:1] == src["sol"][:1]) for t in row["completions"]]
-    held = run_eval(tmp_path, *argv, "--columns", "prompt=q", "--columns", "answer=sol", "--held-out", name="h.json")
     from exactrl.envs.dataset import held_out
 
-    assert [r["prompt"] for r in held["per_problem"]] == [
-        r["q"] for r in rows if held_out(Problem(r["q"], r["sol"]), ArithmeticTask())
+    rows = [{"q": f"{a}+{b}=", "sol": str(a + b), "src": "t"} for a in range(5) for b in range(3)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    (tmp_path / "r.py").write_text(REWARD)
+    argv = [
+        "--model",
+        str(model_dir),
+        "--k",
+        "2",
+        "--n",
+        "3",
+        "--max-tokens",
+        "6",
+        "--dataset",
+        str(tmp_path / "d.parquet"),
     ]
+    argv += ["--columns", "prompt=q", "--columns", "answer=sol"]
+    result = run_eval(tmp_path, *argv)  # every row
+    assert [r["prompt"] for r in result["per_problem"]] == [r["q"] for r in rows]
+    custom = run_eval(tmp_path, *argv, "--size", "12", "--reward", f"{tmp_path}/r.py:first_char", name="c.json")
+    assert len(custom["per_problem"]) == 12
+    for row, src in zip(custom["per_problem"], rows):
+        assert row["rewards"] == [float(t.strip()[:1] == src["sol"][:1]) for t in row["completions"]]
+    held = run_eval(tmp_path, *argv, "--held-out", name="h.json")
+    expected = [r["q"] for r in rows if held_out(Problem(r["q"], r["sol"]), ArithmeticTask())]
+    assert [r["prompt"] for r in held["per_problem"]] == expected and expected
 
 
 def test_eval_through_a_server_gives_the_in_process_figures(model_dir, tmp_path):
@@ -127,6 +129,9 @@ def test_eval_of_a_run_directory_takes_its_latest_checkpoint(model_dir, tmp_path
         (["--server", "http://127.0.0.1:9", "--model", "{model}"], "--server"),
         (["--server", "http://127.0.0.1:9"], "--server needs a tokenizer"),
         (["--model", "{model}", "--max-tokens", "100000"], "leaves no room for a prompt"),
+        (["--model", "{model}", "--task-kwargs", '{{"max_value": "x"}}'], "task 'arithmetic'.*max_value"),
+        (["--model", "{model}", "--reward", "{tmp}/r.py:f"], "task.reward: task module file .*r.py does not exist"),
+        (["--model", "{model}", "--temperature", "-1"], "temperature"),
     ],
 )
 def test_bad_input_is_one_line_with_exit_code_2(model_dir, tmp_path, capsys, argv, match):
