@@ -23,6 +23,7 @@ from typing import Any
 
 from exactrl.envs.base import Problem, Task
 
+DEFAULT_MAX_TOKENS = 256  # --max-tokens unset: at most this many, as the model's context allows
 HELD_OUT_DRAWS = 200  # --size without --dataset: task.eval_size's default, a training run's evaluation set
 
 
@@ -134,12 +135,26 @@ def _engine(args, tokenizer):
         _model_dir(args.model), dtype=args.dtype, kernels=args.kernels, device=args.device, backend=args.backend
     )
     tokenizer.check_fits(model.config.vocab_size, "--tokenizer" if args.tokenizer else "--model")
-    if args.max_tokens >= model.config.max_position_embeddings:
-        raise ValueError(
-            f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
-            f"{model.config.max_position_embeddings} tokens"
-        )
     return Engine(model, stop_token_ids=stops)
+
+
+def _max_tokens(args, engine, tokenizer, task: Task, problems: list[Problem]) -> int:
+    """--max-tokens, by default DEFAULT_MAX_TOKENS or what the model's context leaves after the longest prompt
+    (a server's context is its own to check)."""
+    from exactrl.envs.prompts import prompt_ids
+
+    if args.server:
+        return args.max_tokens or DEFAULT_MAX_TOKENS
+    context = engine.model.config.max_position_embeddings
+    longest = max(len(prompt_ids(tokenizer, task, p)) for p in problems)
+    room = context - longest
+    max_tokens = args.max_tokens or min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens > room or room < 1:
+        raise ValueError(
+            f"--max-tokens {max_tokens}: the longest prompt ({longest} tokens) leaves {max(room, 0)} of the "
+            f"model's context of {context} tokens"
+        )
+    return max_tokens
 
 
 def run_eval(args) -> dict[str, Any]:
@@ -169,10 +184,16 @@ def run_eval(args) -> dict[str, Any]:
     task = build_task(ts)
     problems = eval_problems(args, task)
     tokenizer = load_tokenizer(_tokenizer_dir(args))
-    rs = Sampling(args.n or args.k, args.temperature, args.top_p, args.top_k, args.max_tokens)
     engine = _engine(args, tokenizer)
     groups = []
     try:
+        rs = Sampling(
+            args.n or args.k,
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            _max_tokens(args, engine, tokenizer, task, problems),
+        )
         with _Bar(len(problems)) as bar:
             for lo in range(0, len(problems), args.batch):
                 batch = problems[lo : lo + args.batch]
@@ -193,7 +214,7 @@ def run_eval(args) -> dict[str, Any]:
         "k": args.k,
         "n": rs.samples_per_prompt,
         "temperature": args.temperature,
-        "max_tokens": args.max_tokens,
+        "max_tokens": rs.max_tokens,
         "seed": args.seed,
         **summarise(rewards, args.k),
         "per_problem": [
@@ -292,7 +313,12 @@ def add_parser(sub) -> None:
     e.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0; 0 greedy)")
     e.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: off)")
     e.add_argument("--top-k", type=int, default=-1, help="top-k sampling (-1: off)")
-    e.add_argument("--max-tokens", type=_int_in(1), default=256, help="tokens per completion at most (256)")
+    e.add_argument(
+        "--max-tokens",
+        type=_int_in(1),
+        default=None,
+        help=f"tokens per completion at most (default {DEFAULT_MAX_TOKENS}, or what the context leaves)",
+    )
     e.add_argument("--seed", type=int, default=0, help="sampling and held-out draw seed (0, as a run's seed)")
     e.add_argument("--batch", type=_int_in(1), default=32, help="problems per engine call (32)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -128,7 +128,10 @@ def test_eval_of_a_run_directory_takes_its_latest_checkpoint(model_dir, tmp_path
         (["--model", "{model}", "--task", "math"], "task 'math' has no problem generator"),
         (["--server", "http://127.0.0.1:9", "--model", "{model}"], "--server"),
         (["--server", "http://127.0.0.1:9"], "--server needs a tokenizer"),
-        (["--model", "{model}", "--max-tokens", "100000"], "leaves no room for a prompt"),
+        (
+            ["--model", "{model}", "--max-tokens", "253"],
+            r"--max-tokens 253: the longest prompt \(\d+ tokens\) leaves \d+ of",
+        ),
         (["--model", "{model}", "--task-kwargs", '{{"max_value": "x"}}'], "task 'arithmetic'.*max_value"),
         (["--model", "{model}", "--reward", "{tmp}/r.py:f"], "task.reward: task module file .*r.py does not exist"),
         (["--model", "{model}", "--temperature", "-1"], "temperature"),
@@ -144,3 +147,13 @@ def test_bad_input_is_one_line_with_exit_code_2(model_dir, tmp_path, capsys, arg
     err = capsys.readouterr().err.strip()
     assert err.startswith("exactrl eval: error: ") and "\n" not in err
     assert re.search(match, err), err
+
+
+def test_the_default_max_tokens_is_what_the_context_leaves_after_the_longest_prompt(model_dir, tmp_path):
+    from exactrl.envs.prompts import prompt_ids
+    from exactrl.model.tokenizer import load_tokenizer
+
+    result = run_eval(tmp_path, "--model", str(model_dir), "--k", "1", "--size", "3")
+    tok, task = load_tokenizer(model_dir), ArithmeticTask()
+    longest = max(len(prompt_ids(tok, task, Problem(r["prompt"], r["answer"]))) for r in result["per_problem"])
+    assert result["max_tokens"] == min(256, 256 - longest)  # the tiny model's context is 256 tokens
