@@ -1,4 +1,4 @@
-"""exactrl command line: train | sft | serve | parity | bench | report | export.
+"""exactrl command line: train | sft | serve | parity | eval | bench | report | export.
 
 Each command lives in its own module and is imported only when used, so
 `exactrl parity` does not pay for the server's imports.
@@ -157,6 +157,7 @@ def _path(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from exactrl import __version__
+    from exactrl.train.evaluate import add_parser as add_eval_parser
 
     p = argparse.ArgumentParser(prog="exactrl", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"exactrl {__version__}")
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(fn=_sft)
     _add_serve(sub)
     _add_parity(sub)
+    add_eval_parser(sub)  # exactrl/train/evaluate.py
     b = sub.add_parser("bench", help="benchmarks (prints JSON): kernels | engine | train | serve")
     b.add_argument("name", nargs="?", help="benchmark to run; none lists them")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")

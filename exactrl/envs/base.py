@@ -84,8 +84,8 @@ def register_task(cls: T) -> T:
     return cls
 
 
-def import_task_module(module: str) -> None:
-    """Imports a module (dotted name or .py file path) so the tasks it registers can be named."""
+def import_task_module(module: str):
+    """Imports a module (dotted name or .py file path) so the tasks it registers can be named; returns it."""
     import importlib
     import importlib.util
     import sys
@@ -107,11 +107,11 @@ def import_task_module(module: str) -> None:
             if isinstance(e, (Exception, SystemExit)):  # a Ctrl-C stays a Ctrl-C
                 raise _import_failure(module, e) from e
             raise
-        return
+        return mod
     if module.startswith("."):
         raise ValueError(f"task module {module!r} is a relative name: give its full dotted name or a .py file path")
     try:
-        importlib.import_module(module)
+        return importlib.import_module(module)
     except ModuleNotFoundError as e:
         raise ValueError(
             f"cannot import task module {module!r}: {e} (give a module on sys.path or a .py file path)"

@@ -166,6 +166,20 @@ def make_dataset(task: Task, n: int, seed: int, split: str | None = None) -> lis
     return [generate(task, rng, split) for _ in range(n)]
 
 
+EVAL_SEED_OFFSET = 7919  # held-out problems are drawn with seed + this, apart from the training draws
+
+
+def held_out_problems(task: Task, n: int, seed: int, exclude: set[str] = frozenset()) -> list[Problem]:
+    """The evaluation problems of a run with `seed`: `n` draws of the task's held-out split, each distinct
+    problem (`task.split_key`) once, none whose key is in `exclude` (a training file's)."""
+    seen, out = set(exclude), []
+    for p in make_dataset(task, n, seed + EVAL_SEED_OFFSET, split="eval"):
+        if (key := task.split_key(p)) not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
 def fingerprint(problems: list[Problem]) -> str:
     """Short content hash; a resumed PromptSource checks it to refuse a changed dataset."""
     h = hashlib.sha256()

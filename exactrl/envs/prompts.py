@@ -8,9 +8,13 @@ from exactrl.model.tokenizer import Tokenizer
 
 
 def prompt_ids(tokenizer: Tokenizer, task: Task, problem: Problem) -> list[int]:
-    """The generation prompt of `problem`: [system,] user, then the assistant's turn opened."""
-    msgs = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
-    msgs.append({"role": "user", "content": problem.prompt})
+    """The generation prompt of `problem`: [system,] user (or a dataset row's chat, `meta["messages"]`,
+    exactrl/envs/sources.py; the task's system prompt first unless the chat has its own), then the
+    assistant's turn opened."""
+    chat = problem.meta.get("messages")
+    own_system = chat is not None and chat[0]["role"] == "system"
+    msgs = [{"role": "system", "content": task.system_prompt}] if task.system_prompt and not own_system else []
+    msgs.extend(chat if chat is not None else [{"role": "user", "content": problem.prompt}])
     return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
 
 

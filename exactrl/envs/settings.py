@@ -19,12 +19,22 @@ class TaskSettings(BaseModel):
     """Constructor arguments of the task (difficulty knobs)."""
     train_jsonl: PathText | None = None
     """Optional JSONL file of {prompt, answer} training problems; None generates them procedurally."""
+    dataset: PathText | None = None
+    """A dataset file or folder: JSONL, Parquet, or a `datasets` folder written by `save_to_disk`
+    (docs/data.md). Its held-out fifth (`envs.dataset.held_out`) is the evaluation set, the rest the
+    training set; `task.name` scores its rows. Not with `train_jsonl`."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Which column of `dataset` holds each role: `prompt` (text) or `messages` (a chat list), and `answer`;
+    a role left out is read from the column of its own name. Other columns go to `Problem.meta`."""
+    reward: PathText | None = None
+    """A reward function replacing the task's: `path/to/file.py:function` or `package.module:function`,
+    called as `function(problem, completion) -> number` (docs/data.md)."""
     train_size: int = Field(4096, ge=1, le=10**6)
     """Number of procedurally generated training problems (cycled by epoch); at most 1e6, as they are
     generated and held in memory before the run starts."""
     eval_size: int = Field(200, ge=0, le=10**6)
     """Draws of held-out problems scored greedily every `eval_every` steps (0 disables evaluation; at most
     1e6), from the fifth of the task's problems that training never draws (`envs.dataset.held_out`), minus
-    any prompt of `train_jsonl`; each distinct problem drawn is scored once (the default task has 200
-    problems, 47 of them held out, of which its 200 draws find 46). The default job's warm start, which
-    stands for pretraining, saw every problem."""
+    any prompt of `train_jsonl` (with `dataset`: its held-out rows); each distinct problem drawn is scored
+    once (the default task has 200 problems, 47 of them held out, of which its 200 draws find 46). The
+    default job's warm start, which stands for pretraining, saw every problem."""

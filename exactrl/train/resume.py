@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from exactrl.distributed import Ranks
-from exactrl.envs.base import module_sha256
+from exactrl.envs.custom import task_sha256
 from exactrl.envs.dataset import PromptSource
 from exactrl.model.lora import TARGETS
 from exactrl.model.tokenizer import Tokenizer
@@ -119,7 +119,7 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         return
     # as state.json holds it; a task module's source only where the checkpoint has it (older ones do not)
     try:
-        sha = module_sha256(cfg.task.module) if "module_sha256" in saved.get("task", {}) else None
+        sha = task_sha256(cfg.task) if "module_sha256" in saved.get("task", {}) else None
     except (OSError, ImportError):  # gone (a file, or a dotted name's package): importing it names the problem
         sha = None
     new = _identity(cfg.model_dump(mode="json", by_alias=True), sha)
@@ -136,6 +136,9 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         ("optim.min_lr_ratio", 0.0),
         ("rollout.filter_groups", False),
         ("rollout.max_sampling_rounds", 3),
+        ("task.dataset", None),
+        ("task.columns", {}),
+        ("task.reward", None),
     ):
         old.setdefault(key, default)
     if old.get("model.dtype") != "bfloat16":

@@ -16,9 +16,10 @@ from exactrl.algo.advantages import compute_advantages
 from exactrl.algo.corrections import build_corrections
 from exactrl.algo.losses import PolicyLoss, build_loss
 from exactrl.distributed import Ranks, make_optimizer
-from exactrl.envs import get_task, import_task_module
-from exactrl.envs.base import Problem, Task, module_sha256
-from exactrl.envs.dataset import PromptSource, make_dataset, read_jsonl
+from exactrl.envs.base import Problem, Task
+from exactrl.envs.custom import build_task, task_sha256
+from exactrl.envs.dataset import PromptSource, held_out_problems, make_dataset, read_jsonl
+from exactrl.envs.sources import read_dataset, split_rows
 from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
 from exactrl.model.lora import add_lora, engine_copy, trainable_parameters
@@ -207,10 +208,8 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     run_dir = check_run_dir(cfg)
     _check_resume_early(cfg, run_dir)
     _check_paths(cfg)
-    if cfg.task.module:
-        import_task_module(cfg.task.module)
-    task_sha = module_sha256(cfg.task.module)  # as imported: an edit during the run is not this run's task
-    task = get_task(cfg.task.name, **cfg.task.kwargs)
+    task = build_task(cfg.task)
+    task_sha = task_sha256(cfg.task)  # as imported: an edit during the run is not this run's task
     a = cfg.algorithm
     loss_fn = build_loss(a.loss, **a.loss_kwargs)
     corrections = build_corrections(a.corrections) if a.corrections else None
@@ -284,6 +283,17 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
 def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     """The training stream and the evaluation problems: the task's held-out split, and none of a training
     file's prompts, so evaluation scores problems never trained on (`envs.dataset.held_out`)."""
+    if cfg.task.dataset:
+        if cfg.task.train_jsonl:
+            raise ValueError("task.dataset and task.train_jsonl both give training problems: set one")
+        try:  # a row the task cannot score fails now, not when a later step first draws it
+            rows = read_dataset(cfg.task.dataset, cfg.task.columns, check=task.check)
+            train, eval_problems = split_rows(rows, task, cfg.task.eval_size, cfg.task.dataset)
+        except ValueError as e:
+            raise ValueError(f"task.dataset: {e}") from None
+        return PromptSource(train, seed=cfg.seed), eval_problems
+    if cfg.task.columns:
+        raise ValueError("task.columns maps the columns of task.dataset, which is not set")
     if cfg.task.train_jsonl:
         try:  # a row the task cannot score fails now, not when a later step first draws it
             train = read_jsonl(cfg.task.train_jsonl, check=task.check)
@@ -292,11 +302,7 @@ def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     else:
         train = make_dataset(task, cfg.task.train_size, cfg.seed, split="train")
     seen = {task.split_key(p) for p in train} if cfg.task.train_jsonl else set()
-    eval_problems = []
-    for p in make_dataset(task, cfg.task.eval_size, cfg.seed + 7919, split="eval"):
-        if (key := task.split_key(p)) not in seen:  # each distinct problem once
-            seen.add(key)
-            eval_problems.append(p)
+    eval_problems = held_out_problems(task, cfg.task.eval_size, cfg.seed, exclude=seen)
     if cfg.task.eval_size and not eval_problems:
         raise ValueError(
             f"task.train_jsonl holds every held-out problem of task {cfg.task.name!r} that evaluation "
