@@ -240,7 +240,7 @@ class MlflowTracker:
                 run_id = self.client.create_run(exp_id, run_name=s.run_name or run_dir.name).info.run_id
             except Exception as e:
                 raise ValueError(f"logging.mlflow: cannot start an MLflow run ({_said(e)})") from None
-            params = [Param(k, json.dumps(v)[:6000]) for k, v in dotted(config).items()]
+            params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000]) for k, v in dotted(config).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
                 self.client.log_batch(run_id, params=params[i : i + 100])
         self.client.log_dict(run_id, config, "config.json")  # as this segment of the run was started
