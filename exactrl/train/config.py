@@ -368,6 +368,10 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
         out += given(cfg.optim, "optim", ("micro_batch_size",), "optim.max_tokens_per_micro_batch is set")
     if cfg.optim.lr_schedule == "constant":
         out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
+    for name, tracker in (("wandb", cfg.logging.wandb), ("mlflow", cfg.logging.mlflow)):
+        if not tracker.enabled:
+            keys = tuple(n for n in type(tracker).model_fields if n != "enabled")
+            out += given(tracker, f"logging.{name}", keys, f"logging.{name}.enabled is false")
     if cfg.model.path is not None:
         out += given(
             cfg.sft,

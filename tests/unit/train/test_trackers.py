@@ -120,6 +120,11 @@ def test_a_missing_package_names_the_key_and_the_extra(monkeypatch):
 
 
 def test_tracker_keys_are_checked():
+    from exactrl.train.config import ignored_settings
+
+    assert ignored_settings(load_config(None, ["logging.mlflow.experiment=x"])) == [
+        "logging.mlflow.experiment has no effect: logging.mlflow.enabled is false"
+    ]
     with pytest.raises(ValueError, match=r"'logging.wandb.mode'"):
         load_config(None, ["logging.wandb.mode=sometimes"])
     with pytest.raises(ValueError, match=r"unknown config key 'logging.mlflow.uri'"):
