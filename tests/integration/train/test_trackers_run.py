@@ -143,19 +143,28 @@ def test_a_run_logs_samples_and_every_metric_to_wandb_and_mlflow(model_dir, tmp_
 
 
 def test_a_resumed_run_continues_its_tracker_runs_and_samples(model_dir, tmp_path, offline):
+    """A crash after step 3's rows but before its checkpoint: the resumed run redoes step 3 in the same
+    tracker runs, and samples.jsonl ends as the uninterrupted run's."""
+    import shutil
+
     from mlflow.tracking import MlflowClient
 
     whole = tmp_path / "whole"
-    train_rows(SMALL, model_dir, whole, "max_steps=3", offline)
+    full = train_rows(SMALL, model_dir, whole, "max_steps=3", offline)
     parts = tmp_path / "parts"
-    train_rows(SMALL, model_dir, parts, "max_steps=2", offline)
+    train_rows(SMALL, model_dir, parts, "max_steps=3", "save_every=2", offline)
     first = json.loads((parts / "trackers.json").read_text())
-    rows = train_rows(SMALL, model_dir, parts, "max_steps=3", "resume=true", offline)
+    shutil.rmtree(parts / "checkpoints" / "step_000003")  # as if killed between logging step 3 and saving it
+    (parts / "checkpoints" / "latest").write_text("step_000002\n")
+    rows = train_rows(SMALL, model_dir, parts, "max_steps=3", "save_every=2", "resume=true", offline)
     assert json.loads((parts / "trackers.json").read_text()) == first  # the same W&B and MLflow runs
 
     assert (parts / "samples.jsonl").read_text() == (whole / "samples.jsonl").read_text()
+    assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in full]
     client = MlflowClient(offline.split("=", 1)[1])
-    assert [m.step for m in client.get_metric_history(first["mlflow"], "rollout/reward_mean")] == [1, 2, 3]
+    history = [(m.step, m.value) for m in client.get_metric_history(first["mlflow"], "rollout/reward_mean")]
+    expected = [(r["step"], r["rollout/reward_mean"]) for r in full]
+    assert sorted(history) == sorted(expected + expected[-1:])  # MLflow keeps the redone step's point too
     assert client.get_run(first["mlflow"]).info.status == "FINISHED"
     experiment = client.get_run(first["mlflow"]).info.experiment_id
     whole_run = json.loads((whole / "trackers.json").read_text())["mlflow"]
@@ -163,7 +172,7 @@ def test_a_resumed_run_continues_its_tracker_runs_and_samples(model_dir, tmp_pat
     wandb_runs = sorted((parts / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and all(d.name.endswith(first["wandb"]) for d in wandb_runs)
     history, _ = wandb_history(parts)
-    assert history[3]["rollout/reward_mean"] == rows[-1]["rollout/reward_mean"]
+    assert history[3]["rollout/reward_mean"] == full[-1]["rollout/reward_mean"]
 
 
 def test_a_tracker_that_cannot_start_stops_the_run_before_its_first_step(model_dir, tmp_path, offline, capsys):
