@@ -191,7 +191,8 @@ def rollout_metrics(groups: list[list[Rollout]]) -> dict[str, float]:
 
 def evaluate(
     engine, tokenizer, task, problems: list[Problem], rs, seed: int, ranks: Ranks = Ranks()
-) -> dict[str, float]:
-    """Greedy accuracy on held-out problems (shared out over the ranks of a distributed run)."""
+) -> tuple[dict[str, float], list[list[Rollout]]]:
+    """Greedy accuracy on held-out problems (shared out over the ranks of a distributed run), and the
+    groups it scored (one greedy completion per problem)."""
     groups = sample_groups(engine, tokenizer, task, problems, rs, seed, -1, ranks, greedy=True)
-    return {"eval/accuracy": sum(g[0].reward >= 1.0 for g in groups) / max(len(groups), 1)}
+    return {"eval/accuracy": sum(g[0].reward >= 1.0 for g in groups) / max(len(groups), 1)}, groups

@@ -15,7 +15,7 @@ from types import UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from exactrl.algo.advantages import ADVANTAGES, GROUP_BASELINE
 from exactrl.argcheck import PathText
@@ -24,6 +24,7 @@ from exactrl.model.settings import ModelSettings
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE
 from exactrl.rollout.external import RolloutBackendSettings
 from exactrl.train.distill import DistillSettings
+from exactrl.train.logger import ProgressSettings
 from exactrl.train.settings import (  # noqa: F401 (re-exported)
     _STRICT,
     AlgorithmSettings,
@@ -35,6 +36,7 @@ from exactrl.train.settings import (  # noqa: F401 (re-exported)
     RolloutSettings,
     SFTSettings,
 )
+from exactrl.train.trackers import LoggingSettings
 
 
 class RunConfig(BaseModel):
@@ -54,11 +56,12 @@ class RunConfig(BaseModel):
     """Newest checkpoints kept in run_dir/checkpoints (older ones are pruned)."""
     eval_every: int = Field(10, ge=1)
     """Score the held-out problems every this many steps, at the last, and once before the first."""
-    progress: bool = True
-    """A live progress bar on a terminal; with stdout a pipe or a file, one plain line of figures per step.
-    false: each step's figures as one line of JSON."""
+    progress: ProgressSettings = Field(default_factory=ProgressSettings)
+    """What the run prints as it goes; `progress: false` (or true) is short for `progress: {enabled: false}`."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events in run_dir."""
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    """Where else the metrics go besides metrics.jsonl and TensorBoard (W&B, MLflow), and the samples logged."""
     model: ModelSettings = Field(default_factory=ModelSettings)
     task: TaskSettings = Field(default_factory=TaskSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
@@ -72,6 +75,15 @@ class RunConfig(BaseModel):
     """On-policy distillation: teachers score the student's samples (exactrl/train/distill.py)."""
     async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
     """Asynchronous rollouts (config key `async`)."""
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _progress_switch(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return {"enabled": v}
+        if not isinstance(v, (dict, ProgressSettings)):
+            raise ValueError("must be true, false or a section of enabled and samples")
+        return v
 
     @model_validator(mode="after")
     def _samples_fit_the_engine(self) -> RunConfig:
@@ -143,9 +155,14 @@ class RunConfig(BaseModel):
 Config = TypeVar("Config", bound=BaseModel)
 
 
+SWITCHED_SECTIONS = ("progress",)  # sections a bool stands for: `progress: false` is `progress: {enabled: false}`
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
+    if len(keys) > 1 and isinstance(tree.get(keys[0]), bool) and keys[0] in SWITCHED_SECTIONS:
+        tree[keys[0]] = {"enabled": tree[keys[0]]}  # `progress: false` in the file, `--set progress.samples=3`
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
@@ -353,6 +370,10 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
         out += given(cfg.optim, "optim", ("micro_batch_size",), "optim.max_tokens_per_micro_batch is set")
     if cfg.optim.lr_schedule == "constant":
         out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
+    for name, tracker in (("wandb", cfg.logging.wandb), ("mlflow", cfg.logging.mlflow)):
+        if not tracker.enabled:
+            keys = tuple(n for n in type(tracker).model_fields if n != "enabled")
+            out += given(tracker, f"logging.{name}", keys, f"logging.{name}.enabled is false")
     if cfg.model.path is not None:
         out += given(
             cfg.sft,

@@ -1,4 +1,5 @@
-"""Per-step metrics: metrics.jsonl (the contract), TensorBoard, and the live display.
+"""Per-step metrics: metrics.jsonl (the contract), TensorBoard, the trackers (W&B, MLflow), the live display;
+and a few samples a step (train/samples.py).
 
 Metric keys are flat and hierarchical (`train/…`, `rollout/…`, `mismatch/…`,
 `eval/…`, `time/…`, `perf/…`), reduced once per step before they get here.
@@ -10,11 +11,17 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from exactrl.envs.dataset import load_json_line
 from exactrl.train.checkpoint import replace_durably
+from exactrl.train.samples import SamplesFile, shown_sample
+from exactrl.train.settings import _STRICT
+from exactrl.train.trackers import Tracker, close_all, open_trackers
 
 # figures shown on the live display, in this order: (metric key, label, format)
 DISPLAY = [
@@ -24,6 +31,17 @@ DISPLAY = [
     ("rollout/response_len_mean", "len", "{:.1f}"),
     ("perf/tokens_per_s", "tok/s", "{:.0f}"),
 ]
+
+
+class ProgressSettings(BaseModel):
+    model_config = _STRICT
+
+    enabled: bool = True
+    """A live progress bar on a terminal; with stdout a pipe or a file, one plain line of figures per step.
+    false: each step's figures as one line of JSON."""
+    samples: int = Field(0, ge=0)
+    """Samples printed per training step and per evaluation, one line each (reward, prompt, completion):
+    the first of those samples.jsonl gets, whatever `logging.samples` is; 0 = none."""
 
 
 class MetricsLogger:
@@ -41,8 +59,14 @@ class MetricsLogger:
         start_step: int,
         title: str = "GRPO",
         display: list[tuple[str, str, str]] = DISPLAY,
+        trackers: Sequence[Tracker] = (),
+        samples: int = 0,
+        print_samples: int = 0,
     ):
         self.display = display  # the figures shown live: (metric key, label, format)
+        self.trackers = list(trackers)  # W&B, MLflow (train/trackers.py): every row and sample table goes to each
+        self.samples = SamplesFile(run_dir, start_step)  # resumed: its rows past start_step are dropped
+        self.n_samples, self.print_samples = samples, print_samples  # rows per log_samples: written, printed
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.exists():
             _keep_steps_up_to(self.path, start_step)
@@ -80,6 +104,8 @@ class MetricsLogger:
             for k, v in metrics.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, metrics["step"])
+        for t in self.trackers:
+            t.log_metrics(metrics)
         self.last.update(metrics)
         if self.progress is not None:  # the latest of each figure (eval/* comes every eval_every steps)
             self.progress.update(self.task, completed=metrics["step"], description=_shown(self.last, self.display))
@@ -91,12 +117,27 @@ class MetricsLogger:
                 flush=True,
             )
 
+    def log_samples(self, rows: list[dict[str, Any]]) -> None:
+        """One step's samples of one kind (train/samples.py `sample_rows`): the first `samples` to
+        samples.jsonl and to each tracker as a table, the first `print_samples` to the terminal."""
+        kept = rows[: self.n_samples]
+        self.samples.write(kept)
+        if kept:
+            for t in self.trackers:
+                t.log_samples(kept)
+        for row in rows[: self.print_samples]:
+            if self.progress is not None:  # above the live bar, which stays at the bottom
+                self.progress.console.print(shown_sample(row), markup=False, highlight=False)
+            else:
+                print(shown_sample(row), flush=True)
+
     def flush(self) -> None:
         """metrics.jsonl and TensorBoard's buffered events to disk, fsynced (before a checkpoint: a step it
         covers is never lost, even to a power cut)."""
         if self.path.exists():
             with open(self.path, "a") as f:
                 os.fsync(f.fileno())
+        self.samples.flush()
         if self.tb is not None:
             self.tb.flush()
 
@@ -106,17 +147,42 @@ class MetricsLogger:
         if self.progress is not None:
             progress, self.progress = self.progress, None
             progress.stop()
-        if self.tb is not None:
-            tb, self.tb = self.tb, None
-            tb.close()
+        try:
+            if self.tb is not None:
+                tb, self.tb = self.tb, None
+                tb.close()
+        finally:
+            trackers, self.trackers = self.trackers, []
+            close_all(trackers)
+
+
+def run_logger(cfg, run_dir: Path, start_step: int) -> MetricsLogger:
+    """An `exactrl train` run's logger (`cfg` a RunConfig): metrics.jsonl, TensorBoard, the display, the
+    samples and the trackers `logging` enables, started or (by run_dir/trackers.json) continued."""
+    log = MetricsLogger(
+        run_dir,
+        cfg.tensorboard,
+        cfg.progress.enabled,
+        cfg.max_steps,
+        start_step,
+        samples=cfg.logging.samples,
+        print_samples=cfg.progress.samples,
+    )
+    try:
+        log.trackers = open_trackers(cfg.logging, cfg.model_dump(mode="json", by_alias=True), Path(run_dir))
+    except BaseException:
+        log.close()
+        raise
+    return log
 
 
 def _shown(metrics: dict[str, Any], display: list[tuple[str, str, str]]) -> str:
     return "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in display if k in metrics)
 
 
-def _keep_steps_up_to(path: Path, step: int) -> None:
-    """Rewrites metrics.jsonl without the rows of steps after `step`, atomically (a crash keeps the old file).
+def _keep_steps_up_to(path: Path, step: int, what: str = "metrics") -> None:
+    """Rewrites a log of rows by step (metrics.jsonl, samples.jsonl) without the rows of steps after `step`,
+    atomically (a crash keeps the old file).
 
     A last line that is not valid JSON is a row cut short by a crash mid-write: it is dropped (its step,
     past the checkpoint, is redone). A bad line anywhere else is an error naming it.
@@ -144,7 +210,7 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
             ) from None
         if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
             raise ValueError(
-                f"{path}:{lineno}: not a row of metrics with an integer step; fix or delete that line to resume"
+                f"{path}:{lineno}: not a row of {what} with an integer step; fix or delete that line to resume"
             )
         if row.get("step", 0) <= step:
             keep.append(line)
@@ -193,6 +259,9 @@ class NullLogger:
         self.last: dict[str, Any] = {}
 
     def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_samples(self, rows: list[dict[str, Any]]) -> None:
         pass
 
     def flush(self) -> None:

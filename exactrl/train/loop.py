@@ -35,6 +35,7 @@ from exactrl.model.lora import synced_weights
 from exactrl.rollout.groups import Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups, to_train_batch
 from exactrl.seeds import derive_seed
 from exactrl.train.checkpoint import save_checkpoint
+from exactrl.train.samples import sample_rows
 from exactrl.train.setup import Run
 from exactrl.train.signals import check_terminated
 from exactrl.train.trainer import train_step
@@ -97,10 +98,18 @@ def initial_eval(c: Run, eval_engine) -> dict[str, float]:
     if c.start_step != 0 or not c.cfg.task.eval_size:
         return {}
     with own_random_streams(c.cfg.seed, 0):  # (the asynchronous loop's rollout thread starts after it)
-        acc = evaluate(
+        metrics, groups = evaluate(
             eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, c.cfg.rollout, c.cfg.seed, c.ranks
-        )["eval/accuracy"]
-    return {"eval/initial_accuracy": acc}
+        )
+    log_samples(c, 0, "eval", groups)  # step 0: before the first
+    return {"eval/initial_accuracy": metrics["eval/accuracy"]}
+
+
+def log_samples(c: Run, step: int, kind: str, groups: list[list[Rollout]]) -> None:
+    """A few of the groups' samples to samples.jsonl, the trackers and the terminal (train/samples.py)."""
+    n = max(c.cfg.logging.samples, c.cfg.progress.samples)
+    if n and c.ranks.main:
+        c.files.logger.log_samples(sample_rows(groups, n, step, kind, c.data.tokenizer))
 
 
 @contextlib.contextmanager
@@ -218,9 +227,12 @@ def end_step(
         # its own streams where the loop is synchronous (`rng` None); the asynchronous loop's rollout thread
         # draws from the global ones meanwhile
         with own_random_streams(cfg.seed, step) if rng is None else contextlib.nullcontext():
-            metrics |= evaluate(
+            scores, eval_groups = evaluate(
                 eval_engine, c.data.tokenizer, c.data.task, c.data.eval_problems, cfg.rollout, cfg.seed, c.ranks
             )
+        metrics |= scores
+        log_samples(c, step, "eval", eval_groups)
+    log_samples(c, step, "train", groups)
     c.files.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
         state = c.trainer_state(prompts_state, rng)  # every rank's random streams (a collective)

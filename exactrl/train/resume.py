@@ -30,6 +30,7 @@ RESUMABLE = (
     "resume",
     "progress",
     "tensorboard",
+    "logging.",
     "save_every",
     "keep_checkpoints",
     "eval_every",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from exactrl.train.checkpoint import latest_checkpoint
 from exactrl.train.config import RunConfig
-from exactrl.train.logger import MetricsLogger
+from exactrl.train.logger import run_logger
 
 
 def check_run_dir(cfg: RunConfig, locked: bool = False) -> Path:
@@ -52,7 +52,8 @@ def check_run_dir(cfg: RunConfig, locked: bool = False) -> Path:
 
 
 RUN_MARKERS = (".lock", "metrics.jsonl", "checkpoints")  # a directory with one of them holds a run
-RUN_WRITES = ("config.json", "report", "tensorboard")  # what else a run writes in its dir
+# what else a run writes in its dir
+RUN_WRITES = ("config.json", "report", "tensorboard", "samples.jsonl", "trackers.json", "wandb")
 
 
 def check_creatable(d: Path) -> None:
@@ -84,10 +85,10 @@ def default_run_dir() -> str:
     return str(d)
 
 
-def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None, start: int, logger=MetricsLogger):
+def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None, start: int, logger=run_logger):
     """(run dir, whether this run created it, its lock, the logger): rank 0 creates the dir (a default name
     taken meanwhile moves to the next free one), locks it and checks it again under the lock. `logger`
-    makes the logger (`MetricsLogger`'s arguments)."""
+    makes the logger from (cfg, run dir, start step)."""
     new_run_dir = make_dir(run_dir)
     while not (named or new_run_dir):  # another run took this default name meanwhile: the next free one
         cfg.run_dir = default_run_dir()
@@ -101,7 +102,7 @@ def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None,
                 f"run_dir {run_dir} got a new checkpoint while this run was starting (another run "
                 f"wrote it): start again to resume from it, or choose another run_dir"
             )
-        log = logger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start)
+        log = logger(cfg, run_dir, start)
     except BaseException:
         run_lock.close()
         raise

@@ -35,6 +35,7 @@ from exactrl.train.master_weights import MasterWeights
 from exactrl.train.resume import _check_resume_early, _identity, resume, rng_state, software_versions
 from exactrl.train.run_dir import check_run_dir, default_run_dir
 from exactrl.train.run_dir import claim_run_dir as _claim_run_dir  # (a test replaces it here)
+from exactrl.train.trackers import check_trackers
 from exactrl.train.trainer import StepSettings
 
 
@@ -208,6 +209,8 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     run_dir = check_run_dir(cfg)
     _check_resume_early(cfg, run_dir)
     _check_paths(cfg)
+    if ranks.main:  # rank 0 alone logs: a tracker's missing package or bad URI is named before the warm start
+        check_trackers(cfg.logging)
     task = build_task(cfg.task)
     task_sha = task_sha256(cfg.task)  # as imported: an edit during the run is not this run's task
     a = cfg.algorithm

@@ -10,7 +10,6 @@ goes on as the uninterrupted run would, bit for bit; it refuses other settings, 
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import shutil
@@ -144,7 +143,10 @@ def build(cfg: SFTConfig, log=print) -> SFTRun:
         model, optimizer, start = _resume(cfg, ckpt, tokenizer, data, log)
     elif cfg.resume:
         log(f"resume=true: {run_dir} holds no checkpoint yet, so the run starts at step 0")
-    logger = functools.partial(MetricsLogger, title="SFT", display=DISPLAY)
+
+    def logger(cfg: SFTConfig, run_dir: Path, start: int) -> MetricsLogger:
+        return MetricsLogger(run_dir, cfg.tensorboard, cfg.progress, cfg.max_steps, start, "SFT", DISPLAY)
+
     run_dir, new, lock, metrics = claim_run_dir(cfg, run_dir, named, ckpt, start, logger)
     return SFTRun(cfg, model, optimizer, tokenizer, data, run_dir, metrics, lock, new, start)
 
