@@ -8,6 +8,7 @@ nothing else can fail, and locked for the run (`lock_run_dir`): two runs never w
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -104,6 +105,8 @@ def claim_run_dir(cfg: RunConfig, run_dir: Path, named: bool, ckpt: Path | None,
             )
         log = logger(cfg, run_dir, start)
     except BaseException:
+        if new_run_dir:  # made and locked by this run, which wrote nothing in it yet: no empty run is left
+            shutil.rmtree(run_dir, ignore_errors=True)
         run_lock.close()
         raise
     return run_dir, new_run_dir, run_lock, log

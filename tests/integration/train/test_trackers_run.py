@@ -183,3 +183,21 @@ def test_a_tracker_that_cannot_start_stops_the_run_before_its_first_step(model_d
     code = main(train_args(SMALL, model_dir, tmp_path / "run", "logging.mlflow.tracking_uri=nosuch://x"))
     assert code == 2 and "logging.mlflow: MLflow cannot use tracking_uri 'nosuch://x'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # named before the run dir was made
+
+
+def test_a_wandb_login_refused_at_the_start_is_named_and_leaves_no_run_dir(model_dir, tmp_path, monkeypatch, capsys):
+    """Online W&B without an API key (no WANDB_API_KEY, no ~/.netrc): W&B refuses when the run starts, after
+    the run dir was made; the error names the key and the new dir is removed."""
+    from conftest import train_args
+
+    from exactrl.cli import main
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings = [s for s in SMALL if not s.startswith(("logging.mlflow", "logging.wandb.mode"))]
+    code = main(train_args(settings, model_dir, tmp_path / "run", "max_steps=1"))
+    assert code == 2 and "logging.wandb: cannot start the W&B run" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
