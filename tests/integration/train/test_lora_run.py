@@ -69,8 +69,9 @@ def test_every_step_is_exact_and_checkpoints_are_peft_adapters(model_dir, full_r
 
 
 def test_peft_loads_a_runs_checkpoint(model_dir, full_run):
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     ckpt = full_run[0] / "checkpoints" / "step_000004"
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(hf, ckpt).eval()
@@ -93,7 +94,8 @@ def test_resumed_run_equals_uninterrupted_run(model_dir, full_run, tmp_path):
 
 
 def test_export_merge_loads_in_exactrl_and_transformers(model_dir, full_run, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     ckpt = full_run[0] / "checkpoints" / "step_000004"
     out = tmp_path / "merged"
     assert cli_main(["export", str(ckpt), "--out", str(out), "--merge"]) == 0

@@ -224,8 +224,9 @@ def test_update_weights_takes_the_adapters_alone(qwen3_dir):
 
 
 def test_peft_loads_the_adapters_onto_transformers(qwen3_dir, tmp_path):
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     m = lora_model(qwen3_dir, targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
     save_adapters(m, tmp_path)
     cfg = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
@@ -252,7 +253,8 @@ def _keys(path) -> set[str]:
 
 
 def test_merged_model_loads_in_exactrl_and_transformers(qwen3_dir, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     m = lora_model(qwen3_dir)
     exactrl.save_model(merge_lora(m), tmp_path)
     ids = prompts(7, (60,))
