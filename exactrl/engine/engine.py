@@ -30,12 +30,7 @@ import torch
 
 from exactrl.engine.cache import PagePool
 from exactrl.engine.graph import DecodeGraphs
-from exactrl.engine.outputs import (  # noqa: F401 (re-exported)
-    Completion,
-    NonFiniteLogitsError,
-    RequestOutput,
-    _Batch,
-)
+from exactrl.engine.outputs import Completion, NonFiniteLogitsError, RequestOutput, _Batch  # noqa: F401 (re-exported)
 from exactrl.engine.sampling import SampleRows, SamplingParams, params_per_prompt, sample_uniform
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
