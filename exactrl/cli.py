@@ -271,6 +271,12 @@ def _add_serve(sub) -> None:
         help="drop a /sessions/{id} record no request has used for this long (a crashed trainer never "
         "deletes its own), >= 0; 0 keeps sessions until they are deleted",
     )
+    _add_serve_access(s)
+    s.set_defaults(fn=_serve)
+
+
+def _add_serve_access(s) -> None:
+    """`serve`'s flags for who may call it and what it accepts (exactrl/server/guard.py)."""
     s.add_argument(
         "--api-key",
         action="append",
@@ -315,7 +321,6 @@ def _add_serve(sub) -> None:
         metavar="SECONDS",
         help="close a connection that has not sent a whole request head (line and headers) in this long",
     )
-    s.set_defaults(fn=_serve)
 
 
 def _add_parity(sub) -> None:
