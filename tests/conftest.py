@@ -27,6 +27,16 @@ TINY = dict(
     max_position_embeddings=512,
 )
 
+# tiny mixtures of experts: 4 experts, 2 per token (Qwen2-MoE with a shared expert)
+MOE = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, eos_token_id=None, pad_token_id=None),
+}
+
 
 def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
     """Builds a randomly initialised transformers model of `arch` and saves it to `path`."""
@@ -38,9 +48,15 @@ def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     }[arch]
     if arch == "llama":
         kw.setdefault("attention_bias", True)
+    for k, v in MOE.get(arch, {}).items():
+        kw.setdefault(k, v)
     torch.manual_seed(seed)
     cfg = cls[0](**kw)
     model = cls[1](cfg).eval()
@@ -48,6 +64,8 @@ def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif n.endswith(".gate.weight"):  # a router: logits far enough apart that routing varies by token
+                p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return model
 

@@ -36,6 +36,7 @@ from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequen
 from exactrl.kernels import TokenLayout
 from exactrl.kernels.linear import PackedWeights, using_packed
 from exactrl.model.lora import adapter_weights
+from exactrl.model.moe import selected_experts
 
 
 class Engine:
@@ -302,6 +303,7 @@ class Engine:
             raise RuntimeError(self._weights_broken)
         sched = self.scheduler.schedule()
         assert sched.chunks, "work is queued but nothing could be scheduled"
+        experts = None
         with torch.inference_mode(), using_packed(self._packed):
             self.pool.copy(sched.copies)
             batch = self._build_batch(sched)
@@ -310,6 +312,8 @@ class Engine:
             else:
                 hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
                 logits_RV = self.model.logits(hidden_ND[batch.rows_R]) if batch.targets else None
+                picked = selected_experts(self.model)  # [N, L, K] of a MoE model, else None
+                experts = None if picked is None or not batch.targets else picked[batch.rows_R].tolist()
             if batch.targets:
                 rows = self._sample_rows(batch.targets)
                 tok_R, lp_R = self.model.kernels.sample(logits_RV, rows)
@@ -321,7 +325,7 @@ class Engine:
             c.seq.num_computed += c.length
         if not batch.targets:
             return []
-        return self._commit(batch.targets, toks, lp_R.tolist())
+        return self._commit(batch.targets, toks, lp_R.tolist(), experts)
 
     def _check_drawn(self, toks: list[int], targets: list[Sequence]) -> None:
         """A row with a NaN or no finite logprob cannot be sampled (`draw` gives it token -1): its requests
@@ -364,9 +368,11 @@ class Engine:
             flags=[s.request.flags for s in targets],
         )
 
-    def _commit(self, targets: list[Sequence], toks: list[int], lps: list[float]) -> list[Request]:
+    def _commit(self, targets: list[Sequence], toks: list[int], lps: list[float], experts=None) -> list[Request]:
         touched: dict[str, Request] = {}
-        for seq, tok, lp in zip(targets, toks, lps):
+        for i, (seq, tok, lp) in enumerate(zip(targets, toks, lps)):
+            if experts is not None:
+                seq.experts.append(experts[i])
             if seq.followers and seq.num_generated == 0:
                 self.scheduler.fork(seq)
             seq.tokens.append(tok)
@@ -386,7 +392,13 @@ class Engine:
     def _output(self, req: Request) -> RequestOutput:
         comps = [
             Completion(
-                s.index, list(req.prompt), s.tokens[s.num_prompt :], list(s.logprobs), list(s.versions), s.finish_reason
+                s.index,
+                list(req.prompt),
+                s.tokens[s.num_prompt :],
+                list(s.logprobs),
+                list(s.versions),
+                s.finish_reason,
+                [list(e) for e in s.experts] if s.experts else None,
             )
             for s in req.seqs
         ]

@@ -108,8 +108,16 @@ class DecodeGraphs:
     @staticmethod
     def supported(model) -> bool:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
-        ops are torch's)."""
-        return model.kernels.backend == "native" and model.kernels.exact and model.dtype == torch.float32
+        ops are torch's). Not a mixture of experts: which experts run, on how many rows, is decided by the
+        step's data, which a recording cannot replay."""
+        cfg = model.config
+        return (
+            model.kernels.backend == "native"
+            and model.kernels.exact
+            and model.dtype == torch.float32
+            and cfg.moe is None
+            and cfg.clip_qkv is None
+        )
 
     def clear(self) -> None:
         self._graphs.clear()

@@ -40,6 +40,9 @@ class Completion:
     logprobs: list[float]  # logprob of each token under the distribution it was sampled from
     versions: list[int]  # engine.version that sampled each token
     finish_reason: str | None  # "stop" | "length" | "abort" (abort(request_id, index)); None while running
+    # mixture of experts: per token, the experts ([L][K] ids) each MoE layer selected where it was sampled;
+    # None for a dense model or an engine that does not report them (`mismatch/routing_agreement`)
+    experts: list[list[list[int]]] | None = None
 
 
 @dataclass

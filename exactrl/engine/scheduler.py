@@ -68,6 +68,9 @@ class Sequence:
     pages: list[int] = field(default_factory=list)  # page of block b = pages[b]
     logprobs: list[float] = field(default_factory=list)  # one per generated token
     versions: list[int] = field(default_factory=list)  # policy version per generated token
+    # mixture of experts: per generated token, the experts each MoE layer selected at the row it was sampled
+    # from ([L][K] ids, `model/moe.py`); empty for a dense model
+    experts: list[list[list[int]]] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" once finished
     followers: list[Sequence] = field(default_factory=list)  # samples to fork after prefill

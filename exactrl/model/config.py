@@ -1,6 +1,7 @@
 """Model configuration read from (and written back to) a Hugging Face config.json.
 
-One decoder covers four families; they differ only in these switches:
+One decoder covers these families; they differ only in these switches (the mixture-of-experts ones,
+qwen3_moe, qwen2_moe, mixtral and olmoe, in `model/families.py`):
   qwen3: per-head RMSNorm on q and k (`qk_norm`), optional biases (`attention_bias`)
   qwen2: biases on q/k/v, none on o
   llama: `attention_bias` on q/k/v/o, `mlp_bias`
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from exactrl.model.families import MoESpec, attention_switches, moe_spec, moe_windows
 from exactrl.model.rope import check_rope
 
 SUPPORTED = {
@@ -21,10 +23,23 @@ SUPPORTED = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' own defaults, for a config.json without max_position_embeddings
-DEFAULT_CONTEXT = {"qwen3": 32768, "qwen2": 32768, "llama": 2048, "mistral": 131072}
+DEFAULT_CONTEXT = {
+    "qwen3": 32768,
+    "qwen2": 32768,
+    "llama": 2048,
+    "mistral": 131072,
+    "qwen3_moe": 32768,
+    "qwen2_moe": 32768,
+    "mixtral": 131072,
+    "olmoe": 4096,
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -41,6 +56,9 @@ def layer_windows(cfg: dict) -> tuple[int, ...]:
     Qwen2/Qwen3 with use_sliding_window=true slide the layers named "sliding_attention" in layer_types, else
     layers i >= max_window_layers (default 28), by sliding_window (absent: 4096, null: none); Llama never."""
     mt, n = cfg["model_type"], cfg["num_hidden_layers"]
+    moe = moe_windows(cfg, lambda c: _int(c, "sliding_window", 4096, 1))
+    if moe is not None:
+        return moe
     if (
         mt == "llama"
         or (mt != "mistral" and not cfg.get("use_sliding_window"))
@@ -102,7 +120,7 @@ def check_eos_token_id(file: str, cfg: dict) -> None:
 
 @dataclass
 class ModelConfig:
-    model_type: str  # "qwen3" | "qwen2" | "llama" | "mistral"
+    model_type: str  # a key of SUPPORTED
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -120,6 +138,9 @@ class ModelConfig:
     qk_norm: bool  # Qwen3's RMSNorm over head_dim on q and k, before RoPE
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})  # RoPE scaling (`rope.py`)
     windows: tuple[int, ...] = ()  # per layer: keys a query attends to, 0 (or no entry) for all before it
+    qk_norm_full: bool = False  # OLMoE: the q/k RMSNorm spans all heads, before the split into heads
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
+    moe: MoESpec | None = None  # the routed experts (`model/moe.py`), None for a dense model
     hf: dict[str, Any] = field(default_factory=dict)  # the original config.json, kept for saving
     generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json if any, kept for saving
 
@@ -159,7 +180,7 @@ class ModelConfig:
             v = cfg.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
                 raise ValueError(f"config.json: {k} must be a positive number, got {v!r}")
-        for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "qkv_bias"):
             if cfg.get(k) not in (None, True, False):  # bool("false") is True
                 raise ValueError(f"config.json: {k} must be true or false, got {cfg[k]!r}")
         check_eos_token_id("config.json", cfg)
@@ -169,7 +190,8 @@ class ModelConfig:
         windows = layer_windows(cfg)
         theta, rope = rope_of(cfg)
         heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads", 8 if mt == "mistral" else None) or heads  # transformers' defaults
+        # transformers' defaults: 8 for Mistral and Mixtral, else one per head
+        kv_heads = cfg.get("num_key_value_heads", 8 if mt in ("mistral", "mixtral") else None) or heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -178,7 +200,6 @@ class ModelConfig:
                 f"config.json: head_dim (given, or hidden_size // num_attention_heads) must be even "
                 f"and >= 2, got {head_dim}"
             )
-        attn_bias = bool(cfg.get("attention_bias", False))
         return ModelConfig(
             model_type=mt,
             vocab_size=cfg["vocab_size"],
@@ -192,11 +213,9 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_CONTEXT[mt]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if mt == "qwen2" else attn_bias and mt != "mistral",
-            o_bias=False if mt in ("qwen2", "mistral") else attn_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
-            qk_norm=mt == "qwen3",
             rope=rope,
+            moe=moe_spec(cfg),
+            **attention_switches(mt, cfg),
             windows=windows if any(windows) else (),
             hf=dict(cfg),
         )

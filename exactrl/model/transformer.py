@@ -1,4 +1,5 @@
-"""The one decoder-only transformer (Qwen3 / Qwen2 / Llama / Mistral), trainer and engine alike.
+"""The one decoder-only transformer (Qwen3 / Qwen2 / Llama / Mistral and the mixture-of-experts families of
+`model/families.py`), trainer and engine alike.
 
 Inference is a mode of this model, not a second implementation: `forward`
 takes the tokens of any mix of sequences (a trainer batch, prefill chunks,
@@ -79,17 +80,22 @@ class Attention(nn.Module):
         self.k_proj = Linear(k, D, Hk * Dh, cfg.qkv_bias)
         self.v_proj = Linear(k, D, Hk * Dh, cfg.qkv_bias)
         self.o_proj = Linear(k, H * Dh, D, cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(k, Dh, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(k, Dh, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head, or (OLMoE) over all heads of the projection
+            full = cfg.qk_norm_full
+            self.q_norm = RMSNorm(k, H * Dh if full else Dh, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k, Hk * Dh if full else Dh, cfg.rms_norm_eps)
 
     def forward(self, x_ND, cos_ND, sin_ND, layout, plan, kv_pages):
         c = self.cfg
         n = x_ND.shape[0]
         q, k, v = project(x_ND, self.q_proj, self.k_proj, self.v_proj)
+        if c.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.clip_qkv is not None:  # elementwise: invariant
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
         q = q.view(n, c.num_attention_heads, c.head_dim)
         k, v = k.view(n, c.num_key_value_heads, c.head_dim), v.view(n, c.num_key_value_heads, c.head_dim)
-        if c.qk_norm:
+        if c.qk_norm and not c.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
         k_pages, v_pages = self.kernels.write_kv(kv_pages[0], kv_pages[1], k, v, layout, plan)
@@ -112,23 +118,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, k: Kernels, window: int = 0):
+    def __init__(self, cfg: ModelConfig, k: Kernels, window: int = 0, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg, k, window)
-        self.mlp = MLP(cfg, k)
+        # the feed-forward under transformers' name: `mlp`, or Mixtral's `block_sparse_moe`
+        self.ffn_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+            from exactrl.model.moe import SparseMoE
+
+            setattr(self, self.ffn_name, SparseMoE(cfg, k))
+        else:
+            setattr(self, self.ffn_name, MLP(cfg, k))
         self.input_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, layout, plan, kv_pages):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, plan, kv_pages)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, k: Kernels):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, k, cfg.window(i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, k, cfg.window(i), i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
 
 
