@@ -30,7 +30,7 @@ import torch
 
 from exactrl.engine.cache import PagePool
 from exactrl.engine.graph import DecodeGraphs
-from exactrl.engine.outputs import Completion, NonFiniteLogitsError, RequestOutput, _Batch  # noqa: F401 (re-exported)
+from exactrl.engine.outputs import Completion, NonFiniteLogitsError, RequestOutput, _Batch, completion_of  # noqa: F401 (re-exported)
 from exactrl.engine.sampling import SampleRows, SamplingParams, params_per_prompt, sample_uniform
 from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequence, Status
 from exactrl.kernels import TokenLayout
@@ -390,18 +390,7 @@ class Engine:
         return list(touched.values())
 
     def _output(self, req: Request) -> RequestOutput:
-        comps = [
-            Completion(
-                s.index,
-                list(req.prompt),
-                s.tokens[s.num_prompt :],
-                list(s.logprobs),
-                list(s.versions),
-                s.finish_reason,
-                [list(e) for e in s.experts] if s.experts else None,
-            )
-            for s in req.seqs
-        ]
+        comps = [completion_of(s) for s in req.seqs]
         return RequestOutput(req.request_id, list(req.prompt), comps, req.finished)
 
     def weights_changed(self) -> None:

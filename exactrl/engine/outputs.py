@@ -45,6 +45,19 @@ class Completion:
     experts: list[list[list[int]]] | None = None
 
 
+def completion_of(s: Sequence) -> Completion:
+    """Sequence `s`'s completion so far (copies: later steps do not change it)."""
+    return Completion(
+        s.index,
+        list(s.request.prompt),
+        s.tokens[s.num_prompt :],
+        list(s.logprobs),
+        list(s.versions),
+        s.finish_reason,
+        [list(e) for e in s.experts] if s.experts else None,
+    )
+
+
 @dataclass
 class RequestOutput:
     """State of a request after a step (returned by `Engine.step`)."""
