@@ -37,6 +37,12 @@ def routing_agreement(rollout: list, trainer: list[torch.Tensor], mask: list[lis
         routing_agreement = Σ_t agree_t / #tokens        (1.0 where there is no token)
 
     `rollout[k]`: sequence k's engine experts, [T_k][L][K] ids (or a tensor); `trainer[k]`: [T_k, L, K]."""
+    agree, total = routing_counts(rollout, trainer, mask)
+    return agree / total if total else 1.0
+
+
+def routing_counts(rollout: list, trainer: list[torch.Tensor], mask: list[list[int]] | None = None) -> tuple[int, int]:
+    """(Σ_t agree_t, #tokens) of `routing_agreement`: counts, which ranks and micro-batches add up."""
     agree = total = 0
     for k, (r, t) in enumerate(zip(rollout, trainer)):
         r = torch.as_tensor(r, dtype=torch.int64) if len(r) else t[:0]
@@ -46,4 +52,4 @@ def routing_agreement(rollout: list, trainer: list[torch.Tensor], mask: list[lis
         keep = torch.ones_like(same) if mask is None else torch.tensor(mask[k], dtype=torch.bool)
         agree += int((same & keep).sum())
         total += int(keep.sum())
-    return agree / total if total else 1.0
+    return agree, total

@@ -34,6 +34,7 @@ class Rollout:
     finish_reason: str  # "stop" | "length"
     text: str  # decoded completion (special tokens dropped)
     reward: float
+    behav_experts: list | None = None  # mixture of experts: the engine's experts per token (`Completion.experts`)
 
 
 def sampling_seed(run_seed: int, step: int, k: int) -> int:
@@ -89,6 +90,7 @@ def generate_groups(
                     o.finish_reason,
                     text,
                     _reward(task, prob, text),
+                    getattr(o, "experts", None),
                 )
             )
         groups.append(group)
@@ -168,6 +170,7 @@ def to_train_batch(
         advantages=adv_PG.reshape(-1).tolist(),
         loss_mask=mask,  # the cut completions were still sampled: measured, not trained on
         generated_mask=[[1] * len(r.completion_ids) for r in flat] if mask_truncated else None,
+        behav_experts=[r.behav_experts for r in flat] if any(r.behav_experts for r in flat) else None,
     )
 
 

@@ -49,7 +49,8 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> CausalLM:
         if mode == "full":
             layer.forward = types.MethodType(_checkpointed_layer, layer)
         elif mode == "selective":
-            layer.mlp.forward = types.MethodType(_checkpointed_mlp, layer.mlp)
+            ffn = getattr(layer, layer.ffn_name)  # the MLP or the experts (Mixtral's `block_sparse_moe`)
+            ffn.forward = types.MethodType(_checkpointed_mlp, ffn)
     return model
 
 

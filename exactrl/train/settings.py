@@ -132,6 +132,10 @@ class OptimSettings(BaseModel):
     """AdamW's decoupled weight decay."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """Mixture-of-experts models: weight of the Switch-Transformer load-balancing loss added to the policy
+    loss, E · Σ_i f_i · P_i over each micro-batch's tokens (transformers' `router_aux_loss_coef`; formula
+    in `model/moe.py`), logged as `train/router_aux_loss`. 0 = off; above 0 on a dense model is refused."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward; gradients accumulate over the step's batch."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)

@@ -374,6 +374,7 @@ def _step_settings(cfg: RunConfig, corrections) -> StepSettings:
         agg_mode=a.agg_mode,
         agg_constant=float(r.max_tokens),
         grad_clip=cfg.optim.grad_clip,
+        router_aux_loss_coef=cfg.optim.router_aux_loss_coef,
         entropy_coef=a.entropy_coef,
         kl_coef=a.kl.coef,
         kl_kind=a.kl.kind,

@@ -36,6 +36,7 @@ from exactrl.algo.types import LossInputs, LossNorm
 from exactrl.distributed import Ranks
 from exactrl.model.logprobs import token_logprobs
 from exactrl.model.transformer import CausalLM
+from exactrl.train.moe_terms import router_aux_term, routing_agreement_metric
 
 
 @dataclass
@@ -54,6 +55,9 @@ class TrainBatch:
     # (on-policy distillation's log π_t − log π_s; train/distill.py)
     teacher_prompt_ids: list[list[int]] | None = None  # the prompt each completion is scored after by its teacher
     teacher_keys: list[str] | None = None  # which teacher scores each sequence (train/distill.py)
+    # mixture of experts: per sequence, the engine's experts of each completion token ([T][L][K] ids,
+    # `Completion.experts`), or None; read by `mismatch/routing_agreement` (train/moe_terms.py)
+    behav_experts: list | None = None
 
     def __post_init__(self):
         for name in ("prompt_ids", "completion_ids", "behav_logprobs"):
@@ -65,6 +69,8 @@ class TrainBatch:
         n = len(self.prompt_ids)
         lengths = {name: len(getattr(self, name)) for name in ("completion_ids", "behav_logprobs")}
         lengths["advantages"] = len(_numbers("advantages", self.advantages))
+        if self.behav_experts is not None:
+            lengths["behav_experts"] = len(self.behav_experts)
         if any(v != n for v in lengths.values()):
             raise ValueError(
                 f"TrainBatch fields must all have one entry per sequence: prompt_ids has {n}, "
@@ -173,6 +179,7 @@ class StepSettings:
     bypass: bool = False  # loss ratio against μ instead of π_old (corrections.apply_bypass)
     share_prompts: bool = True  # a micro-batch's repeated prompts are laid out once (logprobs.pack_shared)
     max_tokens_per_micro_batch: int | None = None  # micro-batches by tokens (micro_batches); None: by micro_batch_size
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight (train/moe_terms.py), 0 = off
     distill: object | None = None  # a Distiller (train/distill.py) whose `vocab_term` enters the loss, coef ×
     extra: dict = field(default_factory=dict)
 
@@ -278,6 +285,8 @@ def train_step(
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
     kept = {k: [] for k in ("old", "behav", "loss_mask", "live", "gen", "adv", "final", "ent", "kl", "distill")}
+    moe_metrics = routing_agreement_metric(model, batch, ranks.shard(len(batch)), ranks)  # before any update
+    aux_sum = torch.zeros(())
     optimizer.zero_grad(set_to_none=True)
     lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
     for idx in micro_batches(ranks.shard(len(batch)), lengths, s):
@@ -311,6 +320,9 @@ def train_step(
             d_BT = s.distill.vocab_term(model, batch, idx, T)
             kept["distill"].append(d_BT.detach())
         loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm, d_BT)
+        aux = router_aux_term(model, s.router_aux_loss_coef, len(idx), len(batch))  # of this micro-batch's forward
+        if aux is not None:
+            loss, aux_sum = loss + aux, aux_sum + aux.detach()
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
         for k, t in zip(
@@ -335,7 +347,9 @@ def train_step(
             if v is not None:
                 whole[k] = torch.empty(len(batch), *v.shape[1:], dtype=v.dtype)
                 whole[k][rows] = torch.cat([p[k] for p in parts])
-    return _batch_metrics(whole, loss_fn, s, norm) | {"train/grad_norm": float(grad_norm)}
+    if s.router_aux_loss_coef:  # coef x the load-balancing loss, summed over micro-batches and ranks
+        moe_metrics["train/router_aux_loss"] = float(sum(ranks.gather(float(aux_sum))))
+    return _batch_metrics(whole, loss_fn, s, norm) | moe_metrics | {"train/grad_norm": float(grad_norm)}
 
 
 def _regularised(loss, ent_BT, kl_BT, mask_BT, sampled_BT, s: StepSettings, norm: LossNorm, d_BT=None):
