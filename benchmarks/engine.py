@@ -42,6 +42,9 @@ Sizes (explicit, tied embeddings, head_dim 64, GQA):
   20M : vocab 16384, hidden 384, 8 layers, 6 heads / 2 kv, MLP 1024   (≈18.9M params)
   100M: vocab 32000, hidden 768, 12 layers, 12 heads / 4 kv, MLP 2048  (≈100M params)
   tiny: vocab 512, hidden 64, 2 layers (--quick smoke run only)
+  moe100M: the 100M attention shape with Qwen3-MoE experts on every layer, 8 experts of 256, 2 per
+           token (≈100M params, ≈44M of them read per token); moe-tiny its smoke-run twin. The matmul
+           floors are not computed for them (transformers keeps its experts as 3-D tensors, not Linears).
 """
 
 from __future__ import annotations
@@ -71,16 +74,7 @@ import exactrl
 from exactrl import Engine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    CONTEXT,
-    apply_quick,
-    check_context,
-    gemm_floor_s,
-    linear_weights,
-    positive_int,
-    positive_ints,
-    size_names,
-)
+from _common import CONTEXT, apply_quick, check_context, gemm_floor_s, linear_weights, positive_int, positive_ints  # noqa: E402
 
 SIZES = {
     "20M": dict(
@@ -110,14 +104,56 @@ SIZES = {
         num_key_value_heads=2,
         head_dim=16,
     ),
+    # Qwen3-MoE: 8 experts of 256, 2 per token, on every layer
+    "moe100M": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+    ),
+    "moe-tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
 }
+
+
+def engine_sizes(text: str) -> list[str]:
+    """argparse type: comma-separated names of this benchmark's SIZES (dense and MoE)."""
+    names = text.split(",")
+    bad = [n for n in names if n not in SIZES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown size {bad[0]!r}; choose from {sorted(SIZES)}")
+    return names
 
 
 def build_hf_model(path: Path, size: str) -> None:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
+    moe = "num_experts" in SIZES[size]
+    config, causal_lm = (
+        (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)
+        if moe
+        else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
+    )
+    cfg = config(
         **SIZES[size],
         tie_word_embeddings=True,
         max_position_embeddings=CONTEXT,
@@ -125,7 +161,7 @@ def build_hf_model(path: Path, size: str) -> None:
         bos_token_id=None,
         pad_token_id=None,
     )
-    transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
+    causal_lm(cfg).eval().save_pretrained(path)
 
 
 class PeakRSS:
@@ -392,7 +428,7 @@ def _bench_size(
     build_hf_model(Path(d), size)
     models = {k: exactrl.load_model(d, dtype=dtype, kernels=k, device=device) for k in ("exact", "fast")}
     hf = (
-        transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
+        transformers.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
         if with_hf
         else None
     )
@@ -416,6 +452,7 @@ def _bench_size(
             tps = row["hf_tok_s"]
             row["exact_over_hf"] = round(row["exact_tok_s"] / tps, 2)
             row["fast_over_hf"] = round(row["fast_tok_s"] / tps, 2)
+        if hf is not None and "num_experts" not in SIZES[size]:  # transformers' experts are no nn.Linear
             # ceiling: a decode step that were nothing but its matmuls (the fastest GEMM at hand, b rows)
             weights = linear_weights(hf)
             floor = gemm_floor_s(weights, b)
@@ -459,7 +496,7 @@ def vllm_python_problem(python: str) -> str | None:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="exactrl bench engine", description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=size_names, default="20M,100M", help=f"comma-separated, from {sorted(SIZES)}")
+    p.add_argument("--sizes", type=engine_sizes, default="20M,100M", help=f"comma-separated, from {sorted(SIZES)}")
     p.add_argument("--batches", type=positive_ints, default="1,32")
     p.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens")
     p.add_argument("--new", type=positive_int, default=128, help="generated tokens per sequence")
