@@ -52,6 +52,8 @@ def make_hf_model(path, arch: str = "qwen3", seed: int = 0, **over):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     if arch == "llama":
         kw.setdefault("attention_bias", True)

@@ -109,7 +109,8 @@ class DecodeGraphs:
     def supported(model) -> bool:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
         ops are torch's). Not a mixture of experts: which experts run, on how many rows, is decided by the
-        step's data, which a recording cannot replay."""
+        step's data, which a recording cannot replay. Nor Gemma, OLMoE's clip_qkv: their GeGLU, (1 + w)
+        norms and clamps are torch ops."""
         cfg = model.config
         return (
             model.kernels.backend == "native"
@@ -117,6 +118,7 @@ class DecodeGraphs:
             and model.dtype == torch.float32
             and cfg.moe is None
             and cfg.clip_qkv is None
+            and not cfg.gemma
         )
 
     def clear(self) -> None:

@@ -108,7 +108,7 @@ def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if model.config.gemma else 1.0)  # Gemma's norms scale by (1 + w)
             elif name.endswith("bias"):
                 p.zero_()
             else:

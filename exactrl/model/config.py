@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from exactrl.model.families import MoESpec, attention_switches, moe_spec, moe_windows
+from exactrl.model.families import MoESpec, attention_switches, gemma_fields, gemma_windows, moe_spec, moe_windows
 from exactrl.model.rope import check_rope
 
 SUPPORTED = {
@@ -27,6 +27,8 @@ SUPPORTED = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' own defaults, for a config.json without max_position_embeddings
@@ -39,6 +41,8 @@ DEFAULT_CONTEXT = {
     "qwen2_moe": 32768,
     "mixtral": 131072,
     "olmoe": 4096,
+    "gemma2": 8192,
+    "gemma3_text": 131072,
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -50,15 +54,19 @@ def _int(cfg: dict, key: str, default, least: int):
     return v
 
 
+def _window(cfg: dict) -> int:
+    return _int(cfg, "sliding_window", 4096, 1)
+
+
 def layer_windows(cfg: dict) -> tuple[int, ...]:
     """Keys each layer attends to (a query at p sees keys in (p - window, p]), 0 for full attention, as
     transformers reads the config: Mistral slides every layer by `sliding_window` (absent: 4096, null: none);
     Qwen2/Qwen3 with use_sliding_window=true slide the layers named "sliding_attention" in layer_types, else
     layers i >= max_window_layers (default 28), by sliding_window (absent: 4096, null: none); Llama never."""
     mt, n = cfg["model_type"], cfg["num_hidden_layers"]
-    moe = moe_windows(cfg, lambda c: _int(c, "sliding_window", 4096, 1))
-    if moe is not None:
-        return moe
+    family = moe_windows(cfg, _window) or gemma_windows(cfg, _window)
+    if family is not None:
+        return family
     if (
         mt == "llama"
         or (mt != "mistral" and not cfg.get("use_sliding_window"))
@@ -141,6 +149,11 @@ class ModelConfig:
     qk_norm_full: bool = False  # OLMoE: the q/k RMSNorm spans all heads, before the split into heads
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
     moe: MoESpec | None = None  # the routed experts (`model/moe.py`), None for a dense model
+    # Gemma (`model/families.py` gemma_fields): (1 + w) norms, scaled embeddings, sandwich norms
+    gemma: bool = False
+    attn_scale: float | None = None  # attention scores' scale, None for head_dim^-1/2
+    act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    rope_local: tuple[float, dict] | None = None  # Gemma 3's (theta, RoPE parameters) of its sliding layers
     hf: dict[str, Any] = field(default_factory=dict)  # the original config.json, kept for saving
     generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json if any, kept for saving
 
@@ -185,10 +198,11 @@ class ModelConfig:
                 raise ValueError(f"config.json: {k} must be true or false, got {cfg[k]!r}")
         check_eos_token_id("config.json", cfg)
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
+        if act != "silu" and mt not in ("gemma2", "gemma3_text"):  # Gemma's is checked by gemma_fields
             raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' is implemented")
         windows = layer_windows(cfg)
-        theta, rope = rope_of(cfg)
+        fam = {**attention_switches(mt, cfg), **gemma_fields(cfg, rope_of)}
+        theta, rope = fam.pop("rope_global") if "rope_global" in fam else rope_of(cfg)
         heads = cfg["num_attention_heads"]
         # transformers' defaults: 8 for Mistral and Mixtral, else one per head
         kv_heads = cfg.get("num_key_value_heads", 8 if mt in ("mistral", "mixtral") else None) or heads
@@ -215,7 +229,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope=rope,
             moe=moe_spec(cfg),
-            **attention_switches(mt, cfg),
+            **fam,
             windows=windows if any(windows) else (),
             hf=dict(cfg),
         )

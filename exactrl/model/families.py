@@ -108,3 +108,69 @@ def moe_windows(cfg: dict, window_of) -> tuple[int, ...] | None:
     if not isinstance(types, list) or len(types) != n:
         raise ValueError(f"config.json: layer_types must list {n} layer types (one per layer), got {types!r}")
     return tuple(w if t == "sliding_attention" else 0 for t in types)
+
+
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of gelu's tanh approximation
+
+
+def gemma_fields(cfg: dict, rope_of) -> dict:
+    """ModelConfig's Gemma fields (empty for another family), as transformers reads Gemma 2 / Gemma 3 text:
+    RMSNorm scaled by (1 + weight), embeddings times sqrt(hidden_size) in the model dtype, a norm after
+    attention and around the MLP, GeGLU (gelu, tanh approximation), scores scaled by
+    query_pre_attn_scalar^-1/2, and Gemma 3's local RoPE (rope_parameters["sliding_attention"], the older
+    rope_local_base_freq) on its sliding layers. Attention and final logit soft-capping are refused by name:
+    the exact attention kernels do not cap scores, nor the trainer's LM-head path its logits.
+    `rope_of(cfg)` reads a flat RoPE config into (theta, checked parameters)."""
+    mt = cfg["model_type"]
+    if mt not in GEMMA_TYPES:
+        return {}
+    on = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if mt == "gemma2" else {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = cfg.get(key, on.get(key))  # absent: transformers' default, on for Gemma 2
+        if cap is not None:
+            raise ValueError(
+                f"config.json: {key}={cap!r}: logit soft-capping is not implemented (the exact kernels "
+                f"would need it in attention and in the LM head); {mt} loads with {key}=null only"
+            )
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTS:
+        raise ValueError(f"config.json: hidden_activation={act!r} is not implemented for {mt}; only {GEMMA_ACTS}")
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+        raise ValueError(f"config.json: query_pre_attn_scalar must be a positive number, got {scalar!r}")
+    out = dict(gemma=True, attn_scale=float(scalar) ** -0.5, act="gelu_tanh", qk_norm=mt == "gemma3_text")
+    params = cfg.get("rope_parameters")
+    if mt == "gemma3_text":
+        if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+            full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        else:  # an older flat config: rope_theta and rope_scaling for the global layers, rope_local_base_freq
+            full, local = {**(params or {}), **(cfg.get("rope_scaling") or {})}, {}
+        full = {"rope_theta": cfg.get("rope_theta", 1e6), **full}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0), **local}
+        flat = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        out["rope_global"] = rope_of({**flat, "rope_parameters": full})
+        out["rope_local"] = rope_of({**flat, "rope_parameters": local})
+    return out
+
+
+def gemma_windows(cfg: dict, window_of) -> tuple[int, ...] | None:
+    """Per-layer windows of a Gemma config (None for another family): the layers layer_types names
+    "sliding_attention" slide by sliding_window; without layer_types, Gemma 2 slides the even layers
+    0, 2, ... and Gemma 3 every layer but each sliding_window_pattern-th (default 6), as transformers does."""
+    mt, n = cfg["model_type"], cfg["num_hidden_layers"]
+    if mt not in GEMMA_TYPES:
+        return None
+    types = cfg.get("layer_types")
+    if types is None:
+        every = 2 if mt == "gemma2" else cfg.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != n or any(t not in kinds for t in types):
+        raise ValueError(f"config.json: layer_types must list {n} layer types (one per layer), got {types!r}")
+    if cfg.get("sliding_window", 4096) is None:
+        if mt == "gemma3_text" and "sliding_attention" in types:  # its local RoPE follows the layer type
+            raise ValueError("config.json: sliding_window=null with sliding layers in layer_types: set a window")
+        return (0,) * n
+    w = window_of(cfg)
+    return tuple(w if t == "sliding_attention" else 0 for t in types)

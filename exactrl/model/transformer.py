@@ -61,13 +61,15 @@ def project(x, *linears: Linear) -> list[torch.Tensor]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, kernels: Kernels, dim: int, eps: float):
+    """w · x / rms(x); Gemma's (`offset`) scales by (1 + w), its weight stored as w (0 = identity)."""
+
+    def __init__(self, kernels: Kernels, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.kernels, self.eps = kernels, eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels, self.eps, self.offset = kernels, eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x):
-        return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, 1.0 + self.weight if self.offset else self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -75,6 +77,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.kernels = cfg, k
         self.window = window  # keys a query attends to (a sliding window), 0 for all before it
+        self.local_rope = window > 0 and cfg.rope_local is not None  # Gemma 3: its second RoPE table
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
         H, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.q_proj = Linear(k, D, H * Dh, cfg.qkv_bias)
         self.k_proj = Linear(k, D, Hk * Dh, cfg.qkv_bias)
@@ -82,8 +86,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(k, H * Dh, D, cfg.o_bias)
         if cfg.qk_norm:  # per head, or (OLMoE) over all heads of the projection
             full = cfg.qk_norm_full
-            self.q_norm = RMSNorm(k, H * Dh if full else Dh, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(k, Hk * Dh if full else Dh, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(k, H * Dh if full else Dh, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(k, Hk * Dh if full else Dh, cfg.rms_norm_eps, cfg.gemma)
 
     def forward(self, x_ND, cos_ND, sin_ND, layout, plan, kv_pages):
         c = self.cfg
@@ -97,10 +101,13 @@ class Attention(nn.Module):
         k, v = k.view(n, c.num_key_value_heads, c.head_dim), v.view(n, c.num_key_value_heads, c.head_dim)
         if c.qk_norm and not c.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cos_ND.shape[1] != c.head_dim:  # [global | local] tables (Gemma 3): this layer's half
+            half = slice(c.head_dim, None) if self.local_rope else slice(0, c.head_dim)
+            cos_ND, sin_ND = cos_ND[:, half].contiguous(), sin_ND[:, half].contiguous()
         q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
         k_pages, v_pages = self.kernels.write_kv(kv_pages[0], kv_pages[1], k, v, layout, plan)
         kv_pages[0], kv_pages[1] = k_pages, v_pages
-        o = self.kernels.attention(q, k_pages, v_pages, plan, 1.0 / math.sqrt(c.head_dim), self.window)
+        o = self.kernels.attention(q, k_pages, v_pages, plan, self.scale, self.window)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -108,13 +115,16 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, k: Kernels):
         super().__init__()
         D, F = cfg.hidden_size, cfg.intermediate_size
-        self.kernels = k
+        self.kernels, self.act = k, cfg.act
         self.gate_proj = Linear(k, D, F, cfg.mlp_bias)
         self.up_proj = Linear(k, D, F, cfg.mlp_bias)
         self.down_proj = Linear(k, F, D, cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(self.kernels.swiglu(*project(x, self.gate_proj, self.up_proj)))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        if self.act == "gelu_tanh":  # GeGLU (Gemma); elementwise, so invariant
+            return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.kernels.swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -129,10 +139,19 @@ class DecoderLayer(nn.Module):
             setattr(self, self.ffn_name, SparseMoE(cfg, k))
         else:
             setattr(self, self.ffn_name, MLP(cfg, k))
-        self.input_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.post_attention_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.gemma = cfg.gemma
+        if cfg.gemma:  # Gemma normalises each block's input and output: attention's by the two above
+            self.pre_feedforward_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps, True)
 
     def forward(self, x, cos, sin, layout, plan, kv_pages):
+        if self.gemma:
+            x = x + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(x), cos, sin, layout, plan, kv_pages)
+            )
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, plan, kv_pages)
         return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
@@ -142,7 +161,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, k, cfg.window(i), i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(k, cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
 
 class CausalLM(nn.Module):
@@ -155,8 +174,9 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg, kernels)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(kernels, cfg.hidden_size, cfg.vocab_size, False)
-        self.register_buffer("rope_cos", torch.empty(0, cfg.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0, cfg.head_dim), persistent=False)
+        width = cfg.head_dim * (2 if cfg.rope_local is not None else 1)  # Gemma 3: [global | local] tables
+        self.register_buffer("rope_cos", torch.empty(0, width), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0, width), persistent=False)
         self.rope_reach(1)
 
     def rope_reach(self, positions: int) -> None:
@@ -169,11 +189,12 @@ class CausalLM(nn.Module):
             return
         assert have % ROPE_CHUNK == 0, have  # only the last chunk is cut, at max_position_embeddings
         want = min(-(-max(positions, 2 * have) // ROPE_CHUNK) * ROPE_CHUNK, c.max_position_embeddings)
-        inv_freq, scale = rope_frequencies(c.head_dim, c.rope_theta, c.rope)
-        parts = [
-            rotary_tables(c.head_dim, ROPE_CHUNK, c.rope_theta, start, inv_freq, scale)
-            for start in range(have, want, ROPE_CHUNK)
-        ]
+        ropes = [(c.rope_theta, c.rope)] + ([c.rope_local] if c.rope_local is not None else [])
+        freqs = [(theta, *rope_frequencies(c.head_dim, theta, rope)) for theta, rope in ropes]
+        parts = []
+        for start in range(have, want, ROPE_CHUNK):
+            tables = [rotary_tables(c.head_dim, ROPE_CHUNK, t, start, f, s) for t, f, s in freqs]
+            parts.append((torch.cat([cos for cos, _ in tables], 1), torch.cat([sin for _, sin in tables], 1)))
         # the model's dtype and device, after a `model.to(...)`, as the first chunk's
         dtype, dev = self.rope_cos.dtype, self.rope_cos.device
         self.rope_cos = torch.cat([self.rope_cos, *(cos.to(dev, dtype) for cos, _ in parts)])[:want]
@@ -225,7 +246,10 @@ class CausalLM(nn.Module):
         dev = self.device
         plan = self.kernels.plan_attention(layout, c.num_attention_heads, c.num_key_value_heads, self.block_size, dev)
         pos_N = layout.pos_N.to(dev)
-        return self.model.embed_tokens(tokens_N.to(dev)), self.rope_cos[pos_N], self.rope_sin[pos_N], plan
+        x_ND = self.model.embed_tokens(tokens_N.to(dev))
+        if c.gemma:  # sqrt(hidden_size) rounded to the model dtype first, as transformers multiplies
+            x_ND = x_ND * torch.tensor(c.hidden_size**0.5, dtype=x_ND.dtype, device=dev)
+        return x_ND, self.rope_cos[pos_N], self.rope_sin[pos_N], plan
 
     def run_layers(self, x_ND, cos_ND, sin_ND, layout, plan, kv) -> torch.Tensor:
         """The decoder layers and the final norm: final hidden states [N, D]."""
