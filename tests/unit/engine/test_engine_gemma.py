@@ -1,0 +1,55 @@
+"""Engine == trainer, bitwise, on Gemma 2 and Gemma 3 text models (prompts and generations past the sliding
+window, chunked prefill, batched decode, forked samples); the fast twin differs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import make_hf_model
+from engine_helpers import mismatches
+
+import exactrl
+from exactrl import Engine, SamplingParams
+
+V = 211
+GEMMA = {
+    "gemma3": dict(
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=20,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "gemma2": dict(sliding_window=5, attn_logit_softcapping=None, final_logit_softcapping=None),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma_dirs(tmp_path_factory):
+    out = {}
+    for arch, over in GEMMA.items():
+        out[arch] = tmp_path_factory.mktemp(arch)
+        make_hf_model(out[arch], arch, **over)
+    return out
+
+
+def _run(model, **config):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 24, 9)]
+    sp = SamplingParams(max_tokens=12, n=2, seed=5, ignore_eos=True)
+    outs = Engine(model, **config).generate(prompts, sp)
+    return mismatches(model, [(p, c, sp) for p, o in zip(prompts, outs) for c in o])
+
+
+@pytest.mark.parametrize("arch", list(GEMMA))
+@pytest.mark.parametrize("config", [{}, dict(max_num_batched_tokens=16)])
+def test_gemma_engine_equals_trainer(gemma_dirs, arch, config):
+    assert not _run(exactrl.load_model(gemma_dirs[arch], block_size=8), **config)
+
+
+@pytest.mark.parametrize("arch", list(GEMMA))
+def test_gemma_fast_twin_differs(gemma_dirs, arch):
+    assert _run(exactrl.load_model(gemma_dirs[arch], block_size=8, kernels="fast"))
