@@ -49,8 +49,9 @@ class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     path: PathText | None = None
-    """Hugging Face model directory (Qwen3, Qwen2, Llama or Mistral; RoPE scaling and sliding windows as the
-    README's `load_model` paragraph lists); None builds (and caches) the default tiny model with a warm start."""
+    """Hugging Face model directory (a family of docs/models.md: Qwen3, Qwen2, Llama, Mistral, Gemma, the
+    mixtures of experts; RoPE scaling and sliding windows as the README's `load_model` paragraph lists);
+    None builds (and caches) the default tiny model with a warm start."""
     tokenizer: PathText | None = None
     """Tokenizer directory; None uses `path` (or the default job's own tokenizer)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -32,7 +32,7 @@ from exactrl.train.sft_data import Example
 
 class SFTModelSettings(ModelSettings):
     path: PathText | None = None
-    """The Hugging Face model directory to fine-tune (required; Qwen3, Qwen2, Llama or Mistral)."""
+    """The Hugging Face model directory to fine-tune (required; a family of docs/models.md)."""
     tokenizer: PathText | None = None
     """Tokenizer directory (with the chat template the data is rendered with); None uses `path`."""
 
