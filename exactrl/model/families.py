@@ -1,5 +1,6 @@
-"""What distinguishes the mixture-of-experts families from the dense ones, read from a config.json the way
-transformers reads it: every switch here changes which modules the decoder builds, never an op's order.
+"""What distinguishes the mixture-of-experts and Gemma families from the dense Llama-like ones, read from a
+config.json the way transformers reads it: every switch here changes which modules the decoder builds or
+an elementwise step between them, never a reduction's order (docs/models.md lists the families).
 
   qwen3_moe: Qwen3 attention (per-head q/k RMSNorm); routed experts on layers i not in mlp_only_layers with
              (i + 1) % decoder_sparse_step == 0, the others a dense MLP of intermediate_size
@@ -9,6 +10,7 @@ transformers reads it: every switch here changes which modules the decoder build
              normalised over the top k
   olmoe:     q/k RMSNorm over all heads at once (before the split into heads), optional clip_qkv; experts
              on every layer
+  gemma2, gemma3_text: `gemma_fields` and `gemma_windows` below
 """
 
 from __future__ import annotations

@@ -254,16 +254,9 @@ def micro_batch_inputs(model, batch: TrainBatch, idx: list[int], s: StepSettings
     return logp_BT, ent_BT, mask_BT, gen_BT, behav_BT, adv_BT
 
 
-def train_step(
-    model: CausalLM,
-    optimizer: torch.optim.Optimizer,
-    loss_fn,
-    batch: TrainBatch,
-    s: StepSettings,
-    ref_model: CausalLM | None = None,
-    ranks: Ranks = Ranks(),
-) -> dict[str, float]:
-    """Forward/backward over micro-batches (this rank's share of the batch), clip, step. Returns flat metrics."""
+def _check_step_inputs(model, batch: TrainBatch, s: StepSettings, ref_model, ranks: Ranks) -> None:
+    """What train_step refuses before any micro-batch runs: token ids outside the vocabulary (naming the
+    sequence), a KL term without a reference model, fewer sequences than ranks."""
     vocab = model.config.vocab_size  # checked before any micro-batch runs, naming the sequence
     for name in ("prompt_ids", "completion_ids"):
         bad = next(((k, t) for k, ids in enumerate(getattr(batch, name)) for t in ids if not 0 <= t < vocab), None)
@@ -281,6 +274,19 @@ def train_step(
             f"a batch of {len(batch)} sequences cannot be shared by {ranks.world} ranks: raise "
             f"rollout.prompts_per_step or rollout.samples_per_prompt, or run fewer ranks"
         )
+
+
+def train_step(
+    model: CausalLM,
+    optimizer: torch.optim.Optimizer,
+    loss_fn,
+    batch: TrainBatch,
+    s: StepSettings,
+    ref_model: CausalLM | None = None,
+    ranks: Ranks = Ranks(),
+) -> dict[str, float]:
+    """Forward/backward over micro-batches (this rank's share of the batch), clip, step. Returns flat metrics."""
+    _check_step_inputs(model, batch, s, ref_model, ranks)
     T = max(1, max(len(c) for c in batch.completion_ids))
     n_tokens = sum(sum(m) for m in batch.loss_mask) if batch.loss_mask else sum(len(c) for c in batch.completion_ids)
     norm = LossNorm(total_tokens=max(int(n_tokens), 1), total_seqs=len(batch), constant=s.agg_constant)
