@@ -4,13 +4,14 @@ Routes (OpenAI's schema, so the official `openai` client works unchanged):
   GET  /v1/models, /v1/models/{id}
   POST /v1/chat/completions          JSON or SSE (stream=true)
   POST /v1/completions               JSON or SSE
+  POST /v1/responses                 JSON or SSE: the Responses API over the chat route (responses.py)
   GET  /metrics                      flat JSON counters (server/…, chat/…, engine/…)
   GET  /health                       {"status": "ok"}; 503 naming the error if the engine thread stopped
   POST /update_weights_from_disk     {"model_path": DIR}: load a HF checkpoint into the engine between
                                      two steps (SGLang's endpoint; the external rollout backend's
                                      `weight_sync: disk`) -> {"success": true, "version": N}; off (403)
                                      unless `Access.weight_updates` (--enable-weight-updates)
-Sessions (agent rollouts for training): the same two POST routes under
+Sessions (agent rollouts for training): the same three POST routes under
 `/sessions/{session_id}/v1/…` record every completion of the session as
 token-level trajectories with loss masks (`exactrl.chat.trajectory`);
   GET    /sessions/{session_id}/trajectories
@@ -51,6 +52,7 @@ from fastapi.responses import JSONResponse
 
 from exactrl.server import chat as chat_api
 from exactrl.server import completions as completions_api
+from exactrl.server import responses as responses_api
 from exactrl.server.errors import install_error_handlers
 from exactrl.server.guard import Access, http_protocol, install_guards, is_loopback
 from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, UpdateWeightsFromDiskRequest
@@ -109,6 +111,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def complete(body: CompletionRequest, request: Request):
         return await completions_api.completions(state, body, request)
 
+    @app.post("/v1/responses")
+    async def respond(body: responses_api.ResponsesRequest, request: Request):
+        return await responses_api.responses(state, body, request)
+
     if state.config.access.weight_updates:
 
         @app.post("/update_weights_from_disk")
@@ -133,6 +139,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/sessions/{session_id}/v1/completions")
     async def session_complete(session_id: str, body: CompletionRequest, request: Request):
         return await completions_api.completions(state, body, request, session_id)
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def session_respond(session_id: str, body: responses_api.ResponsesRequest, request: Request):
+        return await responses_api.responses(state, body, request, session_id)
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str):
