@@ -13,7 +13,8 @@ unless a request sends `return_token_id_information: false`. Not served (a 400 n
 `background`, `truncation: "auto"`, `text.format` other than text and `top_logprobs` (constrained
 decoding, alternatives). `reasoning`, `include`, `store`, `metadata` are accepted and ignored. Extras as on
 the chat route: `top_k`, `seed`, `monotonicity`, `chat_template_kwargs`, `stop`, `stop_token_ids`,
-`ignore_eos`.
+`ignore_eos`. As in NeMo Gym's request schema, `model` may be left out (the served model is meant) and
+`tool_choice` "auto" / "none" without tools means no tools.
 
 Streaming sends OpenAI's events: response.created, response.in_progress; reasoning as one item
 (output_item.added, then .done when the text after it starts); the message item's content_part.added,
@@ -48,7 +49,7 @@ _PASSED_ON = ("stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequ
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # as the chat request: no "5" -> 5
 
-    model: str
+    model: str | None = None  # None: the served model (NeMo Gym's model servers fill it in themselves)
     input: str | list[Any]
     instructions: str | None = None
     tools: list[Any] | None = None
@@ -207,6 +208,7 @@ class _ResponsesJob:
 
 
 async def responses(st, body: ResponsesRequest, request: Request, session_id: str | None = None):
+    body.model = body.model if body.model is not None else st.config.model_name
     chat_body, origins = to_chat_request(body)
     try:
         job = await _ChatJob.create(st, chat_body, session_id)

@@ -210,6 +210,8 @@ def chat_tools(tools: Any) -> list[dict] | None:
 def chat_tool_choice(choice: Any, tools: list[dict] | None) -> Any:
     """A Responses tool_choice in the chat form: "auto" | "none" | "required" pass; a named function
     must name one of the tools (the chat route then refuses it: it needs constrained decoding)."""
+    if not tools and choice in ("auto", "none"):  # the Responses API's default, sent without tools too
+        return None
     if choice is None or isinstance(choice, str):
         return choice
     if not isinstance(choice, dict) or choice.get("type") != "function":

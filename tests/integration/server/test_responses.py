@@ -74,6 +74,16 @@ def test_single_turn_is_the_chat_routes_generation():
     ids = client.responses.create(model=s.model, input="Compute 12*7", max_output_tokens=4, extra_body={"seed": 3})
     user = {"role": "user", "content": "Compute 12*7"}
     assert turn_of(ids).prompt_token_ids == s.tokenizer.apply_chat_template([user])
+    # NeMo Gym's request schema: model optional (the served one), tool_choice "auto" by default, tools []
+    nemo = httpx.post(
+        f"{s.url}/v1/responses",
+        timeout=60,
+        json={"input": "Compute 12*7", "tools": [], "tool_choice": "auto", "max_output_tokens": 4, "seed": 3},
+    )
+    assert nemo.status_code == 200, nemo.text
+    assert nemo.json()["model"] == s.model and nemo.json()["output"][-1]["generation_token_ids"] == (
+        turn_of(ids).generation_token_ids
+    )
 
 
 def test_streaming_events_add_up_to_the_json_answer():

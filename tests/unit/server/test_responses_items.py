@@ -111,6 +111,8 @@ def test_tools_and_tool_choice():
     ]
     assert chat_tool_choice({"type": "function", "name": "f"}, tools) == {"type": "function", "function": {"name": "f"}}
     assert chat_tool_choice("auto", tools) == "auto"
+    assert chat_tool_choice("auto", None) is None and chat_tool_choice("none", []) is None  # OpenAI's default
+    assert chat_tool_choice("required", None) == "required"  # (the chat route refuses it)
     with pytest.raises(ValueError, match="'g', which is not among the tools"):
         chat_tool_choice({"type": "function", "name": "g"}, tools)
     with pytest.raises(ValueError, match="tool_choice must be"):
