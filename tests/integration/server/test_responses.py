@@ -226,3 +226,28 @@ def test_session_route_and_unknown_session_items():
     check_turns(s.tokenizer, [turn_of(r1), turn_of(r2)])
     (t,) = httpx.get(f"{s.url}/sessions/{sid}/trajectories").json()["trajectories"]
     check_trajectory(t, [turn_of(r1), turn_of(r2)])
+
+
+def test_fast_kernels_server_is_not_bitwise_the_trainer():
+    """The inverse twin of the bitwise checks above: the same model served with plain torch (`fast`) kernels
+    returns generation_log_probs that differ from the exact trainer's somewhere in a multi-turn conversation."""
+    from serving import model_dir
+
+    from exactrl.server.app import ServerThread, build_state, create_app
+
+    state = build_state(str(model_dir()), kernels="fast", kv_budget_tokens=4096)
+    with ServerThread(create_app(state)) as thread:
+        client = openai.OpenAI(base_url=f"{thread.url}/v1", api_key="t", max_retries=0)
+        items: list = [{"role": "user", "content": "the quick brown fox"}]
+        turns = []
+        for k in range(3):
+            r = client.responses.create(
+                model=state.config.model_name, input=items, max_output_tokens=24, extra_body={"seed": k}
+            )
+            turns.append(turn_of(r))
+            items += as_items(r) + [{"role": "user", "content": f"and {k}?"}]
+    last = turns[-1]
+    full = last.prompt_token_ids + last.generation_token_ids
+    exact = trainer_logprobs(full)
+    diffs = [abs(a - b) for t in turns for a, b in zip(exact[len(t.prompt_token_ids) - 1 :], t.generation_log_probs)]
+    assert max(diffs) > 0
