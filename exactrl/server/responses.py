@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from exactrl.server import responses_items as items
 from exactrl.server.chat import _chat_deltas, _ChatJob
 from exactrl.server.errors import _validation_message
-from exactrl.server.generation import SessionStream, drain, stream_error, until_done
+from exactrl.server.generation import SessionStream, drain, sse, stream_error, until_done
 from exactrl.server.guard import prompt_built
 from exactrl.server.schemas import DISTRIBUTION_EXTRAS, APIError, ChatCompletionRequest, Float, Int
 
@@ -243,7 +243,7 @@ class _Events:
     def __call__(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.n, **fields}
         self.n += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\n" + sse(data)
 
 
 async def _stream(r: _ResponsesJob, request: Request):
@@ -265,7 +265,6 @@ async def _stream(r: _ResponsesJob, request: Request):
     finally:
         if not completed:  # the client went away (or the stream was cancelled when it did)
             st.count("server/client_disconnects")
-    r.finished()
 
 
 async def _events(r: _ResponsesJob, ev: _Events):
@@ -316,6 +315,7 @@ async def _events(r: _ResponsesJob, ev: _Events):
             yield ev("response.function_call_arguments.delta", delta=item["arguments"], **args)
             yield ev("response.function_call_arguments.done", arguments=item["arguments"], **args)
         yield ev("response.output_item.done", output_index=k, item=item)
+    r.finished()  # recorded before the client reads that the response is complete (and sends the next turn)
     yield ev("response.completed", response=r.response(_status(c), output, c))
 
 

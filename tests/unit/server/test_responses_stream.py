@@ -25,6 +25,11 @@ class FakeJob:
         self.msg = msg | FIELDS
         self.plan = SimpleNamespace(prompt_ids=FIELDS["prompt_token_ids"])
         self.gen = SimpleNamespace(choices=[SimpleNamespace(finish_reason="stop", token_ids=[3, 4, 5])])
+        self.st = SimpleNamespace(count_generation=lambda prompt, choices: None)
+        self.recorded = 0
+
+    def record(self) -> None:
+        self.recorded += 1
 
     def message(self, c) -> dict:
         return self.msg
@@ -72,6 +77,7 @@ def test_reasoning_text_and_calls(monkeypatch):
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "four"
     assert events[9]["item"]["arguments"] == "" and "generation_token_ids" not in events[9]["item"]
     assert events[-1]["response"]["output"] == want and events[-1]["response"]["usage"]["output_tokens"] == 3
+    assert r.job.recorded == 1
     assert all(f not in item for item in want[:2] for f in FIELDS) and want[2]["generation_token_ids"] == [3, 4, 5]
 
 
