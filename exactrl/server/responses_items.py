@@ -10,7 +10,8 @@ The mapping is NeMo Gym's (`nemo_gym/responses_converter.py`, its `vllm_model` s
   * a string input is one user message; `instructions` is a system message in front, with the leading
     system / developer messages folded into it ("\\n\\n"-joined), as chat templates take one system turn;
   * `message` items (roles user, system, developer, assistant; content a string or `input_text` /
-    `output_text` parts) are messages; `function_call_output` items are tool messages;
+    `output_text` parts) are messages; `function_call_output` items are tool messages; chat-shaped
+    items NeMo Gym also reads are too: role `tool` with `tool_call_id`, an assistant's `tool_calls`;
   * a run of model output items (`reasoning`, assistant `message`, `function_call`) is one assistant
     message: reasoning -> `reasoning_content`, text -> `content`, calls -> `tool_calls`;
   * one generation's output items are [reasoning] [message] [function_call ...]: the message only if it
@@ -34,7 +35,7 @@ from typing import Any
 
 from exactrl.chat.messages import TOKEN_FIELDS
 
-ROLES = ("user", "system", "developer", "assistant")
+ROLES = ("user", "system", "developer", "assistant", "tool")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _MESSAGE_REF = re.compile(r"messages\[(\d+)\]")
 _TOOL_REF = re.compile(r"tools\[(\d+)\]\.function\.")
@@ -99,6 +100,11 @@ def _user_side(item: dict, kind: str, where: str) -> dict:
         if output is None:
             raise ValueError(f"{where}.output must be a string or a list of input_text parts")
         return {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
+    if item["role"] == "tool":
+        content = _text(item.get("content"), f"{where}.content", ("input_text",))
+        if content is None:
+            raise ValueError(f"{where}.content must be a string or a list of input_text parts")
+        return {"role": "tool", "tool_call_id": _string(item, "tool_call_id", where), "content": content}
     content = _text(item.get("content"), f"{where}.content", ("input_text",))
     if content is None:
         raise ValueError(f"{where}.content must be a string or a list of input_text parts")
@@ -160,6 +166,11 @@ def _add_output_item(run: dict, item: dict, kind: str, where: str) -> None:
         text = _text(item.get("content"), f"{where}.content", ("output_text",))
         if text is not None:
             run["content"] = (run["content"] or "") + text
+        calls = item.get("tool_calls")  # chat-shaped: checked with the rest of the message by the chat route
+        if calls:
+            if not isinstance(calls, list):
+                raise ValueError(f"{where}.tool_calls must be a list")
+            run.setdefault("tool_calls", []).extend(calls)
     elif kind == "reasoning":
         run["reasoning_content"] = (run.get("reasoning_content") or "") + _reasoning(item, where)
     else:

@@ -81,6 +81,20 @@ def test_function_call_output_is_a_tool_message():
     assert msgs[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": "{}"}
 
 
+def test_chat_shaped_items_nemo_gym_reads_too():
+    items = [
+        {"role": "assistant", "content": None, "tool_calls": [call(0)]},
+        {"role": "tool", "tool_call_id": "call_0", "content": [{"type": "input_text", "text": "4"}]},
+    ]
+    msgs, _ = chat_messages(items, None)
+    assert msgs == [
+        {"role": "assistant", "content": None, "tool_calls": [call(0)]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "4"},
+    ]
+    with pytest.raises(ValueError, match=r"input\[0\].tool_call_id must be a string"):
+        chat_messages([{"role": "tool", "content": "4"}], None)
+
+
 @pytest.mark.parametrize(
     "items, needle",
     [
