@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+
+from fuzzing import FULL, examples  # noqa: E402
 
 TINY = dict(
     vocab_size=211,
@@ -102,6 +105,10 @@ def _threads():
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# property tests that name no count draw hypothesis's 100 examples under EXACTRL_FUZZ=full, 20 otherwise
+settings.register_profile("short", max_examples=examples(100))
+settings.load_profile("default" if FULL else "short")
+
 
 @pytest.fixture(scope="session")
 def onednn_dir(tmp_path_factory):
@@ -124,10 +131,13 @@ def onednn_dir(tmp_path_factory):
 
 def pytest_collection_modifyitems(items):
     """Slow tests (`make test-all`) get an hour as their hang guard instead of pyproject's default, unless they
-    name their own."""
+    name their own; property tests (Hypothesis) are marked `fuzz`, so `make test-slow` reruns them at their
+    full example counts (tests/helpers/fuzzing.py)."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(3600))
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.fuzz)
 
 
 def load_benchmark(name: str):

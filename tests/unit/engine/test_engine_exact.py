@@ -16,13 +16,14 @@ import pytest
 import torch
 from conftest import make_hf_model
 from engine_helpers import all_pages_free, check_finish, long_context_dir, long_prompts, mismatches  # noqa: F401
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import exactrl
 from exactrl import Engine, SamplingParams
 
-HSET = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HSET = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 V = 211  # conftest TINY vocabulary
 
 
