@@ -63,11 +63,14 @@ def qwen3_dir(tmp_path_factory):
 
 
 def default_job_model(tmp_path_factory, sft_steps: int):
-    """The default job's tokenizer and tiny Qwen3 after `sft_steps` warm-start steps, built in a temp dir."""
+    """The default job's tokenizer and tiny Qwen3 after `sft_steps` warm-start steps, built once per test run
+    in a cache that every worker of the run shares (the warm start writes each model whole, by rename, under
+    its config's hash). Tests read these models; a test that changes one copies it first."""
     from exactrl.train import warmstart
     from exactrl.train.config import load_config
 
-    root = tmp_path_factory.mktemp("artifacts")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "default-job-models"
     saved, warmstart.ARTIFACTS = warmstart.ARTIFACTS, root
     try:
         return warmstart.default_model_dir(load_config(None, [f"sft.steps={sft_steps}"]), log=lambda *a: None)
