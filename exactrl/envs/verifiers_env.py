@@ -31,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from exactrl.envs.base import Problem
+from exactrl.envs.base import Problem, Task
 from exactrl.envs.rewards import as_reward
 
 EXTRA = "verifiers"  # pip install 'exactrl[verifiers]'
@@ -200,3 +201,78 @@ def _roles(config) -> list[str]:
     from verifiers.v1.configs.agent import agent_config_fields
 
     return list(agent_config_fields(config))
+
+
+SERVED_MODEL = "exactrl-policy"  # the model name of the server `VerifiersTask.play` opens for a batch
+
+
+class VerifiersTask(Task):
+    """A verifiers environment as the task of `exactrl train` (`task.kind: verifiers`): its tasks are the
+    problems, and `play` replaces the engine's one-shot sampling with the environment's episodes."""
+
+    def __init__(self, env: VerifiersEnv):
+        self.env = env
+        self.name = f"verifiers:{env.env_id}"
+        self.problems = env.problems()  # every task once, in taskset order
+
+    def generate(self, rng: random.Random) -> Problem:
+        return rng.choice(self.problems)
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        raise ValueError(
+            f"{self.name}: a verifiers environment scores whole episodes (its task's rewards), not one completion"
+        )
+
+    def split_key(self, problem: Problem) -> str:
+        """The task's own key (verifiers' content hash of its data): tasks may share a prompt."""
+        return self.env.task_of(problem).key
+
+    def play(self, engine, tokenizer, problems: list[Problem], rs, seed: int, step: int, greedy: bool, indices):
+        """The groups of `problems` (`exactrl.rollout.groups.generate_groups`' contract), each episode played
+        by the environment against a session of a server over `engine`, open for this batch only.
+
+        An episode that failed takes its group out (`rollout.agents.complete_groups`; every group failing is
+        an error). Each episode must leave one trajectory in its session: one conversation, spliced turn by
+        turn (a harness that rebuilt its history so that it no longer extends the last turn splits it)."""
+        from exactrl.rollout.agents import collect_agent_groups, complete_groups
+        from exactrl.rollout.groups import Rollout
+        from exactrl.server.app import ServerConfig, ServerState, ServerThread, create_app
+
+        state = ServerState(engine, tokenizer, ServerConfig(SERVED_MODEL))
+        kw = dict(
+            model=SERVED_MODEL,
+            temperature=0.0 if greedy else rs.temperature,
+            top_p=rs.top_p,
+            top_k=rs.top_k,
+            max_tokens=rs.max_tokens,
+        )
+        n = 1 if greedy else rs.samples_per_prompt
+        with ServerThread(create_app(state)) as srv:
+            groups, _ = complete_groups(
+                asyncio.run(collect_agent_groups(srv.url, self.env, problems, n, seed, step, kw, indices=indices))
+            )
+        out = []
+        for g in groups:
+            out.append([])
+            for r in g:
+                if len(r.trajectories) != 1:
+                    raise ValueError(
+                        f"{self.name}: an episode of the task {r.problem.prompt!r:.60} left "
+                        f"{len(r.trajectories)} trajectories in its session, not one conversation: its "
+                        f"harness sent a history that does not extend its last turn"
+                    )
+                (t,) = r.trajectories
+                out[-1].append(
+                    Rollout(
+                        r.problem,
+                        t.prompt_ids,
+                        t.completion_ids,
+                        t.behav_logprobs,
+                        t.versions,
+                        "stop",
+                        r.episode.reply,
+                        r.reward,
+                        loss_mask=t.loss_mask,
+                    )
+                )
+        return out

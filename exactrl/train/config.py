@@ -151,6 +151,24 @@ class RunConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _verifiers_episodes(self) -> RunConfig:
+        """What `task.kind: verifiers` (whole episodes through a server over the in-process engine) excludes."""
+        if self.task.kind != "verifiers":
+            return self
+        a = self.algorithm
+        refused = [
+            (self.rollout_backend.kind != "engine", "rollout_backend.kind=engine: its server runs on that engine"),
+            (self.async_.enabled, "async.enabled=false: the episodes of a step run in the synchronous loop"),
+            (self.distill.enabled, "distill.enabled=false: a teacher scores single completions"),
+            (a.kl.coef > 0 and a.kl.where == "reward", "algorithm.kl.where=loss: an episode's reward is its own"),
+            (a.overlong.buffer_len > 0 or a.overlong.mask_truncated, "algorithm.overlong off: it reads one completion"),
+        ]
+        for bad, need in refused:
+            if bad:
+                raise ValueError(f"task.kind=verifiers needs {need}")
+        return self
+
 
 Config = TypeVar("Config", bound=BaseModel)
 

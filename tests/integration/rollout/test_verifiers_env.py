@@ -247,3 +247,29 @@ def test_errors_name_the_problem(server):
         match=r"'vfx_bad': the episode failed: TaskError: .* rewards brevity, correct must return a number",
     ):
         complete_groups(groups)
+
+
+def test_exactrl_train_on_a_verifiers_environment(installed, tmp_path):
+    """`exactrl train --set task.kind=verifiers --set task.env_id=...`: the multi-turn environment's episodes,
+    through a server over the run's engine, train with zero mismatch at every step."""
+    from conftest import train_rows
+
+    settings = [
+        "progress=false",
+        "tensorboard=false",
+        "task.kind=verifiers",
+        "task.env_id=vfx_guess",
+        "task.env_args={taskset: {count: 8}}",
+        "task.eval_size=0",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "rollout.max_tokens=8",
+        "engine.kv_budget_tokens=4096",
+    ]
+    rows = train_rows(settings, model_dir(), tmp_path / "run", "max_steps=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["train/train_rollout_logprob_abs_diff"] == 0.0
+        assert r["train/train_rollout_logprob_abs_diff_max"] == 0.0
+        assert 0.0 < r["rollout/reward_mean"] <= 1.5
+        assert r["rollout/response_len_mean"] > 8  # several turns: more than one turn's max_tokens
