@@ -140,6 +140,9 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         ("task.dataset", None),
         ("task.columns", {}),
         ("task.reward", None),
+        ("task.kind", "task"),
+        ("task.env_id", None),
+        ("task.env_args", {}),
     ):
         old.setdefault(key, default)
     if old.get("model.dtype") != "bfloat16":
