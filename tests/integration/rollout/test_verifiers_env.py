@@ -233,7 +233,13 @@ def test_grpo_steps_on_a_multi_turn_environment(server, kernels):
         assert torch.equal(v, server.engine.model.state_dict()[k])
 
 
-def test_errors_name_the_problem(server):
+def test_errors_name_the_problem(server, tmp_path, capsys):
+    from exactrl.cli import main as cli_main
+
+    sets = ["task.kind=verifiers", "task.env_id=vfx_missing", f"model.path={model_dir()}", f"run_dir={tmp_path / 'r'}"]
+    assert cli_main(["train", *[x for s in sets for x in ("--set", s)]]) == 2
+    assert "task.env_id 'vfx_missing': no such verifiers environment is installed" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match="task.env_id 'vfx_missing': no such verifiers environment"):
         VerifiersEnv.load("vfx_missing")
     with pytest.raises(ValueError, match="'vfx_empty' has no tasks"):
