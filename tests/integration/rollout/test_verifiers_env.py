@@ -272,7 +272,8 @@ def test_exactrl_train_on_a_verifiers_environment(installed, tmp_path):
         "rollout.max_tokens=8",
         "engine.kv_budget_tokens=4096",
     ]
-    rows = train_rows(settings, model_dir(), tmp_path / "run", "max_steps=2")
+    rows = train_rows(settings, model_dir(), tmp_path / "run", "max_steps=1")
+    rows = train_rows(settings, model_dir(), tmp_path / "run", "max_steps=2", "resume=true")  # task unchanged
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["train/train_rollout_logprob_abs_diff"] == 0.0

@@ -67,3 +67,20 @@ def test_episode_rollouts_carry_their_loss_mask():
     b = to_train_batch(groups, "grpo", {})
     assert b.loss_mask == b.generated_mask == [[1, 0, 0, 1], [1, 1]]
     assert to_train_batch([[rollout([5], 1.0, None), rollout([6], 0.0, None)]], "grpo", {}).loss_mask is None
+
+
+@pytest.mark.parametrize(
+    "sets", [["task.dataset=x.jsonl", "task.columns={prompt: q}"], [*V, "task.env_args={taskset: {count: 8}}"]]
+)
+def test_a_run_with_a_task_mapping_resumes(sets):
+    """A mapping key (task.columns, task.env_args) that is not empty is saved as the keys below it: the
+    defaults supplied for keys older checkpoints lack must not add it again as an empty one."""
+    from pathlib import Path
+
+    from exactrl.train.resume import _check_same_run, _identity
+
+    cfg = load_config(None, sets)
+    _check_same_run(_identity(cfg.model_dump(mode="json", by_alias=True), None), cfg, Path("ckpt"))
+    other = load_config(None, [*sets[:-1], sets[-1].replace("q", "r").replace("8", "9")])
+    with pytest.raises(ValueError, match="changed settings"):
+        _check_same_run(_identity(other.model_dump(mode="json", by_alias=True), None), cfg, Path("ckpt"))
