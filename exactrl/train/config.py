@@ -388,6 +388,8 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
         out += given(cfg.optim, "optim", ("micro_batch_size",), "optim.max_tokens_per_micro_batch is set")
     if cfg.optim.lr_schedule == "constant":
         out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
+    if cfg.task.kind == "verifiers":
+        out += given(cfg.task, "task", ("train_size",), "task.kind is verifiers: its taskset's tasks are the prompts")
     for name, tracker in (("wandb", cfg.logging.wandb), ("mlflow", cfg.logging.mlflow)):
         if not tracker.enabled:
             keys = tuple(n for n in type(tracker).model_fields if n != "enabled")

@@ -49,6 +49,15 @@ def test_a_run_refuses_what_reads_single_completions(override, need):
         load_config(None, [*V, override])
 
 
+def test_train_size_is_noted_as_ignored():
+    from exactrl.train.config import ignored_settings
+
+    assert ignored_settings(load_config(None, [*V, "task.train_size=10"])) == [
+        "task.train_size has no effect: task.kind is verifiers: its taskset's tasks are the prompts"
+    ]
+    assert ignored_settings(load_config(None, ["task.train_size=10"])) == []
+
+
 def test_missing_verifiers_names_the_extra(monkeypatch):
     from exactrl.envs.verifiers_env import VerifiersEnv
 
