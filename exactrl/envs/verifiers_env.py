@@ -11,10 +11,12 @@ for `--env.taskset.id` (a `Taskset` subclass in its `__all__`, with optionally i
         -> the task's @vf.reward functions score the trace: reward = Σ score · weight (verifiers' Trace.reward)
 
 and exactrl reads the episode's tokens back from the session (exactrl/rollout/agents.py): the generated
-tokens with the engine's logprobs, every other token masked. verifiers' client relays the server's
-answer unchanged, so a harness that sends the assistant message back as it came (verifiers' chat
-programs keep every field) sends the token fields with it, and the next turn is spliced by token id
-(exactrl/chat/splice.py); a harness that rebuilds the history from text is matched by text.
+tokens with the engine's logprobs, every other token masked. verifiers' `eval` client relays the
+server's answer unchanged, so a harness that sends the assistant message back as it came (verifiers'
+chat programs do within a segment) sends the token fields with it, and the next turn is spliced by
+token id (exactrl/chat/splice.py). verifiers' default `Harness.resume()` replays its own transcript,
+without them: that turn is a fresh render, which extends the last only if its text re-tokenizes to the
+sampled tokens (else the session splits the episode, and `VerifiersTask.play` refuses it).
 
 Sampling: exactrl's temperature, top_p, top_k, max_tokens and each episode's seed go in the episode's
 `ModelContext.sampling`, which verifiers applies to every model call of the episode (one seed for all
