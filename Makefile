@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: run test test-unit test-all lint format install dev clean
+.PHONY: run test test-unit test-slow test-all lint format install dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,12 +26,20 @@ dev: $(VENV)/.dev
 run: $(VENV)/.installed
 	$(BIN)/exactrl train
 
-test: $(VENV)/.dev
-	$(BIN)/python -m pytest
+# tests run in one worker process per core (pytest-xdist), each kernel on one thread, so the workers never
+# wait on each other's OpenMP threads; property tests draw a fifth of their examples (tests/helpers/fuzzing.py)
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile
 
-# day-to-day: the fast tests (tests/unit: one process, no server), under 2 minutes
+test: $(VENV)/.dev
+	$(PYTEST)
+
+# day-to-day: the fast tests (tests/unit: in-process, no server)
 test-unit: $(VENV)/.dev
-	$(BIN)/python -m pytest tests/unit
+	$(PYTEST) tests/unit
+
+# the slow tests and every property test at its full example count (.ci/run runs it after `make test`)
+test-slow: $(VENV)/.dev
+	EXACTRL_FUZZ=full $(PYTEST) -m 'slow or fuzz'
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check exactrl tests benchmarks examples
@@ -42,7 +50,7 @@ format: $(VENV)/.dev
 	$(BIN)/ruff format exactrl tests benchmarks examples
 
 test-all: $(VENV)/.dev
-	$(BIN)/python -m pytest -m ''
+	EXACTRL_FUZZ=full $(PYTEST) -m ''
 
 clean:
 	rm -rf $(VENV) runs

@@ -121,6 +121,26 @@ def _add_export(sub) -> None:
     e.set_defaults(fn=_export)
 
 
+def _convert(args) -> int:
+    from exactrl.model.gguf import convert_gguf
+
+    print(convert_gguf(args.gguf, args.out, dtype=args.dtype))
+    return 0
+
+
+def _add_convert(sub) -> None:
+    c = sub.add_parser("convert", help="a GGUF file (llama.cpp) as a Hugging Face model directory")
+    c.add_argument("gguf", type=_path, help="the .gguf file (types and architectures read: docs/gguf.md)")
+    c.add_argument("out", type=_path, help="the directory to write (new or empty)")
+    c.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the written weights (dequantized GGUF weights are float32)",
+    )
+    c.set_defaults(fn=_convert)
+
+
 def _int_in(lo: int, hi: int | None = None):
     """An argparse type: an integer in [lo, hi]."""
 
@@ -202,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(fn=_report)
     _add_export(sub)
+    _add_convert(sub)
     return p
 
 

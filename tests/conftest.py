@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+
+from fuzzing import FULL, examples  # noqa: E402
 
 TINY = dict(
     vocab_size=211,
@@ -80,11 +83,14 @@ def qwen3_dir(tmp_path_factory):
 
 
 def default_job_model(tmp_path_factory, sft_steps: int):
-    """The default job's tokenizer and tiny Qwen3 after `sft_steps` warm-start steps, built in a temp dir."""
+    """The default job's tokenizer and tiny Qwen3 after `sft_steps` warm-start steps, built once per test run
+    in a cache that every worker of the run shares (the warm start writes each model whole, by rename, under
+    its config's hash). Tests read these models; a test that changes one copies it first."""
     from exactrl.train import warmstart
     from exactrl.train.config import load_config
 
-    root = tmp_path_factory.mktemp("artifacts")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "default-job-models"
     saved, warmstart.ARTIFACTS = warmstart.ARTIFACTS, root
     try:
         return warmstart.default_model_dir(load_config(None, [f"sft.steps={sft_steps}"]), log=lambda *a: None)
@@ -122,6 +128,10 @@ def _threads():
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# property tests that name no count draw hypothesis's 100 examples under EXACTRL_FUZZ=full, 20 otherwise
+settings.register_profile("short", max_examples=examples(100))
+settings.load_profile("default" if FULL else "short")
+
 
 @pytest.fixture(scope="session")
 def onednn_dir(tmp_path_factory):
@@ -144,10 +154,13 @@ def onednn_dir(tmp_path_factory):
 
 def pytest_collection_modifyitems(items):
     """Slow tests (`make test-all`) get an hour as their hang guard instead of pyproject's default, unless they
-    name their own."""
+    name their own; property tests (Hypothesis) are marked `fuzz`, so `make test-slow` reruns them at their
+    full example counts (tests/helpers/fuzzing.py)."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(3600))
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.fuzz)
 
 
 def load_benchmark(name: str):

@@ -305,74 +305,63 @@ class Splicer:
         h_ends, r_ends = _ends(hist, self.eot), _ends(full, self.eot)
         h_start = [0] + [e + 1 for e in h_ends]
         r_start = [0] + [e + 1 for e in r_ends]
-        found: list[_Mismatch] = []
         # what the template puts between a turn's end and a generation (as this request renders it)
         gen_prompt = self._text(full[r_start[-1] :])
+        found: list[_Mismatch] = []
+        spans = self._generated_spans(fields, hist, h_ends, h_start, gen_prompt, found)
+        gen_seg = self._moved_turns(rmsgs, tools, kw, spans, h_start, found)
+        found += self._changed_turn(tmsgs, fields, hist, full, h_ends, r_ends, h_start, r_start, gen_seg)
+        return min(found, key=lambda m: m.position) if found else None
 
-        def seg_of(pos: int) -> int:  # segment of H holding position pos
-            return bisect.bisect_left(h_ends, pos)
-
-        # the token-carrying turns whose tokens H holds; a message spans H's segments [first, last]
+    def _generated_spans(self, fields, hist, h_ends, h_start, gen_prompt, found) -> dict[int, tuple[int, int]]:
+        """The token-carrying messages whose tokens H holds, each as the span [first, last] of H's segments it
+        covers; a message generated after a foreign generation prompt, or at a turn an earlier message already
+        covers, goes to `found` and ends the walk."""
         spans: dict[int, tuple[int, int]] = {}
         covered = -1  # last segment of H covered by the token-carrying messages so far
         for i, f in fields.items():
             h = self.history(f)
             if _first_diff(h, hist) < len(h):  # from before a split: H holds its text, compared below
                 continue
-            first, last = seg_of(len(f.prompt_token_ids)), seg_of(len(h) - 1)
+            first, last = bisect.bisect_left(h_ends, len(f.prompt_token_ids)), bisect.bisect_left(h_ends, len(h) - 1)
             if self._text(hist[h_start[first] : len(f.prompt_token_ids)]) != gen_prompt:
-                found.append(
-                    _Mismatch(
-                        first,
-                        h_start[first],
-                        f"the tokens before messages[{i}]'s generation are not the chat template's generation prompt",
-                    )
-                )
+                why = f"the tokens before messages[{i}]'s generation are not the chat template's generation prompt"
+                found.append(_Mismatch(first, h_start[first], why))
                 break
             if first <= covered:  # cheap: no render for a duplicated or reordered turn
-                found.append(
-                    _Mismatch(
-                        first,
-                        h_start[first],
-                        f"messages[{i}] was generated at turn {first}, which an earlier message's tokens already cover",
-                    )
-                )
+                why = f"messages[{i}] was generated at turn {first}, which an earlier message's tokens already cover"
+                found.append(_Mismatch(first, h_start[first], why))
                 break
             spans[i], covered = (first, last), last
-        # which segment of R each token-carrying message ends in (one render per such message)
+        return spans
+
+    def _moved_turns(self, rmsgs, tools, kw, spans, h_start, found) -> dict[int, int]:
+        """Which message generated each of H's segments ({segment: message}), from one render per token-carrying
+        message; a message that now ends in another turn of R than it was generated as goes to `found`."""
         gen_seg = {}
         for i, (first, last) in spans.items():
-            now = (
-                self.tok.render_chat(rmsgs[: i + 1], tools=tools, add_generation_prompt=False, **kw).count(
-                    self.eot_text
-                )
-                - 1
-            )
+            rendered = self.tok.render_chat(rmsgs[: i + 1], tools=tools, add_generation_prompt=False, **kw)
+            now = rendered.count(self.eot_text) - 1
             gen_seg |= {j: i for j in range(first, last + 1)}
             if last != now:
                 seg = max(0, min(first, now))
-                found.append(
-                    _Mismatch(
-                        seg,
-                        h_start[seg],
-                        f"messages[{i}] was generated as turn {last} but is now "
-                        f"turn {now}: messages were inserted or removed",
-                    )
-                )
+                why = f"messages[{i}] was generated as turn {last} but is now turn {now}: "
+                why += "messages were inserted or removed"
+                found.append(_Mismatch(seg, h_start[seg], why))
+        return gen_seg
+
+    def _changed_turn(self, tmsgs, fields, hist, full, h_ends, r_ends, h_start, r_start, gen_seg) -> list[_Mismatch]:
+        """The first of H's turns that R does not hold: a generated turn whose message no longer says what its
+        tokens say, another turn whose text changed, or a turn R no longer has."""
         matched: dict[int, bool] = {}
         for j in range(len(h_ends)):
-            hseg = hist[h_start[j] : h_start[j + 1]]
             if j >= len(r_ends):
-                found.append(
-                    _Mismatch(
-                        j,
-                        h_start[j],
-                        f"the conversation now has only {len(r_ends)} turns before "
-                        f"the generation prompt, the token history has {len(h_ends)}",
-                    )
+                why = (
+                    f"the conversation now has only {len(r_ends)} turns before "
+                    f"the generation prompt, the token history has {len(h_ends)}"
                 )
-                break
-            rseg = full[r_start[j] : r_start[j + 1]]
+                return [_Mismatch(j, h_start[j], why)]
+            hseg, rseg = hist[h_start[j] : h_start[j + 1]], full[r_start[j] : r_start[j + 1]]
             if j in gen_seg:
                 i = gen_seg[j]
                 if i not in matched:
@@ -384,9 +373,8 @@ class Splicer:
                 continue
             else:
                 why = f"the text of turn {j} changed"
-            found.append(_Mismatch(j, h_start[j] + _first_diff(hseg, rseg), why))
-            break
-        return min(found, key=lambda m: m.position) if found else None
+            return [_Mismatch(j, h_start[j] + _first_diff(hseg, rseg), why)]
+        return []
 
     def _text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

@@ -21,7 +21,12 @@ from exactrl.envs.settings import TaskSettings
 
 
 def build_task(ts: TaskSettings) -> Task:
-    """The task of a run's `task` section: `module` imported, `name` built with `kwargs`, `reward` applied."""
+    """The task of a run's `task` section: `module` imported, `name` built with `kwargs`, `reward` applied;
+    with `kind: verifiers`, the environment `env_id` loaded (exactrl/envs/verifiers_env.py)."""
+    if ts.kind == "verifiers":
+        from exactrl.envs.verifiers_env import VerifiersEnv, VerifiersTask
+
+        return VerifiersTask(VerifiersEnv.load(ts.env_id, ts.env_args))
     if ts.module:
         import_task_module(ts.module)
     task = get_task(ts.name, **ts.kwargs)
@@ -30,7 +35,10 @@ def build_task(ts: TaskSettings) -> Task:
 
 def task_sha256(ts: TaskSettings) -> str | None:
     """What a resume checks of the task's code (exactrl/train/resume.py): the sha256 of `module`'s source,
-    and with `reward`, of the two sources together (None with neither): an edited file is another task."""
+    and with `reward`, of the two sources together (None with neither): an edited file is another task. With
+    `kind: verifiers`: the sha256 of the environment package's `__init__` (the module verifiers imports)."""
+    if ts.kind == "verifiers":
+        return module_sha256(ts.env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower())
     if not ts.reward:
         return module_sha256(ts.module)
     h = hashlib.sha256()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exactrl.argcheck import PathText, PlainData
 
@@ -10,6 +12,17 @@ from exactrl.argcheck import PathText, PlainData
 class TaskSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
+    kind: Literal["task", "verifiers"] = "task"
+    """`task`: an exactrl task (`name`, with `module`, `dataset`, `reward`, ...); `verifiers`: an installed
+    `verifiers` environment (`env_id`), whose episodes run against the in-process server's sessions and are
+    scored by its own rewards (docs/data.md; `pip install 'exactrl[verifiers]'`)."""
+    env_id: str | None = None
+    """With `kind: verifiers`: the environment's taskset id, the installed package verifiers imports for it
+    (its `__all__` exports a `Taskset`, and optionally a `Harness` and an `Env`)."""
+    env_args: PlainData = Field(default_factory=dict)
+    """With `kind: verifiers`: the fields of the environment's verifiers `EnvConfig` (`taskset: {...}` knobs,
+    each seat's `harness`, `runtime`, `max_turns`, ...); every seat runs in verifiers' `subprocess`
+    runtime unless it names another."""
     name: str = "arithmetic"
     """Registered task name (see `exactrl.envs.TASKS`)."""
     module: PathText | None = None
@@ -38,3 +51,24 @@ class TaskSettings(BaseModel):
     any prompt of `train_jsonl` (with `dataset`: its held-out rows); each distinct problem drawn is scored
     once (the default task has 200 problems, 47 of them held out, of which its 200 draws find 46). The
     default job's warm start, which stands for pretraining, saw every problem."""
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> TaskSettings:
+        # against the defaults, not the keys given: a run's own config.json names every key
+        def changed(key: str) -> bool:
+            return getattr(self, key) != type(self).model_fields[key].get_default(call_default_factory=True)
+
+        if self.kind == "task":
+            for key in ("env_id", "env_args"):
+                if changed(key):
+                    raise ValueError(f"task.{key} needs task.kind=verifiers (kind is task)")
+            return self
+        if not self.env_id:
+            raise ValueError("task.kind=verifiers needs task.env_id: the installed verifiers environment to train on")
+        for key in ("name", "module", "kwargs", "train_jsonl", "dataset", "columns", "reward"):
+            if changed(key):
+                raise ValueError(
+                    f"task.{key} describes an exactrl task: with task.kind=verifiers the environment "
+                    f"gives the prompts and rewards (set its own settings in task.env_args)"
+                )
+        return self

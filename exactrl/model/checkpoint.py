@@ -187,12 +187,19 @@ def load_model(
     device: str | torch.device = "cpu",
     backend: str | None = None,
 ) -> CausalLM:
-    """Loads a Hugging Face model directory into the exactrl decoder. Every stored tensor's name, shape and
+    """Loads a Hugging Face model directory (or a GGUF file: a path ending in .gguf, `exactrl.model.gguf`) into
+    the exactrl decoder. Every stored tensor's name, shape and
     dtype is checked against config.json from the file headers before the model is allocated, so a config
     that is wrong (say a vocab_size of 10**13) is a named error, not an allocation failure.
 
     `device` "cpu" | "cuda" and `backend` "native" | "triton" | None (`resolve_device`): the model lives
     there, the engine and the trainer run there."""
+    from exactrl.model.gguf import is_gguf_path
+
+    if is_gguf_path(path):  # a llama.cpp file: exactrl/model/gguf.py
+        from exactrl.model.gguf import load_gguf_model
+
+        return load_gguf_model(path, dtype, kernels, block_size, device, backend)
     dev, backend = resolve_device(device, backend)
     path = Path(path)
     if not path.is_dir():

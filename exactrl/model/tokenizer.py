@@ -351,9 +351,16 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Loads a Hugging Face tokenizer directory offline (AutoTokenizer, fast tokenizers only)."""
+    """Loads a Hugging Face tokenizer directory offline (AutoTokenizer, fast tokenizers only), or the tokenizer
+    of a GGUF file (a path ending in .gguf: `exactrl.model.gguf_tokenizer`)."""
     from transformers import AutoTokenizer
 
+    from exactrl.model.gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        from exactrl.model.gguf_tokenizer import gguf_hf_tokenizer
+
+        return wrap_tokenizer(gguf_hf_tokenizer(path), Path(path))
     path = Path(path)
     if not path.is_dir():
         raise ValueError(
@@ -373,6 +380,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise ValueError(f"cannot load the tokenizer in {path}: {type(e).__name__}: {e}") from e
     if not hf.is_fast:
         raise ValueError(f"tokenizer at {path} is not a fast (Rust) tokenizer; add a tokenizer.json")
+    return wrap_tokenizer(hf, path)
+
+
+def wrap_tokenizer(hf: Any, path: Path) -> Tokenizer:
+    """The `Tokenizer` of a transformers fast tokenizer: eos (else a known end-of-turn token), end of turn, pad."""
     vocab = hf.get_vocab()
     eot = next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab), None)
     eos = hf.eos_token_id if hf.eos_token_id is not None else eot

@@ -92,9 +92,11 @@ async def collect_agent_groups(
     env_kwargs: dict | None = None,
     max_concurrency: int = 32,
     episode_timeout_s: float | None = None,
+    indices: list[int] | None = None,
 ) -> list[list[AgentRollout | BaseException]]:
     """G episodes per problem, at most `max_concurrency` at a time; groups_P_G[k][j] (the exception an
     episode raised, in its place). `env_kwargs` go to every `env` call (model name, sampling settings, ...).
+    `indices`: each problem's index in the step's batch, for its seeds (default 0, 1, ...).
 
     `episode_timeout_s`: an episode still running after that many seconds is cancelled and fails with a
     TimeoutError in its place (its session deleted), so one hung environment does not hang the step; None
@@ -111,7 +113,7 @@ async def collect_agent_groups(
 
         async def one(k: int, j: int) -> AgentRollout:
             async with sem:
-                episode_seed = derive_seed(seed, step, k, j) * TURN_SEEDS
+                episode_seed = derive_seed(seed, step, k if indices is None else indices[k], j) * TURN_SEEDS
                 episode = run_episode(server_url, env, problems[k], episode_seed, client, **(env_kwargs or {}))
                 if episode_timeout_s is None:
                     return await episode

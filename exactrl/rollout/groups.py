@@ -34,6 +34,8 @@ class Rollout:
     finish_reason: str  # "stop" | "length"
     text: str  # decoded completion (special tokens dropped)
     reward: float
+    loss_mask: list[int] | None = None  # per completion token, 1 = sampled (an episode's interleaved template,
+    # tool and user tokens are 0); None: every token was sampled
     behav_experts: list | None = None  # mixture of experts: the engine's experts per token (`Completion.experts`)
 
 
@@ -60,9 +62,14 @@ def generate_groups(
     index in the step's batch, for its seed (default 0, 1, ...; a rank's share passes its own).
     """
     from exactrl.engine import SamplingParams
+    from exactrl.envs.verifiers_env import VerifiersTask
 
+    indices = list(range(len(problems))) if indices is None else indices
+    if isinstance(task, VerifiersTask):  # its episodes call the model through a server over the engine
+        if on_step is not None:
+            raise ValueError("task.kind=verifiers runs its episodes through a server: no in-flight weight updates")
+        return task.play(engine, tokenizer, problems, rs, seed, step, greedy, indices)
     prompts = [prompt_ids(tokenizer, task, p) for p in problems]
-    indices = list(range(len(prompts))) if indices is None else indices
     params = [
         SamplingParams(
             temperature=0.0 if greedy else rs.temperature,
@@ -90,7 +97,7 @@ def generate_groups(
                     o.finish_reason,
                     text,
                     _reward(task, prob, text),
-                    getattr(o, "experts", None),
+                    behav_experts=getattr(o, "experts", None),
                 )
             )
         groups.append(group)
@@ -162,14 +169,17 @@ def to_train_batch(
     rewards_PG = torch.tensor([[r.reward for r in g] for g in groups], dtype=torch.float64)
     adv_PG = compute_advantages(advantage, rewards_PG, **advantage_kwargs)
     flat = [r for g in groups for r in g]
-    mask = [[int(r.finish_reason != "length")] * len(r.completion_ids) for r in flat] if mask_truncated else None
+    sampled = [r.loss_mask or [1] * len(r.completion_ids) for r in flat]
+    masked = mask_truncated or any(r.loss_mask is not None for r in flat)
+    keep = [int(not mask_truncated or r.finish_reason != "length") for r in flat]
     return TrainBatch(
         prompt_ids=[r.prompt_ids for r in flat],
         completion_ids=[r.completion_ids for r in flat],
         behav_logprobs=[r.behav_logprobs for r in flat],
         advantages=adv_PG.reshape(-1).tolist(),
-        loss_mask=mask,  # the cut completions were still sampled: measured, not trained on
-        generated_mask=[[1] * len(r.completion_ids) for r in flat] if mask_truncated else None,
+        # the cut completions were still sampled: measured, not trained on
+        loss_mask=[[m * k for m in s] for s, k in zip(sampled, keep)] if masked else None,
+        generated_mask=sampled if masked else None,
         behav_experts=[r.behav_experts for r in flat] if any(r.behav_experts for r in flat) else None,
     )
 

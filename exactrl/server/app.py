@@ -4,13 +4,14 @@ Routes (OpenAI's schema, so the official `openai` client works unchanged):
   GET  /v1/models, /v1/models/{id}
   POST /v1/chat/completions          JSON or SSE (stream=true)
   POST /v1/completions               JSON or SSE
+  POST /v1/responses                 JSON or SSE: the Responses API over the chat route (responses.py)
   GET  /metrics                      flat JSON counters (server/…, chat/…, engine/…)
   GET  /health                       {"status": "ok"}; 503 naming the error if the engine thread stopped
   POST /update_weights_from_disk     {"model_path": DIR}: load a HF checkpoint into the engine between
                                      two steps (SGLang's endpoint; the external rollout backend's
                                      `weight_sync: disk`) -> {"success": true, "version": N}; off (403)
                                      unless `Access.weight_updates` (--enable-weight-updates)
-Sessions (agent rollouts for training): the same two POST routes under
+Sessions (agent rollouts for training): the same three POST routes under
 `/sessions/{session_id}/v1/…` record every completion of the session as
 token-level trajectories with loss masks (`exactrl.chat.trajectory`);
   GET    /sessions/{session_id}/trajectories
@@ -51,6 +52,7 @@ from fastapi.responses import JSONResponse
 
 from exactrl.server import chat as chat_api
 from exactrl.server import completions as completions_api
+from exactrl.server import responses as responses_api
 from exactrl.server.errors import install_error_handlers
 from exactrl.server.guard import Access, http_protocol, install_guards, is_loopback
 from exactrl.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, UpdateWeightsFromDiskRequest
@@ -70,9 +72,27 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="exactrl", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.exactrl = state
-
     install_error_handlers(app, state)
     install_guards(app, state.config.access, state.count)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    _add_weight_routes(app, state)
+    _add_session_routes(app, state)
+    return app
+
+
+def _model_card(state: ServerState) -> dict:
+    return {
+        "id": state.config.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "exactrl",
+        "max_model_len": state.context_limit,
+    }  # a request's prompt + max_tokens, at most
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /metrics and the model list (the served model and its aliases)."""
 
     @app.get("/health")
     async def health():
@@ -80,26 +100,25 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "error", "error": str(state.loop.stopped_error())}, status_code=503)
         return {"status": "ok"}
 
-    def model_card() -> dict:
-        return {
-            "id": state.config.model_name,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "exactrl",
-            "max_model_len": state.context_limit,
-        }  # a request's prompt + max_tokens, at most
-
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str):
+        return await models()
 
     @app.get("/v1/models/{model_id:path}")  # a path: the default id is the model directory's
     async def model(model_id: str):
-        return state.check_model(model_id) or model_card()  # 404 model_not_found unless it or an alias
+        return state.check_model(model_id) or _model_card(state)  # 404 model_not_found unless it or an alias
 
     @app.get("/metrics")
     async def metrics():
         return state.metrics()
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """Chat completions, completions and Responses, alone or as a turn of a session (/sessions/{id}/v1/...)."""
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -109,6 +128,26 @@ def create_app(state: ServerState) -> FastAPI:
     async def complete(body: CompletionRequest, request: Request):
         return await completions_api.completions(state, body, request)
 
+    @app.post("/v1/responses")
+    async def respond(body: responses_api.ResponsesRequest, request: Request):
+        return await responses_api.responses(state, body, request)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request):
+        return await chat_api.chat_completions(state, body, request, session_id)
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def session_complete(session_id: str, body: CompletionRequest, request: Request):
+        return await completions_api.completions(state, body, request, session_id)
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def session_respond(session_id: str, body: responses_api.ResponsesRequest, request: Request):
+        return await responses_api.responses(state, body, request, session_id)
+
+
+def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /update_weights_from_disk: swaps the served weights where access allows it, a 403 naming the flag
+    otherwise."""
     if state.config.access.weight_updates:
 
         @app.post("/update_weights_from_disk")
@@ -126,17 +165,9 @@ def create_app(state: ServerState) -> FastAPI:
                 code="weight_updates_disabled",
             )
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request):
-        return await chat_api.chat_completions(state, body, request, session_id)
 
-    @app.post("/sessions/{session_id}/v1/completions")
-    async def session_complete(session_id: str, body: CompletionRequest, request: Request):
-        return await completions_api.completions(state, body, request, session_id)
-
-    @app.get("/sessions/{session_id}/v1/models")
-    async def session_models(session_id: str):
-        return await models()
+def _add_session_routes(app: FastAPI, state: ServerState) -> None:
+    """A session's recorded trajectories, and dropping it."""
 
     @app.get("/sessions/{session_id}/trajectories")
     async def trajectories(session_id: str):
@@ -158,8 +189,6 @@ def create_app(state: ServerState) -> FastAPI:
     @app.delete("/sessions/{session_id}")
     async def drop_session(session_id: str):
         return {"session_id": session_id, "deleted": state.sessions.pop(session_id, None) is not None}
-
-    return app
 
 
 # ---------------------------------------------------------------- running it

@@ -151,6 +151,24 @@ class RunConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _verifiers_episodes(self) -> RunConfig:
+        """What `task.kind: verifiers` (whole episodes through a server over the in-process engine) excludes."""
+        if self.task.kind != "verifiers":
+            return self
+        a = self.algorithm
+        refused = [
+            (self.rollout_backend.kind != "engine", "rollout_backend.kind=engine: its server runs on that engine"),
+            (self.async_.enabled, "async.enabled=false: the episodes of a step run in the synchronous loop"),
+            (self.distill.enabled, "distill.enabled=false: a teacher scores single completions"),
+            (a.kl.coef > 0 and a.kl.where == "reward", "algorithm.kl.where=loss: an episode's reward is its own"),
+            (a.overlong.buffer_len > 0 or a.overlong.mask_truncated, "algorithm.overlong off: it reads one completion"),
+        ]
+        for bad, need in refused:
+            if bad:
+                raise ValueError(f"task.kind=verifiers needs {need}")
+        return self
+
 
 Config = TypeVar("Config", bound=BaseModel)
 
@@ -370,6 +388,8 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
         out += given(cfg.optim, "optim", ("micro_batch_size",), "optim.max_tokens_per_micro_batch is set")
     if cfg.optim.lr_schedule == "constant":
         out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
+    if cfg.task.kind == "verifiers":
+        out += given(cfg.task, "task", ("train_size",), "task.kind is verifiers: its taskset's tasks are the prompts")
     for name, tracker in (("wandb", cfg.logging.wandb), ("mlflow", cfg.logging.mlflow)):
         if not tracker.enabled:
             keys = tuple(n for n in type(tracker).model_fields if n != "enabled")

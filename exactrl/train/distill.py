@@ -83,7 +83,10 @@ class DistillSettings(BaseModel):
     def _one_teacher(self) -> DistillSettings:
         given = [k for k in ("teacher", "teacher_url", "teachers") if getattr(self, k)]
         if len(given) > 1:
-            raise ValueError(f"distill: set one of teacher, teacher_url and teachers, got {given}")
+            raise ValueError(
+                "set one of distill.teacher, distill.teacher_url and distill.teachers, got "
+                + " and ".join(f"distill.{k}" for k in given)
+            )
         if self.teacher_url is not None and self.kind != "reverse_kl":
             raise ValueError(
                 f"distill.kind={self.kind} needs the teacher's whole next-token distribution, which a server "

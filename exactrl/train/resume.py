@@ -140,8 +140,12 @@ def _check_same_run(saved: dict | None, cfg: RunConfig, ckpt: Path) -> None:
         ("task.dataset", None),
         ("task.columns", {}),
         ("task.reward", None),
+        ("task.kind", "task"),
+        ("task.env_id", None),
+        ("task.env_args", {}),
     ):
-        old.setdefault(key, default)
+        if not any(k.startswith(f"{key}.") for k in old):  # a mapping that is not empty is its keys below it
+            old.setdefault(key, default)
     if old.get("model.dtype") != "bfloat16":
         old["optim.fp32_master_weights"] = new["optim.fp32_master_weights"]
     elif "optim.fp32_master_weights" not in old:

@@ -285,7 +285,11 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
 
 def _datasets(cfg: RunConfig, task) -> tuple[PromptSource, list]:
     """The training stream and the evaluation problems: the task's held-out split, and none of a training
-    file's prompts, so evaluation scores problems never trained on (`envs.dataset.held_out`)."""
+    file's prompts, so evaluation scores problems never trained on (`envs.dataset.held_out`); a verifiers
+    environment's tasks are split as a dataset's rows."""
+    if cfg.task.kind == "verifiers":
+        train, eval_problems = split_rows(task.problems, task, cfg.task.eval_size, f"task.env_id {cfg.task.env_id}")
+        return PromptSource(train, seed=cfg.seed), eval_problems
     if cfg.task.dataset:
         if cfg.task.train_jsonl:
             raise ValueError("task.dataset and task.train_jsonl both give training problems: set one")
@@ -405,6 +409,11 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
             f"rollout_backend.kind={cfg.rollout_backend.kind} runs in one process (spread rollouts "
             f"over {more} instead); a data-parallel run ({ranks.world} ranks) uses each rank's own "
             f"engine"
+        )
+    if cfg.task.kind == "verifiers":
+        raise ValueError(
+            f"task.kind=verifiers runs its episodes through one server over one engine: a data-parallel run "
+            f"({ranks.world} ranks) is not supported"
         )
     if cfg.rollout.prompts_per_step < ranks.world:
         raise ValueError(

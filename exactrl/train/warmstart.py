@@ -52,13 +52,13 @@ TINY_QWEN3 = dict(
 
 def _hash(cfg) -> str:
     # The warm start reads only task.name and task.kwargs of the task section. The other task fields
-    # (train_jsonl, train_size, eval_size) enter the key at their defaults and `module`, `dataset`, `columns`
-    # and `reward` not at all, so changing them reuses the cache and every key computed before stays valid
-    # (the default job's is still default-db305121dee7).
+    # (train_jsonl, train_size, eval_size) enter the key at their defaults and `module`, `dataset`, `columns`,
+    # `reward`, `kind`, `env_id` and `env_args` not at all, so changing them reuses the cache and every key
+    # computed before stays valid (the default job's is still default-db305121dee7).
     # A task from a user's file (`task.module`) adds the file's content: an edited task is a new warm start.
     task = type(cfg.task)(name=cfg.task.name, kwargs=cfg.task.kwargs)
     parts = {
-        "task": task.model_dump(exclude={"module", "dataset", "columns", "reward"}),
+        "task": task.model_dump(exclude={"module", "dataset", "columns", "reward", "kind", "env_id", "env_args"}),
         "sft": cfg.sft.model_dump(),
         "seed": cfg.seed,
         "dtype": cfg.model.dtype,

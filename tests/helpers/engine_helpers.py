@@ -10,7 +10,7 @@ from conftest import make_hf_model
 
 import exactrl
 from exactrl import SamplingParams
-from exactrl.model.transformer import ROPE_CHUNK
+from exactrl.model import transformer
 
 
 def trainer_logprobs(model, prompt: list[int], tokens: list[int], params: SamplingParams) -> torch.Tensor:
@@ -58,14 +58,25 @@ def all_pages_free(engine) -> bool:
     return engine.pool.num_free == engine.pool.num_pages and not engine.has_unfinished()
 
 
-@pytest.fixture(scope="module")
-def long_context_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("long_context")
-    make_hf_model(d, "qwen3", max_position_embeddings=3 * ROPE_CHUNK)
+SMALL_ROPE_CHUNK = 128  # the rotary tables' chunk in the tests that cross chunks: the rule, at short lengths
+
+
+@pytest.fixture
+def small_rope_chunk(monkeypatch) -> int:
+    """transformer.ROPE_CHUNK set to SMALL_ROPE_CHUNK for one test (read where the tables grow)."""
+    monkeypatch.setattr(transformer, "ROPE_CHUNK", SMALL_ROPE_CHUNK)
+    return SMALL_ROPE_CHUNK
+
+
+@pytest.fixture
+def long_context_dir(small_rope_chunk, tmp_path):
+    d = tmp_path / "long_context"
+    make_hf_model(d, "qwen3", max_position_embeddings=3 * small_rope_chunk)
     return d
 
 
 def long_prompts():
     """Prompts whose prefill, or whose decode steps, cross the rotary tables' first and second chunks."""
     rng = random.Random(5)
-    return [[rng.randrange(211) for _ in range(n)] for n in (ROPE_CHUNK - 3, 2 * ROPE_CHUNK + 7, 9)]
+    c = SMALL_ROPE_CHUNK
+    return [[rng.randrange(211) for _ in range(n)] for n in (c - 3, 2 * c + 7, 9)]

@@ -137,3 +137,30 @@ def check_trajectory(t: dict, turns, temperature=1.0, model=None) -> None:
     assert t["loss_mask"] == want[p:] and t["num_turns"] == len(turns)
     lps = trainer_logprobs(full, temperature, model=model)[p - 1 :]
     assert t["behav_logprobs"] == [lp if m else 0.0 for lp, m in zip(lps, t["loss_mask"])]  # bitwise
+
+
+@functools.cache
+def calculator_served() -> tuple[Served, list, object]:
+    """(a live server, its problems, the trainer's copy of its weights): the tiny model warm-started on two
+    calculator problems' ideal transcripts, so that greedy sampling calls the `calculator` tool on them (the
+    tool-call format is learnt, not injected), served as "calc-agent"; `trainer_model` stays the untrained one."""
+    import copy
+
+    import torch
+
+    from exactrl.engine import Engine
+    from exactrl.server.app import ServerConfig, ServerState
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(model_dir())
+    model = exactrl.load_model(model_dir())
+    rng = random.Random(0)
+    problems = [CalculatorTask().generate(rng) for _ in range(2)]
+    warm_start(model, tok, problems, steps=50)
+    engine = Engine(
+        copy.deepcopy(model).requires_grad_(False), stop_token_ids=sorted(tok.stop_token_ids), kv_budget_tokens=8192
+    )
+    state = ServerState(engine, tok, ServerConfig("calc-agent"))
+    thread = ServerThread(create_app(state)).start()
+    atexit.register(thread.stop)
+    return Served(thread.url, state, thread), problems, model

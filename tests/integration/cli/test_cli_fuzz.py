@@ -15,6 +15,7 @@ import math
 import socket
 
 import pytest
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,7 @@ from exactrl import cli
 from exactrl.cli import main
 from exactrl.train import warmstart
 
-FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def run(argv: list[str]) -> tuple[int, str]:
@@ -362,7 +363,7 @@ def test_bench_train_lr_must_be_a_finite_positive_number(lr, nothing_expensive):
 # ---------------------------------------------------------------- past argparse: the engine and the server
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(tokens=st.integers(min_value=2**40, max_value=10**40))
 def test_a_kv_budget_beyond_any_memory_is_named_not_a_type_error(tokens, qwen3_dir):
     """`serve --kv-budget-tokens 99999999999999999999999` is named, not a TypeError from torch.zeros (the size

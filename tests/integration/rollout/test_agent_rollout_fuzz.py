@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from fastapi import FastAPI, HTTPException
+from fuzzing import examples
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -104,7 +105,7 @@ async def _play(base_url: str, outcome, tools: list[str]):
     )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     episodes=st.lists(
         st.lists(st.tuples(OUTCOMES, st.lists(TOOLS, max_size=2)), min_size=2, max_size=2), min_size=1, max_size=3

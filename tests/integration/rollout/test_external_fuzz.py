@@ -26,6 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +34,9 @@ from exactrl.engine import SamplingParams
 from exactrl.rollout.external import LOGPROB_SLACK, ExternalEngine, ExternalEngineError, RolloutBackendSettings
 
 FUZZ = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 V = 50  # the trainer's vocabulary in these tests
 TIMEOUT = 0.3

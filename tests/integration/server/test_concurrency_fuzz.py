@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from fuzzing import examples
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from serving import check_trajectory, model_dir, trainer_logprobs
@@ -404,7 +405,7 @@ def run_and_check(server, schedule: list[Spec], cache: dict) -> None:
 
 # no shrinking: each example is a whole crowd of requests (minutes to shrink); the failing schedule is printed
 SCHEDULES = settings(
-    max_examples=15,
+    max_examples=examples(15),
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -429,7 +430,7 @@ def test_concurrent_clients_are_exact_and_leave_nothing_behind(server):
 def test_concurrent_clients_many_schedules(server):
     cache: dict = {}
 
-    @settings(SCHEDULES, max_examples=40)
+    @settings(SCHEDULES, max_examples=examples(40))
     @given(schedule=schedules(server.model, 24))
     def run(schedule):
         run_and_check(server, schedule, cache)

@@ -18,6 +18,7 @@ import re
 
 import httpx
 import pytest
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import served
@@ -25,7 +26,9 @@ from serving import served
 from exactrl.server.schemas import DISTRIBUTION_EXTRAS, ChatCompletionRequest, CompletionRequest
 
 FUZZ = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # characters: an error quotes the value it refuses shortened, not a megabyte of it (a whole integer may be

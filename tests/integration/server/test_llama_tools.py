@@ -10,6 +10,7 @@ import json
 
 import pytest
 from family_templates import family_tokenizer
+from fuzzing import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_family_templates import (
@@ -176,7 +177,7 @@ atoms = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     parts=st.lists(atoms, max_size=12), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=40), tools=st.booleans()
 )

@@ -34,11 +34,21 @@ def post(path: str, body: dict) -> httpx.Response:
         ("/v1/completions", "echo", "true"),
         ("/v1/completions", "logprobs", "1"),
         ("/v1/completions", "prompt", 5),
+        ("/v1/responses", "max_output_tokens", "5"),
+        ("/v1/responses", "temperature", "1"),
+        ("/v1/responses", "stream", "false"),
+        ("/v1/responses", "input", 5),
+        ("/v1/responses", "top_k", True),
+        ("/v1/responses", "stop", 5),  # passed on to the chat route, checked there
+        ("/v1/responses", "stop_token_ids", ["1"]),
     ],
 )
 def test_a_field_of_the_wrong_type_is_400_naming_it(path, field, value):
     s = served()
-    body = {"model": s.model, "max_tokens": 2} | ({"messages": MSGS} if "chat" in path else {"prompt": "hi"})
+    if path == "/v1/responses":
+        body = {"model": s.model, "input": "hi", "max_output_tokens": 2}
+    else:
+        body = {"model": s.model, "max_tokens": 2} | ({"messages": MSGS} if "chat" in path else {"prompt": "hi"})
     r = post(path, body | {field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]

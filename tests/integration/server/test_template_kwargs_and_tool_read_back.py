@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from family_templates import family_dir, family_tokenizer
+from fuzzing import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from session_reference import Quadratic
@@ -147,7 +148,7 @@ ATOMS = [
 ]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     parts=st.lists(st.sampled_from(ATOMS), max_size=8),
     stop=st.sampled_from(["END", ";", "x", "\n", "}"]),
@@ -180,7 +181,7 @@ def test_a_stream_mid_number_past_the_digit_limit_is_held():
 tokens = st.lists(st.integers(0, 3), max_size=6)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     ops=st.lists(
         st.tuples(

@@ -52,3 +52,26 @@ def test_the_distill_example_runs_every_arm_exactly(tmp_path, monkeypatch):
     assert all(s["logprob_abs_diff_max"] == 0.0 for s in summary.values())
     assert summary["grpo"]["reverse_kl_first"] is None and summary["distill"]["reverse_kl_first"] is not None
     assert (out / "distill.png").stat().st_size > 0 and (out / "summary.md").read_text().count("\n") == 5
+
+
+def test_the_real_model_example_runs_on_a_gguf_file(tmp_path, capsys):
+    """The recipe of examples/real_model.py on a tiny generated GGUF file (the real one is a package install
+    away: docs/gguf.md): convert, check, parity, serve + openai chat, decode speed, GRPO with |Δlogp| = 0."""
+    from conftest import make_hf_model
+    from gguf_files import write_gguf
+
+    import exactrl
+    from exactrl.envs.arithmetic import ArithmeticTask
+    from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus
+
+    build_tokenizer(tmp_path / "tok", default_tokenizer_corpus([ArithmeticTask()], 200, 0), vocab_size=300)
+    make_hf_model(tmp_path / "hf", "qwen3", vocab_size=300, max_position_embeddings=256)
+    write_gguf(tmp_path / "tiny.gguf", exactrl.load_model(tmp_path / "hf"), tokenizer_dir=tmp_path / "tok")
+    example = load("real_model")
+    out = tmp_path / "out"
+    argv = ["--model", str(tmp_path / "tiny.gguf"), "--steps", "2", "--batch", "2", "--new", "4", "--out", str(out)]
+    assert example.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "verdict: BITWISE EXACT" in printed and "[serve] 'What is 12+7?" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["step_s"]) == 2 and summary["decode"]["exactrl"] > 0

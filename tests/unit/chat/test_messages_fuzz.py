@@ -12,6 +12,7 @@ import re
 
 import pytest
 from chat_helpers import tokenizer
+from fuzzing import examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -120,7 +121,7 @@ def _turns(tmsgs: list[dict], tools) -> int:
     return int(bool(tools) or system_first) + len(tmsgs) - system_first + 1
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(msgs=st.one_of(conversations(), st.just([])), with_tools=st.booleans())
 def test_any_message_list_is_refused_by_name_or_renders_exactly(msgs, with_tools):
     tok = tokenizer()

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from fuzzing import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,7 +96,7 @@ pieces = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(parts=pieces, cuts=st.lists(st.integers(1, 5), min_size=1, max_size=40), tools=st.booleans())
 def test_stream_deltas_equal_the_parse(parts, cuts, tools):
     text = "".join(parts)

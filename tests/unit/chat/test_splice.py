@@ -8,6 +8,7 @@ import random
 
 import pytest
 from chat_helpers import tokenizer
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -255,7 +256,7 @@ def test_bad_token_fields_are_rejected(tok, sp, change, match):
         sp.build([USER, a1, {"role": "user", "content": "x"}])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), turns=st.integers(1, 3), tools=st.booleans())
 def test_random_generations_always_splice_exactly(tok, sp, seed, turns, tools):
     """Any generated token sequence, returned as the server would, extends the next prompt exactly."""

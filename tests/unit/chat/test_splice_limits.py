@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_splice import SYSTEM, USER, byte_tokens, sp, tok, turn  # noqa: F401 (sp, tok: fixtures)
@@ -50,7 +51,7 @@ def test_edited_generation_with_end_of_turn_inside_is_still_non_monotonic(tok, s
         sp.build([USER, dropped, FOLLOW])
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), turns=st.integers(1, 3))
 def test_random_generations_with_end_of_turn_tokens_splice_exactly(tok, sp, seed, turns):
     """As test_splice's random test, but the generations may hold end-of-turn tokens anywhere (ignore_eos)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from fuzzing import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +37,7 @@ def turn_trees(draw) -> list[tuple[int | None, int, list[int]]]:
     return turns
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(turn_trees())
 def test_masks_mark_exactly_the_generated_tokens_and_keep_every_earlier_id(turns):
     session, records, fresh = Session(), [], iter(range(100, 10**6))

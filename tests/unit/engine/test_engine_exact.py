@@ -15,14 +15,15 @@ import random
 import pytest
 import torch
 from conftest import make_hf_model
-from engine_helpers import all_pages_free, check_finish, long_context_dir, long_prompts, mismatches  # noqa: F401
+from engine_helpers import all_pages_free, check_finish, long_context_dir, long_prompts, mismatches, small_rope_chunk  # noqa: F401
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import exactrl
 from exactrl import Engine, SamplingParams
 
-HSET = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HSET = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 V = 211  # conftest TINY vocabulary
 
 
@@ -331,7 +332,7 @@ def test_prefill_and_trainer_batches_beyond_a_big_tile(onednn_dir, dtype, kernel
     if dtype == "bfloat16" and torch.bfloat16 not in linear.ONEDNN_DTYPES:
         pytest.skip(f"this CPU has no oneDNN {dtype} linear (needs AVX512 or AVX-NE-CONVERT)")
     model = exactrl.load_model(onednn_dir, dtype=dtype, kernels=kernels)
-    engine = Engine(model, max_num_batched_tokens=1024)
+    engine = Engine(model, max_num_batched_tokens=48)
     product, big_calls = linear._onednn_product, []
 
     def counted(x_rK, w):
@@ -375,7 +376,7 @@ def test_exact_where_the_rotary_tables_grow(long_context_dir):
     prefill, during recorded decode steps): the logprobs stay the trainer's, bit for bit."""
     engine_model = exactrl.load_model(long_context_dir)
     sp = SamplingParams(max_tokens=8, n=2, seed=3, temperature=0.9, top_k=50)
-    outs = Engine(engine_model, kv_budget_tokens=32768, max_num_batched_tokens=1024).generate(long_prompts(), sp)
+    outs = Engine(engine_model, kv_budget_tokens=32768, max_num_batched_tokens=48).generate(long_prompts(), sp)
     assert engine_model.rope_cos.shape[0] == 3 * exactrl.load_model(long_context_dir).rope_cos.shape[0]
     trainer = exactrl.load_model(long_context_dir)
     assert not mismatches(trainer, [(p, c, sp) for p, o in zip(long_prompts(), outs) for c in o])

@@ -13,7 +13,7 @@ import random
 
 import pytest
 from conftest import make_hf_model
-from engine_helpers import long_context_dir, long_prompts, mismatches  # noqa: F401
+from engine_helpers import long_context_dir, long_prompts, mismatches, small_rope_chunk  # noqa: F401
 
 import exactrl
 from exactrl import Engine, SamplingParams
@@ -67,5 +67,5 @@ def test_fast_differs_where_the_rotary_tables_grow(long_context_dir):
         long_prompts(),
         sp,
         kv_budget_tokens=32768,
-        max_num_batched_tokens=1024,
+        max_num_batched_tokens=48,
     )

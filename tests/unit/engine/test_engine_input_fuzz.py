@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import all_pages_free, mismatches
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ import exactrl
 from exactrl import Engine, SamplingParams
 from exactrl.kernels.rowwise import MAX_TEMPERATURE
 
-HSET = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+HSET = settings(max_examples=examples(250), deadline=None, suppress_health_check=list(HealthCheck))
 V = 211  # conftest TINY vocabulary
 MAX_LEN = 64  # the engines' max_model_len
 

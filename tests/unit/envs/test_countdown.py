@@ -6,6 +6,7 @@ import random
 from fractions import Fraction
 
 import pytest
+from fuzzing import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,7 +157,7 @@ def test_unreachable_configuration_is_reported():
         CountdownTask(max_number=1, ops=("+",), max_target=2).generate(random.Random(0))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.text(alphabet="0123456789+-*/() x=\n", max_size=40))
 def test_reward_never_raises(text):
     assert CountdownTask(format_reward=0.1).reward(P, text) in (0.0, 0.1, 1.0)

@@ -14,6 +14,7 @@ import random
 import time
 
 import pytest
+from fuzzing import examples
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,7 @@ from exactrl.envs import (
 from exactrl.envs.dataset import fingerprint, held_out
 from exactrl.envs.tool_use import CalculatorTask, calculate, calculator_episode, ideal_transcript
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
 json_values = st.recursive(

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from conftest import make_hf_model, random_sequences
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,7 @@ from exactrl.debug.parity import full_path, incremental_path, run_parity
 from exactrl.kernels import linear as linear_mod
 from exactrl.kernels.linear import exact_linear, fast_linear
 
-HSET = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HSET = settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")

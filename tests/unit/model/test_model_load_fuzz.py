@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -29,7 +30,7 @@ from exactrl.model import build_model, forward_logits, save_model
 from exactrl.model.config import ModelConfig
 from exactrl.model.tokenizer import build_tokenizer, default_tokenizer_corpus, load_tokenizer
 
-HSET = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+HSET = settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 SEQS = [[1, 5, 9, 2], [7, 3, 0]]
 # keys whose value cannot change the model's logits (ids the engine stops on, bookkeeping)
 IRRELEVANT = {
@@ -405,7 +406,7 @@ def tok_dir(tmp_path_factory):
 TOK_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     file=st.sampled_from(TOK_FILES),
     how=st.sampled_from(["delete", "text", "truncate", "edit"]),

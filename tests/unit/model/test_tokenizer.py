@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fuzzing import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,7 +114,7 @@ def test_digits_are_single_tokens(tok):
     assert len(tok.encode("12+7=")) == 5
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=60))
 def test_round_trip_any_text(tok, text):
     assert tok.decode(tok.encode(text)) == text

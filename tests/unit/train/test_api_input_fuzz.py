@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +21,7 @@ from exactrl.algo.corrections import CORRECTIONS, build_corrections
 from exactrl.algo.losses import LOSSES, build_loss
 from exactrl.train.trainer import StepSettings, TrainBatch, train_step
 
-HSET = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+HSET = settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 V = 211  # conftest TINY vocabulary
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -139,7 +140,7 @@ def test_ids_outside_the_vocabulary_are_named_by_sequence(model):
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
 
-    @settings(HSET, max_examples=60)
+    @settings(HSET, max_examples=examples(60))
     @given(b=batches(), bad=st.one_of(st.integers(V, 2**70), st.integers(-(2**70), -1)), data=st.data())
     def fuzz(b, bad, data):
         name = data.draw(st.sampled_from(["prompt_ids", "completion_ids"]))
@@ -160,7 +161,7 @@ def test_valid_batches_of_any_shape_train(qwen3_dir):
     model = exactrl.load_model(qwen3_dir)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
-    @settings(HSET, max_examples=25)
+    @settings(HSET, max_examples=examples(25))
     @given(
         b=batches(),
         tuples=st.booleans(),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,8 +25,8 @@ from exactrl.cli import main
 from exactrl.train import warmstart
 from exactrl.train.config import RunConfig, dotted, ignored_settings, load_config
 
-HSET = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
-CLI = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+HSET = settings(max_examples=examples(250), deadline=None, suppress_health_check=list(HealthCheck))
+CLI = settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck))
 
 LEAVES = sorted(dotted(load_config().model_dump(by_alias=True)))  # every --set key, free-form dicts too
 SECTIONS = sorted({k.rsplit(".", 1)[0] for k in LEAVES if "." in k})

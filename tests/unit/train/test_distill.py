@@ -179,7 +179,11 @@ def test_the_vocabulary_term_is_the_divergence_of_the_two_distributions(qwen3_di
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (["distill.teacher=initial", "distill.teacher_url=http://x"], "set one of teacher, teacher_url and teachers"),
+        (
+            ["distill.teacher=initial", "distill.teacher_url=http://x"],
+            "set one of distill.teacher, distill.teacher_url and distill.teachers, got distill.teacher and "
+            "distill.teacher_url",
+        ),
         (["distill.teacher_url=http://x", "distill.kind=jsd"], "needs the teacher's whole next-token distribution"),
         (["distill.teacher=initial", "distill.top_k=5"], "top_k applies to forward_kl and jsd"),
         (["distill.teacher=initial", "distill.coef=0"], "both 0"),

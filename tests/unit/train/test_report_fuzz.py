@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from fuzzing import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,8 @@ from exactrl.cli import main
 from exactrl.train.report import INITIAL, PANELS, PLOTTABLE, write_report
 
 PLOTTED = [INITIAL] + [k for _, keys in PANELS for k in keys]
-FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-MANY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FEW = settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+MANY = settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 values = (
     st.floats(0, 1)
