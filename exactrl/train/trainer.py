@@ -173,6 +173,7 @@ class StepSettings:
     bypass: bool = False  # loss ratio against μ instead of π_old (corrections.apply_bypass)
     share_prompts: bool = True  # a micro-batch's repeated prompts are laid out once (logprobs.pack_shared)
     max_tokens_per_micro_batch: int | None = None  # micro-batches by tokens (micro_batches); None: by micro_batch_size
+    fsdp: bool = False  # the model is sharded over the ranks (distributed/fsdp.py): FSDP2 sums the gradients
     distill: object | None = None  # a Distiller (train/distill.py) whose `vocab_term` enters the loss, coef ×
     extra: dict = field(default_factory=dict)
 
@@ -280,7 +281,14 @@ def train_step(
     kept = {k: [] for k in ("old", "behav", "loss_mask", "live", "gen", "adv", "final", "ent", "kl", "distill")}
     optimizer.zero_grad(set_to_none=True)
     lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
-    for idx in micro_batches(ranks.shard(len(batch)), lengths, s):
+    parts = micro_batches(ranks.shard(len(batch)), lengths, s)
+    if s.fsdp:  # every rank runs as many forwards and backwards (FSDP2's collectives), or none at all
+        n = max(ranks.gather(len(parts))) if any(batch.completion_ids) else 0
+        parts = parts[:n] + [[]] * (n - len(parts))
+    for idx in parts:
+        if s.fsdp and not any(batch.completion_ids[k] for k in idx):  # no token: no forward in token_logprobs
+            _zero_backward(model, batch, s)
+            continue
         logp_BT, ent_BT, sampled_BT, gen_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
         old_BT = logp_BT.detach()
         # a sampled token the trainer's top-k/top-p cuts (π_old = 0, only off-policy: μ ≠ π_old) has no
@@ -313,20 +321,28 @@ def train_step(
         loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm, d_BT)
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
+        elif s.fsdp:  # the forward ran: its backward's reduce-scatters too, with zero gradients
+            (torch.where(torch.isfinite(logp_BT), logp_BT, 0.0).sum() * 0.0).backward()
         for k, t in zip(
             kept, (old_BT, behav_BT, sampled_BT, live_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())
         ):
             kept[k].append(t)
-    ranks.sum_grads(model.parameters())
+    if not s.fsdp:  # FSDP2 reduce-scattered each micro-batch's gradient in its backward
+        ranks.sum_grads(model.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    if s.fsdp:  # the norm over every rank's shards, a replicated DTensor
+        from exactrl.distributed.fsdp import full
+
+        grad_norm = full(grad_norm)
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
     optimizer.step()
-    ranks.check_same(
-        "weights after the optimizer step",
-        model.parameters(),
-        "the data-parallel step did not give every rank the same result",
-    )
+    if not s.fsdp:  # sharded weights differ by rank; their gathering gives every rank the same bits
+        ranks.check_same(
+            "weights after the optimizer step",
+            model.parameters(),
+            "the data-parallel step did not give every rank the same result",
+        )
     whole = {k: torch.cat(v) if v else None for k, v in kept.items()}
     if ranks.world > 1:  # every rank's per-token tensors, in batch order: the metrics of one process
         parts = ranks.gather(whole)
@@ -336,6 +352,15 @@ def train_step(
                 whole[k] = torch.empty(len(batch), *v.shape[1:], dtype=v.dtype)
                 whole[k][rows] = torch.cat([p[k] for p in parts])
     return _batch_metrics(whole, loss_fn, s, norm) | {"train/grad_norm": float(grad_norm)}
+
+
+def _zero_backward(model, batch: TrainBatch, s: StepSettings) -> None:
+    """A forward and backward whose gradient is zero everywhere: the first prompt and one token of it again,
+    its logprob times 0 (untruncated, so finite). A sharded rank without tokens in a micro-batch runs it so
+    that its all-gathers and reduce-scatters meet the other ranks'; adding zeros changes no gradient."""
+    prompt = list(batch.prompt_ids[0])
+    lps, _ = token_logprobs(model, [prompt + prompt[-1:]], s.temperature, first=[len(prompt)])
+    (lps[0].sum() * 0.0).backward()
 
 
 def _regularised(loss, ent_BT, kl_BT, mask_BT, sampled_BT, s: StepSettings, norm: LossNorm, d_BT=None):
