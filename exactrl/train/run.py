@@ -123,6 +123,14 @@ def _train(cfg, ranks, say) -> int:
             f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
             f"parameter elements"
         )
+    if c.policy.step_settings.fsdp:
+        from exactrl.distributed.fsdp import local_numel
+
+        mine, total = local_numel(list(c.policy.model.parameters()))
+        say(
+            f"FSDP over {ranks.world} ranks: rank 0 holds {mine:,} of {total:,} parameter elements, their "
+            f"gradients and AdamW state"
+        )
     try:
         if ranks.main:
             replace_durably(c.run_dir / "config.json", json.dumps(cfg.model_dump(by_alias=True), indent=2))

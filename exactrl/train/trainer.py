@@ -286,7 +286,7 @@ def train_step(
         n = max(ranks.gather(len(parts))) if any(batch.completion_ids) else 0
         parts = parts[:n] + [[]] * (n - len(parts))
     for idx in parts:
-        if s.fsdp and not any(batch.completion_ids[k] for k in idx):  # no token: no forward in token_logprobs
+        if not idx:  # another rank's extra micro-batch (fsdp)
             _zero_backward(model, batch, s)
             continue
         logp_BT, ent_BT, sampled_BT, gen_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
@@ -321,8 +321,10 @@ def train_step(
         loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm, d_BT)
         if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
             loss.backward()
-        elif s.fsdp:  # the forward ran: its backward's reduce-scatters too, with zero gradients
+        elif s.fsdp and logp_BT.requires_grad:  # the forward ran: its backward's collectives too, zero gradients
             (torch.where(torch.isfinite(logp_BT), logp_BT, 0.0).sum() * 0.0).backward()
+        elif s.fsdp:  # no completion token: token_logprobs ran no forward
+            _zero_backward(model, batch, s)
         for k, t in zip(
             kept, (old_BT, behav_BT, sampled_BT, live_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())
         ):
