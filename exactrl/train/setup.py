@@ -443,7 +443,7 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
     for key, on in (
         ("model.lora.rank", bool(cfg.model.lora.rank)),  # the adapters are small: ddp replicates them cheaply
         ("async.enabled", cfg.async_.enabled),  # its trainer thread keeps whole weight versions
-        ("distill.enabled", cfg.distill.enabled),  # a `self` teacher's forward would be one rank's alone
+        ("distill.teacher", cfg.distill.enabled),  # a `self` teacher's forward would be one rank's alone
     ):
         if on:
             raise ValueError(
