@@ -258,15 +258,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
         distiller = _distiller(cfg, model, tokenizer, task, initial) if cfg.distill.enabled else None
         settings = _step_settings(cfg, corrections)
         settings.distill = distiller if distiller is not None and cfg.distill.kind != "reverse_kl" else None
-        ranks.check_same(
-            "starting weights",
-            model.parameters(),
-            "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
-            "path for every rank (the same filesystem)?",
-        )
-        if cfg.distributed.strategy == "fsdp" and ranks.world > 1:
-            model, optimizer = _fully_shard(cfg, model, optimizer, ranks, ckpt, engine, start)
-            settings.fsdp = True
+        model, optimizer = _share(cfg, model, optimizer, ranks, ckpt, engine, start, settings)
         policy = Policy(model, ref_model, optimizer, loss_fn, settings, distiller)
         data = Data(tokenizer, task, prompts, eval_problems)
         if not ranks.main:  # rank 0 alone writes the run dir; the others learn whether it could
@@ -366,6 +358,21 @@ def _optimizer(cfg: RunConfig, model: CausalLM, ranks: Ranks) -> torch.optim.Opt
     if cfg.model.dtype == "bfloat16" and o.fp32_master_weights:
         return MasterWeights(params, lambda params: make_optimizer(params, ranks, zero, **adamw))
     return make_optimizer(params, ranks, zero, **adamw)
+
+
+def _share(cfg: RunConfig, model: CausalLM, optimizer, ranks: Ranks, ckpt, engine, start: int, settings):
+    """Checks that every rank loaded the same weights; then, with `distributed.strategy: fsdp`, shards them
+    (`_fully_shard`, `settings.fsdp`). Returns (model, optimizer)."""
+    ranks.check_same(
+        "starting weights",
+        model.parameters(),
+        "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
+        "path for every rank (the same filesystem)?",
+    )
+    if cfg.distributed.strategy == "fsdp" and ranks.world > 1:
+        model, optimizer = _fully_shard(cfg, model, optimizer, ranks, ckpt, engine, start)
+        settings.fsdp = True
+    return model, optimizer
 
 
 def _fully_shard(cfg: RunConfig, model: CausalLM, optimizer, ranks: Ranks, ckpt: Path | None, engine, start: int):

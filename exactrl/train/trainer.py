@@ -17,7 +17,9 @@ compares exactly this π_old with μ.
 Data parallel (exactrl/distributed): each rank runs its share of the
 sequences; the denominators are still the whole batch's, so summing the
 ranks' gradients gives the whole batch's gradient, and the metrics are
-summed or gathered over ranks before they are reduced.
+summed or gathered over ranks before they are reduced. With `distributed.strategy: fsdp`
+(distributed/fsdp.py) the model is sharded and FSDP2 reduce-scatters each micro-batch's gradient in its
+backward; every rank then runs as many micro-batches (`_zero_backward`).
 
 Legend: B sequences, T completion tokens (padded), P prompts, G samples per prompt.
 """
@@ -319,32 +321,12 @@ def train_step(
             d_BT = s.distill.vocab_term(model, batch, idx, T)
             kept["distill"].append(d_BT.detach())
         loss = _regularised(loss_fn(inp, s.agg_mode, norm)[0], ent_BT, kl_BT, mask_BT, sampled_BT, s, norm, d_BT)
-        if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
-            loss.backward()
-        elif s.fsdp and logp_BT.requires_grad:  # the forward ran: its backward's collectives too, zero gradients
-            (torch.where(torch.isfinite(logp_BT), logp_BT, 0.0).sum() * 0.0).backward()
-        elif s.fsdp:  # no completion token: token_logprobs ran no forward
-            _zero_backward(model, batch, s)
+        _backward(loss, logp_BT, model, batch, s)
         for k, t in zip(
             kept, (old_BT, behav_BT, sampled_BT, live_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())
         ):
             kept[k].append(t)
-    if not s.fsdp:  # FSDP2 reduce-scattered each micro-batch's gradient in its backward
-        ranks.sum_grads(model.parameters())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-    if s.fsdp:  # the norm over every rank's shards, a replicated DTensor
-        from exactrl.distributed.fsdp import full
-
-        grad_norm = full(grad_norm)
-    if not torch.isfinite(grad_norm):
-        raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
-    optimizer.step()
-    if not s.fsdp:  # sharded weights differ by rank; their gathering gives every rank the same bits
-        ranks.check_same(
-            "weights after the optimizer step",
-            model.parameters(),
-            "the data-parallel step did not give every rank the same result",
-        )
+    grad_norm = _clip_and_step(model, optimizer, s, ranks)
     whole = {k: torch.cat(v) if v else None for k, v in kept.items()}
     if ranks.world > 1:  # every rank's per-token tensors, in batch order: the metrics of one process
         parts = ranks.gather(whole)
@@ -354,6 +336,39 @@ def train_step(
                 whole[k] = torch.empty(len(batch), *v.shape[1:], dtype=v.dtype)
                 whole[k][rows] = torch.cat([p[k] for p in parts])
     return _batch_metrics(whole, loss_fn, s, norm) | {"train/grad_norm": float(grad_norm)}
+
+
+def _backward(loss: torch.Tensor, logp_BT: torch.Tensor, model, batch: TrainBatch, s: StepSettings) -> None:
+    """loss.backward(); without a graph (a micro-batch of empty completions has no token to learn from)
+    nothing, or under FSDP a backward of zero gradients, whose collectives the other ranks' meet."""
+    if loss.requires_grad:
+        loss.backward()
+    elif s.fsdp and logp_BT.requires_grad:  # the forward ran: its backward's collectives too
+        (torch.where(torch.isfinite(logp_BT), logp_BT, 0.0).sum() * 0.0).backward()
+    elif s.fsdp:  # no completion token: token_logprobs ran no forward
+        _zero_backward(model, batch, s)
+
+
+def _clip_and_step(model, optimizer, s: StepSettings, ranks: Ranks) -> torch.Tensor:
+    """Sums the gradients over ranks (`ddp`; FSDP2 reduce-scattered them in each backward), clips their global
+    norm, steps the optimizer, checks that the ranks hold the same weights (`ddp`); returns the norm."""
+    if not s.fsdp:
+        ranks.sum_grads(model.parameters())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    if s.fsdp:  # the norm over every rank's shards, a replicated DTensor
+        from exactrl.distributed.fsdp import full
+
+        grad_norm = full(grad_norm)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
+    optimizer.step()
+    if not s.fsdp:  # sharded weights differ by rank; gathering them gives every rank the same bits
+        ranks.check_same(
+            "weights after the optimizer step",
+            model.parameters(),
+            "the data-parallel step did not give every rank the same result",
+        )
+    return grad_norm
 
 
 def _zero_backward(model, batch: TrainBatch, s: StepSettings) -> None:
