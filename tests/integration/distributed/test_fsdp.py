@@ -101,6 +101,14 @@ def test_fsdp_samples_on_policy_and_trains_as_ddp_up_to_rounding(runs):
     assert [s["exp_avg"].shape for s in state["state"].values()] == [t.shape for t in b.parameters()]
 
 
+def test_with_fast_kernels_the_fsdp_diff_is_not_zero(model_dir, tmp_path):
+    """The inverse of the 0.0 above: plain torch kernels are not batch-invariant, so the engine's decode and
+    the trainer's batched forward differ, gathered weights or not (the check can fail)."""
+    done = launch(model_dir, tmp_path / "fast", "max_steps=1", FSDP, "model.kernels=fast")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert rows(tmp_path / "fast")[0]["train/train_rollout_logprob_abs_diff_max"] > 0
+
+
 def test_a_killed_rank_is_named_and_the_sharded_checkpoint_resumes_bitwise(model_dir, runs, tmp_path):
     """Rank 1 is killed at step 2 of a run that writes sharded checkpoints every step: the launcher names
     it and rank 0 says in one line that a rank left; the run resumes from step 1's shards and logs the
