@@ -19,6 +19,7 @@ machine, one mode after another, in one process.
 
     exactrl bench memory [--quick] [--size 20M] [--seqs 8] [--prompt 32] [--completion 480] [--steps 2]
                          [--dtype float32]
+    exactrl bench memory --ranks 1,2,4 [...]   ddp against fsdp per number of ranks (benchmarks/memory_ranks.py)
 
 Legend: B sequences, T tokens per sequence.
 """
@@ -146,6 +147,17 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
     return out
 
 
+def _ints(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers ("1,2,4")."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"every number of ranks must be >= 1, got {text!r}")
+    return out
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="exactrl bench memory")
     p.add_argument("--size", default="20M", choices=sorted(SIZES))
@@ -155,10 +167,22 @@ def main(argv: list[str]) -> None:
     p.add_argument("--steps", type=positive_int, default=2, help="timed steps per mode (best of)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="tiny model, short sequences (smoke test)")
+    p.add_argument("--ranks", type=_ints, help="numbers of rank processes, e.g. 1,2,4: ddp against fsdp")
+    p.add_argument("--strategies", default="ddp,fsdp", help="with --ranks: distributed.strategy values")
+    p.add_argument("--ac", default="none,full", help="with --ranks: optim.activation_checkpointing modes")
     a = p.parse_args(argv)
     if a.quick:
         apply_quick(p, a, size="tiny", seqs=2, prompt=8, completion=56, steps=1)
     check_context(p, "--prompt + --completion", a.prompt + a.completion)
+    if a.ranks:  # benchmarks/memory_ranks.py
+        from memory_ranks import measure_ranks
+
+        strategies, modes = a.strategies.split(","), a.ac.split(",")
+        if not set(strategies) <= {"ddp", "fsdp"} or not set(modes) <= set(MODES):
+            p.error(f"--strategies takes ddp,fsdp and --ac {','.join(MODES)}")
+        out = measure_ranks(a.ranks, strategies, modes, a.size, a.seqs, a.prompt, a.completion, a.dtype)
+        print(json.dumps(out, indent=2))
+        return
     print(json.dumps(measure(a.size, a.seqs, a.prompt, a.completion, a.steps, a.dtype), indent=2))
 
 

@@ -328,8 +328,9 @@ def _remove_shards(path: Path) -> None:
     index.unlink()
 
 
-def save_model(model: CausalLM, path: str | Path) -> None:
-    """Writes config.json + model.safetensors in the Hugging Face layout."""
+def save_model(model: CausalLM, path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Writes config.json + model.safetensors in the Hugging Face layout; `tensors`: the weights to write
+    instead of the model's own (a sharded model's, gathered whole)."""
     if model.lora is not None:  # its adapters are no Hugging Face tensors; a base saved alone would drop them
         raise ValueError(
             "the model carries LoRA adapters: save them with exactrl.model.lora_files.save_adapters (PEFT's "
@@ -339,7 +340,8 @@ def save_model(model: CausalLM, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_hf()
     cfg["torch_dtype"] = cfg["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[model.dtype]
-    tensors = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in model.named_parameters()}
+    named = model.named_parameters() if tensors is None else tensors.items()
+    tensors = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in named}
     _remove_shards(path)  # saving over a sharded checkpoint: its index would otherwise win at load
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))

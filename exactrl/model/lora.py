@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +136,9 @@ def adapter_weights(model: CausalLM) -> dict[str, torch.Tensor]:
 def synced_weights(model: CausalLM) -> dict[str, torch.Tensor]:
     """What a run copies to its engine after a step: a LoRA model's adapters (the base never changes), else
     the whole state dict."""
-    return adapter_weights(model) if model.lora is not None else model.state_dict()
+    sd = adapter_weights(model) if model.lora is not None else model.state_dict()
+    fsdp = sys.modules.get("exactrl.distributed.fsdp")  # imported by a run that shards its model
+    return fsdp.full_state(sd) if fsdp is not None and fsdp.is_sharded(model) else sd
 
 
 def trainable_parameters(model: CausalLM) -> list[torch.nn.Parameter]:

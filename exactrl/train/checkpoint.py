@@ -42,6 +42,7 @@ from exactrl.model.transformer import CausalLM
 log = logging.getLogger("exactrl.checkpoint")
 
 
+SHARDS_METADATA = ".metadata"  # torch.distributed.checkpoint's index: a checkpoint of FSDP shards has it
 DIGESTS = "file_sha256"  # state.json's key: {file name: sha256 hex digest} of every other file of the checkpoint
 
 
@@ -81,23 +82,45 @@ def _step_dirs(root: Path) -> list[Path]:
     )
 
 
-def save_checkpoint(
-    run_dir: Path, step: int, model: CausalLM, optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int
-) -> Path:
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """The empty directory a checkpoint of `step` is written into before its rename, what a crash or a full
+    disk left removed first. `save_checkpoint` calls it; a sharded one (distributed/fsdp.py), whose ranks
+    write their shards into it before rank 0 calls `save_checkpoint(..., shards=True)`, first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         root.mkdir(parents=True)
         _fsync(root.parent)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
     for stale in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:  # left by a crash or a full disk
         shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp_step_{step:06d}"
+    tmp.mkdir()
+    return tmp
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: CausalLM,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int,
+    whole: tuple[dict, dict] | None = None,
+    shards: bool = False,
+) -> Path:
+    """Writes the checkpoint of `step` (the model, the optimizer's state and the trainer's `state`) and prunes
+    to `keep`. `whole`: (weights, optimizer state) to write instead of the model's and optimizer's own (a
+    sharded model's, gathered); `shards`: the ranks wrote their shards into `begin_checkpoint`'s directory,
+    which takes the place of the model and optimizer files."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}" if shards else begin_checkpoint(run_dir, step)
     try:
-        if model.lora is not None:  # the adapters alone, in PEFT's format: the base is model.path's, unchanged
-            save_adapters(model, tmp)
-        else:
-            save_model(model, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if not shards:
+            if model.lora is not None:  # the adapters alone, in PEFT's format: the base is model.path's, unchanged
+                save_adapters(model, tmp)
+            else:
+                save_model(model, tmp, None if whole is None else whole[0])
+            torch.save(optimizer.state_dict() if whole is None else whole[1], tmp / "optimizer.pt")
         digests = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}  # read back: the bytes on disk
         (tmp / "state.json").write_text(json.dumps({"step": step, **state, DIGESTS: digests}))
         _fsync_dir(tmp)
@@ -229,12 +252,13 @@ def load_checkpoint(
     device: str = "cpu",
     backend: str | None = None,
     base: CausalLM | None = None,
-) -> tuple[CausalLM, dict, dict[str, Any]]:
+) -> tuple[CausalLM, dict | None, dict[str, Any]]:
     """(model, optimizer state dict, trainer state) of a checkpoint directory, its files checked against the
     digests state.json records (one written without them is loaded with a `note`); a ValueError naming the
     file that cannot be read or differs. The model is loaded on `device` with `backend` (`load_model`). A
     LoRA run's checkpoint holds adapters only: they are loaded onto `base` (the run's model with its adapters
-    attached, `lora_files.load_adapters`), which is returned."""
+    attached, `lora_files.load_adapters`), which is returned. A checkpoint of FSDP shards gives (`base`, None,
+    trainer state): distributed/fsdp.py `load_sharded` reads the shards once the model is sharded."""
     older = [p.name for p in _step_dirs(path.parent) if p != path]
     hint = (
         f"; older checkpoints there: {', '.join(older)} (remove {path.name} to resume from the newest)" if older else ""
@@ -275,6 +299,9 @@ def load_checkpoint(
             f"model.lora settings it was saved with"
         )
     try:
+        if (path / SHARDS_METADATA).is_file():  # FSDP shards (distributed/fsdp.py): the caller reads them
+            state.pop(DIGESTS, None)
+            return base, None, state
         if is_adapter_dir(path):
             model = load_adapters(base, path)
         else:

@@ -29,6 +29,7 @@ from exactrl.train.settings import (  # noqa: F401 (re-exported)
     _STRICT,
     AlgorithmSettings,
     AsyncSettings,
+    DistributedSettings,
     EngineSettings,
     KLSettings,
     OptimSettings,
@@ -75,6 +76,8 @@ class RunConfig(BaseModel):
     """On-policy distillation: teachers score the student's samples (exactrl/train/distill.py)."""
     async_: AsyncSettings = Field(default_factory=AsyncSettings, alias="async")
     """Asynchronous rollouts (config key `async`)."""
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
+    """How data-parallel ranks (`exactrl train --nproc N`) share the model: replicated or fully sharded."""
 
     @field_validator("progress", mode="before")
     @classmethod
@@ -386,6 +389,10 @@ def ignored_settings(cfg: RunConfig) -> list[str]:
         out += given(cfg.rollout, "rollout", ("max_sampling_rounds",), "rollout.filter_groups is false")
     if cfg.optim.max_tokens_per_micro_batch is not None:
         out += given(cfg.optim, "optim", ("micro_batch_size",), "optim.max_tokens_per_micro_batch is set")
+    if cfg.distributed.strategy == "ddp":
+        out += given(cfg.distributed, "distributed", ("checkpoint",), "distributed.strategy is ddp")
+    elif cfg.optim.shard_state:
+        out.append("optim.shard_state has no effect: distributed.strategy is fsdp (AdamW's state is sharded)")
     if cfg.optim.lr_schedule == "constant":
         out += given(cfg.optim, "optim", ("min_lr_ratio",), "optim.lr_schedule is constant")
     if cfg.task.kind == "verifiers":

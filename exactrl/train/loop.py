@@ -24,6 +24,7 @@ import contextlib
 import random
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from exactrl.model.logprobs import token_logprobs
 from exactrl.model.lora import synced_weights
 from exactrl.rollout.groups import Rollout, evaluate, overlong_shaped, rollout_metrics, sample_groups, to_train_batch
 from exactrl.seeds import derive_seed
-from exactrl.train.checkpoint import save_checkpoint
+from exactrl.train.checkpoint import begin_checkpoint, save_checkpoint
 from exactrl.train.samples import sample_rows
 from exactrl.train.setup import Run
 from exactrl.train.signals import check_terminated
@@ -235,9 +236,27 @@ def end_step(
     log_samples(c, step, "train", groups)
     c.files.logger.log(metrics)  # rank 0's; the other ranks' logger writes nothing
     if step % cfg.save_every == 0 or step == cfg.max_steps:
-        state = c.trainer_state(prompts_state, rng)  # every rank's random streams (a collective)
-        with whole_optimizer_state(c.policy.optimizer):  # optim.shard_state: every rank's moments (a collective)
+        save_step(c, step, c.trainer_state(prompts_state, rng))  # every rank's random streams (a collective)
+    return metrics
+
+
+def save_step(c: Run, step: int, state: dict) -> None:
+    """Rank 0 writes the checkpoint of `step`; every rank enters (each part below may be a collective)."""
+    p, keep = c.policy, c.cfg.keep_checkpoints
+    if not p.step_settings.fsdp:
+        with whole_optimizer_state(p.optimizer):  # optim.shard_state: every rank's moments
             if c.ranks.main:
                 c.files.logger.flush()
-                save_checkpoint(c.run_dir, step, c.policy.model, c.policy.optimizer, state, cfg.keep_checkpoints)
-    return metrics
+                save_checkpoint(c.run_dir, step, p.model, p.optimizer, state, keep)
+        return
+    from exactrl.distributed import fsdp
+
+    whole, shards = None, c.cfg.distributed.checkpoint == "sharded"
+    if shards:  # each rank's shards into the directory rank 0 prepares, then rank 0 completes it
+        tmp = c.ranks.broadcast(str(begin_checkpoint(c.run_dir, step)) if c.ranks.main else None)
+        fsdp.save_sharded(Path(tmp), p.model, p.optimizer)
+    else:  # gathered into the one-process format
+        whole = fsdp.full_state(p.model.state_dict()), fsdp.full_state(p.optimizer.state_dict())
+    if c.ranks.main:
+        c.files.logger.flush()
+        save_checkpoint(c.run_dir, step, p.model, p.optimizer, state, keep, whole=whole, shards=shards)

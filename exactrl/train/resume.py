@@ -44,6 +44,7 @@ RESUMABLE = (
     "rollout_backend.ray.",  # Ray engines sample what the in-process engine does, bitwise
     "optim.shard_state",  # the same weights and checkpoints, sharded or not
     "optim.activation_checkpointing",
+    "distributed.",  # the full format is the same under either strategy; a sharded one is refused by ddp
 )  # the same gradients, bit for bit
 
 
@@ -66,9 +67,18 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def _restore_rng(state: dict[str, Any], ranks: Ranks) -> None:
-    """This rank's random streams from a checkpoint; a run resumes with the number of ranks it saved."""
+def _restore_rng(state: dict[str, Any], ranks: Ranks, any_world: bool = False, log=print) -> None:
+    """This rank's random streams from a checkpoint; a run resumes with the number of ranks it saved, or, with
+    `any_world` (an FSDP run from a full checkpoint), another: rank r takes the saved rank r mod W's."""
     saved = state.get("ranks_rng", [state])
+    if len(saved) != ranks.world and any_world:
+        if ranks.main:
+            log(
+                f"note: the checkpoint was saved by {len(saved)} rank(s) and this run has {ranks.world}: rank r "
+                f"takes the random streams of saved rank r mod {len(saved)} (the run goes on, not bitwise "
+                f"the uninterrupted one: the gradient's sums run in another order)"
+            )
+        saved = [saved[r % len(saved)] for r in range(ranks.world)]
     if len(saved) != ranks.world:
         raise ValueError(
             f"it was saved by a run of {len(saved)} rank(s) and this run has {ranks.world}: resume "
@@ -211,10 +221,18 @@ def resume(
                 f"the run's; point model.tokenizer at the tokenizer the run started with"
             )
         optimizer = new_optimizer(model)
+        fsdp = cfg.distributed.strategy == "fsdp" and ranks.world > 1
+        if opt_state is None and not fsdp:
+            n = len(state.get("ranks_rng", [state]))
+            raise ValueError(
+                f"checkpoint {ckpt} holds FSDP shards (distributed.checkpoint=sharded): resume it with "
+                f"exactrl train --nproc {n} --set distributed.strategy=fsdp"
+            )
         try:
-            optimizer.load_state_dict(opt_state)
+            if opt_state is not None:
+                optimizer.load_state_dict(opt_state)
             prompts.load_state_dict(state["prompts"])
-            _restore_rng(state, ranks)
+            _restore_rng(state, ranks, any_world=cfg.distributed.strategy == "fsdp" and opt_state is not None, log=log)
         except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
             raise ValueError(
                 f"checkpoint {ckpt} cannot be resumed: its state does not fit this run "

@@ -94,8 +94,27 @@ def _quiet(*args, **kwargs) -> None:
     """`print` on ranks other than 0: rank 0 speaks for the run."""
 
 
-def _train(cfg, ranks, say) -> int:
+def _say_shares(c, ranks, say) -> None:
+    """What rank 0 holds of a sharded run's state (optim.shard_state, distributed.strategy=fsdp)."""
     from exactrl.distributed import optimizer_share
+
+    if c.policy.step_settings.fsdp:
+        from exactrl.distributed.fsdp import local_numel
+
+        mine, total = local_numel(list(c.policy.model.parameters()))
+        say(
+            f"FSDP over {ranks.world} ranks: rank 0 holds {mine:,} of {total:,} parameter elements, their "
+            f"gradients and AdamW state"
+        )
+    elif c.cfg.optim.shard_state and ranks.world > 1:
+        mine, total = optimizer_share(c.policy.optimizer)
+        say(
+            f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
+            f"parameter elements"
+        )
+
+
+def _train(cfg, ranks, say) -> int:
     from exactrl.train.async_loop import train_async
     from exactrl.train.checkpoint import CheckpointWriteError, latest_checkpoint, replace_durably
     from exactrl.train.loop import train
@@ -117,12 +136,7 @@ def _train(cfg, ranks, say) -> int:
     mode = f"async, max_staleness={cfg.async_.max_staleness}" if cfg.async_.enabled else "sync"
     mode += f", {ranks.world} ranks" if ranks.world > 1 else ""
     say(f"run dir: {c.run_dir}  (kernels={cfg.model.kernels}, dtype={cfg.model.dtype}, steps={cfg.max_steps}, {mode})")
-    if cfg.optim.shard_state and ranks.world > 1:
-        mine, total = optimizer_share(c.policy.optimizer)
-        say(
-            f"AdamW state sharded over {ranks.world} ranks: rank 0 keeps the moments of {mine:,} of {total:,} "
-            f"parameter elements"
-        )
+    _say_shares(c, ranks, say)
     try:
         if ranks.main:
             replace_durably(c.run_dir / "config.json", json.dumps(cfg.model_dump(by_alias=True), indent=2))

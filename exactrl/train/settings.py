@@ -203,3 +203,18 @@ class SFTSettings(BaseModel):
     takes the first integer, so an echo scores 0: the warm-started model knows the sums but often
     answers in the wrong form, and GRPO has to find the form that is rewarded (RL sharpens what
     the model can already do, as in RL from verifiable rewards on a pretrained model)."""
+
+
+class DistributedSettings(BaseModel):
+    model_config = _STRICT
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How `--nproc N` ranks hold the model (exactrl/distributed): `ddp` replicates the weights, gradients
+    and (unless `optim.shard_state`) AdamW's state on every rank; `fsdp` shards all three over the ranks
+    with torch's FSDP2 (`fully_shard`; exactrl/distributed/fsdp.py), gathering the whole weights bitwise
+    for each rank's engine. Weights agree with `ddp`'s up to rounding (docs/distributed.md). No effect in
+    one process."""
+    checkpoint: Literal["sharded", "full"] = "full"
+    """With `strategy: fsdp`: `full` gathers the weights and optimizer state into the one-process format
+    (resumable under either strategy, at any number of ranks); `sharded` writes each rank's shards with
+    torch.distributed.checkpoint (less memory and time on rank 0; resumes at the same number of ranks)."""

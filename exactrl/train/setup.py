@@ -22,7 +22,7 @@ from exactrl.envs.dataset import PromptSource, held_out_problems, make_dataset, 
 from exactrl.envs.sources import read_dataset, split_rows
 from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
-from exactrl.model.lora import add_lora, engine_copy, trainable_parameters
+from exactrl.model.lora import add_lora, engine_copy, synced_weights, trainable_parameters
 from exactrl.model.tokenizer import Tokenizer, load_tokenizer
 from exactrl.model.transformer import CausalLM
 from exactrl.rollout.backend import RolloutBackend
@@ -258,14 +258,9 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
         distiller = _distiller(cfg, model, tokenizer, task, initial) if cfg.distill.enabled else None
         settings = _step_settings(cfg, corrections)
         settings.distill = distiller if distiller is not None and cfg.distill.kind != "reverse_kl" else None
+        model, optimizer = _share(cfg, model, optimizer, ranks, ckpt, engine, start, settings)
         policy = Policy(model, ref_model, optimizer, loss_fn, settings, distiller)
         data = Data(tokenizer, task, prompts, eval_problems)
-        ranks.check_same(
-            "starting weights",
-            model.parameters(),
-            "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
-            "path for every rank (the same filesystem)?",
-        )
         if not ranks.main:  # rank 0 alone writes the run dir; the others learn whether it could
             refused = ranks.broadcast(None)
             if refused is not None:
@@ -363,9 +358,49 @@ def _optimizer(cfg: RunConfig, model: CausalLM, ranks: Ranks) -> torch.optim.Opt
     o = cfg.optim
     adamw = dict(lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     params = trainable_parameters(model)  # a LoRA model's adapters alone
+    zero = o.shard_state and cfg.distributed.strategy == "ddp"  # fsdp's AdamW steps each rank's shards alone
     if cfg.model.dtype == "bfloat16" and o.fp32_master_weights:
-        return MasterWeights(params, lambda params: make_optimizer(params, ranks, o.shard_state, **adamw))
-    return make_optimizer(params, ranks, o.shard_state, **adamw)
+        return MasterWeights(params, lambda params: make_optimizer(params, ranks, zero, **adamw))
+    return make_optimizer(params, ranks, zero, **adamw)
+
+
+def _share(cfg: RunConfig, model: CausalLM, optimizer, ranks: Ranks, ckpt, engine, start: int, settings):
+    """Checks that every rank loaded the same weights; then, with `distributed.strategy: fsdp`, shards them
+    (`_fully_shard`, `settings.fsdp`). Returns (model, optimizer)."""
+    ranks.check_same(
+        "starting weights",
+        model.parameters(),
+        "every rank must load the same model and checkpoint: are model.path and run_dir one shared "
+        "path for every rank (the same filesystem)?",
+    )
+    if cfg.distributed.strategy == "fsdp" and ranks.world > 1:
+        model, optimizer = _fully_shard(cfg, model, optimizer, ranks, ckpt, engine, start)
+        settings.fsdp = True
+    return model, optimizer
+
+
+def _fully_shard(cfg: RunConfig, model: CausalLM, optimizer, ranks: Ranks, ckpt: Path | None, engine, start: int):
+    """(model, optimizer) under FSDP2 (distributed/fsdp.py): the loaded model sharded in place, the optimizer
+    built again over its shards, its state cut from the whole one (a full checkpoint's, or none yet) or read
+    from a sharded checkpoint, whose weights then go to the engine (built from model.path's)."""
+    from exactrl.distributed import fsdp
+
+    whole = optimizer.state_dict()
+    fsdp.shard_model(model, ranks)
+    optimizer = _optimizer(cfg, model, ranks)
+    if ckpt is not None and (ckpt / fsdp.DCP_METADATA).is_file():
+        try:
+            fsdp.load_sharded(ckpt, model, optimizer)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(
+                f"checkpoint {ckpt} cannot be resumed: its shards do not fit this run ({e}); a sharded "
+                f"checkpoint resumes with the number of ranks that wrote it"
+            ) from None
+        engine.version = start - 1  # the same version, now with the checkpoint's weights
+        engine.update_weights(synced_weights(model), version=start)
+    else:
+        fsdp.load_full_optimizer_state(optimizer, whole)
+    return model, optimizer
 
 
 def _step_settings(cfg: RunConfig, corrections) -> StepSettings:
@@ -420,6 +455,18 @@ def check_ranks(cfg: RunConfig, ranks: Ranks) -> None:
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} gives some of the {ranks.world} "
             f"ranks no prompt: raise it to at least {ranks.world} or run fewer ranks"
         )
+    if cfg.distributed.strategy != "fsdp":
+        return
+    for key, on in (
+        ("model.lora.rank", bool(cfg.model.lora.rank)),  # the adapters are small: ddp replicates them cheaply
+        ("async.enabled", cfg.async_.enabled),  # its trainer thread keeps whole weight versions
+        ("distill.teacher", cfg.distill.enabled),  # a `self` teacher's forward would be one rank's alone
+    ):
+        if on:
+            raise ValueError(
+                f"{key} with distributed.strategy=fsdp is not supported: use distributed.strategy=ddp "
+                f"(optim.shard_state=true shards AdamW's state)"
+            )
 
 
 Components = Run  # the name before `Run`, kept for one release

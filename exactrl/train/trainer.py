@@ -17,7 +17,9 @@ compares exactly this π_old with μ.
 Data parallel (exactrl/distributed): each rank runs its share of the
 sequences; the denominators are still the whole batch's, so summing the
 ranks' gradients gives the whole batch's gradient, and the metrics are
-summed or gathered over ranks before they are reduced.
+summed or gathered over ranks before they are reduced. With `distributed.strategy: fsdp`
+(distributed/fsdp.py) the model is sharded and FSDP2 reduce-scatters each micro-batch's gradient in its
+backward; every rank then runs as many micro-batches (`_zero_backward`).
 
 Legend: B sequences, T completion tokens (padded), P prompts, G samples per prompt.
 """
@@ -180,6 +182,7 @@ class StepSettings:
     share_prompts: bool = True  # a micro-batch's repeated prompts are laid out once (logprobs.pack_shared)
     max_tokens_per_micro_batch: int | None = None  # micro-batches by tokens (micro_batches); None: by micro_batch_size
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight (train/moe_terms.py), 0 = off
+    fsdp: bool = False  # the model is sharded over the ranks (distributed/fsdp.py): FSDP2 sums the gradients
     distill: object | None = None  # a Distiller (train/distill.py) whose `vocab_term` enters the loss, coef ×
     extra: dict = field(default_factory=dict)
 
@@ -295,7 +298,14 @@ def train_step(
     aux_sum = torch.zeros(())
     optimizer.zero_grad(set_to_none=True)
     lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
-    for idx in micro_batches(ranks.shard(len(batch)), lengths, s):
+    parts = micro_batches(ranks.shard(len(batch)), lengths, s)
+    if s.fsdp:  # every rank runs as many forwards and backwards (FSDP2's collectives), or none at all
+        n = max(ranks.gather(len(parts))) if any(batch.completion_ids) else 0
+        parts = parts[:n] + [[]] * (n - len(parts))
+    for idx in parts:
+        if not idx:  # another rank's extra micro-batch (fsdp)
+            _zero_backward(model, batch, s)
+            continue
         logp_BT, ent_BT, sampled_BT, gen_BT, behav_BT, adv_BT = micro_batch_inputs(model, batch, idx, s, T)
         old_BT = logp_BT.detach()
         # a sampled token the trainer's top-k/top-p cuts (π_old = 0, only off-policy: μ ≠ π_old) has no
@@ -329,22 +339,12 @@ def train_step(
         aux = router_aux_term(model, s.router_aux_loss_coef, len(idx), len(batch))  # of this micro-batch's forward
         if aux is not None:
             loss, aux_sum = loss + aux, aux_sum + aux.detach()
-        if loss.requires_grad:  # a micro-batch of empty completions has no token to learn from
-            loss.backward()
+        _backward(loss, logp_BT, model, batch, s)
         for k, t in zip(
             kept, (old_BT, behav_BT, sampled_BT, live_BT, gen_BT, adv_BT, mask_BT.detach(), ent_BT.detach())
         ):
             kept[k].append(t)
-    ranks.sum_grads(model.parameters())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-    if not torch.isfinite(grad_norm):
-        raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
-    optimizer.step()
-    ranks.check_same(
-        "weights after the optimizer step",
-        model.parameters(),
-        "the data-parallel step did not give every rank the same result",
-    )
+    grad_norm = _clip_and_step(model, optimizer, s, ranks)
     whole = {k: torch.cat(v) if v else None for k, v in kept.items()}
     if ranks.world > 1:  # every rank's per-token tensors, in batch order: the metrics of one process
         parts = ranks.gather(whole)
@@ -356,6 +356,48 @@ def train_step(
     if s.router_aux_loss_coef:  # coef x the load-balancing loss, summed over micro-batches and ranks
         moe_metrics["train/router_aux_loss"] = float(sum(ranks.gather(float(aux_sum))))
     return _batch_metrics(whole, loss_fn, s, norm) | moe_metrics | {"train/grad_norm": float(grad_norm)}
+
+
+def _backward(loss: torch.Tensor, logp_BT: torch.Tensor, model, batch: TrainBatch, s: StepSettings) -> None:
+    """loss.backward(); without a graph (a micro-batch of empty completions has no token to learn from)
+    nothing, or under FSDP a backward of zero gradients, whose collectives the other ranks' meet."""
+    if loss.requires_grad:
+        loss.backward()
+    elif s.fsdp and logp_BT.requires_grad:  # the forward ran: its backward's collectives too
+        (torch.where(torch.isfinite(logp_BT), logp_BT, 0.0).sum() * 0.0).backward()
+    elif s.fsdp:  # no completion token: token_logprobs ran no forward
+        _zero_backward(model, batch, s)
+
+
+def _clip_and_step(model, optimizer, s: StepSettings, ranks: Ranks) -> torch.Tensor:
+    """Sums the gradients over ranks (`ddp`; FSDP2 reduce-scattered them in each backward), clips their global
+    norm, steps the optimizer, checks that the ranks hold the same weights (`ddp`); returns the norm."""
+    if not s.fsdp:
+        ranks.sum_grads(model.parameters())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    if s.fsdp:  # the norm over every rank's shards, a replicated DTensor
+        from exactrl.distributed.fsdp import full
+
+        grad_norm = full(grad_norm)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"gradient norm is {grad_norm.item()}: refusing to step (check lr / data)")
+    optimizer.step()
+    if not s.fsdp:  # sharded weights differ by rank; gathering them gives every rank the same bits
+        ranks.check_same(
+            "weights after the optimizer step",
+            model.parameters(),
+            "the data-parallel step did not give every rank the same result",
+        )
+    return grad_norm
+
+
+def _zero_backward(model, batch: TrainBatch, s: StepSettings) -> None:
+    """A forward and backward whose gradient is zero everywhere: the first prompt and one token of it again,
+    its logprob times 0 (untruncated, so finite). A sharded rank without tokens in a micro-batch runs it so
+    that its all-gathers and reduce-scatters meet the other ranks'; adding zeros changes no gradient."""
+    prompt = list(batch.prompt_ids[0])
+    lps, _ = token_logprobs(model, [prompt + prompt[-1:]], s.temperature, first=[len(prompt)])
+    (lps[0].sum() * 0.0).backward()
 
 
 def _regularised(loss, ent_BT, kl_BT, mask_BT, sampled_BT, s: StepSettings, norm: LossNorm, d_BT=None):
