@@ -173,8 +173,8 @@ def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one(
 
     real = ckpt_mod.save_model
 
-    def save_model(model, path):
-        real(model, path)  # step 3's weights are in its temporary directory, its optimizer state not yet
+    def save_model(model, path, *rest):
+        real(model, path, *rest)  # step 3's weights are in its temporary directory, its optimizer state not yet
         if path.name == ".tmp_step_000003":
             sigterm_self()
 
