@@ -178,6 +178,7 @@ def whole(model_dir, tmp_path_factory) -> list[dict]:
     return rows(d)
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_a_two_rank_run_resumes_like_an_uninterrupted_one(model_dir, tmp_path, whole):
     cut = tmp_path / "cut"
     assert ranks_run(model_dir, cut, "max_steps=2").returncode == 0
@@ -189,6 +190,7 @@ def test_a_two_rank_run_resumes_like_an_uninterrupted_one(model_dir, tmp_path, w
     assert wrong.returncode != 0 and "--nproc 2" in wrong.stderr
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_sharded_optimizer_state_trains_bitwise_as_the_replicated_one_and_checkpoints_alike(model_dir, tmp_path, whole):
     """optim.shard_state (ZeRO-1): each rank keeps part of AdamW's moments, the weights stay bitwise the
     replicated run's (warm-up included: the lr reaches the shards), and a checkpoint holds the whole
@@ -209,6 +211,7 @@ def test_sharded_optimizer_state_trains_bitwise_as_the_replicated_one_and_checkp
     assert [results(r) for r in rows(replicated)] == [results(r) for r in whole]
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_two_rank_async_runs_as_the_sync_loop_at_staleness_0_and_tags_versions_beyond(model_dir, tmp_path, whole):
     done = ranks_run(model_dir, tmp_path / "s0", "max_steps=3", "async.enabled=true", "async.max_staleness=0")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -380,6 +383,7 @@ def test_a_bad_torchrun_environment_is_named(monkeypatch, env, words):
         init_from_env()
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_a_run_dir_rank_0_cannot_claim_stops_every_rank_without_a_traceback(model_dir, tmp_path):
     """Rank 0 alone claims the run dir: when it cannot, the other ranks are told and stop with a named error
     (they do not wait in a collective and die with gloo tracebacks). The claim is made to fail by a
@@ -401,6 +405,7 @@ def test_a_run_dir_rank_0_cannot_claim_stops_every_rank_without_a_traceback(mode
     assert "rank 1): error: rank 0 could not start the run: injected" in done.stderr
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_ranks_started_with_different_settings_are_refused_naming_the_keys(model_dir, tmp_path):
     """torchrun gives every rank its own command line: a rank with another `model.kernels` would train
     what no rank's settings describe. Both ranks stop before the model loads, naming the key and values."""
@@ -532,6 +537,7 @@ def test_a_rank_that_dies_mid_run_leaves_one_line_on_the_others_not_a_gloo_trace
     assert lost_rank(ValueError("gloo")) is None and lost_rank(RuntimeError("an error of ours")) is None
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_a_rank_that_dies_while_setting_up_leaves_one_line_on_the_others(model_dir, tmp_path):
     """Rank 1 is killed before the training loop (as it builds the run): rank 0, waiting in setup's first
     collective, says in one line that a rank left (it printed gloo's traceback, exit code 1)."""

@@ -109,6 +109,7 @@ def test_with_fast_kernels_the_fsdp_diff_is_not_zero(model_dir, tmp_path):
     assert rows(tmp_path / "fast")[0]["train/train_rollout_logprob_abs_diff_max"] > 0
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_a_killed_rank_is_named_and_the_sharded_checkpoint_resumes_bitwise(model_dir, runs, tmp_path):
     """Rank 1 is killed at step 2 of a run that writes sharded checkpoints every step: the launcher names
     it and rank 0 says in one line that a rank left; the run resumes from step 1's shards and logs the
@@ -136,6 +137,7 @@ def test_a_killed_rank_is_named_and_the_sharded_checkpoint_resumes_bitwise(model
     assert rows(run) == rows(runs["fsdp"][0])
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_a_full_checkpoint_resumes_at_another_number_of_ranks(model_dir, runs, tmp_path):
     import shutil
 

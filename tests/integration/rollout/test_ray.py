@@ -143,6 +143,7 @@ def test_ray_missing_or_no_cluster_at_the_address_is_a_value_error(qwen3_dir, mo
         RayEngines(RayEngineSettings(num_engines=1), model, {}, log=lambda *a: None)
 
 
+@pytest.mark.slow  # whole runs over Ray engines: `make test-slow` (CI)
 def test_a_private_ray_instance_is_started_for_the_engines_and_stopped_after(qwen3_dir):
     if ray.is_initialized():  # runs before the module's `cluster` in file order; in another order it cannot
         pytest.skip("a Ray instance already runs in this process (the module's cluster): no private one to see")
@@ -250,6 +251,7 @@ def test_engines_get_the_models_kernels_and_settings_and_bad_ones_are_a_value_er
         RayEngines(RayEngineSettings(num_engines=1), fast, {}, log=lambda *a: None)
 
 
+@pytest.mark.slow  # whole runs over Ray engines: `make test-slow` (CI)
 def test_engines_that_cannot_be_placed_are_refused_and_held_cpus_time_out(cluster, qwen3_dir):
     model = exactrl.load_model(qwen3_dir)
     with pytest.raises(
@@ -311,6 +313,7 @@ def test_an_engine_that_dies_is_named_at_once_while_another_still_works(cluster,
 
 
 # ---------------------------------------------------------------- training runs
+@pytest.mark.slow  # whole runs over Ray engines: `make test-slow` (CI)
 def test_a_run_over_ray_engines_logs_the_in_process_runs_metrics_bitwise(cluster, model_dir, tmp_path):
     local = run(model_dir, tmp_path / "local", "max_steps=3")
     over_ray = run(model_dir, tmp_path / "ray", "max_steps=3", *RAY)
@@ -330,6 +333,7 @@ def test_fast_kernels_over_ray_engines_measure_a_mismatch(cluster, model_dir, tm
     assert rows[0]["train/train_rollout_logprob_abs_diff"] > 0
 
 
+@pytest.mark.slow  # whole runs over Ray engines: `make test-slow` (CI)
 def test_an_async_run_over_ray_engines_logs_the_in_process_async_runs_metrics_bitwise(cluster, model_dir, tmp_path):
     same = ("max_steps=3", "task.eval_size=0", "async.enabled=true", "async.max_staleness=0")
     local = run(model_dir, tmp_path / "local", *same)
@@ -341,6 +345,7 @@ def test_an_async_run_over_ray_engines_logs_the_in_process_async_runs_metrics_bi
     assert [(r["engine/version"], r["ray/engines"]) for r in over_ray] == [(0, 2), (1, 2), (2, 2)]
 
 
+@pytest.mark.slow  # whole runs over Ray engines: `make test-slow` (CI)
 def test_a_run_moves_from_the_in_process_engine_to_ray_engines_on_resume_and_logs_the_uninterrupted_run(
     cluster, model_dir, tmp_path
 ):
