@@ -104,34 +104,15 @@ SIZES = {
         num_key_value_heads=2,
         head_dim=16,
     ),
-    # Qwen3-MoE: 8 experts of 256, 2 per token, on every layer
-    "moe100M": dict(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        norm_topk_prob=True,
-    ),
-    "moe-tiny": dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    ),
 }
+# Qwen3-MoE shapes: the dense shapes' attention and vocabulary, each MLP 8 experts of 256 (4 of 32 in the tiny
+# one), 2 per token, on every layer
+SIZES["moe100M"] = SIZES["100M"] | dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True
+)
+SIZES["moe-tiny"] = SIZES["tiny"] | dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+)
 
 
 def engine_sizes(text: str) -> list[str]:
