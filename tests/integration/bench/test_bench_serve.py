@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # a benchmark run: `make test-slow` (CI)
 def test_bench_serve_quick_runs_the_cli_server():
     out = subprocess.run(
         [sys.executable, "-m", "exactrl.cli", "bench", "serve", "--quick", "--clients", "1,4"],

@@ -286,6 +286,7 @@ def srv(tmp_path_factory):
     s.thread.stop()
 
 
+@pytest.mark.slow  # a soak: `make test-slow` (CI)
 def test_mixed_requests_leave_the_server_idle(srv):
     asyncio.run(soak(srv, requests=40, seed=0))  # warm-up: caches, graphs, lazily built objects
     check_idle(srv)

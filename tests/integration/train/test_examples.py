@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
@@ -16,6 +18,7 @@ def load(name: str):
     return mod
 
 
+@pytest.mark.slow  # a whole example run: `make test-slow` (CI)
 def test_the_agent_example_trains_through_the_server_with_no_mismatch(tmp_path, capsys):
     agent = load("agent")
     out = tmp_path / "agent"
