@@ -451,25 +451,7 @@ class Engine:
                     f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                 )
         for k, v in sd.items():
-            if not isinstance(v, torch.Tensor):
-                raise ValueError(f"state_dict[{k!r}] is a {type(v).__name__}, not a tensor")
-            if tuple(v.shape) != tuple(params[k].shape):
-                raise ValueError(f"state_dict[{k!r}] has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}")
-            if v.dtype != params[k].dtype:  # a cast is not the bitwise copy exactness needs (docs/design.md §3)
-                raise ValueError(
-                    f"state_dict[{k!r}] is {v.dtype}, the engine's model is {params[k].dtype}: the copy "
-                    f"would not be bitwise; cast it yourself (v.to({params[k].dtype})) if you mean it"
-                )
-            if (
-                type(v) not in (torch.Tensor, torch.nn.Parameter)
-                or v.layout != torch.strided
-                or v.device != params[k].device
-            ):
-                raise ValueError(
-                    f"state_dict[{k!r}] must be a dense tensor on {params[k].device}, got a "
-                    f"{type(v).__name__} ({v.layout}) on {v.device}: pass plain tensors (a DTensor's "
-                    f"full_tensor(), .to_dense(), .to('{params[k].device}'))"
-                )
+            _check_weight(k, v, params[k])
         try:
             with torch.no_grad():
                 for k, v in sd.items():
@@ -492,3 +474,22 @@ class Engine:
         self.version = self.version + 1 if version is None else version
         self.scheduler.preempt_all()
         return self.version
+
+
+def _check_weight(k: str, v, p: torch.Tensor) -> None:
+    """`update_weights`' rule for one tensor: a plain dense tensor of the parameter's shape, dtype and device."""
+    if not isinstance(v, torch.Tensor):
+        raise ValueError(f"state_dict[{k!r}] is a {type(v).__name__}, not a tensor")
+    if tuple(v.shape) != tuple(p.shape):
+        raise ValueError(f"state_dict[{k!r}] has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
+    if v.dtype != p.dtype:  # a cast is not the bitwise copy exactness needs (docs/design.md §3)
+        raise ValueError(
+            f"state_dict[{k!r}] is {v.dtype}, the engine's model is {p.dtype}: the copy "
+            f"would not be bitwise; cast it yourself (v.to({p.dtype})) if you mean it"
+        )
+    if type(v) not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided or v.device != p.device:
+        raise ValueError(
+            f"state_dict[{k!r}] must be a dense tensor on {p.device}, got a "
+            f"{type(v).__name__} ({v.layout}) on {v.device}: pass plain tensors (a DTensor's "
+            f"full_tensor(), .to_dense(), .to('{p.device}'))"
+        )
