@@ -184,21 +184,26 @@ def _train(cfg, ranks, say) -> int:
         c.close()
     if not ranks.main:
         return 0
-    plots = write_report(c.run_dir)
-    summary = {
-        k: last[k]
-        for k in (
-            "step",
-            "rollout/reward_mean",
-            "eval/accuracy",
-            "train/train_rollout_logprob_abs_diff",
-            "train/train_rollout_logprob_abs_diff_max",
-        )
-        if k in last
-    }
-    print("final:", json.dumps(summary))
-    print(f"report: {plots[0]}")
+    _say_final(c.run_dir, last)
     return 0
+
+
+FINAL_KEYS = (
+    "step",
+    "rollout/reward_mean",
+    "eval/accuracy",
+    "train/train_rollout_logprob_abs_diff",
+    "train/train_rollout_logprob_abs_diff_max",
+)
+
+
+def _say_final(run_dir, last: dict) -> None:
+    """Writes the run's report and prints its last step's headline metrics and the report's path."""
+    from exactrl.train.report import write_report
+
+    plots = write_report(run_dir)
+    print("final:", json.dumps({k: last[k] for k in FINAL_KEYS if k in last}))
+    print(f"report: {plots[0]}")
 
 
 def _close_after(c) -> None:
