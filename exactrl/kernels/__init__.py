@@ -101,6 +101,30 @@ class Kernels:
             return _SwiGLU.apply(gate, up)
         return native.swiglu(gate, up)
 
+    def geglu(self, gate, up):
+        """gelu(gate) * up with gelu's tanh approximation, Gemma's MLP activation. torch's CPU gelu is not
+        batch-invariant: its vector body and its scalar tail compute tanh differently, and which elements fall
+        in a tail depends on the tensor's size and the thread split. So exact runs it as one C pass each way
+        in fp32 (native/pointwise.c), rounded once to the inputs' dtype; `fast` keeps torch's op."""
+        if not self.exact:
+            return torch.nn.functional.gelu(gate, approximate="tanh") * up
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return _GeGLU.apply(gate, up)
+        return native.geglu(gate.float(), up.float()).to(gate.dtype)
+
+    def softcap(self, z, cap: float):
+        """cap * tanh(z / cap) of fp32 logits (Gemma 2's final logit soft-capping), elementwise in C for exact
+        (torch's tanh has the vector-body / scalar-tail split that gelu has); differentiable."""
+        if not self.exact:
+            return torch.tanh(z / cap) * cap
+        if torch.is_grad_enabled() and z.requires_grad:
+            return _SoftCap.apply(z, cap)
+        return native.softcap(z, cap)
+
+    def softcap_grad(self, z, g, cap: float):
+        """The gradient of `softcap` at z for the output gradient g: g (1 - tanh(z / cap)^2); may overwrite g."""
+        return native.softcap_backward(z, g, cap, inplace=g.is_contiguous())
+
     def plan_attention(
         self,
         layout: TokenLayout,
@@ -149,13 +173,14 @@ class Kernels:
         w_t = transposed_panels(w_VD.float())
         return lambda g: input_grad(g, w_t)
 
-    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float, window: int = 0):
-        """Causal attention over the paged store; `window` > 0: each row's last `window` keys only."""
+    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float, window: int = 0, softcap: float = 0.0):
+        """Causal attention over the paged store; `window` > 0: each row's last `window` keys only; `softcap`
+        > 0: scores capped to softcap·tanh(s / softcap) (Gemma 2)."""
         if self.exact:
             assert isinstance(plan, ExactPlan)
-            return _attn.exact_attention(q_NHD, k_pages, v_pages, plan, scale, window)
+            return _attn.exact_attention(q_NHD, k_pages, v_pages, plan, scale, window, softcap)
         assert isinstance(plan, FastPlan)
-        return _attn.fast_attention(q_NHD, k_pages, v_pages, plan, scale, window)
+        return _attn.fast_attention(q_NHD, k_pages, v_pages, plan, scale, window, softcap)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -171,6 +196,37 @@ class _SwiGLU(torch.autograd.Function):
         g, u = ctx.saved_tensors
         dg, du = native.swiglu_backward(g, u, dy.float())
         return dg, du
+
+
+class _GeGLU(torch.autograd.Function):
+    """gelu(g) * u with pointwise.c's forward and its hand-written gradient (the formula is there); fp32 inside,
+    results in the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, g, u):  # type: ignore[override]
+        ctx.save_for_backward(g, u)
+        return native.geglu(g.float(), u.float()).to(g.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        g, u = ctx.saved_tensors
+        dg, du = native.geglu_backward(g.float(), u.float(), dy.float())
+        return dg.to(g.dtype), du.to(u.dtype)
+
+
+class _SoftCap(torch.autograd.Function):
+    """cap * tanh(z / cap) with pointwise.c's forward and gradient (formula in `native.softcap_backward`)."""
+
+    @staticmethod
+    def forward(ctx, z, cap):  # type: ignore[override]
+        ctx.save_for_backward(z)
+        ctx.cap = cap
+        return native.softcap(z, cap)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (z,) = ctx.saved_tensors
+        return native.softcap_backward(z, g.float(), ctx.cap), None
 
 
 class _Rotary(torch.autograd.Function):

@@ -22,6 +22,9 @@ the same bits. Masked keys are simply never visited (they contribute exact
 nothing). A sliding window of W keys (Mistral, Qwen's sliding layers) starts
 a row's keys at max(0, pos - W + 1), transformers' (pos - W, pos]: a function
 of the row's own position, so the order stays fixed past the window too.
+A soft cap c > 0 (Gemma 2) replaces each score by c·tanh(s_t / c) before the
+max (elementwise: the order stays the row's own); `fast` then computes the
+scores with plain products, as SDPA has no cap.
 The loop is one C function per backend (exactrl/kernels/native): the same
 rule expressed in torch ops needs many tiny products per decode step, whose
 dispatch costs more than the arithmetic (docs/performance.md has the figures).
@@ -141,21 +144,31 @@ def write_kv(
 
 
 def exact_attention(
-    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: ExactPlan, scale: float, window: int = 0
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: ExactPlan,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """`window` > 0: each query row attends to its last `window` keys (itself included), else to all."""
+    """`window` > 0: each query row attends to its last `window` keys (itself included), else to all;
+    `softcap` > 0: scores capped to softcap·tanh(s / softcap)."""
     if torch.is_grad_enabled() and (q_NHD.requires_grad or k_pages.requires_grad or v_pages.requires_grad):
-        return _ExactAttention.apply(q_NHD, k_pages, v_pages, plan, scale, window)
-    return _exact_attention(q_NHD, k_pages, v_pages, plan, scale, window=window)
+        return _ExactAttention.apply(q_NHD, k_pages, v_pages, plan, scale, window, softcap)
+    return _exact_attention(q_NHD, k_pages, v_pages, plan, scale, window=window, softcap=softcap)
 
 
-def _exact_attention(q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float, with_lse: bool = False, window: int = 0):
+def _exact_attention(
+    q_NHD, k_pages, v_pages, plan: ExactPlan, scale: float, with_lse: bool = False, window: int = 0, softcap=0.0
+):
     """Output in q's dtype; with `with_lse`, (fp32 output, fp32 log-sum-exp [N, H]) for the backward."""
     if plan.max_page >= k_pages.shape[0]:
         raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
     lay = plan.layout
     # values only (`_ExactAttention` supplies the gradient): the C kernel fills a new tensor autograd never sees
-    out = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, lay.block_table_SJ, scale, with_lse, window)
+    table = lay.block_table_SJ
+    out = native.attention(q_NHD, k_pages, v_pages, lay.seq_N, lay.pos_N, table, scale, with_lse, window, softcap)
     return out if with_lse else out.to(q_NHD.dtype)
 
 
@@ -175,10 +188,10 @@ class _ExactAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_NHD, k_pages, v_pages, plan, scale, window):  # type: ignore[override]
-        o, lse = _exact_attention(q_NHD, k_pages, v_pages, plan, scale, with_lse=True, window=window)
+    def forward(ctx, q_NHD, k_pages, v_pages, plan, scale, window, softcap):  # type: ignore[override]
+        o, lse = _exact_attention(q_NHD, k_pages, v_pages, plan, scale, with_lse=True, window=window, softcap=softcap)
         ctx.save_for_backward(q_NHD, k_pages, v_pages, o, lse)
-        ctx.plan, ctx.scale, ctx.window = plan, scale, window
+        ctx.plan, ctx.scale, ctx.window, ctx.softcap = plan, scale, window, softcap
         return o.to(q_NHD.dtype)
 
     @staticmethod
@@ -201,6 +214,7 @@ class _ExactAttention(torch.autograd.Function):
             table_SJ,
             ctx.scale,
             ctx.window,
+            ctx.softcap,
         )
         pages_x = table_SJ.clamp(min=0).reshape(-1)  # an unused block (-1): its keys' gradients are zero
 
@@ -216,11 +230,18 @@ class _ExactAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def fast_attention(
-    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: FastPlan, scale: float, window: int = 0
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: FastPlan,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     B = k_pages.shape[2]
     J = plan.num_blocks
@@ -241,9 +262,16 @@ def fast_attention(
     mask = key_K <= plan.pos_SQ[:, :, None]
     if window > 0:  # transformers' sliding window: keys in (pos - window, pos]
         mask &= key_K > plan.pos_SQ[:, :, None] - window
-    o = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
-    )
+    if softcap > 0:  # SDPA has no cap: transformers' eager attention, scores capped then masked
+        G = H // k.shape[1]
+        k, v = k.to(q.dtype).repeat_interleave(G, 1), v.to(q.dtype).repeat_interleave(G, 1)
+        s = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+        s = s.masked_fill(~mask[:, None], float("-inf"))
+        o = torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+    else:
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+        )
     o_xHD = o.transpose(1, 2).reshape(S * Q, H, D)  # [S * Q, H, D]
     return torch.zeros_like(q_NHD).index_copy(
         0, plan.tok_SQ.reshape(-1)[plan.valid_x], o_xHD.index_select(0, plan.valid_x)

@@ -154,6 +154,8 @@ class ModelConfig:
     attn_scale: float | None = None  # attention scores' scale, None for head_dim^-1/2
     act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     rope_local: tuple[float, dict] | None = None  # Gemma 3's (theta, RoPE parameters) of its sliding layers
+    attn_softcap: float | None = None  # Gemma 2: attention scores capped to c·tanh(s / c) (attn_logit_softcapping)
+    logit_softcap: float | None = None  # Gemma 2: final logits capped to c·tanh(z / c) (final_logit_softcapping)
     hf: dict[str, Any] = field(default_factory=dict)  # the original config.json, kept for saving
     generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json if any, kept for saving
 

@@ -121,27 +121,27 @@ def gemma_fields(cfg: dict, rope_of) -> dict:
     RMSNorm scaled by (1 + weight), embeddings times sqrt(hidden_size) in the model dtype, a norm after
     attention and around the MLP, GeGLU (gelu, tanh approximation), scores scaled by
     query_pre_attn_scalar^-1/2, and Gemma 3's local RoPE (rope_parameters["sliding_attention"], the older
-    rope_local_base_freq) on its sliding layers. Attention and final logit soft-capping are refused by name:
-    the exact attention kernels do not cap scores, nor the trainer's LM-head path its logits.
+    rope_local_base_freq) on its sliding layers, and soft-capping: attention scores and final logits
+    capped to c·tanh(x / c) (attn_logit_softcapping, final_logit_softcapping; absent, transformers'
+    defaults: 50 and 30 for Gemma 2, off for Gemma 3; null turns a cap off).
     `rope_of(cfg)` reads a flat RoPE config into (theta, checked parameters)."""
     mt = cfg["model_type"]
     if mt not in GEMMA_TYPES:
         return {}
     on = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if mt == "gemma2" else {}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        cap = cfg.get(key, on.get(key))  # absent: transformers' default, on for Gemma 2
-        if cap is not None:
-            raise ValueError(
-                f"config.json: {key}={cap!r}: logit soft-capping is not implemented (the exact kernels "
-                f"would need it in attention and in the LM head); {mt} loads with {key}=null only"
-            )
+    caps = {}
+    for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        cap = cfg.get(key, on.get(key))
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < 1e30):
+            raise ValueError(f"config.json: {key} must be a positive number or null, got {cap!r}")
+        caps[field] = None if cap is None else float(cap)
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GEMMA_ACTS:
         raise ValueError(f"config.json: hidden_activation={act!r} is not implemented for {mt}; only {GEMMA_ACTS}")
     scalar = cfg.get("query_pre_attn_scalar", 256)
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
         raise ValueError(f"config.json: query_pre_attn_scalar must be a positive number, got {scalar!r}")
-    out = dict(gemma=True, attn_scale=float(scalar) ** -0.5, act="gelu_tanh", qk_norm=mt == "gemma3_text")
+    out = dict(gemma=True, attn_scale=float(scalar) ** -0.5, act="gelu_tanh", qk_norm=mt == "gemma3_text", **caps)
     params = cfg.get("rope_parameters")
     if mt == "gemma3_text":
         if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):

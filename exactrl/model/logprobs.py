@@ -248,7 +248,8 @@ class _HeadLogprobs(torch.autograd.Function):
     top-k/top-p cut-offs constant (as autograd treats them):
         ∂lp_t/∂z'_j = 1[j = t] − p_j          (no 1[j = t] when t itself was cut off)
         ∂H/∂z'_j    = −p_j (lp_j + H)          (0 where p_j = 0)
-    then ∂/∂h = ∂z·W (the native linear over Wᵀ, `input_grad`) and ∂/∂W = ∂zᵀ·h
+    through a logit soft cap (Gemma 2, z = c·tanh(z_raw / c)) times 1 − tanh(z_raw / c)², the chunk's
+    z_raw computed again, then ∂/∂h = ∂z·W (the native linear over Wᵀ, `input_grad`) and ∂/∂W = ∂zᵀ·h
     (torch's matmul): only forward values must be batch-invariant. Chunking changes no forward bit: the exact
     projection is row-invariant and every op after it row-wise (tested against
     the unchunked path).
@@ -257,6 +258,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad, backward):  # type: ignore[override]
         temp, top_k, top_p = dist
+        cap = model.config.logit_softcap
         lps, ents, keep = [], [], []
         packed = PackedWeights()  # the head weight packed once for all chunks (it cannot change inside a call)
         V = w_VD.shape[0]
@@ -267,6 +269,8 @@ class _HeadLogprobs(torch.autograd.Function):
             with using_packed(packed):
                 z_cV = model.kernels.linear(h_cD, w_VD).float().contiguous()
             kern = model.kernels
+            if cap is not None:  # Gemma 2: z = c·tanh(z / c), as `model.logits`
+                z_cV = kern.softcap(z_cV, cap)
             if plain and with_entropy:  # one pass, over the logits' own memory: the bits of the two calls below
                 lp_cV, ent_c = kern.log_softmax_entropy(z_cV)
                 ents.append(ent_c)
@@ -283,7 +287,7 @@ class _HeadLogprobs(torch.autograd.Function):
         ent_N = torch.cat(ents) if with_entropy else h_ND.new_zeros(0, dtype=torch.float32)
         ctx.save_for_backward(h_ND, w_VD, tgt_N, lp_N, ent_N)
         ctx.chunks, ctx.temp, ctx.entropy_grad = keep, (temp if temp > 0 else 1.0), entropy_grad
-        ctx.kernels = model.kernels
+        ctx.kernels, ctx.cap = model.kernels, cap
         if not entropy_grad:
             ctx.mark_non_differentiable(ent_N)
         return lp_N, ent_N
@@ -305,6 +309,8 @@ class _HeadLogprobs(torch.autograd.Function):
                 lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl], None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp
             )
             ctx.chunks[c] = None
+            if ctx.cap is not None:  # through the cap: ∂z/∂z_raw = 1 - tanh(z_raw / c)², z_raw recomputed
+                gz_cV = kern.softcap_grad(kern.linear(h_ND[sl], w_VD).float(), gz_cV, ctx.cap)
             if gh_ND is not None:
                 gh_ND[sl] = times_w(gz_cV).to(h_ND.dtype)
             if gw_VD is not None:  # accumulated in place: a [V, D] product and sum per chunk took 1.7x as long

@@ -79,6 +79,7 @@ class Attention(nn.Module):
         self.window = window  # keys a query attends to (a sliding window), 0 for all before it
         self.local_rope = window > 0 and cfg.rope_local is not None  # Gemma 3: its second RoPE table
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        self.softcap = cfg.attn_softcap or 0.0  # Gemma 2's cap on the scores, 0 for none
         H, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.q_proj = Linear(k, D, H * Dh, cfg.qkv_bias)
         self.k_proj = Linear(k, D, Hk * Dh, cfg.qkv_bias)
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
         k_pages, v_pages = self.kernels.write_kv(kv_pages[0], kv_pages[1], k, v, layout, plan)
         kv_pages[0], kv_pages[1] = k_pages, v_pages
-        o = self.kernels.attention(q, k_pages, v_pages, plan, self.scale, self.window)
+        o = self.kernels.attention(q, k_pages, v_pages, plan, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -122,8 +123,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = project(x, self.gate_proj, self.up_proj)
-        if self.act == "gelu_tanh":  # GeGLU (Gemma); elementwise, so invariant
-            return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+        if self.act == "gelu_tanh":  # GeGLU (Gemma)
+            return self.down_proj(self.kernels.geglu(gate, up))
         return self.down_proj(self.kernels.swiglu(gate, up))
 
 
@@ -268,5 +269,8 @@ class CausalLM(nn.Module):
         return [m.weight for m in self.modules() if isinstance(m, Linear)] + tied
 
     def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, V] (computed in the model dtype, then upcast, as HF does)."""
-        return self.kernels.linear(hidden_ND, self.head_weight).float()
+        """fp32 logits [N, V] (computed in the model dtype, then upcast, as HF does), soft-capped where the
+        config caps them (Gemma 2: c·tanh(z / c))."""
+        z_NV = self.kernels.linear(hidden_ND, self.head_weight).float()
+        cap = self.config.logit_softcap
+        return z_NV if cap is None else self.kernels.softcap(z_NV, cap)

@@ -74,9 +74,11 @@ def attention(
     scale: float,
     with_lse: bool = False,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of every query row over its sequence's keys 0..pos, or with a sliding `window` > 0
-    the keys pos - window + 1..pos (exact.c): [N, H, D] fp32, and
+    the keys pos - window + 1..pos, each score capped to softcap * tanh(score / softcap) where `softcap` > 0
+    (exact.c): [N, H, D] fp32, and
     with `with_lse` also each row's log-sum-exp of its scaled scores, m + log(sum_t exp(s_t - m)), [N, H]
     (what a flash backward needs). The layout must have passed `check_layout` (the kernel reads pages
     unchecked)."""
@@ -106,6 +108,7 @@ def attention(
             table.shape[1],
             window,
             scale,
+            softcap,
             out.data_ptr(),
             None if lse is None else lse.data_ptr(),
             torch.get_num_threads(),
@@ -127,6 +130,7 @@ def attention_backward(
     table_SJ: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of `attention` (exact.c, `exactrl_attention_backward`), all fp32: dq [N, H, D] and each
     sequence's key and value gradients [S, Hk, J * B, D] (key t of sequence s at t, zero past its last
@@ -157,6 +161,7 @@ def attention_backward(
             J,
             window,
             scale,
+            softcap,
             dq.data_ptr(),
             dk.data_ptr(),
             dv.data_ptr(),
@@ -294,6 +299,49 @@ def swiglu_backward(
         g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(), torch.get_num_threads()
     )
     return dg, du
+
+
+def geglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
+    """gelu(g) * u (gelu's tanh approximation), elementwise, float32 (pointwise.c)."""
+    assert g.shape == u.shape, (g.shape, u.shape)
+    g, u = _f32(g, u)
+    out = torch.empty_like(g)
+    library(build).exactrl_geglu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def geglu_backward(
+    g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of out = gelu(g) * u for the output gradient dy (pointwise.c)."""
+    assert g.shape == u.shape == dy.shape, (g.shape, u.shape, dy.shape)
+    g, u, dy = _f32(g, u, dy)
+    dg, du = torch.empty_like(g), torch.empty_like(g)
+    library(build).exactrl_geglu_backward(
+        g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(), torch.get_num_threads()
+    )
+    return dg, du
+
+
+def softcap(x: torch.Tensor, cap: float, build: str = "") -> torch.Tensor:
+    """cap * tanh(x / cap), elementwise, float32 (pointwise.c)."""
+    (x,) = _f32(x)
+    out = torch.empty_like(x)
+    if x.numel():
+        library(build).exactrl_softcap(x.data_ptr(), x.numel(), float(cap), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def softcap_backward(x: torch.Tensor, dy: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
+    """dx = dy (1 - tanh(x / cap)^2), the gradient of `softcap` at x; with `inplace`, written over dy."""
+    assert x.shape == dy.shape, (x.shape, dy.shape)
+    x, dy = _f32(x, dy)
+    dx = dy if inplace else torch.empty_like(dy)
+    if x.numel():
+        library().exactrl_softcap_backward(
+            x.data_ptr(), dy.data_ptr(), x.numel(), float(cap), dx.data_ptr(), torch.get_num_threads()
+        )
+    return dx
 
 
 def log_softmax(z_RV: torch.Tensor, build: str = "") -> torch.Tensor:

@@ -124,10 +124,10 @@ def _library(build: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.exactrl_attention.argtypes = (
-        [ptr] * 3 + [ctypes.c_int] + [ptr] * 3 + [i64] * 7 + [ctypes.c_float, ptr, ptr, ctypes.c_int]
+        [ptr] * 3 + [ctypes.c_int] + [ptr] * 3 + [i64] * 7 + [ctypes.c_float] * 2 + [ptr, ptr, ctypes.c_int]
     )
     lib.exactrl_attention.restype = ctypes.c_int
-    lib.exactrl_attention_backward.argtypes = [ptr] * 9 + [i64] * 8 + [ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+    lib.exactrl_attention_backward.argtypes = [ptr] * 9 + [i64] * 8 + [ctypes.c_float] * 2 + [ptr] * 3 + [ctypes.c_int]
     lib.exactrl_attention_backward.restype = ctypes.c_int
     lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_rms_norm.restype = None
@@ -151,6 +151,10 @@ def _library(build: str) -> ctypes.CDLL:
         ("exactrl_swiglu", [ptr, ptr, i64, ptr, ctypes.c_int]),
         ("exactrl_log_softmax", [ptr, i64, i64, ptr, ctypes.c_int]),
         ("exactrl_swiglu_backward", [ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]),
+        ("exactrl_geglu", [ptr, ptr, i64, ptr, ctypes.c_int]),
+        ("exactrl_geglu_backward", [ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]),
+        ("exactrl_softcap", [ptr, i64, f32, ptr, ctypes.c_int]),
+        ("exactrl_softcap_backward", [ptr, ptr, i64, f32, ptr, ctypes.c_int]),
         ("exactrl_rms_norm_backward", [ptr, ptr, ptr, i64, i64, f32, ptr, ptr, ctypes.c_int]),
         ("exactrl_draw", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),
         ("exactrl_sample", [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]),

@@ -13,6 +13,8 @@
  *
  * with w = 0, or w = max(0, p - window + 1) for a sliding window of `window` keys (transformers' (p - window,
  * p]): the first key is a function of the row's own position, so its sums still start at one fixed key.
+ * With a soft cap c > 0 (Gemma 2) each score is capped first, s_t = c tanh(s_t / c) (tanh_f, exp_f.h):
+ * elementwise, so the order stays the row's own.
  *
  * Nothing depends on how many other rows, tokens or sequences share the call,
  * on where a key's page lies, on how a prompt was chunked, or on the thread
@@ -330,7 +332,7 @@ static inline int64_t window_start(int64_t p, int64_t window) {
 int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, int bf16,
                       const int64_t *seq_N, const int64_t *pos_N, const int64_t *table_SJ,
                       int64_t N, int64_t H, int64_t Hk, int64_t D, int64_t B, int64_t J, int64_t window,
-                      float scale, float *out, float *lse, int threads) {
+                      float scale, float softcap, float *out, float *lse, int threads) {
     const int64_t G = H / Hk, row_bytes = D * (bf16 ? 2 : 4);
     int64_t max_len = 0;  /* the longest key range (max position + 1): the score rows' length */
     for (int64_t n = 0; n < N; n++) max_len = pos_N[n] + 1 > max_len ? pos_N[n] + 1 : max_len;
@@ -377,6 +379,10 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
                     t += keys;
                 }
             }
+            if (softcap > 0.0f)
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t t = lo; t < L; t++)
+                        sc[g * max_len + t] = softcap * tanh_f(sc[g * max_len + t] / softcap);
             for (int64_t g = 0; g < G; g++) {
                 const float m = row_max(sc + g * max_len + lo, L - lo);
                 for (int64_t t = lo; t < L; t++) sc[g * max_len + t] = exp_f(sc[g * max_len + t] - m);
@@ -400,7 +406,7 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
  * g the output's gradient, for query row n (sequence s, position p) and head h of kv head kvh,
  *
  *     P_t  = exp(s_t - lse)          s_t = (scale q) . k_t as the forward's, t = w..p (its window)
- *     dS_t = P_t (g . v_t - g . o)
+ *     dS_t = P_t (g . v_t - g . o)   times (1 - tanh(s_t / c)^2) with a soft cap c > 0 (s_t then capped)
  *     dq   = scale sum_t dS_t k_t;   dk_t += dS_t (scale q);   dv_t += P_t g
  *
  * (the flash-attention backward). No bit of a gradient needs to be batch-invariant, but every one is
@@ -411,8 +417,8 @@ int exactrl_attention(const void *q, const void *k_pages, const void *v_pages, i
 int exactrl_attention_backward(const float *q, const float *k_pages, const float *v_pages, const float *o,
                                const float *lse, const float *g, const int64_t *seq_N, const int64_t *pos_N,
                                const int64_t *table_SJ, int64_t N, int64_t S, int64_t H, int64_t Hk, int64_t D,
-                               int64_t B, int64_t J, int64_t window, float scale, float *dq, float *dk_S, float *dv_S,
-                               int threads) {
+                               int64_t B, int64_t J, int64_t window, float scale, float softcap, float *dq,
+                               float *dk_S, float *dv_S, int threads) {
     const int64_t G = H / Hk, Lmax = J * B;
     /* each sequence's query rows in call order (a counting sort) and its last position (-1: none) */
     int64_t *start = calloc((size_t)(3 * S + 1 + N), sizeof(int64_t)); /* start [S + 1], at [S], last [S], rows [N] */
@@ -471,10 +477,17 @@ int exactrl_attention_backward(const float *q, const float *k_pages, const float
                 for (int64_t h = 0; h < G; h++) {
                     const float m = lse[n * H + kvh * G + h];
                     float *p = pr + h * max_len, *e = ds + h * max_len;
-                    for (int64_t t = lo; t < L; t++) {
-                        p[t] = exp_f(p[t] - m);
-                        e[t] = p[t] * (e[t] - delta[h]);
-                    }
+                    if (softcap > 0.0f)
+                        for (int64_t t = lo; t < L; t++) {
+                            const float th = tanh_f(p[t] / softcap);
+                            p[t] = exp_f(softcap * th - m);
+                            e[t] = p[t] * (e[t] - delta[h]) * (1.0f - th * th);
+                        }
+                    else
+                        for (int64_t t = lo; t < L; t++) {
+                            p[t] = exp_f(p[t] - m);
+                            e[t] = p[t] * (e[t] - delta[h]);
+                        }
                 }
                 /* pass 2: the sums over keys (dq) and over query rows (dk, dv) */
                 for (int64_t t0 = lo / B * B; t0 < L; t0 += B) {

@@ -9,7 +9,7 @@
 
 typedef struct {
     int64_t kind; /* index into KERNELS */
-    int64_t a[18];
+    int64_t a[19];
     double f[2];
 } exactrl_op;
 
@@ -25,8 +25,8 @@ void exactrl_rms_norm(const void *, const void *, int, int64_t, int64_t, float, 
 void exactrl_rotary(const void *, const float *, const float *, int, int64_t, int64_t, int64_t, void *);
 void exactrl_write_rows(const void *, const int64_t *, int64_t, int64_t, void *);
 int exactrl_attention(const void *, const void *, const void *, int, const int64_t *, const int64_t *,
-                      const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float *,
-                      float *, int);
+                      const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
+                      float *, float *, int);
 void exactrl_swiglu(const float *, const float *, int64_t, float *, int);
 void exactrl_add(const float *, const float *, int64_t, int64_t, float *);
 void exactrl_scale(const float *, int64_t, float, float *);
@@ -44,7 +44,7 @@ int64_t exactrl_graph_run(const exactrl_op *ops, int64_t n) {
         case 4: exactrl_write_rows(P(0), P(1), a[2], a[3], P(4)); break;
         case 5:
             if (exactrl_attention(P(0), P(1), P(2), (int)a[3], P(4), P(5), P(6), a[7], a[8], a[9], a[10], a[11],
-                                  a[12], a[13], (float)f[0], P(15), P(16), (int)a[17]))
+                                  a[12], a[13], (float)f[0], (float)f[1], P(16), P(17), (int)a[18]))
                 return i + 1;
             break;
         case 6: exactrl_swiglu(P(0), P(1), a[2], P(3), (int)a[4]); break;

@@ -16,7 +16,7 @@ from exactrl.kernels import native
 
 
 class _Op(ctypes.Structure):  # graph.c's exactrl_op
-    _fields_ = [("kind", ctypes.c_int64), ("a", ctypes.c_int64 * 18), ("f", ctypes.c_double * 2)]
+    _fields_ = [("kind", ctypes.c_int64), ("a", ctypes.c_int64 * 19), ("f", ctypes.c_double * 2)]
 
 
 @contextlib.contextmanager

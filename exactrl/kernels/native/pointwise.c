@@ -1,5 +1,6 @@
-/* exactrl's native elementwise and row kernels (float32): SwiGLU and its gradient, the sampling
- * distribution's log-softmax, the engine's token draw, and the LM head's entropy and logit gradient.
+/* exactrl's native elementwise and row kernels (float32): SwiGLU, GeGLU and logit soft-capping and their
+ * gradients, the sampling distribution's log-softmax, the engine's token draw, and the LM head's entropy and
+ * logit gradient.
  *
  * None of them reduces across rows, so none can make a row depend on the batch; each exists to do in one
  * pass over memory what takes several torch ops (and as many passes). Where a kernel sums (a row's
@@ -52,6 +53,71 @@ void exactrl_swiglu_backward(const float *g, const float *u, const float *dy, in
             const float s = 1.0f / (1.0f + exp_f(-g[i]));
             du[i] = dy[i] * (g[i] * s);
             dg[i] = dy[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+        }
+        FP_MODE_LEAVE;
+    }
+}
+
+/* gelu's tanh approximation (Gemma's GeGLU), tanh_f(exp_f.h) for tanh:
+ *     gelu(g) = 0.5 g (1 + t),   t = tanh(c (g + 0.044715 g^3)),   c = sqrt(2 / pi)
+ *     gelu'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 * 0.044715 g^2) */
+#define GELU_C 0.7978845608028654f
+#define GELU_K 0.044715f
+static inline float gelu_t(float g) { return tanh_f(GELU_C * (g + GELU_K * (g * g * g))); }
+
+/* out = gelu(g) * u, elementwise over n floats. */
+void exactrl_geglu(const float *g, const float *u, int64_t n, float *out, int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 4 * CHUNK)
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        FP_MODE_ENTER;
+        const int64_t end = c + CHUNK < n ? c + CHUNK : n;
+        for (int64_t i = c; i < end; i++) out[i] = 0.5f * g[i] * (1.0f + gelu_t(g[i])) * u[i];
+        FP_MODE_LEAVE;
+    }
+}
+
+/* The gradient of out = gelu(g) * u:  du = dy gelu(g),  dg = dy u gelu'(g) (gelu' above). */
+void exactrl_geglu_backward(const float *g, const float *u, const float *dy, int64_t n, float *dg, float *du,
+                            int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 4 * CHUNK)
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        FP_MODE_ENTER;
+        const int64_t end = c + CHUNK < n ? c + CHUNK : n;
+        for (int64_t i = c; i < end; i++) {
+            const float x = g[i], t = gelu_t(x);
+            du[i] = dy[i] * (0.5f * x * (1.0f + t));
+            const float slope = 0.5f * x * (1.0f - t * t) * GELU_C * (1.0f + 3.0f * GELU_K * x * x);
+            dg[i] = dy[i] * u[i] * (0.5f * (1.0f + t) + slope);
+        }
+        FP_MODE_LEAVE;
+    }
+}
+
+/* Logit soft-capping (Gemma 2): out = cap tanh(x / cap), elementwise over n floats. */
+void exactrl_softcap(const float *x, int64_t n, float cap, float *out, int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 4 * CHUNK)
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        FP_MODE_ENTER;
+        const int64_t end = c + CHUNK < n ? c + CHUNK : n;
+        for (int64_t i = c; i < end; i++) out[i] = cap * tanh_f(x[i] / cap);
+        FP_MODE_LEAVE;
+    }
+}
+
+/* The gradient of out = cap tanh(x / cap):  dx = dy (1 - t^2),  t = tanh(x / cap) recomputed from x.
+ * dx may be dy (in place). */
+void exactrl_softcap_backward(const float *x, const float *dy, int64_t n, float cap, float *dx, int threads) {
+    FP_MODE_OF_CALLER;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 4 * CHUNK)
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        FP_MODE_ENTER;
+        const int64_t end = c + CHUNK < n ? c + CHUNK : n;
+        for (int64_t i = c; i < end; i++) {
+            const float t = tanh_f(x[i] / cap);
+            dx[i] = dy[i] * (1.0f - t * t);
         }
         FP_MODE_LEAVE;
     }

@@ -149,6 +149,20 @@ class TritonKernels(Kernels):
             return F.silu(gate) * up
         return _SwiGLU.apply(gate, up)
 
+    def geglu(self, gate, up):
+        if not self.exact:
+            return F.gelu(gate, approximate="tanh") * up
+        return _GeGLU.apply(gate, up)
+
+    def softcap(self, z, cap: float):
+        if not self.exact:
+            return torch.tanh(z / cap) * cap
+        return _SoftCap.apply(z, cap)
+
+    def softcap_grad(self, z, g, cap: float):
+        t = torch.tanh(z.float() / cap)
+        return g * (1 - t * t)
+
     def plan_attention(
         self,
         layout: TokenLayout,
@@ -186,12 +200,12 @@ class TritonKernels(Kernels):
         v_pages.view(-1, D).index_copy_(0, rows, v_xD)
         return k_pages, v_pages
 
-    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float, window: int = 0):
+    def attention(self, q_NHD, k_pages, v_pages, plan, scale: float, window: int = 0, softcap: float = 0.0):
         if plan.max_page >= k_pages.shape[0]:
             raise ValueError(f"token layout: page {plan.max_page} is beyond the KV store's {k_pages.shape[0]} pages")
         if not self.exact:
-            return _attn.fast_attention(q_NHD, k_pages, v_pages, plan.fast(), scale, window)
-        return _Attention.apply(q_NHD, k_pages, v_pages, plan, scale, window)
+            return _attn.fast_attention(q_NHD, k_pages, v_pages, plan.fast(), scale, window, softcap)
+        return _Attention.apply(q_NHD, k_pages, v_pages, plan, scale, window, softcap)
 
     def log_softmax(self, z_NV):
         if not self.exact:
@@ -296,15 +310,50 @@ class _SwiGLU(torch.autograd.Function):
         return dg.to(g.dtype), du.to(u.dtype)
 
 
+class _GeGLU(torch.autograd.Function):
+    """gelu(g) · u (`ops.geglu`); its gradient in torch ops (elementwise, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, g, u):  # type: ignore[override]
+        ctx.save_for_backward(g, u)
+        return _ops().geglu(g, u)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        g, u = ctx.saved_tensors
+        gf, uf, dyf = g.float(), u.float(), dy.float()
+        c, k = 0.7978845608028654, 0.044715
+        t = torch.tanh(c * (gf + k * gf**3))
+        dg = dyf * uf * (0.5 * (1 + t) + 0.5 * gf * (1 - t * t) * c * (1 + 3 * k * gf * gf))
+        du = dyf * 0.5 * gf * (1 + t)
+        return dg.to(g.dtype), du.to(u.dtype)
+
+
+class _SoftCap(torch.autograd.Function):
+    """cap · tanh(z / cap) (`ops.softcap`); gradient g (1 - tanh(z / cap)^2) in torch ops."""
+
+    @staticmethod
+    def forward(ctx, z, cap):  # type: ignore[override]
+        ctx.save_for_backward(z)
+        ctx.cap = cap
+        return _ops().softcap(z, cap)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (z,) = ctx.saved_tensors
+        t = torch.tanh(z.float() / ctx.cap)
+        return (g.float() * (1 - t * t)).to(z.dtype), None
+
+
 class _Attention(torch.autograd.Function):
     """Exact forward values (`attention.attention`); the gradient is SDPA's, recomputed from the inputs."""
 
     @staticmethod
-    def forward(ctx, q_NHD, k_pages, v_pages, plan: TritonPlan, scale, window):  # type: ignore[override]
+    def forward(ctx, q_NHD, k_pages, v_pages, plan: TritonPlan, scale, window, softcap):  # type: ignore[override]
         ctx.save_for_backward(q_NHD, k_pages, v_pages)
-        ctx.plan, ctx.scale, ctx.window = plan, scale, window
+        ctx.plan, ctx.scale, ctx.window, ctx.softcap = plan, scale, window, softcap
         o, _ = _attention_ops().attention(
-            q_NHD, k_pages, v_pages, plan.tiles, plan.seq_N, plan.pos_N, plan.table_SJ, scale, window
+            q_NHD, k_pages, v_pages, plan.tiles, plan.seq_N, plan.pos_N, plan.table_SJ, scale, window, softcap
         )
         return o
 
@@ -313,7 +362,7 @@ class _Attention(torch.autograd.Function):
         saved = ctx.saved_tensors
         with torch.enable_grad():
             ins = [t.detach().requires_grad_(True) for t in saved]
-            o = _attn.fast_attention(ins[0], ins[1], ins[2], ctx.plan.fast(), ctx.scale, ctx.window)
+            o = _attn.fast_attention(ins[0], ins[1], ins[2], ctx.plan.fast(), ctx.scale, ctx.window, ctx.softcap)
             grads = torch.autograd.grad(o, ins, g_NHD)
         need = ctx.needs_input_grad
-        return tuple(gr if need[i] else None for i, gr in enumerate(grads)) + (None, None, None)
+        return tuple(gr if need[i] else None for i, gr in enumerate(grads)) + (None, None, None, None)

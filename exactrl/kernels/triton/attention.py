@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.kernels.triton.ops import ATTN_BLOCK_M, INTERPRETED, _dot
+from exactrl.kernels.triton.ops import ATTN_BLOCK_M, INTERPRETED, _dot, _tanh
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -32,6 +32,7 @@ def _attention_kernel(
     H,
     HK,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     G: tl.constexpr,
     TOK: tl.constexpr,
     D: tl.constexpr,
@@ -56,6 +57,7 @@ def _attention_kernel(
     while its m is still -inf, alpha and p are taken against 0 instead of m_new (exp(-inf - -inf) would be
     NaN), so alpha = p = 0 and l and acc stay +0 bit for bit; the row's first page in its window then starts
     the sums as it would had the walk begun there. WINDOW is a compile-time constant (one kernel per window).
+    SOFTCAP > 0 (Gemma 2) caps each score to SOFTCAP·tanh(s / SOFTCAP) before the mask: elementwise.
     """
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -87,6 +89,8 @@ def _attention_kernel(
         k = tl.load(k_ptr + kv_off, mask=d[None, :] < D, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=d[None, :] < D, other=0.0)
         s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, B), tl.float32), IEEE, INTERP) * scale
+        if SOFTCAP > 0:
+            s = SOFTCAP * _tanh(s / SOFTCAP)
         key = (j * B + b)[None, :]
         seen = key <= pos[:, None]
         if WINDOW > 0:
@@ -132,10 +136,11 @@ def attention(
     table_SJ,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [N, H, D] in q's dtype, log-sum-exp [N, H] fp32) of causal attention over the paged store
     [P, Hk, B, D]; `tiles` from `attention_tiles`, every tensor on q's device. `window` > 0: each row's last
-    `window` keys only."""
+    `window` keys only; `softcap` > 0: scores capped to softcap·tanh(s / softcap)."""
     n, h, d = q_NHD.shape
     _, hk, blk, _ = k_pages.shape
     group = h // hk
@@ -160,6 +165,7 @@ def attention(
             h,
             hk,
             WINDOW=int(window),
+            SOFTCAP=float(softcap),
             G=group,
             TOK=max(1, ATTN_BLOCK_M // group),
             D=d,

@@ -238,6 +238,51 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _tanh(x):
+    """tanh as the native kernels' tanh_f (exp_f.h): a Taylor polynomial below |x| = 1/16, else
+    sign(x)(1 - 2 / (exp(2|x|) + 1)) (exp: Triton's)."""
+    a = tl.abs(x)
+    x2 = x * x
+    small = x + x * x2 * ((-17.0 / 315.0 * x2 + 2.0 / 15.0) * x2 - 1.0 / 3.0)
+    big = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+    return tl.where(a < 0.0625, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
+def _geglu_kernel(g_ptr, u_ptr, y_ptr, numel, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + i, mask=i < numel, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + i, mask=i < numel, other=0.0).to(tl.float32)
+    t = _tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g)))
+    tl.store(y_ptr + i, (0.5 * g * (1.0 + t) * u).to(y_ptr.dtype.element_ty), mask=i < numel)
+
+
+def geglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """gelu(g) · u (gelu's tanh approximation), one fp32 expression per element, rounded once."""
+    g, u = g.contiguous(), u.contiguous()
+    y = torch.empty_like(g)
+    if g.numel():
+        _geglu_kernel[(triton.cdiv(g.numel(), 4096),)](g, u, y, g.numel(), BLOCK=4096)
+    return y
+
+
+@triton.jit
+def _softcap_kernel(x_ptr, y_ptr, numel, cap, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < numel, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, (cap * _tanh(x / cap)).to(y_ptr.dtype.element_ty), mask=i < numel)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap · tanh(x / cap), one fp32 expression per element, rounded once."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        _softcap_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), float(cap), BLOCK=4096)
+    return y
+
+
+@triton.jit
 def _log_softmax_kernel(
     z_ptr, lp_ptr, ent_ptr, R, V, WITH_ENTROPY: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr
 ):

@@ -439,6 +439,75 @@ def test_write_rows_is_index_copy_and_refuses_a_row_outside_the_store():
         native.write_rows(dst, torch.tensor([10]), src[:1], 10)
 
 
+def test_tanh_is_within_2e_7_and_keeps_the_special_values():
+    """exp_f.h's tanh_f, read through softcap with cap 1: |tanh_f(x) - tanh(x)| <= 2e-7 over a dense grid
+    (both sides of the 1/16 switch, the saturation), odd, and tanh's values at 0, +-inf and NaN."""
+    x = torch.cat([torch.linspace(-12, 12, 2_000_001), torch.linspace(-0.07, 0.07, 200_001)])
+    got = native.softcap(x, 1.0)
+    assert float((got.double() - torch.tanh(x.double())).abs().max()) <= 2e-7
+    assert torch.equal(native.softcap(-x, 1.0), -got)
+    special = native.softcap(torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e30]), 1.0)
+    assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and special[4].isnan() and special[5] == 1.0
+    assert torch.signbit(special[1])
+    assert torch.allclose(native.softcap(x, 30.0), 30.0 * torch.tanh(x / 30.0), rtol=0, atol=30 * 2e-7)
+
+
+def test_geglu_and_softcap_gradients_are_autograds():
+    """pointwise.c's GeGLU is gelu(tanh approximation) * up (float64) within tanh_f's error, its gradient
+    autograd's; the soft cap's gradient is autograd's of cap·tanh(x / cap); through the exact kernels (fp32
+    and bf16) the C passes' bits."""
+    g = torch.Generator().manual_seed(0)
+    gate, up, dy = (torch.randn(37, 300, generator=g) * 4 for _ in range(3))
+    gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    g64 = gate.double()
+    want = 0.5 * g64 * (1 + torch.tanh((2 / math.pi) ** 0.5 * (g64 + 0.044715 * g64**3))) * up.double()
+    # tanh_f's absolute error (2e-7) scaled by 0.5·|g·u|, and float32 rounding
+    err = (native.geglu(gate, up).double() - want).abs()
+    assert bool((err <= 1e-6 * want.abs() + 2e-7 * (g64 * up.double()).abs()).all())
+    gg, uu = g64.clone().requires_grad_(), up.double().requires_grad_()
+    (torch.nn.functional.gelu(gg, approximate="tanh") * uu).backward(dy.double())
+    dg, du = native.geglu_backward(gate, up, dy)
+    # the error of 1 ± t and 1 - t² (a few 1e-7 absolute) times the factors around them
+    room = 5e-7 * (dy * up).abs().double() * (1 + g64.abs() ** 3)
+    assert bool(((dg.double() - gg.grad).abs() <= 1e-5 * gg.grad.abs() + room).all())
+    assert bool(((du.double() - uu.grad).abs() <= 1e-5 * uu.grad.abs() + 2e-7 * (dy.double() * g64).abs()).all())
+    k = get_kernels("exact")
+    gg2, uu2 = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = k.geglu(gg2, uu2)
+    assert torch.equal(out, native.geglu(gate, up))
+    out.backward(dy)
+    assert torch.equal(gg2.grad, dg) and torch.equal(uu2.grad, du)
+    half = k.geglu(gate.bfloat16(), up.bfloat16())
+    assert half.dtype == torch.bfloat16 and torch.equal(
+        half, native.geglu(gate.bfloat16().float(), up.bfloat16().float()).bfloat16()
+    )
+    x = gate.clone().requires_grad_()
+    (torch.tanh(x / 3.0) * 3.0).backward(dy)
+    xx = gate.clone().requires_grad_()
+    k.softcap(xx, 3.0).backward(dy)
+    assert torch.allclose(xx.grad, x.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(xx.grad, native.softcap_backward(gate, dy, 3.0))
+
+
+def test_geglu_rows_do_not_depend_on_the_batch_or_the_threads():
+    """A row of the C GeGLU has the same bits alone, in any batch and at 1 or 2 threads (a width that is not a
+    multiple of any vector width: torch's gelu computes such a row's last elements in its scalar tail when
+    the row is alone, in its vector body inside a batch)."""
+    g = torch.Generator().manual_seed(1)
+    gate, up = torch.randn(64, 1000, generator=g) * 3, torch.randn(64, 1000, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(native.geglu(gate, up))
+            alone = torch.stack([native.geglu(gate[r : r + 1], up[r : r + 1])[0] for r in range(64)])
+            assert torch.equal(outs[-1], alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("build", ["avx2", "portable"])
 def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
     """pointwise.c's exp is plain arithmetic: vectorised 16 or 8 wide, or not at all, the same bits."""
@@ -460,6 +529,9 @@ def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
         lambda b: native.exp(x, b),
         lambda b: native.swiglu(x, x.flip(0), b),
         lambda b: torch.cat(native.swiglu_backward(x, x.flip(0), x.flip(1), b)),
+        lambda b: native.geglu(x, x.flip(0), b),
+        lambda b: torch.cat(native.geglu_backward(x, x.flip(0), x.flip(1), b)),
+        lambda b: native.softcap(x, 7.0, b),
         lambda b: native.draw(lp, 256, u, torch.zeros(5, dtype=torch.bool), b)[0],
         lambda b: native.log_softmax(x, b),
         lambda b: native.entropy(lp, b),
@@ -476,9 +548,10 @@ def test_pointwise_kernels_give_the_same_bits_in_every_build(build):
         assert got.data_ptr() == own.data_ptr() and torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
 @pytest.mark.parametrize("build", ["avx2", "portable"])
-def test_attention_gives_the_same_bits_in_every_build(build):
-    """exact.c's attention on exp_f (no libm expf): another vector width, or none, the same bits."""
+def test_attention_gives_the_same_bits_in_every_build(build, softcap):
+    """exact.c's attention on exp_f and tanh_f (no libm): another vector width, or none, the same bits."""
     if build.encode() == native.library().exactrl_gemm_build() or (
         build == "avx2" and native.library("avx2").exactrl_gemm_build() != b"avx2"
     ):
@@ -512,13 +585,14 @@ def test_attention_gives_the_same_bits_in_every_build(build):
             3,
             0,
             0.125,
+            softcap,
             out.data_ptr(),
             None,
             torch.get_num_threads(),
         )
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    assert torch.equal(outs[0], native.attention(q, k, v, seq, pos, table, 0.125))
+    assert torch.equal(outs[0], native.attention(q, k, v, seq, pos, table, 0.125, softcap=softcap))
 
 
 @pytest.mark.parametrize("G", [2, 3, 8, 9])  # 2..8: exact.c's register paths for G heads at once; 9: the loop

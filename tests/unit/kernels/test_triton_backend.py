@@ -205,3 +205,24 @@ def test_the_backend_is_refused_by_name_where_it_cannot_run(tiny_dir, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         exactrl.load_model(tiny_dir, backend="triton")
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    """Gemma 2 with soft caps a tiny random model reaches (scores and logits in tanh's bend), sliding layers."""
+    d = tmp_path_factory.mktemp("gemma2_triton")
+    make_hf_model(d, "gemma2", sliding_window=6, attn_logit_softcapping=1.5, final_logit_softcapping=2.0)
+    return d
+
+
+def test_gemma2_soft_caps_through_the_triton_backend(gemma2_dir):
+    """GeGLU, capped scores and capped logits in Triton: engine == trainer bitwise, the native backend's
+    logprobs to rounding; the fast twin differs."""
+    model = exactrl.load_model(gemma2_dir, kernels="exact", backend="triton")
+    assert engine_vs_trainer(model) == 0.0
+    seqs = [[random.Random(5).randrange(211) for _ in range(30)]]
+    with torch.no_grad():
+        ours = exactrl.sequence_logprobs(model, seqs)[0]
+        native_lp = exactrl.sequence_logprobs(exactrl.load_model(gemma2_dir), seqs)[0]
+    assert (ours - native_lp).abs().max() <= 1e-4
+    assert engine_vs_trainer(exactrl.load_model(gemma2_dir, kernels="fast", backend="triton")) > 0.0

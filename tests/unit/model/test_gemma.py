@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 text against transformers (test-only oracle): (1 + w) norms, scaled embeddings,
-sandwich norms, GeGLU, query_pre_attn_scalar, alternating sliding/global layers and Gemma 3's local RoPE;
-what is not implemented (logit soft-capping) is refused by name."""
+sandwich norms, GeGLU, query_pre_attn_scalar, alternating sliding/global layers, Gemma 3's local RoPE and
+Gemma 2's attention and final logit soft-capping; bad values are refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from conftest import make_hf_model, random_sequences
 
 import exactrl
+from exactrl.model.logprobs import token_logprobs
 
 V = 211
 LAYERS = ["sliding_attention", "full_attention"]
@@ -20,6 +21,9 @@ GEMMA3_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
 NO_CAPS = dict(attn_logit_softcapping=None, final_logit_softcapping=None)
+# caps small enough that a tiny random model's scores and logits reach tanh's bend (its defaults, 50 and 30,
+# leave them nearly linear)
+TIGHT_CAPS = dict(attn_logit_softcapping=1.5, final_logit_softcapping=2.0)
 
 
 def _hf_logprobs(hf, seq):
@@ -33,6 +37,8 @@ def _hf_logprobs(hf, seq):
         ("gemma3", dict(sliding_window=7, layer_types=LAYERS, query_pre_attn_scalar=20, rope_parameters=GEMMA3_ROPE)),
         ("gemma3", dict(sliding_window=9, tie_word_embeddings=False, attention_bias=True)),
         ("gemma2", dict(sliding_window=5, query_pre_attn_scalar=24, **NO_CAPS)),
+        ("gemma2", dict(sliding_window=5, query_pre_attn_scalar=24, **TIGHT_CAPS)),
+        ("gemma2", dict(sliding_window=6)),  # transformers' default caps
     ],
 )
 def test_gemma_matches_transformers_fp32(tmp_path, arch, over):
@@ -83,27 +89,51 @@ def test_built_gemma_starts_from_identity_norms(tmp_path):
 @pytest.mark.parametrize(
     "arch, edit, words",
     [
-        ("gemma2", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: logit soft-capping is not"),
-        (
-            "gemma2",
-            {"final_logit_softcapping": None, "attn_logit_softcapping": None, "hidden_activation": "relu"},
-            "hidden_activation='relu' is not implemented",
-        ),
-        ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: logit soft-capping"),
+        ("gemma2", {"attn_logit_softcapping": -50.0}, "attn_logit_softcapping must be a positive number or null"),
+        ("gemma2", {"final_logit_softcapping": "30"}, "final_logit_softcapping must be a positive number or null"),
+        ("gemma2", {"hidden_activation": "relu"}, "hidden_activation='relu' is not implemented"),
+        ("gemma3", {"final_logit_softcapping": True}, "final_logit_softcapping must be a positive number"),
         ("gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
         ("gemma3", {"sliding_window": None}, "sliding_window=null with sliding layers"),
         ("gemma3", {"layer_types": ["sliding_attention"]}, "layer_types must list 2 layer types"),
     ],
 )
 def test_unsupported_gemma_configs_are_named(tmp_path, arch, edit, words):
-    make_hf_model(tmp_path, arch, **(NO_CAPS if arch == "gemma2" else {}))
+    make_hf_model(tmp_path, arch)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(ValueError, match=words):
         exactrl.load_model(tmp_path)
 
 
-def test_gemma2_with_its_default_soft_capping_is_refused(tmp_path):
-    make_hf_model(tmp_path, "gemma2")  # transformers' defaults: 50.0 on attention scores, 30.0 on logits
-    with pytest.raises(ValueError, match="logit soft-capping is not implemented"):
-        exactrl.load_model(tmp_path)
+def test_gemma2_soft_caps_are_read_with_transformers_defaults(tmp_path):
+    make_hf_model(tmp_path / "a", "gemma2")  # absent from the config: 50.0 on attention scores, 30.0 on logits
+    cfg = exactrl.load_model(tmp_path / "a").config
+    assert (cfg.attn_softcap, cfg.logit_softcap) == (50.0, 30.0)
+    make_hf_model(tmp_path / "b", "gemma3")  # Gemma 3: none
+    cfg = exactrl.load_model(tmp_path / "b").config
+    assert (cfg.attn_softcap, cfg.logit_softcap) == (None, None)
+
+
+def test_soft_capped_logits_and_their_gradient(tmp_path):
+    """model.logits caps: |z| < cap, the caps change the logits, and the trainer's logprob gradient through
+    the capped head matches the same loss through torch's own tanh (fp32, within rounding)."""
+    make_hf_model(tmp_path, "gemma2", sliding_window=5, **TIGHT_CAPS)
+    seqs = random_sequences(random.Random(2), 2, 12, 20, V)
+    model = exactrl.load_model(tmp_path)
+    model.zero_grad()
+    lps = token_logprobs(model, seqs, with_entropy=True)
+    (sum(lp.sum() for lp in lps[0]) + sum(e.sum() for e in lps[1])).backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref = exactrl.load_model(tmp_path, kernels="fast")  # torch's ops: tanh, log_softmax, autograd
+    ref.zero_grad()
+    lps_ref = token_logprobs(ref, seqs, with_entropy=True)
+    (sum(lp.sum() for lp in lps_ref[0]) + sum(e.sum() for e in lps_ref[1])).backward()
+    for n, p in ref.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+    with torch.no_grad():
+        h = torch.randn(5, model.config.hidden_size) * 30
+        z = model.logits(h)
+        raw = model.kernels.linear(h, model.head_weight).float()
+    assert float(z.abs().max()) < 2.0 and not torch.allclose(z, raw)

@@ -19,9 +19,9 @@ from exactrl.kernels import native, sampling_logprobs
 from exactrl.model.logprobs import pack_layout, pack_shared, token_logprobs
 
 
-def _math_attention(q_NHD, k_pages, v_pages, plan, scale, window=0):
+def _math_attention(q_NHD, k_pages, v_pages, plan, scale, window=0, softcap=0.0):
     """Causal attention token by token in plain differentiable torch ops (no SDPA, no native kernel); a
-    sliding `window` > 0: keys pos - window + 1..pos."""
+    sliding `window` > 0: keys pos - window + 1..pos; `softcap` > 0: scores capped to c·tanh(s / c)."""
     lay, B = plan.layout, plan.block_size
     g = q_NHD.shape[1] // k_pages.shape[1]
     outs = []
@@ -31,7 +31,8 @@ def _math_attention(q_NHD, k_pages, v_pages, plan, scale, window=0):
         pages = lay.block_table_SJ[lay.seq_N[n], t // B]
         k = k_pages[pages, :, t % B].float().repeat_interleave(g, dim=1)  # [L, H, D]
         v = v_pages[pages, :, t % B].float().repeat_interleave(g, dim=1)
-        w = torch.einsum("hd,lhd->hl", q_NHD[n].float() * scale, k).softmax(-1)
+        s = torch.einsum("hd,lhd->hl", q_NHD[n].float() * scale, k)
+        w = (torch.tanh(s / softcap) * softcap if softcap > 0 else s).softmax(-1)
         outs.append(torch.einsum("hl,lhd->hd", w, v))
     return torch.stack(outs).to(q_NHD.dtype)
 
@@ -130,13 +131,14 @@ def test_exact_attention_gradient_is_the_attention_gradient(dtype):
 
 
 # D = 12: the loops past 8-lane blocks; G = 9: the scores past the fixed-G paths
+@pytest.mark.parametrize("softcap", [0.0, 1.0])  # 1.0: Gemma 2's score cap, well inside tanh's bend here
 @pytest.mark.parametrize("H,Hk,D", [(4, 2, 16), (6, 2, 64), (3, 3, 12), (9, 1, 16)])
-def test_attention_backward_over_shared_pages_is_autograd_through_sdpa_and_thread_independent(H, Hk, D):
+def test_attention_backward_over_shared_pages_is_autograd_through_sdpa_and_thread_independent(H, Hk, D, softcap):
     """exact.c's attention backward, over prompts laid out once and shared by their samples (their keys'
     gradients summed from every sequence reading them), partly filled pages, a sequence alone, a row of
     the block table no token uses and the tokens in shuffled order: the gradients of autograd through SDPA
-    (`fast_attention`, the other path) to rounding, and the same bits at 1 and 2 threads (each sequence
-    and kv head is summed by one thread, rows in call order)."""
+    (`fast_attention`, the other path; with a soft cap, autograd through its tanh) to rounding, and the same
+    bits at 1 and 2 threads (each sequence and kv head is summed by one thread, rows in call order)."""
     g = torch.Generator().manual_seed(2)
     seqs = [[1] * 40 + [2] * 9, [1] * 40 + [3] * 20, [5] * 7, [1] * 40 + [4] * 13]
     lay, pages, _, _ = pack_shared(seqs, [40, 40, 3, 40], 8)
@@ -149,7 +151,7 @@ def test_attention_backward_over_shared_pages_is_autograd_through_sdpa_and_threa
 
     def grads(attend, plan):
         kp, vp = A.write_kv(torch.zeros(pages, Hk, B, D), torch.zeros(pages, Hk, B, D), k, v, lay)
-        o = attend(q, kp, vp, plan(lay, B), 0.25)
+        o = attend(q, kp, vp, plan(lay, B), 0.25, 0, softcap)
         return torch.autograd.grad((o * w).sum(), (q, k, v))
 
     threads = torch.get_num_threads()
