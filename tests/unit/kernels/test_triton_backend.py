@@ -226,3 +226,11 @@ def test_gemma2_soft_caps_through_the_triton_backend(gemma2_dir):
         native_lp = exactrl.sequence_logprobs(exactrl.load_model(gemma2_dir), seqs)[0]
     assert (ours - native_lp).abs().max() <= 1e-4
     assert engine_vs_trainer(exactrl.load_model(gemma2_dir, kernels="fast", backend="triton")) > 0.0
+
+
+def test_moe_through_the_triton_backend(tmp_path):
+    """Qwen3-MoE: the router's exact linear and each expert's products in Triton; engine == trainer bitwise,
+    the fast twin differs."""
+    make_hf_model(tmp_path, "qwen3_moe")
+    assert engine_vs_trainer(exactrl.load_model(tmp_path, kernels="exact", backend="triton")) == 0.0
+    assert engine_vs_trainer(exactrl.load_model(tmp_path, kernels="fast", backend="triton")) > 0.0
