@@ -147,9 +147,9 @@ def run_parity(model: CausalLM, length: int = 80, seed: int = 0) -> list[CheckRe
         raise ValueError(f"parity length must be >= 1, got {length}")
     rng = random.Random(seed)
     V = model.config.vocab_size
-    length = min(length, model.config.max_position_embeddings)
+    length = min(length, model.config.context_length)
     target = [rng.randrange(V) for _ in range(length)]
-    longer = min(length + 17, model.config.max_position_embeddings)  # companions fit the context too
+    longer = min(length + 17, model.config.context_length)  # companions fit the context too
     others = [[rng.randrange(V) for _ in range(rng.randint(1, longer))] for _ in range(3)]
     short = target[:3]
     longest = max(len(o) for o in others + [target])
@@ -230,10 +230,10 @@ def server_mismatch(
 
     if prompts < 1 or length < 1 or max_tokens < 1:
         raise ValueError(f"prompts, length and max_tokens must be >= 1, got {prompts}, {length}, {max_tokens}")
-    if length + max_tokens > model.config.max_position_embeddings:
+    if length + max_tokens > model.config.context_length:
         raise ValueError(
             f"length + max_tokens = {length + max_tokens} exceeds the model's context of "
-            f"{model.config.max_position_embeddings} tokens"
+            f"{model.config.context_length} tokens"
         )
     rng = random.Random(seed)
     V = model.config.vocab_size

@@ -66,12 +66,12 @@ def _server_parity(args, model, fail) -> int:
     from exactrl.debug.parity import server_mismatch
     from exactrl.rollout.external import ExternalEngineError
 
-    if args.max_tokens >= model.config.max_position_embeddings:
+    if args.max_tokens >= model.config.context_length:
         raise ValueError(
             f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
-            f"{model.config.max_position_embeddings} tokens"
+            f"{model.config.context_length} tokens"
         )
-    length = min(args.length, model.config.max_position_embeddings - args.max_tokens)
+    length = min(args.length, model.config.context_length - args.max_tokens)
     try:
         m = server_mismatch(
             model,

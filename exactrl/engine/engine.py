@@ -67,12 +67,13 @@ class Engine:
         ):
             if not (v is None and name == "max_model_len") and (type(v) is not int or v < 1):
                 raise ValueError(f"Engine {name} must be an int >= 1, got {v!r}")
-        if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
+        if max_model_len is not None and not 1 <= max_model_len <= cfg.context_length:
             raise ValueError(
-                f"max_model_len={max_model_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]"
+                f"max_model_len={max_model_len} must be in [1, {cfg.context_length}] (the model's context, "
+                f"{cfg.context_source})"
             )
         # prompt + max_tokens of a request must fit in it
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.max_model_len = max_model_len or cfg.context_length
         # kv_budget_tokens: KV memory in tokens, allocated once (rounded up to whole pages)
         self.pool = PagePool(model, -(-kv_budget_tokens // model.block_size))
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs)

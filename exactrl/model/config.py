@@ -236,6 +236,21 @@ class ModelConfig:
             hf=dict(cfg),
         )
 
+    @property
+    def context_length(self) -> int:
+        """Positions a sequence may reach: max_position_embeddings, stretched by the factor of `dynamic` RoPE
+        (its frequencies are defined past max_position_embeddings, up to factor times it; model/rope.py)."""
+        if self.rope.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * self.rope["factor"])
+        return self.max_position_embeddings
+
+    @property
+    def context_source(self) -> str:
+        """Where `context_length` comes from, for messages: "max_position_embeddings", or with the RoPE factor."""
+        if self.context_length == self.max_position_embeddings:
+            return "max_position_embeddings"
+        return f"max_position_embeddings={self.max_position_embeddings} x the dynamic RoPE factor {self.rope['factor']}"
+
     def window(self, layer: int) -> int:
         """Keys layer `layer` attends to (a query at p: keys p - window + 1 .. p), 0 for all of them."""
         return self.windows[layer] if self.windows else 0

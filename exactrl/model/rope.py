@@ -1,11 +1,21 @@
 """RoPE's inverse frequencies and cos/sin scale for the `rope_type`s transformers names (default, linear,
-llama3, yarn), computed with transformers' own formulas and torch ops (modeling_rope_utils), so the tables
-hold its bits.
+llama3, yarn, dynamic), computed with transformers' own formulas and torch ops (modeling_rope_utils), so the
+tables hold its bits.
 
 The tables are a function of (config, absolute position) only, built in fixed chunks
-(`CausalLM.rope_reach`): a token's rotation never depends on the batch it is in. That rules out
-`dynamic` (NTK): transformers recomputes its frequencies from the longest sequence of each forward, so a
-token's logprob would change with the other sequences of its batch. It is refused, as is every other type.
+(`CausalLM.rope_reach`): a token's rotation never depends on the batch it is in. `dynamic` (NTK) is read
+in that form. transformers recomputes its frequencies from the longest position of each forward
+(seq_len = max position + 1, at least max_position_embeddings L):
+
+    base(seq_len) = theta · (factor · seq_len / L − (factor − 1))^(d / (d − 2))
+
+so in one forward of a batch, every token's rotation would follow the longest sequence. Here position p
+always rotates with base(max(p + 1, L)): the rotation transformers gives the newest token of a cached
+generation (each decode step's seq_len is that token's position + 1, and the cached keys keep the rotation
+they were written with). The same function of p alone in the engine and the trainer, so their bits agree;
+it equals transformers' full-sequence forward up to position L − 1 (the base is theta's) and its cached,
+token-by-token forward everywhere (tested). Positions reach factor · L (`ModelConfig.context_length`).
+Every other type is refused by name.
 """
 
 from __future__ import annotations
@@ -15,11 +25,8 @@ from typing import Any
 
 import torch
 
-IMPLEMENTED = ("default", "linear", "llama3", "yarn")
-REFUSED = {
-    "dynamic": "transformers recomputes its frequencies from the longest sequence of each forward, so a "
-    "token's logprob would depend on the other sequences of its batch"
-}
+IMPLEMENTED = ("default", "linear", "llama3", "yarn", "dynamic")
+REFUSED: dict[str, str] = {}
 
 
 def _number(rope: dict, key: str, where: str, default=None, positive: bool = True) -> float:
@@ -45,8 +52,10 @@ def check_rope(rope: dict[str, Any], where: str, max_positions: int) -> dict[str
     out: dict[str, Any] = {"rope_type": kind}
     if kind == "default":
         return out
-    if kind in ("linear", "llama3"):
+    if kind in ("linear", "llama3", "dynamic"):
         out["factor"] = _number(rope, "factor", where)
+    if kind == "dynamic" and out["factor"] < 1:
+        raise ValueError(f"config.json: {where}.factor must be >= 1 for dynamic RoPE, got {out['factor']}")
     if kind in ("llama3", "yarn"):
         out["original_max_position_embeddings"] = omp = rope.get("original_max_position_embeddings", max_positions)
         if type(omp) is not int or omp < 1:
@@ -93,6 +102,25 @@ def rope_frequencies(head_dim: int, theta: float, rope: dict[str, Any]) -> tuple
         is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
     return inv_freq, 1.0
+
+
+def dynamic_tables(
+    head_dim: int, theta: float, rope: dict[str, Any], max_positions: int, start: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [count, head_dim] fp32 of positions start.. under `dynamic` RoPE (the module docstring), with
+    transformers' ops and dtypes (`_compute_dynamic_ntk_parameters`): below L the frequencies it builds at
+    load (seq_len the int L), from L on those of seq_len = p + 1 (an int64 tensor, as its forward passes it)."""
+    dim, factor, L = head_dim, rope["factor"], max_positions
+    exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    pos = torch.arange(start, start + count)
+    at_load = theta * ((factor * L / L) - (factor - 1)) ** (dim / (dim - 2))  # Python floats: theta's, or 1 ulp off
+    inv = (1.0 / (at_load**exps)).expand(count, -1)
+    seq_len = pos + 1
+    base = theta * ((factor * seq_len / L) - (factor - 1)) ** (dim / (dim - 2))  # float32 [count]
+    inv = torch.where((seq_len > L)[:, None], 1.0 / (base[:, None] ** exps[None, :]), inv)
+    freqs = pos.float()[:, None] * inv
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def _yarn(dim: int, base: float, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:

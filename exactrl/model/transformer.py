@@ -20,7 +20,7 @@ from torch import nn
 
 from exactrl.kernels import Kernels, TokenLayout, rotary_tables
 from exactrl.model.config import ModelConfig
-from exactrl.model.rope import rope_frequencies
+from exactrl.model.rope import dynamic_tables, rope_frequencies
 
 DEFAULT_BLOCK_SIZE = 32  # keys per attention block = KV page size
 # RoPE's cos/sin are built as far as a forward reaches, in chunks of this many positions, each computed alone
@@ -182,19 +182,28 @@ class CausalLM(nn.Module):
 
     def rope_reach(self, positions: int) -> None:
         """Grows the rotary tables to hold at least `positions` positions (at least doubling, in whole
-        ROPE_CHUNKs, up to max_position_embeddings)."""
+        ROPE_CHUNKs, up to the context length: max_position_embeddings, times the factor of `dynamic` RoPE)."""
         c, have = self.config, self.rope_cos.shape[0]
-        if positions > c.max_position_embeddings:
-            raise ValueError(f"position {positions - 1} is beyond max_position_embeddings={c.max_position_embeddings}")
+        if positions > c.context_length:
+            why = f"max_position_embeddings={c.max_position_embeddings}"
+            if c.context_length != c.max_position_embeddings:
+                why = f"the context of {c.context_length} tokens ({why} x the dynamic RoPE factor {c.rope['factor']})"
+            raise ValueError(f"position {positions - 1} is beyond {why}")
         if positions <= have:
             return
-        assert have % ROPE_CHUNK == 0, have  # only the last chunk is cut, at max_position_embeddings
-        want = min(-(-max(positions, 2 * have) // ROPE_CHUNK) * ROPE_CHUNK, c.max_position_embeddings)
+        assert have % ROPE_CHUNK == 0, have  # only the last chunk is cut, at the context length
+        want = min(-(-max(positions, 2 * have) // ROPE_CHUNK) * ROPE_CHUNK, c.context_length)
         ropes = [(c.rope_theta, c.rope)] + ([c.rope_local] if c.rope_local is not None else [])
-        freqs = [(theta, *rope_frequencies(c.head_dim, theta, rope)) for theta, rope in ropes]
+        freqs = [(theta, rope, *rope_frequencies(c.head_dim, theta, rope)) for theta, rope in ropes]
+
+        def table(theta, rope, inv_freq, scale, start):
+            if rope["rope_type"] == "dynamic":  # its frequencies change with the position (model/rope.py)
+                return dynamic_tables(c.head_dim, theta, rope, c.max_position_embeddings, start, ROPE_CHUNK)
+            return rotary_tables(c.head_dim, ROPE_CHUNK, theta, start, inv_freq, scale)
+
         parts = []
         for start in range(have, want, ROPE_CHUNK):
-            tables = [rotary_tables(c.head_dim, ROPE_CHUNK, t, start, f, s) for t, f, s in freqs]
+            tables = [table(*f, start) for f in freqs]
             parts.append((torch.cat([cos for cos, _ in tables], 1), torch.cat([sin for _, sin in tables], 1)))
         # the model's dtype and device, after a `model.to(...)`, as the first chunk's
         dtype, dev = self.rope_cos.dtype, self.rope_cos.device

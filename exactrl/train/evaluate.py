@@ -145,7 +145,7 @@ def _max_tokens(args, engine, tokenizer, task: Task, problems: list[Problem]) ->
 
     if args.server:
         return args.max_tokens or DEFAULT_MAX_TOKENS
-    context = engine.model.config.max_position_embeddings
+    context = engine.model.config.context_length
     longest = max(len(prompt_ids(tokenizer, task, p)) for p in problems)
     room = context - longest
     max_tokens = args.max_tokens or min(DEFAULT_MAX_TOKENS, room)

@@ -236,10 +236,10 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     )
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     tokenizer.check_fits(model.config.vocab_size, "model.tokenizer" if cfg.model.tokenizer else "model.path")
-    if cfg.rollout.max_tokens >= model.config.max_position_embeddings:  # prompt + answer must fit the context
+    if cfg.rollout.max_tokens >= model.config.context_length:  # prompt + answer must fit the context
         raise ValueError(
             f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt in the model's "
-            f"context of {model.config.max_position_embeddings} tokens (max_position_embeddings)"
+            f"context of {model.config.context_length} tokens ({model.config.context_source})"
         )
     initial = None  # the starting weights, frozen: KL's reference, distill.teacher=initial
     if cfg.algorithm.kl.coef > 0 or cfg.distill.teacher == "initial":

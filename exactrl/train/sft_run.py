@@ -129,12 +129,12 @@ def build(cfg: SFTConfig, log=print) -> SFTRun:
         backend=cfg.model.backend,
     )
     tokenizer.check_fits(model.config.vocab_size, "model.tokenizer" if cfg.model.tokenizer else "model.path")
-    context = model.config.max_position_embeddings
+    context = model.config.context_length
     for e in examples:
         if len(e.tokens) > min(cfg.data.max_tokens, context):
             what = f"data.max_tokens={cfg.data.max_tokens} (a packed sequence's budget)"
             if context < cfg.data.max_tokens:
-                what = f"the model's context of {context} tokens (max_position_embeddings)"
+                what = f"the model's context of {context} tokens ({model.config.context_source})"
             raise ValueError(f"{e.where}: {len(e.tokens)} tokens, more than {what}: shorten or drop the record")
     data = ExampleStream(examples, cfg.seed, cfg.data.shuffle)
     optimizer = make_optimizer(model, cfg.optim)

@@ -70,8 +70,8 @@ def test_config_values_of_the_wrong_type_or_range_are_named(damaged, changes, wo
             "rope_parameters and rope_scaling give different factor [None, 4.0]",
         ),
         (
-            dict(rope_parameters=..., rope_scaling={"type": "dynamic", "factor": 4}),
-            "unsupported rope_scaling.rope_type='dynamic'",
+            dict(rope_parameters=..., rope_scaling={"type": "dynamic", "factor": 0.5}),
+            "rope_scaling.factor must be >= 1 for dynamic RoPE",
         ),
         (dict(rope_parameters={"rope_type": "longrope"}), "unsupported rope_parameters.rope_type='longrope'"),
         (

@@ -1,4 +1,4 @@
-"""RoPE scaling (linear, llama3, yarn), sliding-window attention and the Mistral family, against
+"""RoPE scaling (linear, llama3, yarn, dynamic), sliding-window attention and the Mistral family, against
 transformers (test-only oracle), and the window in each attention kernel: the exact one's bits fixed by a
 row's own position, prefill = decode past the window, its gradient = autograd through SDPA."""
 
@@ -81,10 +81,52 @@ def test_rope_scaling_in_either_key_of_an_older_or_newer_config(tmp_path):
         assert (exactrl.sequence_logprobs(old, [seq])[0] - _hf_logprobs(hf, seq)).abs().max() <= 1e-4
 
 
+def test_dynamic_rope_is_transformers_cached_generation_and_engine_equals_trainer(tmp_path):
+    """`dynamic` NTK RoPE with max_position_embeddings L = 32 and factor 8: up to L tokens, transformers'
+    full forward; past L, its token-by-token cached forward (each position rotated as the newest token of a
+    generation), to 1e-4 in fp32, where plain RoPE and transformers' own full forward are off by more; the
+    engine's samples past L score bitwise in the trainer (the fast twin differs); positions end at 8 x L,
+    named. q and k are scaled up so that attention is sharp enough for rotations to move the logprobs."""
+    rope = {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0}
+    hf = make_hf_model(tmp_path, "llama", max_position_embeddings=32, rope_parameters=rope)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    hf.save_pretrained(tmp_path)
+    seq = random_sequences(random.Random(4), 1, 60, 60, V)[0]
+    with torch.no_grad():
+        past, rows = None, []
+        for i, t in enumerate(seq):
+            out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            past, rows = out.past_key_values, rows + [out.logits[0, -1].float()]
+        cached = torch.log_softmax(torch.stack(rows), -1)[:-1].gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1)
+        model = exactrl.load_model(tmp_path)
+        ours = exactrl.sequence_logprobs(model, [seq])[0]
+        assert float((ours - cached).abs().max()) <= 1e-4
+        assert float((_hf_logprobs(hf, seq) - cached).abs().max()) > 1e-3  # its full forward: another rotation
+        short = seq[:31]  # shorter than L: transformers goes back to theta's frequencies (at L, it keeps its last)
+        assert (exactrl.sequence_logprobs(model, [short])[0] - _hf_logprobs(hf, short)).abs().max() <= 1e-4
+    assert model.config.context_length == 256
+    prompts = [seq[:20], seq[:7]]
+    for kernels, exact in (("exact", True), ("fast", False)):
+        m = exactrl.load_model(tmp_path, kernels=kernels)
+        sp = exactrl.SamplingParams(max_tokens=40, n=2, seed=3, ignore_eos=True)
+        outs = exactrl.Engine(m, kv_budget_tokens=512).generate(prompts, sp)
+        diffs = []
+        for p, o in zip(prompts, outs):
+            for c in o:
+                lp = exactrl.sequence_logprobs(m, [p + c.token_ids])[0][len(p) - 1 :]
+                diffs.append(float((lp.detach() - torch.tensor(c.logprobs)).abs().max()))
+        assert (max(diffs) == 0.0) == exact, (kernels, diffs)
+    with pytest.raises(ValueError, match="the context of 256 tokens .max_position_embeddings=32 x the dynamic RoPE"):
+        exactrl.sequence_logprobs(model, [seq * 5])
+
+
 @pytest.mark.parametrize(
     "rope, words",
     [
-        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic': transformers recomputes its frequencies"),
+        ({"rope_type": "dynamic", "factor": 0.5}, "factor must be >= 1 for dynamic RoPE, got 0.5"),
         ({"rope_type": "longrope", "factor": 2.0}, "rope_type='longrope'; implemented: default, linear, llama3, yarn"),
         ({"rope_type": "linear"}, "rope_parameters.factor must be a positive number, got None"),
         ({**LLAMA3, "high_freq_factor": 1.0}, "low_freq_factor and high_freq_factor must differ"),
