@@ -97,7 +97,7 @@ def test_dynamic_rope_is_transformers_cached_generation_and_engine_equals_traine
     seq = random_sequences(random.Random(4), 1, 60, 60, V)[0]
     with torch.no_grad():
         past, rows = None, []
-        for i, t in enumerate(seq):
+        for t in seq:
             out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
             past, rows = out.past_key_values, rows + [out.logits[0, -1].float()]
         cached = torch.log_softmax(torch.stack(rows), -1)[:-1].gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1)
