@@ -1,7 +1,7 @@
 """A GGUF file's tokenizer as a Hugging Face fast tokenizer, built from the file's metadata alone.
 
 Invariant: the tokenizer encodes and decodes as the Hugging Face tokenizer.json the file was converted from,
-which for a SentencePiece vocabulary is also what llama.cpp's tokenizer does with the file. Shared by both
+which for a SentencePiece vocabulary ranked by its scores is also what llama.cpp does with the file. Shared by both
 kinds: the vocabulary is `tokenizer.ggml.tokens` in id order; tokens of type CONTROL (3) are special added
 tokens, USER_DEFINED (4) plain added tokens (llama.cpp's converter writes a Hugging Face added token as one of
 these two) and UNKNOWN (2) a special one, each matched whole in the raw text; bos is prepended when
@@ -112,9 +112,9 @@ def _sentencepiece(reader, path, tokens: list[str], types: list[int], unk: str |
     arch = str(field(reader, "general.architecture", ""))
     if arch.startswith("gemma"):
         raise ValueError(
-            f"{path}: the SentencePiece tokenizer of a general.architecture={arch!r} file is not read (Gemma's "
-            f"merge order is not its scores' order, and its weights are not read from GGUF); pass the model's "
-            f"Hugging Face tokenizer directory instead"
+            f"{path}: the SentencePiece tokenizer of a general.architecture={arch!r} file is not read (transformers "
+            f"ranks Gemma's merges by their order in the file, not by score, and Gemma weights are not read from "
+            f"GGUF); pass the model's Hugging Face tokenizer directory instead"
         )
     scores = field(reader, "tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
