@@ -72,6 +72,22 @@ def _token(tokens: list[str], key: str, reader, default: int | None = None) -> s
     return tokens[int(i)]
 
 
+def _file_merges(reader, path, vocab: dict[str, int]) -> list[tuple[str, str]] | None:
+    """`tokenizer.ggml.merges` as (left, right) pairs, None when absent. Each must join two tokens into a token
+    (the tokenizers library panics on one that does not)."""
+    raw = field(reader, "tokenizer.ggml.merges")
+    if raw is None:
+        return None
+    merges = [tuple(m.split(" ", 1)) for m in raw]
+    for n, m in enumerate(merges):
+        if len(m) != 2 or m[0] not in vocab or m[1] not in vocab or m[0] + m[1] not in vocab:
+            raise ValueError(
+                f"{path}: tokenizer.ggml.merges[{n}]={raw[n]!r} is not two tokens (separated by a space) whose "
+                f"concatenation is a token"
+            )
+    return merges
+
+
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """BPE merges that tokenize as llama.cpp's SentencePiece rule: for every NORMAL token, each way of spelling
     it as two tokens (left + right), ranked by the token's score, highest first, then by its id. In
@@ -97,8 +113,8 @@ def _byte_level(reader, path, tokens: list[str]):
             f"{path}: tokenizer.ggml.pre={pre!r} is not read; read: {', '.join(PRE_TOKENIZERS)} (or pass the "
             f"model's Hugging Face tokenizer directory)"
         )
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _file_merges(reader, path, vocab) or []
     tok = Tokenizer(models.BPE(vocab, merges, unk_token=None, ignore_merges=pre == "llama-bpe"))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
@@ -122,9 +138,9 @@ def _sentencepiece(reader, path, tokens: list[str], types: list[int], unk: str |
             f"{path}: a SentencePiece tokenizer needs tokenizer.ggml.scores, one per token "
             f"({len(tokens)}); it has {'none' if scores is None else len(scores)}"
         )
-    merges = field(reader, "tokenizer.ggml.merges")
-    merges = spm_merges(tokens, list(scores), types) if merges is None else [tuple(m.split(" ", 1)) for m in merges]
     vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _file_merges(reader, path, vocab)
+    merges = spm_merges(tokens, list(scores), types) if merges is None else merges
     tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))
     escape = normalizers.Replace(" ", "\u2581")

@@ -145,6 +145,11 @@ def test_merges_in_the_file_rank_instead_of_scores(tmp_path, model):
     assert all(reverse.decode(reverse.encode(t)) == t for t in TEXTS)  # another split of the same text
 
 
+def test_a_merge_of_no_token_is_refused_by_name(tmp_path, model):
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.merges\[1\]='e x' is not two tokens"):
+        load_tokenizer(_file(tmp_path, model, merges=["\u2581 t", "e x"]))
+
+
 def test_without_space_prefix_and_with_spaces_as_added_tokens(tmp_path):
     """tokenizer.ggml.add_space_prefix false (a model trained without SentencePiece's dummy prefix) adds no "▁"
     and strips none when decoding; added tokens of spaces, which the converter writes with real spaces (Gemma's
