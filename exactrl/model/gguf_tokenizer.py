@@ -17,8 +17,9 @@ these two) and UNKNOWN (2) a special one, each matched whole in the raw text; bo
   the adjacent pair whose concatenation is the highest-scored NORMAL token merges first. That is BPE with one
   merge per way of spelling a NORMAL token as two tokens, ranked by the token's `tokenizer.ggml.scores`
   (then by id): `spm_merges`. A file that carries `tokenizer.ggml.merges` (copied from the tokenizer.json)
-  uses those instead. A character with no token becomes its UTF-8 bytes' `<0xNN>` tokens (byte fallback).
-  Decoding turns "▁" back into spaces, bytes into text, and drops the one leading space the prefix added.
+  uses those instead; one with neither (every NORMAL token scored alike) is refused. A character with no
+  token becomes its UTF-8 bytes' `<0xNN>` tokens (byte fallback). Decoding turns "▁" back into spaces, bytes
+  into text, and drops the one leading space the prefix added.
   Absent keys take llama.cpp's defaults for this kind: unk 0, bos 1, eos 2, add_bos true, add_eos false.
 
 Read: "gpt2" files whose `tokenizer.ggml.pre` is in PRE_TOKENIZERS, and "llama" files except Gemma's
@@ -140,7 +141,15 @@ def _sentencepiece(reader, path, tokens: list[str], types: list[int], unk: str |
         )
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = _file_merges(reader, path, vocab)
-    merges = spm_merges(tokens, list(scores), types) if merges is None else merges
+    if merges is None:
+        ranks = [s for t, s, ty in zip(tokens, scores, types, strict=True) if ty == NORMAL and len(t) > 1]
+        if len(ranks) > 1 and len(set(ranks)) == 1:  # gguf-py's LlamaHfVocab writes -1000 for every token
+            raise ValueError(
+                f"{path}: every NORMAL token has tokenizer.ggml.scores {ranks[0]} and there is no "
+                f"tokenizer.ggml.merges, so the file does not say in which order pieces merge; pass the model's "
+                f"Hugging Face tokenizer directory instead"
+            )
+        merges = spm_merges(tokens, list(scores), types)
     tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))
     escape = normalizers.Replace(" ", "\u2581")

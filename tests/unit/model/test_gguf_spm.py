@@ -150,6 +150,28 @@ def test_a_merge_of_no_token_is_refused_by_name(tmp_path, model):
         load_tokenizer(_file(tmp_path, model, merges=["\u2581 t", "e x"]))
 
 
+def test_equal_scores_without_merges_are_refused_by_name(tmp_path, model):
+    """gguf-py's LlamaHfVocab scores every token -1000: with no merges either, the file does not say in which
+    order pieces merge (llama.cpp then merges leftmost first, which is no model's tokenizer)."""
+    tokens, _, types = spm_vocab(model, ADDED)
+
+    def vocab(w, merges=None):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([-1000.0] * len(tokens))
+        w.add_token_types(types)
+        if merges:
+            w.add_token_merges(merges)
+
+    write_tokenizer_gguf(tmp_path / "flat.gguf", vocab)
+    with pytest.raises(ValueError, match="every NORMAL token has tokenizer.ggml.scores -1000.0 and there is no"):
+        load_tokenizer(tmp_path / "flat.gguf")
+    merges = [f"{a} {b}" for a, b in spm_merges(*spm_vocab(model, ADDED))]
+    write_tokenizer_gguf(tmp_path / "merges.gguf", lambda w: vocab(w, merges))
+    tok, sp = load_tokenizer(tmp_path / "merges.gguf"), _sp(model)
+    assert all(tok.encode(t) == sp.encode(t) for t in TEXTS)
+
+
 def test_without_space_prefix_and_with_spaces_as_added_tokens(tmp_path):
     """tokenizer.ggml.add_space_prefix false (a model trained without SentencePiece's dummy prefix) adds no "▁"
     and strips none when decoding; added tokens of spaces, which the converter writes with real spaces (Gemma's
