@@ -11,7 +11,7 @@ these two) and UNKNOWN (2) a special one, each matched whole in the raw text; bo
 - Byte-level BPE (`tokenizer.ggml.model` = "gpt2"): the merges are `tokenizer.ggml.merges` in rank order and
   the pre-tokenizer is the one `tokenizer.ggml.pre` names (the splitting rules of PRE_TOKENIZERS, as the
   Hugging Face tokenizers of those families define them).
-- SentencePiece (`tokenizer.ggml.model` = "llama": Llama 2, TinyLlama, Mistral): llama.cpp's rule
+- SentencePiece (`tokenizer.ggml.model` = "llama": Llama 2, TinyLlama, Mistral v0.1): llama.cpp's rule
   (llm_tokenizer_spm) as a BPE model. Each text between added tokens gets a "▁" prefix (when
   `tokenizer.ggml.add_space_prefix`, default true) and its spaces become "▁"; then, from single characters,
   the adjacent pair whose concatenation is the highest-scored NORMAL token merges first. That is BPE with one
