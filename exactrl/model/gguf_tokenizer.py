@@ -64,12 +64,12 @@ def _pre_tokenizer(pre: str):
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False), byte_level])
 
 
-def _token(tokens: list[str], key: str, reader, default: int | None = None) -> str | None:
-    i = field(reader, f"tokenizer.ggml.{key}", default)
-    if i is None:
-        return None
+def _token(tokens: list[str], key: str, reader, path, default: int | None = None) -> str | None:
+    i = field(reader, f"tokenizer.ggml.{key}")
+    if i is None:  # llama.cpp's default id, where the vocabulary has it
+        return tokens[default] if default is not None and default < len(tokens) else None
     if not 0 <= int(i) < len(tokens):
-        raise ValueError(f"tokenizer.ggml.{key}={i} is not a token id (the vocabulary has {len(tokens)})")
+        raise ValueError(f"{path}: tokenizer.ggml.{key}={i} is not a token id (the vocabulary has {len(tokens)})")
     return tokens[int(i)]
 
 
@@ -195,14 +195,14 @@ def gguf_tokenizer_parts(path: str | Path) -> dict[str, Any]:
     if len(types) != len(tokens):
         raise ValueError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
     defaults = SPM_DEFAULTS if kind == "llama" else {}
-    unk = _token(tokens, "unknown_token_id", reader, defaults.get("unknown_token_id"))
+    unk = _token(tokens, "unknown_token_id", reader, path, defaults.get("unknown_token_id"))
     tok = _byte_level(reader, path, tokens) if kind == "gpt2" else _sentencepiece(reader, path, tokens, types, unk)
     added = {CONTROL: True, USER_DEFINED: False, **({UNKNOWN: True} if kind == "llama" else {})}  # type -> special
     tok.add_tokens(
         [AddedToken(t, special=added[ty], normalized=False) for t, ty in zip(tokens, types, strict=True) if ty in added]
     )
-    bos = _token(tokens, "bos_token_id", reader, defaults.get("bos_token_id"))
-    eos = _token(tokens, "eos_token_id", reader, defaults.get("eos_token_id"))
+    bos = _token(tokens, "bos_token_id", reader, path, defaults.get("bos_token_id"))
+    eos = _token(tokens, "eos_token_id", reader, path, defaults.get("eos_token_id"))
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", defaults.get("add_bos_token", False)))
     add_eos = bool(field(reader, "tokenizer.ggml.add_eos_token", defaults.get("add_eos_token", False)))
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -214,7 +214,7 @@ def gguf_tokenizer_parts(path: str | Path) -> dict[str, Any]:
         "bos_token": bos,
         "eos_token": eos,
         "unk_token": unk,
-        "pad_token": _token(tokens, "padding_token_id", reader),
+        "pad_token": _token(tokens, "padding_token_id", reader, path),
         "chat_template": field(reader, "tokenizer.chat_template"),
     }
 

@@ -145,9 +145,14 @@ def test_merges_in_the_file_rank_instead_of_scores(tmp_path, model):
     assert all(reverse.decode(reverse.encode(t)) == t for t in TEXTS)  # another split of the same text
 
 
-def test_a_merge_of_no_token_is_refused_by_name(tmp_path, model):
+def test_a_merge_of_no_token_or_a_special_id_past_the_vocabulary_is_refused_by_name(tmp_path, model):
     with pytest.raises(ValueError, match=r"tokenizer.ggml.merges\[1\]='e x' is not two tokens"):
         load_tokenizer(_file(tmp_path, model, merges=["\u2581 t", "e x"]))
+    n = _sp(model).get_piece_size()
+    path = tmp_path / "pad.gguf"
+    write_tokenizer_gguf(path, lambda w: (add_spm_tokenizer(w, model, ADDED), w.add_pad_token_id(n)))
+    with pytest.raises(ValueError, match=f"pad.gguf: tokenizer.ggml.padding_token_id={n} is not a token id"):
+        load_tokenizer(path)
 
 
 def test_equal_scores_without_merges_are_refused_by_name(tmp_path, model):
