@@ -157,7 +157,7 @@ def test_a_merge_of_no_token_or_a_special_id_past_the_vocabulary_is_refused_by_n
 
 def test_equal_scores_without_merges_are_refused_by_name(tmp_path, model):
     """gguf-py's LlamaHfVocab scores every token -1000: with no merges either, the file does not say in which
-    order pieces merge (llama.cpp then merges leftmost first, which is no model's tokenizer)."""
+    order pieces merge (llama.cpp then merges the leftmost pair first, not Llama's order); with merges it reads."""
     tokens, _, types = spm_vocab(model, ADDED)
 
     def vocab(w, merges=None):
