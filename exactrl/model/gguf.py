@@ -10,7 +10,9 @@ way). A file that is not read is refused by name: another architecture, a tensor
 tensor this decoder has no place for (e.g. Llama 3's `rope_freqs.weight`), RoPE scaling other than linear.
 
 Architectures read: `llama` (Llama, and Mistral files, which llama.cpp writes as `llama`: GGUF keeps no sliding
-window for them, so they attend to the full context as llama.cpp does), `qwen2`, `qwen3`.
+window for them, so they attend to the full context as llama.cpp does), `qwen2`, `qwen3`. Gemma files
+(`gemma`, `gemma2`, `gemma3`) are refused by their architecture name, and so is their tokenizer
+(gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF g
 # The ggml tensor types read, each dequantized by gguf.quants.dequantize (F32 as is, F16/BF16 widened exactly):
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 MAGIC = b"GGUF"
+# llama.cpp's values for the tokenizer keys a SentencePiece file (tokenizer.ggml.model "llama") leaves out
+SPM_DEFAULTS = {
+    "unknown_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "add_bos_token": True,
+    "add_eos_token": False,
+}
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -166,8 +176,9 @@ def gguf_config(reader, path: str | Path) -> dict[str, Any]:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
     elif scaling != "none":
         raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not read; read: 'none', 'linear'")
-    for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        v = field(reader, f"tokenizer.ggml.{gkey}")
+    defaults = SPM_DEFAULTS if field(reader, "tokenizer.ggml.model") == "llama" else {}
+    for key in ("bos_token_id", "eos_token_id"):
+        v = field(reader, f"tokenizer.ggml.{key}", defaults.get(key))
         if v is not None:
             cfg[key] = int(v)
     return cfg

@@ -48,6 +48,7 @@ def write_gguf(
     path,
     model,
     tokenizer_dir=None,
+    tokenizer=None,
     qtype: str = "F32",
     arch: str | None = None,
     permute: bool = True,
@@ -56,8 +57,10 @@ def write_gguf(
     extra_tensors: dict | None = None,
 ) -> None:
     """Writes `model` (an exactrl CausalLM) as a GGUF file. 2-D weights are stored as `qtype` (gguf.quants'
-    quantizer), 1-D ones as F32 (llama.cpp's rule); `raw` maps a GGUF name to (uint8 bytes, type name) stored as
-    given; `meta` overrides metadata keys (a value None removes one); `extra_tensors` adds F32 tensors."""
+    quantizer), 1-D ones as F32 (llama.cpp's rule); `tokenizer(writer)` writes other tokenizer metadata than
+    `tokenizer_dir`'s byte-level BPE (e.g. `add_spm_tokenizer`); `raw` maps a GGUF name to (uint8 bytes, type
+    name) stored as given; `meta` overrides metadata keys (a value None removes one); `extra_tensors` adds F32
+    tensors."""
     import gguf
 
     cfg = model.config
@@ -89,6 +92,8 @@ def write_gguf(
             w.add_uint32(k, v)
     if tokenizer_dir is not None:
         add_tokenizer(w, tokenizer_dir)
+    if tokenizer is not None:
+        tokenizer(w)
     raw = raw or {}
     for name, p in model.named_parameters():
         g = gguf_name(name)
@@ -135,6 +140,97 @@ def add_tokenizer(w, tokenizer_dir, pre: str = "smollm") -> None:
     w.add_add_bos_token(False)
     if hf.chat_template:
         w.add_chat_template(hf.chat_template)
+
+
+def train_spm(texts, vocab_size: int = 400, prefix: bool = True, user_defined=(), control=()) -> bytes:
+    """A tiny SentencePiece BPE model (serialized) with Llama 2's settings: byte fallback, digits one per piece,
+    pieces of whitespace only allowed, no normalization or whitespace removal, a "▁" prefix when `prefix`."""
+    import io
+
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=out,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        byte_fallback=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        add_dummy_prefix=prefix,
+        user_defined_symbols=list(user_defined),
+        control_symbols=list(control),
+        character_coverage=1.0,
+        minloglevel=2,
+        num_threads=1,
+    )
+    return out.getvalue()
+
+
+def spm_vocab(model: bytes, added: dict[str, bool]) -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and token types as llama.cpp's converter (`_create_vocab_sentencepiece`) writes them: each
+    piece with its score and type (UNKNOWN 2, CONTROL 3, UNUSED 5, BYTE 6, else NORMAL 1); then each Hugging
+    Face added token (`added`: content -> special) becomes CONTROL when special, else USER_DEFINED with its
+    "▁" written as a space, and gets score -1000."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        kind = 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i) else 1
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(kind)
+    for content, special in added.items():
+        i = tokens.index(content)
+        tokens[i] = content if special else content.replace("\u2581", " ")
+        types[i], scores[i] = (3 if special else 4), -1000.0
+    return tokens, scores, types
+
+
+def add_spm_tokenizer(
+    w, model: bytes, added: dict[str, bool], chat_template=None, merges=None, ids: bool = True, prefix=None
+) -> None:
+    """A SentencePiece vocabulary (`train_spm`) as GGUF tokenizer metadata, as llama.cpp's converter writes it
+    (model "llama", pre "default", `spm_vocab`); `ids`: also the unk/bos/eos ids and add_bos_token true,
+    add_eos_token false (Llama 2's tokenizer_config); `prefix`: tokenizer.ggml.add_space_prefix (None: left
+    out, as for Llama); `merges`: a tokenizer.ggml.merges list ("left right")."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    tokens, scores, types = spm_vocab(model, added)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if ids:
+        w.add_unk_token_id(sp.unk_id())
+        w.add_bos_token_id(sp.bos_id())
+        w.add_eos_token_id(sp.eos_id())
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+    if prefix is not None:
+        w.add_add_space_prefix(prefix)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+
+def write_tokenizer_gguf(path, tokenizer, arch: str = "llama") -> None:
+    """A GGUF file of tokenizer metadata only (llama.cpp's vocab-only files): `tokenizer(writer)` writes it."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    tokenizer(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def dequantized_reference(a: torch.Tensor, qtype: str) -> torch.Tensor:

@@ -299,15 +299,26 @@ def test_missing_metadata_and_unknown_tensors_are_named(tmp_path):
 def test_tokenizer_refusals_are_named(tmp_path):
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<unk>", "a"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' is not read"):
-        load_tokenizer(tmp_path / "spm.gguf")
+    for name, model, arch, scores in (
+        ("t5", "t5", "llama", [0.0, 0.0]),
+        ("noscores", "llama", "llama", None),
+        ("gemma", "llama", "gemma2", [0.0, 0.0]),
+    ):
+        w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), arch)
+        w.add_tokenizer_model(model)
+        w.add_token_list(["<unk>", "a"])
+        if scores is not None:
+            w.add_token_scores(scores)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='t5' is not read"):
+        load_tokenizer(tmp_path / "t5.gguf")
+    with pytest.raises(ValueError, match=r"SentencePiece tokenizer needs tokenizer.ggml.scores, one per token \(2\)"):
+        load_tokenizer(tmp_path / "noscores.gguf")
+    with pytest.raises(ValueError, match="tokenizer of a general.architecture='gemma2' file is not read"):
+        load_tokenizer(tmp_path / "gemma.gguf")
     src = _source(tmp_path, "qwen3")
     write_gguf(tmp_path / "none.gguf", src)
     with pytest.raises(ValueError, match="has no tokenizer"):
