@@ -45,6 +45,8 @@ Sizes (explicit, tied embeddings, head_dim 64, GQA):
   moe100M: the 100M attention shape with Qwen3-MoE experts on every layer, 8 experts of 256, 2 per
            token (≈100M params, ≈44M of them read per token); moe-tiny its smoke-run twin. The matmul
            floors are not computed for them (transformers keeps its experts as 3-D tensors, not Linears).
+  gemma100M: the 100M shape as a Gemma 2 model (GeGLU, sandwich norms, soft caps 50 / 30, every other
+           layer sliding, window 4096); gemma-tiny its smoke-run twin.
 """
 
 from __future__ import annotations
@@ -113,6 +115,11 @@ SIZES["moe100M"] = SIZES["100M"] | dict(
 SIZES["moe-tiny"] = SIZES["tiny"] | dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
 )
+# Gemma 2 shapes: the dense shapes with Gemma 2's layers (GeGLU, sandwich norms, scaled embeddings), its
+# soft caps (50 on scores, 30 on logits) and every other layer sliding (a window of 4096)
+GEMMA2 = dict(family="gemma2", sliding_window=4096, query_pre_attn_scalar=64)
+SIZES["gemma100M"] = SIZES["100M"] | GEMMA2
+SIZES["gemma-tiny"] = SIZES["tiny"] | GEMMA2
 
 
 def engine_sizes(text: str) -> list[str]:
@@ -128,14 +135,14 @@ def build_hf_model(path: Path, size: str) -> None:
     import transformers
 
     torch.manual_seed(0)
-    moe = "num_experts" in SIZES[size]
-    config, causal_lm = (
-        (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)
-        if moe
-        else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
-    )
+    shape = dict(SIZES[size])
+    config, causal_lm = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    }[shape.pop("family", "qwen3_moe" if "num_experts" in shape else "qwen3")]
     cfg = config(
-        **SIZES[size],
+        **shape,
         tie_word_embeddings=True,
         max_position_embeddings=CONTEXT,
         eos_token_id=None,
