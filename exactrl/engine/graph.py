@@ -109,8 +109,8 @@ class DecodeGraphs:
     def supported(model) -> bool:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
         ops are torch's). Not a mixture of experts: which experts run, on how many rows, is decided by the
-        step's data, which a recording cannot replay. Nor Gemma, OLMoE's clip_qkv: their GeGLU, (1 + w)
-        norms and clamps are torch ops."""
+        step's data, which a recording cannot replay. Nor OLMoE's clip_qkv (its clamps are torch ops), nor
+        Gemma 3's two RoPE tables (a layer's half is copied out of them)."""
         cfg = model.config
         return (
             model.kernels.backend == "native"
@@ -118,7 +118,7 @@ class DecodeGraphs:
             and model.dtype == torch.float32
             and cfg.moe is None
             and cfg.clip_qkv is None
-            and not cfg.gemma
+            and cfg.rope_local is None
         )
 
     def clear(self) -> None:

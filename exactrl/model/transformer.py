@@ -61,15 +61,22 @@ def project(x, *linears: Linear) -> list[torch.Tensor]:
 
 
 class RMSNorm(nn.Module):
-    """w · x / rms(x); Gemma's (`offset`) scales by (1 + w), its weight stored as w (0 = identity)."""
+    """w · x / rms(x); Gemma's (`offset`) scales by (1 + w), its weight stored as w (0 = identity).
+
+    1 + w is a sum of two tensors (`one`, a buffer of ones): the same bits as `1.0 + w`, and an op a decode
+    graph replays (engine/graph.py), so a replay reads the weight as it is then."""
 
     def __init__(self, kernels: Kernels, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.kernels, self.eps, self.offset = kernels, eps, offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        if offset:
+            self.register_buffer("one", torch.ones(dim), persistent=False)
 
     def forward(self, x):
-        return self.kernels.rms_norm(x, 1.0 + self.weight if self.offset else self.weight, self.eps)
+        if not self.offset:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.one + self.weight, self.eps)
 
 
 class Attention(nn.Module):

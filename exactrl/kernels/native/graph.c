@@ -16,7 +16,7 @@ typedef struct {
 /* The kernels a graph can hold, in the order of `kind` (graph.py reads this list). */
 static const char KERNELS[] =
     "exactrl_linear,exactrl_linear_multi,exactrl_rms_norm,exactrl_rotary,exactrl_write_rows,exactrl_attention,"
-    "exactrl_swiglu,exactrl_add,exactrl_scale";
+    "exactrl_swiglu,exactrl_add,exactrl_scale,exactrl_geglu,exactrl_softcap";
 const char *exactrl_graph_kernels(void) { return KERNELS; }
 
 void exactrl_linear(const float *, const float *, int64_t, int64_t, int64_t, float *, int);
@@ -30,6 +30,8 @@ int exactrl_attention(const void *, const void *, const void *, int, const int64
 void exactrl_swiglu(const float *, const float *, int64_t, float *, int);
 void exactrl_add(const float *, const float *, int64_t, int64_t, float *);
 void exactrl_scale(const float *, int64_t, float, float *);
+void exactrl_geglu(const float *, const float *, int64_t, float *, int);
+void exactrl_softcap(const float *, int64_t, float, float *, int);
 
 /* Returns 0, or 1 + the index of an op that failed (exactrl_attention's scratch allocation). */
 int64_t exactrl_graph_run(const exactrl_op *ops, int64_t n) {
@@ -50,6 +52,8 @@ int64_t exactrl_graph_run(const exactrl_op *ops, int64_t n) {
         case 6: exactrl_swiglu(P(0), P(1), a[2], P(3), (int)a[4]); break;
         case 7: exactrl_add(P(0), P(1), a[2], a[3], P(4)); break;
         case 8: exactrl_scale(P(0), a[1], (float)f[0], P(3)); break;
+        case 9: exactrl_geglu(P(0), P(1), a[2], P(3), (int)a[4]); break;
+        case 10: exactrl_softcap(P(0), a[1], (float)f[0], P(3), (int)a[4]); break;
         default: return i + 1;
         }
     }

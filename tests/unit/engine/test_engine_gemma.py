@@ -55,3 +55,18 @@ def test_gemma_engine_equals_trainer(gemma_dirs, arch, config):
 @pytest.mark.parametrize("arch", list(GEMMA))
 def test_gemma_fast_twin_differs(gemma_dirs, arch):
     assert _run(exactrl.load_model(gemma_dirs[arch], block_size=8, kernels="fast"))
+
+
+def test_gemma2_decodes_through_graphs_bit_for_bit(gemma_dirs):
+    """Gemma 2 (GeGLU, (1 + w) norms, capped scores and logits) replays recorded decode steps: the same
+    tokens and logprobs as the eager engine; Gemma 3 (two RoPE tables) decodes eagerly."""
+    model = exactrl.load_model(gemma_dirs["gemma2-capped"], block_size=8)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 11, 6)]
+    sp = SamplingParams(max_tokens=10, n=2, seed=4, ignore_eos=True)
+    engine = Engine(model)
+    got = [[(c.token_ids, c.logprobs) for c in o] for o in engine.generate(prompts, sp)]
+    assert engine._graphs is not None and engine._graphs.num_replays > 0
+    eager = Engine(model, decode_graphs=False).generate(prompts, sp)
+    assert got == [[(c.token_ids, c.logprobs) for c in o] for o in eager]
+    assert Engine(exactrl.load_model(gemma_dirs["gemma3"], block_size=8))._graphs is None
