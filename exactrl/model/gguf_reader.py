@@ -104,7 +104,7 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if self.off + n > self.size:
-            raise self.fail(f"{what} at byte {self.off} needs {n} bytes and runs past the end of the file")
+            raise self.fail(f"{what} at byte {self.off} would end at byte {self.off + n}, past the end of the file")
 
     def uint(self, s: struct.Struct, what: str) -> int:
         self.need(s.size, what)
@@ -258,6 +258,6 @@ def _tensors(cur: _Cursor, infos, data_offset: int) -> dict[str, TensorInfo]:
         n_bytes = n // block * size
         start = data_offset + offset
         if start + n_bytes > cur.size:
-            raise cur.fail(f"{what}'s {n_bytes} bytes at byte {start} run past the end of the file")
+            raise cur.fail(f"{what}: its {n_bytes} bytes of data at byte {start} run past the end of the file")
         out[name] = TensorInfo(name, qtype, tuple(dims), n, n_bytes, start)
     return out
