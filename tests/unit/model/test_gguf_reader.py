@@ -293,3 +293,37 @@ def test_bad_alignment_is_named(tmp_path):
         w.close()
         with pytest.raises(ValueError, match=match):
             read_gguf(tmp_path / "a.gguf")
+
+
+def _kv_string(key: bytes, value: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value
+
+
+def _tensor_info(name: bytes, offset: int) -> bytes:
+    return struct.pack("<Q", len(name)) + name + struct.pack("<IQIQ", 1, 8, 0, offset)  # 1-D, 8 F32
+
+
+def test_duplicates_and_bad_utf8_are_named(tmp_path):
+    """Hand-written files (GGUFWriter writes none of these): a key twice, a tensor name twice, bytes not UTF-8."""
+    head = b"GGUF" + struct.pack("<I", 3)
+    cases = {
+        "metadata key 'a' appears twice": struct.pack("<QQ", 0, 2) + _kv_string(b"a", b"x") + _kv_string(b"a", b"y"),
+        r"metadata key 'b': string at byte 45 is not UTF-8 \(invalid start byte\)": struct.pack("<QQ", 0, 1)
+        + _kv_string(b"b", b"ok\xff"),
+        r"metadata key 'c'\[1\]: string at byte \d+ is not UTF-8": struct.pack("<QQ", 0, 1)
+        + struct.pack("<Q", 1)
+        + b"c"
+        + struct.pack("<IIQ", 9, 8, 2)
+        + struct.pack("<Q", 1)
+        + b"a"
+        + struct.pack("<Q", 2)
+        + b"\xc3(",
+        "tensor 't' appears twice": struct.pack("<QQ", 2, 0)
+        + _tensor_info(b"t", 0)
+        + _tensor_info(b"t", 32)
+        + bytes(96),
+    }
+    for i, (match, body) in enumerate(cases.items()):
+        (tmp_path / f"{i}.gguf").write_bytes(head + body)
+        with pytest.raises(ValueError, match=rf"{i}.gguf is not a readable GGUF file: {match}"):
+            read_gguf(tmp_path / f"{i}.gguf")
