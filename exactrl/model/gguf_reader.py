@@ -130,7 +130,6 @@ class _Cursor:
         append = out.append
         for i in range(count):
             if off + 8 > size:
-                self.off = off
                 raise self.fail(f"{what}[{i}]: string length at byte {off} runs past the end of the file")
             (n,) = u64(buf, off)
             end = off + 8 + n

@@ -230,6 +230,12 @@ def test_bad_value_type_is_named(tok_file):
     _patched(tok_file, _key_end(tok_file.read_bytes(), "tokenizer.ggml.pre"), "<I", 77)
     with pytest.raises(ValueError, match=r"t.gguf .*'tokenizer.ggml.pre': value type 77 at byte \d+ is not a GGUF"):
         read_gguf(tok_file)
+    _patched(tok_file, _key_end(tok_file.read_bytes(), "tokenizer.ggml.tokens") + 4, "<I", 99)  # element type
+    with pytest.raises(ValueError, match=r"'tokenizer.ggml.pre': value type 77"):  # the first damage found
+        read_gguf(tok_file)
+    _patched(tok_file, _key_end(tok_file.read_bytes(), "tokenizer.ggml.pre"), "<I", 8)
+    with pytest.raises(ValueError, match=r"'tokenizer.ggml.tokens': array element type 99 at byte \d+ is not a GGUF"):
+        read_gguf(tok_file)
 
 
 def test_string_past_the_end_of_the_file_is_named(tok_file):
