@@ -13,10 +13,10 @@ dims innermost first, uint32 ggml type, uint64 offset into the data section); th
 `general.alignment` (uint32, a power of two, default 32), where the data section starts. A string is a uint64
 byte length and UTF-8 bytes; an array is a uint32 element type, a uint64 length and the elements.
 
-Speed: GGUFReader makes numpy records for every array element (one per token of a vocabulary: seconds for 32k
-tokens, tens of seconds for 128k); here a numeric array is one `np.frombuffer` and a string array one tight
-loop over the mapped bytes, so a 128k-token vocabulary opens in a fraction of a second (docs/performance.md).
-Only the enums and block sizes come from the `gguf` package (GGMLQuantizationType, GGML_QUANT_SIZES).
+Speed: GGUFReader makes numpy records for every array element, several per token of a vocabulary; here a
+numeric array is one `np.frombuffer` and a string array one tight loop over the mapped bytes (figures:
+docs/performance.md). Only the enums and block sizes come from the `gguf` package (GGMLQuantizationType,
+GGML_QUANT_SIZES).
 """
 
 from __future__ import annotations
