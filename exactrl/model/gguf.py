@@ -8,6 +8,8 @@ Llama architecture's q/k rows are put back in Hugging Face order (`unpermute_qk`
 llama.cpp's converter applies to them (its `LlamaModel.permute`; transformers' GGUF reader undoes it the same
 way). A file that is not read is refused by name: another architecture, a tensor type outside READ_TYPES, a
 tensor this decoder has no place for (e.g. Llama 3's `rope_freqs.weight`), RoPE scaling other than linear.
+The container itself (header, metadata, tensor infos) is parsed by exactrl's own reader (gguf_reader.py), which
+gives the values the `gguf` package's GGUFReader gives, without its per-element cost on large vocabularies.
 
 Architectures read: `llama` (Llama, and Mistral files, which llama.cpp writes as `llama`: GGUF keeps no sliding
 window for them, so they attend to the full context as llama.cpp does), `qwen2`, `qwen3`. Gemma files
@@ -24,12 +26,12 @@ import torch
 
 from exactrl.kernels import get_kernels
 from exactrl.model.config import SUPPORTED, ModelConfig
+from exactrl.model.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from exactrl.model.transformer import DEFAULT_BLOCK_SIZE, CausalLM
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
 # The ggml tensor types read, each dequantized by gguf.quants.dequantize (F32 as is, F16/BF16 widened exactly):
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-MAGIC = b"GGUF"
 # llama.cpp's values for the tokenizer keys a SentencePiece file (tokenizer.ggml.model "llama") leaves out
 SPM_DEFAULTS = {
     "unknown_token_id": 0,
@@ -79,27 +81,16 @@ def is_gguf_path(path: str | Path) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
-def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` over `path` (memory-mapped), after checking the file is there and starts with GGUF's
-    magic bytes; a damaged file is a ValueError naming it."""
-    gguf = require_gguf()
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"GGUF file {p} " + ("is a directory" if p.is_dir() else "does not exist"))
-    with p.open("rb") as f:
-        head = f.read(4)
-    if head != MAGIC:
-        raise ValueError(f"{p} is not a GGUF file: it starts with {head!r}, a GGUF file with {MAGIC!r}")
-    try:
-        return gguf.GGUFReader(str(p), "r")
-    except Exception as e:  # a truncated or corrupt header fails anywhere inside the reader, with any type
-        raise ValueError(f"{p} is not a readable GGUF file ({type(e).__name__}: {e}); re-copy it") from None
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The GGUF file at `path`, memory-mapped, its metadata and tensor infos parsed (gguf_reader.py); a file
+    that is absent, not GGUF, or damaged is a ValueError naming it and what is wrong."""
+    require_gguf()  # its enums and block sizes type the tensors
+    return read_gguf(path)
 
 
-def field(reader, key: str, default: Any = None) -> Any:
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """The value of metadata key `key` (a str, number, bool or list), `default` when absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return reader.metadata.get(key, default)
 
 
 def _f32(value: float) -> float:
@@ -119,12 +110,12 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-def hf_shape(tensor) -> tuple[int, ...]:
+def hf_shape(tensor: TensorInfo) -> tuple[int, ...]:
     """A GGUF tensor's shape in torch order (GGUF lists dimensions innermost first)."""
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return tuple(reversed(tensor.shape))
 
 
-def gguf_config(reader, path: str | Path) -> dict[str, Any]:
+def gguf_config(reader: GGUFFile, path: str | Path) -> dict[str, Any]:
     """A config.json dict from the file's metadata (`{arch}.*` keys and the tokenizer's special ids)."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -132,7 +123,7 @@ def gguf_config(reader, path: str | Path) -> dict[str, Any]:
             f"{path}: GGUF architecture general.architecture={arch!r} is not read; read: {sorted(ARCHITECTURES)}"
         )
     mt = ARCHITECTURES[arch]
-    names = {t.name: t for t in reader.tensors}
+    names = reader.tensors
     if "token_embd.weight" not in names:
         raise ValueError(f"{path}: no tensor token_embd.weight (the token embedding)")
 
@@ -193,10 +184,10 @@ def unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def dequantized(tensor, arch: str, cfg: dict[str, Any]) -> torch.Tensor:
+def dequantized(reader: GGUFFile, tensor: TensorInfo, arch: str, cfg: dict[str, Any]) -> torch.Tensor:
     """One tensor as float32 in torch order and Hugging Face row order."""
     gguf = require_gguf()
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    data = gguf.quants.dequantize(reader.tensor_data(tensor), tensor.tensor_type)
     w = torch.from_numpy(data.astype("float32", copy=False).reshape(hf_shape(tensor)).copy())
     if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
         heads = cfg["num_attention_heads"] if ".attn_q." in tensor.name else cfg["num_key_value_heads"]
@@ -204,13 +195,13 @@ def dequantized(tensor, arch: str, cfg: dict[str, Any]) -> torch.Tensor:
     return w
 
 
-def check_tensors(reader, path: str | Path, cfg: ModelConfig) -> dict[str, Any]:
+def check_tensors(reader: GGUFFile, path: str | Path, cfg: ModelConfig) -> dict[str, TensorInfo]:
     """GGUF tensors by Hugging Face name, checked against the model's parameters (built on the meta device,
     which allocates nothing): each is of a READ_TYPES type, has a place and its shape, none is missing."""
     with torch.device("meta"):
         params = {n: tuple(p.shape) for n, p in CausalLM(cfg, get_kernels("exact", "native")).named_parameters()}
-    out: dict[str, Any] = {}
-    for t in reader.tensors:
+    out: dict[str, TensorInfo] = {}
+    for t in reader.tensors.values():
         kind = t.tensor_type.name
         if kind not in READ_TYPES:
             raise ValueError(
@@ -241,7 +232,7 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return _model_config(reader, path)
 
 
-def _model_config(reader, path: str | Path) -> ModelConfig:
+def _model_config(reader: GGUFFile, path: str | Path) -> ModelConfig:
     hf = gguf_config(reader, path)
     try:
         return ModelConfig.from_hf(hf)
@@ -268,7 +259,7 @@ def load_gguf_model(
     arch = field(reader, "general.architecture")
     with torch.no_grad():
         for name, t in tensors.items():
-            w = dequantized(t, arch, cfg.hf)
+            w = dequantized(reader, t, arch, cfg.hf)
             if not torch.isfinite(w).all():
                 raise ValueError(f"{path}: tensor {t.name!r} holds NaN or infinite values; re-copy the file")
             params[name].copy_(w.to(params[name].dtype))
