@@ -117,6 +117,7 @@ def test_bench_memory_quick_prints_the_modes_as_json(capsys):
     assert set(modes) == {"none", "full", "selective"} and modes["none"]["peak_ratio"] == 1.0
     assert len({(r["loss"], r["grad_norm"]) for r in modes.values()}) == 1  # the same step bit for bit
     assert modes["full"]["peak_mb"] < modes["none"]["peak_mb"]
+    assert 0 < modes["full"]["act_peak_mb"] < modes["none"]["act_peak_mb"] <= modes["none"]["peak_mb"]
 
 
 def test_token_budget_packs_consecutive_sequences_and_a_long_one_alone():
