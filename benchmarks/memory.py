@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import random
@@ -157,6 +158,7 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
         out["params"] = sum(p.numel() for p in model.parameters())
         m = train_step(model, opt, build_loss("ppo"), batch, s)  # warm-up: AdamW's moments, packed weights
         opt.zero_grad(set_to_none=True)  # the start holds no gradients: the peak counts the step's own
+        gc.collect()  # the previous mode's model (its checkpointed layers' bound methods are cycles) goes now
         with PeakHeap(less=grad_bytes(list(model.parameters()))) as meter:
             m = train_step(model, opt, build_loss("ppo"), batch, s)
         times = []

@@ -27,6 +27,7 @@ mode's act_peak against `none` at the same W and strategy. A warm-up step on a o
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import time
@@ -82,6 +83,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out) -> None:
         t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()
     )
     opt.zero_grad(set_to_none=True)  # the start holds no gradients: the peak counts the step's own
+    gc.collect()  # nothing unreachable is left to be freed inside the metered step
     with PeakHeap(less=grad_bytes(list(model.parameters()))) as meter:
         m = train_step(model, opt, loss, batch, s, ranks=ranks)
     grads = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
