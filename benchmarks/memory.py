@@ -19,9 +19,9 @@ mode (train/activation_ckpt.py).
 
 Ratios (peak_ratio, act_peak_ratio, time_ratio) are against `none`; the 1-minute load average at start
 and end is in the output. Run on one
-machine, one mode after another, in one process: a later mode's peak is read against a heap the modes
-before it shaped (glibc keeps freed memory in its lists), so the figures to quote come from
-`--ranks 1`, one process per mode.
+machine, one mode after another, in one process: a later mode's peak, read in a process the modes before
+it ran in, comes out lower than in a process of its own (docs/performance.md), so the figures to quote
+come from `--ranks 1`, one process per mode.
 
     exactrl bench memory [--quick] [--size 20M] [--seqs 8] [--prompt 32] [--completion 480] [--steps 2]
                          [--dtype float32]
