@@ -10,12 +10,18 @@ mode (train/activation_ckpt.py).
   their outputs) after every torch op (a `TorchDispatchMode`, active through the backward and its
   recomputation). torch's CPU tensors come from malloc, which tracemalloc does not see; the figure counts
   every tensor alive at an op's end (a temporary inside one op, e.g. a C kernel's scratch, only when it
-  outlives the op). The metered step is a separate step from the timed ones (the meter slows each op).
+  outlives the op). The gradients of the warm-up step are dropped before it, so the peak counts the
+  step's own gradients. The metered step is a separate step from the timed ones (the meter slows each op).
+- act. peak: the most of the same readings less the bytes of the gradients alive at each: activations,
+  saved tensors and temporaries, what activation checkpointing cuts.
 - time: best of `--steps` timed steps after one warm-up, unmetered.
 - the loss and gradient norm of the step per mode, equal across the modes (the recomputation is exact).
 
-Ratios are against `none`; the 1-minute load average at start and end is in the output. Run on one
-machine, one mode after another, in one process.
+Ratios (peak_ratio, act_peak_ratio, time_ratio) are against `none`; the 1-minute load average at start
+and end is in the output. Run on one
+machine, one mode after another, in one process: a later mode's peak, read in a process the modes before
+it ran in, comes out lower than in a process of its own (docs/performance.md), so the figures to quote
+come from `--ranks 1`, one process per mode.
 
     exactrl bench memory [--quick] [--size 20M] [--seqs 8] [--prompt 32] [--completion 480] [--steps 2]
                          [--dtype float32]
@@ -28,14 +34,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,16 +86,40 @@ def heap_in_use() -> int:
 
 class PeakHeap(TorchDispatchMode):
     """`with PeakHeap() as m: ...` leaves in `m.peak` the most heap bytes in use, above those at entry, at the
-    end of any torch op run inside (forward, backward, recomputation)."""
+    end of any torch op run inside (forward, backward, recomputation). With `less` (a function: bytes in use
+    that are not to count, e.g. the gradients alive at that moment), `m.peak_less` is the most of the same
+    readings less `less()` taken at each."""
+
+    def __init__(self, less: Callable[[], int] | None = None):
+        super().__init__()
+        self.less = less
 
     def __enter__(self):
-        self.base, self.peak = heap_in_use(), 0
+        self.base, self.peak, self.peak_less = heap_in_use(), 0, 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, heap_in_use() - self.base)
+        used = heap_in_use() - self.base
+        self.peak = max(self.peak, used)
+        if self.less is not None:
+            self.peak_less = max(self.peak_less, used - self.less())
         return out
+
+
+def grad_bytes(params: list[torch.Tensor]) -> Callable[[], int]:
+    """A function: the bytes of the gradients `params` hold now (a DTensor's local shard)."""
+
+    def count() -> int:
+        total = 0
+        for p in params:
+            g = p.grad
+            if g is not None:
+                g = g.to_local() if isinstance(g, DTensor) else g
+                total += g.numel() * g.element_size()
+        return total
+
+    return count
 
 
 def _batch(vocab: int, seqs: int, prompt: int, completion: int) -> TrainBatch:
@@ -126,7 +159,9 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         out["params"] = sum(p.numel() for p in model.parameters())
         m = train_step(model, opt, build_loss("ppo"), batch, s)  # warm-up: AdamW's moments, packed weights
-        with PeakHeap() as meter:
+        opt.zero_grad(set_to_none=True)  # the start holds no gradients: the peak counts the step's own
+        gc.collect()  # the previous mode's model (its checkpointed layers' bound methods are cycles) goes now
+        with PeakHeap(less=grad_bytes(list(model.parameters()))) as meter:
             m = train_step(model, opt, build_loss("ppo"), batch, s)
         times = []
         for _ in range(steps):
@@ -135,6 +170,7 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
             times.append(time.perf_counter() - t)
         out["modes"][mode] = {
             "peak_mb": round(meter.peak / 2**20, 1),
+            "act_peak_mb": round(meter.peak_less / 2**20, 1),
             "step_s": round(min(times), 3),
             "loss": m["train/loss"],
             "grad_norm": m["train/grad_norm"],
@@ -143,6 +179,7 @@ def measure(size: str, seqs: int, prompt: int, completion: int, steps: int, dtyp
     base = out["modes"]["none"]
     for r in out["modes"].values():
         r["peak_ratio"] = round(r["peak_mb"] / base["peak_mb"], 3)
+        r["act_peak_ratio"] = round(r["act_peak_mb"] / base["act_peak_mb"], 3)
         r["time_ratio"] = round(r["step_s"] / base["step_s"], 3)
     return out
 

@@ -9,9 +9,11 @@ its share. Rank 0 reports:
 
 - state_mb: the bytes of the parameters and AdamW's state this rank holds (a DTensor's local shard);
 - peak_mb: the most heap bytes in use above the step's start during one metered step (benchmarks/memory.py
-  `PeakHeap`: every tensor alive at an op's end, the gradients and the gathered weights included);
-- grads_mb: the bytes of this rank's gradients after the step, and act_peak_mb = peak_mb - grads_mb, the
-  part of the peak that is not gradients (activations, gathered weights, temporaries);
+  `PeakHeap`: every tensor alive at an op's end, the step's gradients and the gathered weights included;
+  the warm-up's gradients are dropped before the step starts);
+- grads_mb: the bytes of this rank's gradients after the step, and act_peak_mb: the most of the same
+  readings less the bytes of the gradients alive at each, the part that is not gradients (activations,
+  gathered weights, temporaries);
 - step_s: one unmetered step after it.
 
 Ratios: `fsdp` against `ddp` at the same W and mode (state_ratio, against the target 1/W + 10%), and each
@@ -25,6 +27,7 @@ mode's act_peak against `none` at the same W and strategy. A warm-up step on a o
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import time
@@ -51,7 +54,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out) -> None:
     """One rank of one configuration: the figures above, put on `out` by rank 0."""
     import torch.distributed as dist
     from _common import qwen3_config
-    from memory import PeakHeap, _batch
+    from memory import PeakHeap, _batch, grad_bytes
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     ranks = Ranks(rank, world)
@@ -79,7 +82,9 @@ def _rank(rank: int, world: int, port: int, job: dict, out) -> None:
     state = _local_bytes(model.parameters()) + _local_bytes(
         t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()
     )
-    with PeakHeap() as meter:
+    opt.zero_grad(set_to_none=True)  # the start holds no gradients: the peak counts the step's own
+    gc.collect()  # nothing unreachable is left to be freed inside the metered step
+    with PeakHeap(less=grad_bytes(list(model.parameters()))) as meter:
         m = train_step(model, opt, loss, batch, s, ranks=ranks)
     grads = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
     t = time.perf_counter()
@@ -92,7 +97,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out) -> None:
                 "state_mb": round(state / mb, 1),
                 "peak_mb": round(meter.peak / mb, 1),
                 "grads_mb": round(grads / mb, 1),
-                "act_peak_mb": round((meter.peak - grads) / mb, 1),
+                "act_peak_mb": round(meter.peak_less / mb, 1),
                 "step_s": round(step_s, 2),
                 "loss": m["train/loss"],
                 "grad_norm": m["train/grad_norm"],

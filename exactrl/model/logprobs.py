@@ -241,8 +241,12 @@ class _HeadLogprobs(torch.autograd.Function):
     lp_t = lp[target], and H = -Σ p·lp with p = exp(lp). The chunks keep the
     [chunk, V] temporaries in cache and let the allocator reuse them, where
     unchunked autograd made half a dozen fresh [N, V] tensors per step (8192 x
-    16k fp32 is 537 MB each; their page faults alone cost seconds on this CPU).
-    Only lp is kept for the backward, as log_softmax's autograd would keep it.
+    16k fp32 is 537 MB each; their page faults alone cost seconds on a CPU).
+    For the backward the forward keeps each chunk's lp ([N, V] in all), as
+    log_softmax's autograd would, or, with `model.head_recompute` (set by
+    activation checkpointing), nothing of size V: the backward runs the chunk's
+    forward again (`_chunk_logprobs`, the same call on the same rows), so the
+    recomputed lp is bitwise the kept one and so is every gradient (tested).
 
     Backward, with z' = z / T the tempered logits (T = 1 for greedy) and the
     top-k/top-p cut-offs constant (as autograd treats them):
@@ -257,37 +261,24 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_ND, w_VD, tgt_N, model, dist, with_entropy, entropy_grad, backward):  # type: ignore[override]
-        temp, top_k, top_p = dist
         cap = model.config.logit_softcap
         lps, ents, keep = [], [], []
         packed = PackedWeights()  # the head weight packed once for all chunks (it cannot change inside a call)
-        V = w_VD.shape[0]
-        plain = temp in (0, 1) and not 0 < top_k < V and top_p >= 1  # sampling_logprobs is then log_softmax
+        recompute = backward and model.head_recompute
         for a in range(0, h_ND.shape[0], HEAD_CHUNK_ROWS):
-            h_cD, tgt_c = h_ND[a : a + HEAD_CHUNK_ROWS], tgt_N[a : a + HEAD_CHUNK_ROWS]
-            n = h_cD.shape[0]
-            with using_packed(packed):
-                z_cV = model.kernels.linear(h_cD, w_VD).float().contiguous()
-            kern = model.kernels
-            if cap is not None:  # Gemma 2: z = c·tanh(z / c), as `model.logits`
-                z_cV = kern.softcap(z_cV, cap)
-            if plain and with_entropy:  # one pass, over the logits' own memory: the bits of the two calls below
-                lp_cV, ent_c = kern.log_softmax_entropy(z_cV)
+            h_cD = h_ND[a : a + HEAD_CHUNK_ROWS]
+            lp_cV, ent_c = _chunk_logprobs(model.kernels, packed, h_cD, w_VD, dist, with_entropy, cap)
+            if with_entropy:
                 ents.append(ent_c)
-            else:
-                lp_cV = kern.sampling_logprobs(
-                    z_cV, torch.full((n,), temp), torch.full((n,), top_k), torch.full((n,), top_p)
-                )
-                if with_entropy:
-                    ents.append(kern.entropy(lp_cV))
-            lps.append(lp_cV.gather(1, tgt_c[:, None]).squeeze(1))
-            if backward:  # under no_grad (reference model, behaviour recompute) nothing is kept
+            lps.append(lp_cV.gather(1, tgt_N[a : a + HEAD_CHUNK_ROWS, None]).squeeze(1))
+            if backward and not recompute:  # under no_grad (reference model, behaviour recompute) nothing is kept
                 keep.append(lp_cV)
         lp_N = torch.cat(lps)
         ent_N = torch.cat(ents) if with_entropy else h_ND.new_zeros(0, dtype=torch.float32)
         ctx.save_for_backward(h_ND, w_VD, tgt_N, lp_N, ent_N)
-        ctx.chunks, ctx.temp, ctx.entropy_grad = keep, (temp if temp > 0 else 1.0), entropy_grad
-        ctx.kernels, ctx.cap = model.kernels, cap
+        ctx.chunks, ctx.temp, ctx.entropy_grad = keep, (dist[0] if dist[0] > 0 else 1.0), entropy_grad
+        ctx.kernels, ctx.rows, ctx.cap = model.kernels, HEAD_CHUNK_ROWS, cap
+        ctx.recompute = (dist, with_entropy, cap) if recompute else None  # what `_chunk_logprobs` takes again
         if not entropy_grad:
             ctx.mark_non_differentiable(ent_N)
         return lp_N, ent_N
@@ -300,23 +291,49 @@ class _HeadLogprobs(torch.autograd.Function):
         g_lp_N = g_lp_N.float()
         g_hit_N = g_lp_N * torch.isfinite(lp_N)  # a cut-off target's own logit is a constant (-inf)
         g_ent_N = g_ent_N.float() if ctx.entropy_grad and g_ent_N is not None else None
-        kern = ctx.kernels
+        kern, rows, packed = ctx.kernels, ctx.rows, PackedWeights()
         times_w = kern.head_input_grad(w_VD) if gh_ND is not None else None  # W packed once for every chunk
-        for c, lp_cV in enumerate(ctx.chunks):
-            sl = slice(c * HEAD_CHUNK_ROWS, c * HEAD_CHUNK_ROWS + lp_cV.shape[0])
+        for c, a in enumerate(range(0, h_ND.shape[0], rows)):
+            sl = slice(a, a + rows)
+            if ctx.recompute is None:
+                lp_cV, ctx.chunks[c] = ctx.chunks[c], None
+            else:  # the forward's call on the same rows: the same bits
+                lp_cV = _chunk_logprobs(kern, packed, h_ND[sl], w_VD, *ctx.recompute)[0]
             # the formula above, one pass, over the chunk's own memory (this backward is its last reader)
             gz_cV = kern.head_grad(
                 lp_cV, g_lp_N[sl], g_hit_N[sl], tgt_N[sl], None if g_ent_N is None else g_ent_N[sl], ent_N[sl], ctx.temp
             )
-            ctx.chunks[c] = None
+            del lp_cV
             if ctx.cap is not None:  # through the cap: ∂z/∂z_raw = 1 - tanh(z_raw / c)², z_raw recomputed
-                gz_cV = kern.softcap_grad(kern.linear(h_ND[sl], w_VD).float(), gz_cV, ctx.cap)
+                with using_packed(packed):
+                    gz_cV = kern.softcap_grad(kern.linear(h_ND[sl], w_VD).float(), gz_cV, ctx.cap)
             if gh_ND is not None:
                 gh_ND[sl] = times_w(gz_cV).to(h_ND.dtype)
             if gw_VD is not None:  # accumulated in place: a [V, D] product and sum per chunk took 1.7x as long
                 gw_VD.addmm_(gz_cV.t(), h_ND[sl].float())
         ctx.chunks = None
         return gh_ND, (gw_VD.to(w_VD.dtype) if gw_VD is not None else None), None, None, None, None, None, None
+
+
+def _plain(dist: tuple[float, int, float], V: int) -> bool:
+    """Whether `sampling_logprobs` under `dist` = (temperature, top_k, top_p) is log_softmax itself."""
+    temp, top_k, top_p = dist
+    return temp in (0, 1) and not 0 < top_k < V and top_p >= 1
+
+
+def _chunk_logprobs(kern, packed: PackedWeights, h_cD, w_VD, dist, with_entropy: bool, cap: float | None):
+    """(lp [c, V], entropy [c] or None) of one chunk of head rows: the forward's path and its recomputation's.
+    `cap`: Gemma 2's final logit soft cap, z = c·tanh(z / c) as `model.logits`, or None."""
+    temp, top_k, top_p = dist
+    n = h_cD.shape[0]
+    with using_packed(packed):
+        z_cV = kern.linear(h_cD, w_VD).float().contiguous()
+    if cap is not None:
+        z_cV = kern.softcap(z_cV, cap)
+    if _plain(dist, w_VD.shape[0]) and with_entropy:  # one pass, over the logits' own memory: the bits below
+        return kern.log_softmax_entropy(z_cV)
+    lp_cV = kern.sampling_logprobs(z_cV, torch.full((n,), temp), torch.full((n,), top_k), torch.full((n,), top_p))
+    return lp_cV, (kern.entropy(lp_cV) if with_entropy else None)
 
 
 def _head_logprobs(model, h_ND, w_VD, tgt_N, dist, with_entropy: bool, entropy_grad: bool):

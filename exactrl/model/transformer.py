@@ -179,6 +179,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config, self.kernels, self.block_size = cfg, kernels, block_size
         self.lora = None  # the LoRA adapters' settings (model/lora.py `LoRASpec`) once `add_lora` attached them
+        # the trainer's LM head recomputes its [rows, V] logprobs in the backward instead of keeping them
+        # (model/logprobs.py `_HeadLogprobs`); set with activation checkpointing (train/activation_ckpt.py)
+        self.head_recompute = False
         self.model = Decoder(cfg, kernels)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(kernels, cfg.hidden_size, cfg.vocab_size, False)

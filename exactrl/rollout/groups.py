@@ -76,6 +76,7 @@ def generate_groups(
             top_p=rs.top_p,
             top_k=rs.top_k,
             max_tokens=rs.max_tokens,
+            ignore_eos=rs.ignore_eos,
             n=1 if greedy else rs.samples_per_prompt,
             seed=sampling_seed(seed, step, k),
         )

@@ -14,10 +14,17 @@ touched and its state dict keeps its names.
   largest tensors of a layer when F ≈ 3D, while attention (whose forward
   also writes the KV store) keeps its activations.
 
-Exactness: the recomputation runs the same kernels on the same inputs, so
-every saved tensor it rebuilds is bitwise the one the forward made, and the
-loss and every gradient are bitwise those without checkpointing (tested in
-fp32 and bf16). A layer's attention replaces its entry of the scratch KV
+Either mode also sets `model.head_recompute`: the vocabulary head
+(model/logprobs.py `_HeadLogprobs`) keeps h [N, D] and per-row results
+instead of the log-probabilities [N, V] of the completion tokens, and its
+backward projects each row chunk onto the vocabulary again. With V ≫ D
+(V = 16k-150k, D = 0.4k-4k) the head's [N, V] tensors outweigh a
+checkpointed layer's input many times over.
+
+Exactness: the recomputation runs the same kernels on the same inputs (the
+head: on the same row chunks), so every saved tensor it rebuilds is bitwise
+the one the forward made, and the loss and every gradient are bitwise those
+without checkpointing (tested in fp32 and bf16). A layer's attention replaces its entry of the scratch KV
 store (`model.new_kv`; `write_kv` is out of place when the keys require
 grad): the checkpointed region takes the store as it was *before* the write
 as an input and returns the written one, so a recomputation writes into the
@@ -45,6 +52,7 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> CausalLM:
     Bound methods, so a `copy.deepcopy` of the model checkpoints its own layers."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {list(MODES)}, got {mode!r}")
+    model.head_recompute = mode != "none"
     for layer in model.model.layers:
         if mode == "full":
             layer.forward = types.MethodType(_checkpointed_layer, layer)

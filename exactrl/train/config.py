@@ -166,6 +166,7 @@ class RunConfig(BaseModel):
             (self.distill.enabled, "distill.enabled=false: a teacher scores single completions"),
             (a.kl.coef > 0 and a.kl.where == "reward", "algorithm.kl.where=loss: an episode's reward is its own"),
             (a.overlong.buffer_len > 0 or a.overlong.mask_truncated, "algorithm.overlong off: it reads one completion"),
+            (self.rollout.ignore_eos, "rollout.ignore_eos=false: the harness sets its episodes' sampling arguments"),
         ]
         for bad, need in refused:
             if bad:

@@ -47,7 +47,9 @@ def train(c: Run) -> dict[str, float]:
     initial = initial_eval(c, c.engine)
     t_prev = time.perf_counter()
     for step in range(c.start_step + 1, cfg.max_steps + 1):
+        before = c.engine.stats()
         groups, sampled, filtered = sample_step(c, step)
+        filtered |= preemptions(before, c.engine.stats())
         t1 = time.perf_counter()
         metrics = train_on(c, step, groups)
         c.engine.update_weights(synced_weights(c.policy.model), version=step)
@@ -130,6 +132,14 @@ def own_random_streams(seed: int, step: int):
         random.setstate(saved[0])
         np.random.set_state(saved[1])
         torch.set_rng_state(saved[2])
+
+
+def preemptions(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """`rollout/preemptions`: sequences the in-process engine sent back to wait for KV pages between two
+    `stats()` snapshots (a step's sampling), each resumed by recomputing its prompt and the tokens it had
+    drawn (chunked prefill, the same bits); absent for a backend that does not count them."""
+    key = "engine/num_preemptions"
+    return {"rollout/preemptions": after[key] - before[key]} if key in after else {}
 
 
 def engine_metrics(engine) -> dict[str, float]:

@@ -23,6 +23,10 @@ class RolloutSettings(BaseModel):
     """Group size G: completions per prompt (the engine shares their prefill)."""
     max_tokens: int = Field(8, ge=1)
     """Completion length limit."""
+    ignore_eos: bool = False
+    """Keep sampling past the model's end-of-sequence ids (vLLM's and the server's `ignore_eos`), so every
+    completion, training rollouts and evaluations alike, is `max_tokens` long: long-rollout runs and
+    benchmarks (docs/training.md "Long rollouts"). Stop ids a task names itself still stop."""
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature (0 = greedy, else >= 1e-5); the trainer's logprobs use the same one."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -36,6 +36,7 @@ def test_task_keys():
     [
         ("async.enabled=true", "async.enabled=false"),
         ("algorithm.overlong.buffer_len=4", "algorithm.overlong off"),
+        ("rollout.ignore_eos=true", "rollout.ignore_eos=false"),
         ("algorithm.kl.coef=0.1", None),  # in the loss: fine
     ],
 )

@@ -132,6 +132,12 @@ def test_soft_capped_logits_and_their_gradient(tmp_path):
     for n, p in ref.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+    model.zero_grad()
+    model.head_recompute = True  # activation checkpointing's head: capped logits computed again, the same bits
+    again = token_logprobs(model, seqs, with_entropy=True)
+    assert all(torch.equal(a, b) for a, b in zip(again[0], lps[0]))
+    (sum(lp.sum() for lp in again[0]) + sum(e.sum() for e in again[1])).backward()
+    assert all(torch.equal(p.grad, ours[n]) for n, p in model.named_parameters() if p.grad is not None)
     with torch.no_grad():
         h = torch.randn(5, model.config.hidden_size) * 30
         z = model.logits(h)

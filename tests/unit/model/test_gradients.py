@@ -209,6 +209,65 @@ def test_head_logprobs_keeps_nothing_without_grad(qwen3_dir, monkeypatch):
     assert kept == [0, 4]  # 29 rows: 4 chunks of 8 kept only when a backward can follow
 
 
+def _head_step(model, h0, w0, tgt, coef, dist, ent_coef):
+    """lp, entropy and the gradients of h and W of one head call with a backward (fresh leaves)."""
+    h, w = h0.clone().requires_grad_(), w0.detach().clone().requires_grad_()
+    lp, ent = LP._head_logprobs(model, h, w, tgt, dist, True, ent_coef != 0)
+    ((lp.masked_fill(~torch.isfinite(lp), 0) * coef).sum() + ent_coef * ent.sum()).backward()
+    return lp, ent, h.grad, w.grad
+
+
+@pytest.mark.parametrize(
+    "dist,ent_coef", [((1.0, -1, 1.0), 0.0), ((1.0, -1, 1.0), 0.3), ((0.7, 20, 1.0), 0.3), ((1.3, -1, 0.8), 0.0)]
+)
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_head_recompute_gives_the_kept_chunks_bits(qwen3_dir, monkeypatch, kernels, dist, ent_coef):
+    """`model.head_recompute`: the backward projects each row chunk again instead of keeping its [chunk, V]
+    logprobs, and lp, the entropy and both gradients are bitwise those of the kept chunks (either kernels:
+    the recomputation is the forward's own call on the same rows)."""
+    monkeypatch.setattr(LP, "HEAD_CHUNK_ROWS", 7)  # several chunks, a ragged last one
+    model = exactrl.load_model(qwen3_dir, kernels=kernels)
+    g = torch.Generator().manual_seed(1)
+    V, D = model.config.vocab_size, model.config.hidden_size
+    h0, tgt = torch.randn(30, D, generator=g) * 3, torch.randint(V, (30,), generator=g)
+    coef, w0 = torch.randn(30, generator=g), model.model.embed_tokens.weight
+    kept = []
+    orig = LP._HeadLogprobs.forward
+
+    def spy(ctx, *args):
+        out = orig(ctx, *args)
+        kept.append(len(ctx.chunks))
+        return out
+
+    monkeypatch.setattr(LP._HeadLogprobs, "forward", staticmethod(spy))
+    runs = []
+    for recompute in (False, True):
+        model.head_recompute = recompute
+        runs.append(_head_step(model, h0, w0, tgt, coef, dist, ent_coef))
+    assert kept == [5, 0]  # 30 rows: 5 chunks kept, or none
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert runs[0][2].abs().sum() > 0 and runs[0][3].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_head_chunk_rows_change_no_forward_bit_with_exact_kernels_only(qwen3_dir, monkeypatch, kernels):
+    """Why the head may chunk (and recompute) its rows: an exact row's logprob does not depend on how many rows
+    share its call. The inverse twin: `fast` linears pick their kernel by the row count, and the bits move."""
+    model = exactrl.load_model(qwen3_dir, kernels=kernels)
+    g = torch.Generator().manual_seed(2)
+    V, D = model.config.vocab_size, model.config.hidden_size
+    h, tgt = torch.randn(300, D, generator=g) * 3, torch.randint(V, (300,), generator=g)
+    w = model.model.embed_tokens.weight
+    outs = []
+    for rows in (1, 7, 300):
+        monkeypatch.setattr(LP, "HEAD_CHUNK_ROWS", rows)
+        with torch.no_grad():
+            outs.append(LP._head_logprobs(model, h, w, tgt, (1.0, -1, 1.0), True, False))
+    same = all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs)
+    assert same == (kernels == "exact")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(300, 96), (7, 6, 20), (1, 5)])
 def test_exact_rms_norm_gradient_is_the_rms_norm_gradient(dtype, shape):

@@ -12,6 +12,7 @@ import torch
 from conftest import load_benchmark
 
 import exactrl
+import exactrl.model.logprobs as LP
 from exactrl.algo.losses import build_loss
 from exactrl.train.activation_ckpt import apply_activation_checkpointing
 from exactrl.train.config import load_config
@@ -57,13 +58,16 @@ def _step(model, batch: TrainBatch, **kw) -> tuple[dict, list[torch.Tensor]]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_gives_the_same_loss_and_gradients_bit_for_bit(qwen3_dir, dtype, mode):
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_bit_for_bit(qwen3_dir, monkeypatch, dtype, mode):
     """With an entropy bonus (its gradient runs through the head too) and two micro-batches: every metric,
-    every parameter's gradient and the weights after the AdamW step are bitwise equal."""
+    every parameter's gradient and the weights after the AdamW step are bitwise equal. The head, in chunks of
+    16 rows (ragged ones too), recomputes its logprobs in the backward under checkpointing."""
+    monkeypatch.setattr(LP, "HEAD_CHUNK_ROWS", 16)
     lengths = [(37, 20), (5, 41), (70, 3), (12, 12)]
     runs = []
     for ckpt in ("none", mode):
         model = apply_activation_checkpointing(exactrl.load_model(qwen3_dir, dtype=dtype), ckpt)
+        assert model.head_recompute == (ckpt != "none")
         m, grads = _step(model, _batch(model, lengths), micro_batch_size=2, entropy_coef=0.01)
         runs.append((m, grads, [p.detach().clone() for p in model.parameters()]))
     (m0, g0, w0), (m1, g1, w1) = runs
@@ -113,6 +117,7 @@ def test_bench_memory_quick_prints_the_modes_as_json(capsys):
     assert set(modes) == {"none", "full", "selective"} and modes["none"]["peak_ratio"] == 1.0
     assert len({(r["loss"], r["grad_norm"]) for r in modes.values()}) == 1  # the same step bit for bit
     assert modes["full"]["peak_mb"] < modes["none"]["peak_mb"]
+    assert 0 < modes["full"]["act_peak_mb"] < modes["none"]["act_peak_mb"] <= modes["none"]["peak_mb"]
 
 
 def test_token_budget_packs_consecutive_sequences_and_a_long_one_alone():
