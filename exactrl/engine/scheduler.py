@@ -199,7 +199,10 @@ class Scheduler:
             seq = self.waiting[0]
             need_seats = 1 + len(seq.followers)
             n = min(seq.num_uncomputed, budget)
-            if seats + need_seats > self.max_num_seqs or self.pages_for(n) > self.pool.num_free:
+            # admitted only when all its tokens fit, not just this step's chunk: a sequence let in on one chunk's
+            # pages is the first victim when a running one grows, and a preempted one recomputes from its start,
+            # so two long sequences over a tight budget would evict each other over and over
+            if seats + need_seats > self.max_num_seqs or self.pages_for(seq.num_uncomputed) > self.pool.num_free:
                 break
             self.waiting.pop(0)
             seq.pages = self.pool.allocate(self.pages_for(n))

@@ -116,6 +116,20 @@ def test_fixed_workload_exact(models, dtype, config):
         assert engine.scheduler.num_preemptions > 0
 
 
+def test_long_samples_over_a_tight_budget_do_not_evict_each_other(models):
+    """Two samples of 400 tokens over a KV budget of 1.25 of them, prefill chunks of 50: the newer sample is
+    preempted once (or a few times) as the older grows, and waits until all of its tokens fit again rather
+    than coming back on one chunk's pages to be evicted by the next growth (each return recomputes it from
+    its start). The tokens and logprobs are those of a roomy engine, bitwise."""
+    model = models["float32"]
+    sp = SamplingParams(max_tokens=400, n=2, seed=6, ignore_eos=True)
+    tight = Engine(model, kv_budget_tokens=500, max_num_batched_tokens=50)
+    got = [(c.token_ids, c.logprobs) for c in tight.generate([[5, 6, 7]], sp)[0]]
+    assert 1 <= tight.scheduler.num_preemptions <= 3, tight.scheduler.num_preemptions
+    assert got == [(c.token_ids, c.logprobs) for c in Engine(model).generate([[5, 6, 7]], sp)[0]]
+    assert all_pages_free(tight)
+
+
 def test_generate_exact_and_shapes(models):
     model = models["float32"]
     rng = random.Random(1)
