@@ -36,7 +36,7 @@ def long_model_dir(tmp_path_factory):
     "length",
     [
         1024,  # the same path at a length the fast tier affords
-        pytest.param(LONG, marks=[pytest.mark.slow, pytest.mark.timeout(3600)]),  # tens of minutes on two cores
+        pytest.param(LONG, marks=[pytest.mark.slow, pytest.mark.timeout(1200)]),  # about 2 minutes on two cores
     ],
 )
 def test_long_completions_run_through_preemption_and_chunked_prefill(long_model_dir, tmp_path, monkeypatch, length):
