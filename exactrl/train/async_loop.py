@@ -64,7 +64,7 @@ from exactrl.model.logprobs import token_logprobs
 from exactrl.model.lora import synced_weights
 from exactrl.rollout.groups import Rollout, generate_groups
 from exactrl.train.config import AsyncSettings
-from exactrl.train.loop import end_step, engine_metrics, initial_eval, train_on
+from exactrl.train.loop import end_step, engine_metrics, initial_eval, preemptions, train_on
 from exactrl.train.setup import Run, rng_state
 from exactrl.train.signals import check_terminated
 
@@ -80,7 +80,8 @@ class RolloutBatch:
     rng: dict  # the global random streams after this batch was scored (`rng_state`: what a checkpoint saves;
     # a task's reward may draw from them, and the next batch's draws start while this one is saved)
     rollout_s: float  # generation wall time
-    engine_stats: dict[str, float]  # an external server's version and gauges when the batch was done (in process: {})
+    engine_stats: dict[str, float]  # an external server's version and gauges when the batch was done, and the
+    # batch's `rollout/preemptions` where the engine counts them
 
 
 STOP_WAIT_S = 10.0  # how long a stopping run waits for its rollout thread (a batch in flight stops at its next step)
@@ -163,7 +164,7 @@ class RolloutWorker:
                     if self._stopping:
                         return
                 self._apply_pending()
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), c.engine.stats()
                 problems = c.data.prompts.take(cfg.rollout.prompts_per_step)
                 mine = c.ranks.shard(len(problems))  # a data-parallel rank's share; the trainer gathers them
                 groups = generate_groups(
@@ -180,6 +181,7 @@ class RolloutWorker:
                 # read here, on the thread that drives the engine; the trainer only logs the snapshot
                 stats = engine_metrics(c.engine)
                 stats = stats if any(k.startswith(("external/", "ray/")) for k in stats) else {}
+                stats |= preemptions(before, c.engine.stats())
                 self._out.put(
                     RolloutBatch(
                         step,

@@ -36,6 +36,7 @@ class Sampling:
     top_p: float
     top_k: int
     max_tokens: int
+    ignore_eos: bool = False  # evaluation stops at eos, as a user's sampling would
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
