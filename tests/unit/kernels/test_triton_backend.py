@@ -215,6 +215,7 @@ def gemma2_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # about 20 s under the interpreter
 def test_gemma2_soft_caps_through_the_triton_backend(gemma2_dir):
     """GeGLU, capped scores and capped logits in Triton: engine == trainer bitwise, the native backend's
     logprobs to rounding; the fast twin differs."""
@@ -228,6 +229,7 @@ def test_gemma2_soft_caps_through_the_triton_backend(gemma2_dir):
     assert engine_vs_trainer(exactrl.load_model(gemma2_dir, kernels="fast", backend="triton")) > 0.0
 
 
+@pytest.mark.slow  # about 20 s under the interpreter
 def test_moe_through_the_triton_backend(tmp_path):
     """Qwen3-MoE: the router's exact linear and each expert's products in Triton; engine == trainer bitwise,
     the fast twin differs."""
