@@ -679,7 +679,11 @@ def test_training_over_two_exact_servers_logs_the_one_server_run_bitwise(model_d
 
     def results(rows):  # all but timings and the per-server counts
         return [
-            {k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "external/", "rollout/preemptions"))}
+            {
+                k: v
+                for k, v in r.items()
+                if not k.startswith(("time/", "perf/tokens_per_s", "external/", "rollout/preemptions"))
+            }
             for r in rows
         ]
 
