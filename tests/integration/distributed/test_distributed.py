@@ -555,7 +555,8 @@ def test_a_rank_that_dies_while_setting_up_leaves_one_line_on_the_others(model_d
     assert done.returncode in (2, 137) and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "exactrl train: rank 1 was killed by signal 9" in done.stderr, done.stderr[-3000:]
     assert re.search(
-        r"\(rank 0\): error: another rank left the run \(Connection (closed|reset) by peer[^)]*\); its "
+        r"\(rank 0\): error: another rank left the run \((Read error \[[^]]*\]:\d+: )?Connection (closed|reset) by peer"
+        r"[^)]*\); its "
         r"own output says why\n",
         done.stderr,
     ), done.stderr[-3000:]
