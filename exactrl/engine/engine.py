@@ -308,13 +308,13 @@ class Engine:
         with torch.inference_mode(), using_packed(self._packed):
             self.pool.copy(sched.copies)
             batch = self._build_batch(sched)
-            if batch.decode and self._graphs is not None:
+            if batch.decode and self._graphs is not None and self._graphs.applies():
                 logits_RV = self._graphs.logits(batch.tokens_N, batch.layout)
             else:
                 hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
                 logits_RV = self.model.logits(hidden_ND[batch.rows_R]) if batch.targets else None
-                picked = selected_experts(self.model)  # [N, L, K] of a MoE model, else None
-                experts = None if picked is None or not batch.targets else picked[batch.rows_R].tolist()
+            picked = selected_experts(self.model)  # [N, L, K] of a MoE model, else None
+            experts = None if picked is None or not batch.targets else picked[batch.rows_R].tolist()
             if batch.targets:
                 rows = self._sample_rows(batch.targets)
                 tok_R, lp_R = self.model.kernels.sample(logits_RV, rows)

@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from exactrl.kernels import TokenLayout, native
 from exactrl.kernels.attention import ExactPlan
 from exactrl.kernels.native.graph import Graph, recording
+from exactrl.model.moe import moe_layers
 
 MAX_GRAPHS = 8  # buckets kept (the least recently used goes): a bucket's graph holds its activations and logits
 
@@ -87,6 +88,7 @@ class _Captured:
     kv_rows_x: torch.Tensor  # [Nb * Hk] rows of the KV store the new keys and values go to
     logits_NV: torch.Tensor  # the output, read right after
     kept: list  # every tensor the recorded calls point at
+    moe: list  # each MoE layer with the buffers its recorded call writes: (layer, experts [Nb, K], logits [Nb, E])
     rows_used: int = 0  # rows the last step wrote: those past the next step's N are made padding again
 
 
@@ -100,6 +102,7 @@ class DecodeGraphs:
         self._params = list(model.parameters())
         self._modules = list(model.named_modules())
         self._hook_dicts = [d for _, mod in self._modules for d in (mod._forward_hooks, mod._forward_pre_hooks)]
+        self._moe = moe_layers(model)
         self._graphs: OrderedDict[tuple[int, int], _Captured] = OrderedDict()
         self._fingerprint: list | None = None
         self.num_captures = 0  # since the start: graphs recorded
@@ -108,18 +111,25 @@ class DecodeGraphs:
     @staticmethod
     def supported(model) -> bool:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
-        ops are torch's). Not a mixture of experts: which experts run, on how many rows, is decided by the
-        step's data, which a recording cannot replay. Nor OLMoE's clip_qkv (its clamps are torch ops), nor
-        Gemma 3's two RoPE tables (a layer's half is copied out of them)."""
+        ops are torch's). A mixture of experts records each layer's routed experts as one native call
+        (`Kernels.experts`), which routes the step's rows itself; not Qwen2-MoE's shared expert (its gate's
+        sigmoid is a torch op). Nor OLMoE's clip_qkv (its clamps are torch ops), nor Gemma 3's two RoPE
+        tables (a layer's half is copied out of them)."""
         cfg = model.config
         return (
             model.kernels.backend == "native"
             and model.kernels.exact
             and model.dtype == torch.float32
-            and cfg.moe is None
+            and (cfg.moe is None or cfg.moe.shared_intermediate_size == 0)
             and cfg.clip_qkv is None
             and cfg.rope_local is None
         )
+
+    def applies(self) -> bool:
+        """Whether a decode step can be recorded or replayed now: every MoE layer runs its experts in one call
+        (a LoRA adapter on an expert runs them module by module, which a recording cannot hold; such steps
+        run eagerly)."""
+        return all(layer.one_call() for layer in self._moe)
 
     def clear(self) -> None:
         self._graphs.clear()
@@ -181,6 +191,8 @@ class DecodeGraphs:
             self._graphs.move_to_end(key)
             g.graph.run()
             self.num_replays += 1
+        for layer, experts_NK, logits_NE in g.moe:  # the step's selection, as an eager forward leaves it
+            layer.last_experts, layer.last_router_logits = experts_NK[:N], logits_NE[:N]
         return g.logits_NV[:N]
 
     def _buffers(self, Nb: int) -> _Captured:
@@ -197,6 +209,7 @@ class DecodeGraphs:
             torch.empty(Nb, self.max_blocks, dtype=torch.int64),
             torch.empty(Nb * Hk, dtype=torch.int64),
             None,
+            [],
             [],
         )
         self._pad(g, 0, Nb)
@@ -224,6 +237,7 @@ class DecodeGraphs:
         with recording(calls), _NativeOnly() as mode:
             g.logits_NV = m.logits(m.run_layers(g.x_ND, g.cos_ND, g.sin_ND, layout, plan, self.kv))
         g.graph, g.kept = Graph(calls), mode.kept
+        g.moe = [(layer, layer.last_experts, layer.last_router_logits) for layer in moe_layers(m)]
         self.num_captures += 1
 
 

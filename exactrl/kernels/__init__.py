@@ -23,6 +23,7 @@ from exactrl.kernels import rowwise as _rowwise
 from exactrl.kernels.attention import ExactPlan, FastPlan, TokenLayout, write_kv
 from exactrl.kernels.linear import (
     check_short_rows,
+    exact_experts,
     exact_linear,
     exact_linears,
     fast_linear,
@@ -69,6 +70,16 @@ class Kernels:
     def linears(self, x, weights) -> list[torch.Tensor]:
         """[linear(x, w) for w in weights] in one product, bit for bit (`fuses_linears` must hold)."""
         return exact_linears(x, weights)
+
+    def fuses_experts(self, x, weights) -> bool:
+        """Whether `experts` can run a mixture-of-experts layer's routed experts in one call: the engine's exact
+        inference in fp32 (`fuses_linears` of every expert weight) on this backend's C kernels."""
+        return self.backend == "native" and self.fuses_linears(x, weights, [None] * len(weights))
+
+    def experts(self, x_ND, logits_NE, experts, k: int, normalise: bool):
+        """(out, selected experts [N, k], their weights [N, k]) of a MoE layer's routed experts (`experts`: each
+        one's (gate, up, down) weights), with the bits of model/moe.py's module path (`fuses_experts` must hold)."""
+        return exact_experts(x_ND, logits_NE, experts, k, normalise)
 
     def prepare(self, linear_weights) -> None:
         """One-off checks the exact linear would otherwise run at its first call of few rows (an engine's
@@ -145,6 +156,11 @@ class Kernels:
     def log_softmax(self, z_NV):
         """log_softmax of fp32 rows, each row reduced in one fixed order; differentiable."""
         return _rowwise.log_softmax(z_NV)
+
+    def softmax(self, z_NV):
+        """softmax of fp32 rows, exact: exp(log_softmax(z)) with the kernels' own exp, each row reduced in one
+        fixed order (a MoE router's probabilities); differentiable."""
+        return _rowwise.softmax(z_NV) if self.exact else torch.softmax(z_NV, dim=-1)
 
     def entropy(self, lp_NV):
         """-Σ exp(lp)·lp of each row of logprobs."""

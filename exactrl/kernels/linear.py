@@ -349,6 +349,22 @@ def exact_linears(x_MK: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[t
     return native.linears(x_MK, _active.cache.get_stack(weights))
 
 
+def exact_experts(
+    x_ND: torch.Tensor,
+    z_NE: torch.Tensor,
+    experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    k: int,
+    normalise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts layer's routed experts in one native call (`native.moe`; `fuses_linears` must hold
+    for x and every weight): `experts` the (gate, up, down) weights of each expert, packed from the active
+    cache. Returns (out, selected experts [N, k], their weights [N, k])."""
+    cache = _active.cache
+    gate_up = [cache.get_stack((g, u)) for g, u, _ in experts]
+    down = [cache.get(d) for _, _, d in experts]
+    return native.moe(x_ND, z_NE, gate_up, down, k, normalise)
+
+
 def _exact_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     m, k = x_MK.shape
     if _uses_native(x_MK, w_NK):  # fp32: no tiles, the order is fixed by K alone (native/gemm.c)

@@ -177,6 +177,31 @@ def log_softmax(z_NV: torch.Tensor) -> torch.Tensor:
     return native.log_softmax(z_NV)
 
 
+def softmax(z_NV: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension of fp32 rows as exp(log_softmax(z)), with pointwise.c's exp (exp_f.h):
+    C code (the routing in native/moe.c) can then compute the same bits, which torch's exp would not promise;
+    differentiable."""
+    lp = log_softmax(z_NV)
+    if torch.is_grad_enabled() and lp.requires_grad:
+        return _Exp.apply(lp)
+    return native.exp(lp)
+
+
+class _Exp(torch.autograd.Function):
+    """exp with pointwise.c's forward; backward ∂L/∂x = g · exp(x)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        y = native.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
 class LogSoftmax(torch.autograd.Function):
     """A backend's row log_softmax `fn` (the C one, a Triton one); backward ∂L/∂z_j = g_j − exp(lp_j) · Σ_i g_i
     (row-wise), as torch's."""

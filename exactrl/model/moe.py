@@ -6,7 +6,8 @@ Routing, per token (row) x [D], with E experts, k per token:
 
     z = gate(x)                      router logits [E], through the kernels' linear (the exact one: a row's
                                      bits never depend on the other rows)
-    p = softmax(z) in fp32           exact kernels: exp of the row log_softmax (one fixed order per row)
+    p = softmax(z) in fp32           exact kernels: the kernels' own exp of the row log_softmax (one fixed
+                                     order per row)
     S = the k largest p, in descending order; equal p: the LOWER expert index first (a stable sort of the
         row), so a tie is broken by a fixed rule, never by how a top-k kernel scans
     w_j = p_(S_j), or p_(S_j) / (p_(S_1) + ... + p_(S_k)) (added left to right) where the family
@@ -16,6 +17,8 @@ Routing, per token (row) x [D], with E experts, k per token:
     Qwen2-MoE adds a shared expert: y + sigmoid(shared_gate(x)) · shared_expert(x)
 
 `fast` kernels use torch's softmax and topk (whose ties and bits may depend on the batch), the inverse twin.
+The engine's exact fp32 inference runs the whole rule in one native call (`Kernels.experts`, native/moe.c:
+the same bits, tested against this module's path), which its decode graphs can replay.
 Every MoE layer keeps its last forward's selection (`last_experts` [N, k], `last_router_logits` [N, E]):
 the engine reads the rows it samples from (`mismatch/routing_agreement`), the trainer the router logits of
 its forward (`load_balancing_loss`).
@@ -35,11 +38,10 @@ def route(logits_NE: torch.Tensor, k: int, normalise: bool, kernels: Kernels) ->
     """(selected experts [N, K] int64 in descending probability, their fp32 weights [N, K]) of router logits,
     by the rule in the module docstring."""
     z = logits_NE.float()
+    p = kernels.softmax(z)
     if kernels.exact:
-        p = kernels.log_softmax(z).exp()
         order = torch.sort(p.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
     else:
-        p = torch.softmax(z, dim=-1)
         order = torch.topk(p.detach(), k, dim=-1).indices
     w = p.gather(1, order)
     if normalise:
@@ -91,6 +93,24 @@ class SparseMoE(nn.Module):
 
     def forward(self, x_ND):
         logits_NE = self.gate(x_ND)
+        weights = [tuple(getattr(mlp, n).weight for n in mlp.names) for mlp in self.experts]
+        if self.kernels.fuses_experts(x_ND, [w for ws in weights for w in ws]) and self.one_call():
+            out, self.last_experts, _ = self.kernels.experts(x_ND, logits_NE, weights, self.top_k, self.normalise)
+            self.last_router_logits = logits_NE
+        else:
+            out = self._routed(x_ND, logits_NE)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
+        return out
+
+    def one_call(self) -> bool:
+        """Whether the one-call path may run (given `Kernels.fuses_experts`): no expert has a LoRA adapter or a
+        forward hook, which it would not apply."""
+        mods = [m for mlp in self.experts for m in (mlp, *(getattr(mlp, n) for n in mlp.names))]
+        return not any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "lora_A", None) is not None for m in mods)
+
+    def _routed(self, x_ND, logits_NE):
+        """The routed experts' sum, one module call per expert with rows routed to it (autograd, hooks)."""
         idx_NK, w_NK = route(logits_NE, self.top_k, self.normalise, self.kernels)
         self.last_experts, self.last_router_logits = idx_NK, logits_NE
         if not self.weights_fp32:
@@ -106,8 +126,6 @@ class SparseMoE(nn.Module):
                 y = self.experts[e](x_ND[rows]) * w_NK.reshape(-1)[pairs, None]
                 out = out.index_add(0, rows, y.to(x_ND.dtype))  # each row once per expert: one add per element
                 start += n
-        if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
         return out
 
 

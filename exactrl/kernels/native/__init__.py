@@ -5,7 +5,8 @@ with the machine's C compiler, loaded with ctypes.
 `exact.c`: attention, RMSNorm, RoPE. `gemm.c`: the fp32 exact linear (its
 order of sums is in that file's header). `pointwise.c`: fp32 SwiGLU and its
 gradient, the engine's token draw, the LM head's entropy and logit gradient,
-each one pass over memory where torch takes several. `fpmode.h`: every thread of a
+each one pass over memory where torch takes several. `moe.c`: a
+mixture-of-experts layer's routing and experts in one inference call. `fpmode.h`: every thread of a
 parallel region computes in its caller's flush-to-zero / denormal mode.
 `exp_f.h`: the kernels' own float32 exp (vectorisable, the same bits on every CPU).
 `gemm.py` is the Python side of `gemm.c` (its packed weights and calls).
@@ -21,6 +22,8 @@ How the library is compiled, cached and loaded: build.py.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -252,7 +255,8 @@ def _f32(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 
 def exp(x: torch.Tensor, build: str = "") -> torch.Tensor:
-    """pointwise.c's float32 exp (the one its kernels use), elementwise: for the tests."""
+    """pointwise.c's float32 exp (the one its kernels use), elementwise: the exact router probabilities
+    (`rowwise.softmax`), whose bits moe.c computes again."""
     (x,) = _f32(x)
     out = torch.empty_like(x)
     library(build).exactrl_exp(x.data_ptr(), x.numel(), out.data_ptr())
@@ -465,6 +469,39 @@ def head_grad(
             torch.get_num_threads(),
         )
     return gz
+
+
+def moe(
+    x_ND: torch.Tensor, z_NE: torch.Tensor, gate_up: list, down: list, k: int, normalise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [N, D], experts [N, k] int64, weights [N, k]) of a mixture-of-experts layer's routed experts for
+    rows x with router logits z, by moe.c's rule, float32: `gate_up[e]` expert e's gate and up weights packed
+    together (`PackedLinearWeight([gate, up])`), `down[e]` its down weight packed."""
+    (N, D), E, F = x_ND.shape, z_NE.shape[1], gate_up[0].Ns[0]
+    assert z_NE.shape[0] == N and len(gate_up) == len(down) == E and 0 < k <= E, (x_ND.shape, z_NE.shape, k)
+    assert all(g.Ns == (F, F) and g.K == D for g in gate_up) and all(d.Ns == (D,) and d.K == F for d in down)
+    x, z = _f32(x_ND, z_NE)
+    out = torch.empty(N, D, dtype=torch.float32)
+    experts, weights = torch.empty(N, k, dtype=torch.int64), torch.empty(N, k, dtype=torch.float32)
+    if N:
+        addrs = [(ctypes.c_int64 * E)(*(w.panels.data_ptr() for w in ws)) for ws in (gate_up, down)]
+        if library().exactrl_moe(
+            x.data_ptr(),
+            z.data_ptr(),
+            N,
+            D,
+            E,
+            k,
+            F,
+            int(normalise),
+            *addrs,
+            out.data_ptr(),
+            experts.data_ptr(),
+            weights.data_ptr(),
+            torch.get_num_threads(),
+        ):
+            raise MemoryError(f"moe: could not allocate the scratch memory of {N} rows")
+    return out, experts, weights
 
 
 # the Python side of gemm.c (it needs `library` and `_library` above)

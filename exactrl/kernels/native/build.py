@@ -25,7 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("exact.c", "gemm.c", "pointwise.c", "graph.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("exact.c", "gemm.c", "pointwise.c", "moe.c", "graph.c"))
 HEADERS = (Path(__file__).with_name("fpmode.h"), Path(__file__).with_name("exp_f.h"))
 # other builds, for the tests: the same sums, so the same bits, as the machine's own build ("portable":
 # gemm.c's plain-C kernel and no vectorising at all)
@@ -143,6 +143,8 @@ def _library(build: str) -> ctypes.CDLL:
     lib.exactrl_linear.restype = None
     lib.exactrl_linear_multi.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
     lib.exactrl_linear_multi.restype = None
+    lib.exactrl_moe.argtypes = [ptr, ptr] + [i64] * 5 + [ctypes.c_int] + [ptr] * 5 + [ctypes.c_int]
+    lib.exactrl_moe.restype = ctypes.c_int
     lib.exactrl_check_layout.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
     lib.exactrl_check_layout.restype = ctypes.c_int
     f32 = ctypes.c_float

@@ -16,7 +16,7 @@ typedef struct {
 /* The kernels a graph can hold, in the order of `kind` (graph.py reads this list). */
 static const char KERNELS[] =
     "exactrl_linear,exactrl_linear_multi,exactrl_rms_norm,exactrl_rotary,exactrl_write_rows,exactrl_attention,"
-    "exactrl_swiglu,exactrl_add,exactrl_scale,exactrl_geglu,exactrl_softcap";
+    "exactrl_swiglu,exactrl_add,exactrl_scale,exactrl_geglu,exactrl_softcap,exactrl_moe";
 const char *exactrl_graph_kernels(void) { return KERNELS; }
 
 void exactrl_linear(const float *, const float *, int64_t, int64_t, int64_t, float *, int);
@@ -32,8 +32,10 @@ void exactrl_add(const float *, const float *, int64_t, int64_t, float *);
 void exactrl_scale(const float *, int64_t, float, float *);
 void exactrl_geglu(const float *, const float *, int64_t, float *, int);
 void exactrl_softcap(const float *, int64_t, float, float *, int);
+int exactrl_moe(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int, const int64_t *,
+                const int64_t *, float *, int64_t *, float *, int);
 
-/* Returns 0, or 1 + the index of an op that failed (exactrl_attention's scratch allocation). */
+/* Returns 0, or 1 + the index of an op that failed (exactrl_attention's or exactrl_moe's scratch allocation). */
 int64_t exactrl_graph_run(const exactrl_op *ops, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t *a = ops[i].a;
@@ -54,6 +56,11 @@ int64_t exactrl_graph_run(const exactrl_op *ops, int64_t n) {
         case 8: exactrl_scale(P(0), a[1], (float)f[0], P(3)); break;
         case 9: exactrl_geglu(P(0), P(1), a[2], P(3), (int)a[4]); break;
         case 10: exactrl_softcap(P(0), a[1], (float)f[0], P(3), (int)a[4]); break;
+        case 11:
+            if (exactrl_moe(P(0), P(1), a[2], a[3], a[4], a[5], a[6], (int)a[7], P(8), P(9), P(10), P(11), P(12),
+                            (int)a[13]))
+                return i + 1;
+            break;
         default: return i + 1;
         }
     }

@@ -212,6 +212,11 @@ class TritonKernels(Kernels):
             return torch.log_softmax(z_NV.float(), dim=-1)
         return _rowwise.LogSoftmax.apply(z_NV, _ops().log_softmax)
 
+    def softmax(self, z_NV):
+        if not self.exact:
+            return torch.softmax(z_NV.float(), dim=-1)
+        return self.log_softmax(z_NV).exp()  # CUDA's exp: one function for every element
+
     def entropy(self, lp_NV):
         if not self.exact:
             return -torch.where(lp_NV > float("-inf"), lp_NV.exp() * lp_NV, 0.0).sum(-1)

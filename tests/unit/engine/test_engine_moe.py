@@ -43,14 +43,42 @@ def _agreement(model, items):
     return routing_agreement([c.experts for c in comps], ours)
 
 
+def _generate_with(model, **config):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 24, 9)]
+    sp = SamplingParams(max_tokens=10, n=2, seed=5, ignore_eos=True)
+    engine = Engine(model, **config)
+    outs = engine.generate(prompts, sp)
+    return engine, [(p, c, sp) for p, o in zip(prompts, outs) for c in o]
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
-@pytest.mark.parametrize("config", [{}, dict(max_num_batched_tokens=16)])
+@pytest.mark.parametrize("config", [{}, dict(max_num_batched_tokens=16), dict(decode_graphs=False)])
 def test_moe_engine_equals_trainer(moe_dirs, arch, config):
+    """Decode graphs (the default) replay Qwen3-MoE's and Mixtral's routed experts as one recorded call;
+    Qwen2-MoE's shared expert and OLMoE's clip_qkv decode eagerly."""
     model = exactrl.load_model(moe_dirs[arch], block_size=8)
-    items = _generate(model, **config)
+    engine, items = _generate_with(model, **config)
+    graphs = config.get("decode_graphs", True) and arch in ("qwen3_moe", "mixtral")
+    assert (engine._graphs is not None and engine._graphs.num_replays > 0) == graphs
     assert not mismatches(model, items)
     assert all(len(c.experts) == len(c.token_ids) and len(c.experts[0]) == 2 for _, c, _ in items)
     assert _agreement(model, items) == 1.0
+
+
+def test_moe_graph_replays_report_their_own_bucket(moe_dirs):
+    """Two buckets recorded, then the first replayed: the experts each step reports are that step's (the
+    replayed graph's buffers), so routing agreement stays 1.0 whatever bucket was recorded last."""
+    model = exactrl.load_model(moe_dirs["qwen3_moe"], block_size=8)
+    engine = Engine(model)
+    rng = random.Random(3)
+    sp = SamplingParams(max_tokens=6, n=1, seed=2, ignore_eos=True)
+    for batch in (5, 1, 5):
+        prompts = [[rng.randrange(V) for _ in range(4 + i)] for i in range(batch)]
+        comps = [o[0] for o in engine.generate(prompts, sp)]
+        ours = trainer_experts(model, prompts, [c.token_ids for c in comps])
+        assert routing_agreement([c.experts for c in comps], ours) == 1.0
+    assert engine._graphs.num_captures == 2
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -89,3 +117,21 @@ def test_routing_agreement_formula():
     assert routing_agreement([[[[0, 1], [2, 3]], [[1, 2], [0, 2]]]], [t], mask=[[1, 0]]) == 1.0
     with pytest.raises(ValueError, match="sequence 0: rollout experts have shape"):
         routing_agreement([[[[0, 1]]]], [t])
+
+
+def test_moe_lora_on_experts_decodes_eagerly_and_exactly(moe_dirs):
+    """LoRA adapters on the experts' projections: the one-call path (and so the decode graphs) steps aside
+    for the module path, which applies them; engine == trainer still, and a LoRA on attention only keeps
+    the graphs."""
+    from exactrl.model.lora import add_lora
+
+    for targets, graphs in ((("gate_proj", "down_proj"), False), (("q_proj", "o_proj"), True)):
+        model = add_lora(exactrl.load_model(moe_dirs["qwen3_moe"], block_size=8), 2, 4.0, targets, 0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+        engine, items = _generate_with(model)
+        assert (engine._graphs.num_replays > 0) == graphs
+        assert not mismatches(model, items)
+        assert _agreement(model, items) == 1.0

@@ -91,6 +91,44 @@ def test_a_rows_experts_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("normalise", [True, False])
+def test_one_call_experts_equal_the_module_path(tmp_path, monkeypatch, arch, normalise):
+    """The engine's one native call per layer (native/moe.c) against the module path the trainer runs: the
+    same output bits and experts for batches of several sizes, with exact ties and near-ties in the router
+    (experts 0 and 1 tied to the bit, expert 2 a hair away)."""
+    from exactrl.kernels import native
+    from exactrl.kernels.linear import PackedWeights, using_packed
+
+    make_hf_model(tmp_path, arch, **({} if arch == "mixtral" else dict(norm_topk_prob=normalise)))
+    layer = moe_layers(exactrl.load_model(tmp_path))[0]
+    layer.normalise = normalise
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        w = layer.gate.weight
+        w[1] = w[0]
+        w[2] = w[0] + 1e-7 * torch.randn(w.shape[1], generator=g)
+    x = torch.randn(41, w.shape[1], generator=g)
+    calls, real = [], native.moe
+    monkeypatch.setattr(native, "moe", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        ref = layer(x)  # no packed cache: the module path
+        ref_experts = layer.last_experts
+        assert not calls
+        assert (ref_experts[:, :2] == torch.tensor([0, 1])).all(-1).any()  # the tie, broken to the lower index
+        with using_packed(PackedWeights()):
+            for n in (1, 2, 5, 41):
+                for s in range(0, 41 - n + 1, 13):
+                    out = layer(x[s : s + n])
+                    assert torch.equal(out, ref[s : s + n]) and torch.equal(layer.last_experts, ref_experts[s : s + n])
+    assert len(calls) > 4
+    fast = moe_layers(exactrl.load_model(tmp_path, kernels="fast"))[0]  # the inverse twin: rows' bits move
+    with torch.no_grad():
+        fast.gate.weight.copy_(w)
+        full = fast(x)
+        assert any(not torch.equal(fast(x[s : s + n]), full[s : s + n]) for n in (1, 2, 5) for s in range(0, 36, 7))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_load_balancing_loss_matches_transformers(tmp_path, arch):
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
