@@ -113,8 +113,7 @@ class DecodeGraphs:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
         ops are torch's). A mixture of experts records each layer's routed experts as one native call
         (`Kernels.experts`), which routes the step's rows itself; not Qwen2-MoE's shared expert (its gate's
-        sigmoid is a torch op). Nor OLMoE's clip_qkv (its clamps are torch ops), nor Gemma 3's two RoPE
-        tables (a layer's half is copied out of them)."""
+        sigmoid is a torch op). Nor OLMoE's clip_qkv (its clamps are torch ops)."""
         cfg = model.config
         return (
             model.kernels.backend == "native"
@@ -122,7 +121,6 @@ class DecodeGraphs:
             and model.dtype == torch.float32
             and (cfg.moe is None or cfg.moe.shared_intermediate_size == 0)
             and cfg.clip_qkv is None
-            and cfg.rope_local is None
         )
 
     def applies(self) -> bool:
@@ -198,12 +196,12 @@ class DecodeGraphs:
     def _buffers(self, Nb: int) -> _Captured:
         """A bucket's input buffers, every row padding."""
         c, m = self.model.config, self.model
-        Hk, Dh = c.num_key_value_heads, c.head_dim
+        Hk = c.num_key_value_heads
         g = _Captured(
             None,
             torch.zeros(Nb, c.hidden_size, dtype=m.dtype),
-            torch.empty(Nb, Dh),
-            torch.empty(Nb, Dh),
+            torch.empty(Nb, m.rope_cos.shape[1]),  # Dh, or 2 Dh: Gemma 3's [global | local] tables
+            torch.empty(Nb, m.rope_sin.shape[1]),
             torch.arange(Nb),
             torch.empty(Nb, dtype=torch.int64),
             torch.empty(Nb, self.max_blocks, dtype=torch.int64),

@@ -111,7 +111,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos_ND.shape[1] != c.head_dim:  # [global | local] tables (Gemma 3): this layer's half
             half = slice(c.head_dim, None) if self.local_rope else slice(0, c.head_dim)
-            cos_ND, sin_ND = cos_ND[:, half].contiguous(), sin_ND[:, half].contiguous()
+            cos_ND, sin_ND = cos_ND[:, half], sin_ND[:, half]  # views: the kernels read them in place or copy
         q, k = self.kernels.rotary(q, cos_ND, sin_ND), self.kernels.rotary(k, cos_ND, sin_ND)
         k_pages, v_pages = self.kernels.write_kv(kv_pages[0], kv_pages[1], k, v, layout, plan)
         kv_pages[0], kv_pages[1] = k_pages, v_pages

@@ -218,16 +218,19 @@ def rms_norm_backward(
 
 
 def rotary(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE with the same roundings, hence the same bits, as `rowwise.apply_rotary`'s torch ops."""
+    """Rotate-half RoPE with the same roundings, hence the same bits, as `rowwise.apply_rotary`'s torch ops.
+    The tables may be column slices of wider ones (Gemma 3's [global | local]): read in place, not copied."""
     N, H, D = x_NHD.shape
     assert x_NHD.dtype in _DTYPES and cos_ND.shape == sin_ND.shape == (N, D) and D % 2 == 0
     # tables in fp32 or already in x's dtype (a bf16 model's buffers): rounding them to x's dtype is the same
     c, s = cos_ND.float(), sin_ND.float()
-    x, c, s = (t if t.is_contiguous() else t.contiguous() for t in (x_NHD, c, s))
+    if not (c.stride() == s.stride() and c.stride(1) == 1 and c.stride(0) >= D):
+        c, s = c.contiguous(), s.contiguous()
+    x = x_NHD if x_NHD.is_contiguous() else x_NHD.contiguous()
     out = torch.empty_like(x)
     if N:
         library().exactrl_rotary(
-            x.data_ptr(), c.data_ptr(), s.data_ptr(), x.dtype == torch.bfloat16, N, H, D, out.data_ptr()
+            x.data_ptr(), c.data_ptr(), s.data_ptr(), x.dtype == torch.bfloat16, N, H, D, out.data_ptr(), c.stride(0)
         )
     return out
 

@@ -131,7 +131,7 @@ def _library(build: str) -> ctypes.CDLL:
     lib.exactrl_attention_backward.restype = ctypes.c_int
     lib.exactrl_rms_norm.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.exactrl_rms_norm.restype = None
-    lib.exactrl_rotary.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr]
+    lib.exactrl_rotary.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, i64]
     lib.exactrl_rotary.restype = None
     lib.exactrl_write_rows.argtypes, lib.exactrl_write_rows.restype = [ptr, ptr, i64, i64, ptr], None
     lib.exactrl_gemm_build.argtypes, lib.exactrl_gemm_build.restype = [], ctypes.c_char_p

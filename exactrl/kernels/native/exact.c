@@ -618,15 +618,16 @@ void exactrl_rms_norm_backward(const float *x, const float *w, const float *g, i
  *
  *     out_d = round(round(x_d * c_d) + round(r_d * s_d)),   r = (-x[D/2:], x[:D/2])
  *
- * x, out [N, H, D] of one dtype; cos, sin [N, D] float32.
+ * x, out [N, H, D] of one dtype; cos, sin [N, D] float32, row n at n * table_stride floats (>= D: a
+ * slice of wider tables, Gemma 3's [global | local]).
  */
 void exactrl_rotary(const void *x, const float *cos_ND, const float *sin_ND, int bf16, int64_t N, int64_t H,
-                    int64_t D, void *out) {
+                    int64_t D, void *out, int64_t table_stride) {
     const int64_t half = D / 2;
     for (int64_t n = 0; n < N; n++)
         for (int64_t h = 0; h < H; h++) {
             const int64_t row = (n * H + h) * D;
-            const float *c = cos_ND + n * D, *s = sin_ND + n * D;
+            const float *c = cos_ND + n * table_stride, *s = sin_ND + n * table_stride;
             if (bf16) {
                 const uint16_t *xr = (const uint16_t *)x + row;
                 uint16_t *o = (uint16_t *)out + row;

@@ -22,7 +22,7 @@ const char *exactrl_graph_kernels(void) { return KERNELS; }
 void exactrl_linear(const float *, const float *, int64_t, int64_t, int64_t, float *, int);
 void exactrl_linear_multi(const float *, const float *, int64_t, int64_t, int64_t, const int64_t *, float *, int);
 void exactrl_rms_norm(const void *, const void *, int, int64_t, int64_t, float, void *, int);
-void exactrl_rotary(const void *, const float *, const float *, int, int64_t, int64_t, int64_t, void *);
+void exactrl_rotary(const void *, const float *, const float *, int, int64_t, int64_t, int64_t, void *, int64_t);
 void exactrl_write_rows(const void *, const int64_t *, int64_t, int64_t, void *);
 int exactrl_attention(const void *, const void *, const void *, int, const int64_t *, const int64_t *,
                       const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
@@ -44,7 +44,7 @@ int64_t exactrl_graph_run(const exactrl_op *ops, int64_t n) {
         case 0: exactrl_linear(P(0), P(1), a[2], a[3], a[4], P(5), (int)a[6]); break;
         case 1: exactrl_linear_multi(P(0), P(1), a[2], a[3], a[4], P(5), P(6), (int)a[7]); break;
         case 2: exactrl_rms_norm(P(0), P(1), (int)a[2], a[3], a[4], (float)f[0], P(6), (int)a[7]); break;
-        case 3: exactrl_rotary(P(0), P(1), P(2), (int)a[3], a[4], a[5], a[6], P(7)); break;
+        case 3: exactrl_rotary(P(0), P(1), P(2), (int)a[3], a[4], a[5], a[6], P(7), a[8]); break;
         case 4: exactrl_write_rows(P(0), P(1), a[2], a[3], P(4)); break;
         case 5:
             if (exactrl_attention(P(0), P(1), P(2), (int)a[3], P(4), P(5), P(6), a[7], a[8], a[9], a[10], a[11],

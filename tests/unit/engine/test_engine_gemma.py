@@ -57,10 +57,12 @@ def test_gemma_fast_twin_differs(gemma_dirs, arch):
     assert _run(exactrl.load_model(gemma_dirs[arch], block_size=8, kernels="fast"))
 
 
-def test_gemma2_decodes_through_graphs_bit_for_bit(gemma_dirs):
-    """Gemma 2 (GeGLU, (1 + w) norms, capped scores and logits) replays recorded decode steps: the same
-    tokens and logprobs as the eager engine; Gemma 3 (two RoPE tables) decodes eagerly."""
-    model = exactrl.load_model(gemma_dirs["gemma2-capped"], block_size=8)
+@pytest.mark.parametrize("arch", ["gemma2-capped", "gemma3"])
+def test_gemma_decodes_through_graphs_bit_for_bit(gemma_dirs, arch):
+    """Gemma 2 (GeGLU, (1 + w) norms, capped scores and logits) and Gemma 3 (per-head q/k norms, each layer's
+    half of the [global | local] RoPE tables read in place) replay recorded decode steps: the same tokens and
+    logprobs as the eager engine."""
+    model = exactrl.load_model(gemma_dirs[arch], block_size=8)
     rng = random.Random(3)
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 11, 6)]
     sp = SamplingParams(max_tokens=10, n=2, seed=4, ignore_eos=True)
@@ -69,4 +71,3 @@ def test_gemma2_decodes_through_graphs_bit_for_bit(gemma_dirs):
     assert engine._graphs is not None and engine._graphs.num_replays > 0
     eager = Engine(model, decode_graphs=False).generate(prompts, sp)
     assert got == [[(c.token_ids, c.logprobs) for c in o] for o in eager]
-    assert Engine(exactrl.load_model(gemma_dirs["gemma3"], block_size=8))._graphs is None

@@ -176,6 +176,12 @@ def test_rotary_has_the_bits_of_the_torch_expression(dtype, D):
     assert torch.equal(native.rotary(x, cos[pos], sin[pos]), apply_rotary(x, cos[pos], sin[pos]))
     c, s = cos[pos].to(dtype), sin[pos].to(dtype)  # a bf16 model keeps its tables in bf16
     assert torch.equal(native.rotary(x, c, s), apply_rotary(x, c, s))
+    cos2, sin2 = rotary_tables(D, 4096, 1e4)  # Gemma 3's [global | local] tables: each half read in place
+    wide_c, wide_s = torch.cat([cos[pos], cos2[pos]], 1), torch.cat([sin[pos], sin2[pos]], 1)
+    for half, (c, s) in ((slice(0, D), (cos, sin)), (slice(D, None), (cos2, sin2))):
+        got = native.rotary(x, wide_c[:, half], wide_s[:, half])
+        assert torch.equal(got, apply_rotary(x, c[pos], s[pos]))
+    assert not torch.equal(native.rotary(x, wide_c[:, D:], wide_s[:, D:]), native.rotary(x, cos[pos], sin[pos]))
 
 
 @pytest.mark.parametrize("D", [64, 20])
