@@ -112,14 +112,13 @@ class DecodeGraphs:
     def supported(model) -> bool:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
         ops are torch's). A mixture of experts records each layer's routed experts as one native call
-        (`Kernels.experts`), which routes the step's rows itself; not Qwen2-MoE's shared expert (its gate's
-        sigmoid is a torch op). Nor OLMoE's clip_qkv (its clamps are torch ops)."""
+        (`Kernels.experts`), which routes the step's rows itself. Not OLMoE's clip_qkv (its clamps are torch
+        ops)."""
         cfg = model.config
         return (
             model.kernels.backend == "native"
             and model.kernels.exact
             and model.dtype == torch.float32
-            and (cfg.moe is None or cfg.moe.shared_intermediate_size == 0)
             and cfg.clip_qkv is None
         )
 

@@ -132,6 +132,15 @@ class Kernels:
             return _SoftCap.apply(z, cap)
         return native.softcap(z, cap)
 
+    def sigmoid_gate(self, g_N1, y_ND):
+        """sigmoid(g) · y with one gate per row (Qwen2-MoE's shared expert); exact fp32 in C with the kernels'
+        exp, so a decode graph records it; differentiable."""
+        if not (self.exact and g_N1.dtype == y_ND.dtype == torch.float32 and y_ND.dim() == 2):
+            return torch.sigmoid(g_N1) * y_ND
+        if torch.is_grad_enabled() and (g_N1.requires_grad or y_ND.requires_grad):
+            return _SigmoidGate.apply(g_N1, y_ND)
+        return native.sigmoid_gate(g_N1, y_ND)
+
     def softcap_grad(self, z, g, cap: float):
         """The gradient of `softcap` at z for the output gradient g: g (1 - tanh(z / cap)^2); may overwrite g."""
         return native.softcap_backward(z, g, cap, inplace=g.is_contiguous())
@@ -243,6 +252,22 @@ class _SoftCap(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         (z,) = ctx.saved_tensors
         return native.softcap_backward(z, g.float(), ctx.cap), None
+
+
+class _SigmoidGate(torch.autograd.Function):
+    """out = s · y, s = sigmoid(g) per row, forward in C; backward dy = s · dout, dg = s (1 - s) Σ_d dout · y."""
+
+    @staticmethod
+    def forward(ctx, g_N1, y_ND):  # type: ignore[override]
+        ctx.save_for_backward(g_N1, y_ND)
+        return native.sigmoid_gate(g_N1, y_ND)
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        g, y = ctx.saved_tensors
+        s = 1.0 / (1.0 + native.exp(-g))
+        dg = (dout * y).sum(-1, keepdim=True) * s * (1.0 - s)
+        return dg.view(g.shape), dout * s
 
 
 class _Rotary(torch.autograd.Function):

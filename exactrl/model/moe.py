@@ -14,7 +14,8 @@ Routing, per token (row) x [D], with E experts, k per token:
         normalises (`norm_topk_prob`; Mixtral always)
     y = Σ_{e in S, ascending e} w_e · expert_e(x)   each expert a gated MLP through the kernels' linear on the
         rows routed to it; the sum starts at 0 and adds experts in ascending index (transformers' order)
-    Qwen2-MoE adds a shared expert: y + sigmoid(shared_gate(x)) · shared_expert(x)
+    Qwen2-MoE adds a shared expert: y + sigmoid(shared_gate(x)) · shared_expert(x), the gate through the
+        kernels (exact: 1 / (1 + exp(-g)) with their own exp)
 
 `fast` kernels use torch's softmax and topk (whose ties and bits may depend on the batch), the inverse twin.
 The engine's exact fp32 inference runs the whole rule in one native call (`Kernels.experts`, native/moe.c:
@@ -100,7 +101,7 @@ class SparseMoE(nn.Module):
         else:
             out = self._routed(x_ND, logits_NE)
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
+            out = out + self.kernels.sigmoid_gate(self.shared_expert_gate(x_ND), self.shared_expert(x_ND))
         return out
 
     def one_call(self) -> bool:

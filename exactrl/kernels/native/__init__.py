@@ -339,6 +339,18 @@ def softcap(x: torch.Tensor, cap: float, build: str = "") -> torch.Tensor:
     return out
 
 
+def sigmoid_gate(g_R: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
+    """y · sigmoid(g) with a gate per row, sigmoid(g) = 1 / (1 + exp(-g)) with the kernels' exp, float32
+    (pointwise.c): g [R] or [R, 1], y [R, D]."""
+    R, D = y_RD.shape
+    assert g_R.numel() == R, (g_R.shape, y_RD.shape)
+    g, y = _f32(g_R.reshape(R), y_RD)
+    out = torch.empty_like(y)
+    if R:
+        library().exactrl_sigmoid_gate(g.data_ptr(), y.data_ptr(), R, D, out.data_ptr())
+    return out
+
+
 def softcap_backward(x: torch.Tensor, dy: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
     """dx = dy (1 - tanh(x / cap)^2), the gradient of `softcap` at x; with `inplace`, written over dy."""
     assert x.shape == dy.shape, (x.shape, dy.shape)

@@ -107,6 +107,15 @@ void exactrl_softcap(const float *x, int64_t n, float cap, float *out, int threa
     }
 }
 
+/* A gate per row (Qwen2-MoE's shared expert): out[r, d] = y[r, d] * s_r, s_r = 1 / (1 + exp(-g_r)), for rows
+ * g [R], y [R, D]. */
+void exactrl_sigmoid_gate(const float *g, const float *y, int64_t R, int64_t D, float *out) {
+    for (int64_t r = 0; r < R; r++) {
+        const float s = 1.0f / (1.0f + exp_f(-g[r]));
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = y[r * D + d] * s;
+    }
+}
+
 /* The gradient of out = cap tanh(x / cap):  dx = dy (1 - t^2),  t = tanh(x / cap) recomputed from x.
  * dx may be dy (in place). */
 void exactrl_softcap_backward(const float *x, const float *dy, int64_t n, float cap, float *dx, int threads) {

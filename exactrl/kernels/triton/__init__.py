@@ -159,6 +159,9 @@ class TritonKernels(Kernels):
             return torch.tanh(z / cap) * cap
         return _SoftCap.apply(z, cap)
 
+    def sigmoid_gate(self, g_N1, y_ND):
+        return torch.sigmoid(g_N1) * y_ND  # elementwise with one gate per row: CUDA's bits are a row's own
+
     def softcap_grad(self, z, g, cap: float):
         t = torch.tanh(z.float() / cap)
         return g * (1 - t * t)

@@ -636,3 +636,23 @@ def test_an_installed_package_ships_every_file_the_kernels_compile_from():
     assert included == {h.name for h in native.HEADERS}
     for f in (*native.SOURCES, *native.HEADERS):
         assert any(fnmatch.fnmatch(f.name, g) for g in globs), f.name
+
+
+def test_sigmoid_gate_is_its_formula_and_differentiates_like_torch():
+    """Qwen2-MoE's shared-expert gate: y · 1 / (1 + exp(-g)) with the kernels' exp, the same bits for a row in
+    any batch; within an ulp of torch's sigmoid; the gradient autograd's of the torch expression."""
+    from exactrl.kernels import get_kernels
+
+    k = get_kernels("exact")
+    g = torch.Generator().manual_seed(6)
+    gate, y = torch.randn(37, 1, generator=g) * 6, torch.randn(37, 24, generator=g)
+    out = k.sigmoid_gate(gate, y)
+    assert torch.equal(out, y * (1.0 / (1.0 + native.exp(-gate))))
+    assert all(torch.equal(k.sigmoid_gate(gate[i : i + 3], y[i : i + 3]), out[i : i + 3]) for i in range(0, 34, 5))
+    assert torch.allclose(out, torch.sigmoid(gate) * y, rtol=1e-6, atol=1e-7)
+    a, b = gate.clone().requires_grad_(), y.clone().requires_grad_()
+    w = torch.randn(37, 24, generator=g)
+    got = torch.autograd.grad((k.sigmoid_gate(a, b) * w).sum(), (a, b))
+    ref = torch.autograd.grad((torch.sigmoid(a) * b * w).sum(), (a, b))
+    for x, r in zip(got, ref):
+        assert torch.allclose(x, r, rtol=1e-5, atol=1e-6) and x.abs().sum() > 0
