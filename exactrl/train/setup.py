@@ -181,24 +181,51 @@ def _rollout_engine(cfg: RunConfig, model: CausalLM, tokenizer: Tokenizer, start
     return engine
 
 
+def _check_backend_options(cfg: RunConfig) -> None:
+    """Options that only the in-process engine supports, refused by name for an external or Ray backend."""
+    kind = cfg.rollout_backend.kind
+    if kind != "engine" and cfg.async_.enabled and cfg.async_.inflight_updates:
+        raise ValueError(
+            f"async.inflight_updates needs rollout_backend.kind=engine: "
+            f"{'an external server' if kind == 'openai' else 'a Ray engine'} has "
+            f"no hook between its steps to take new weights (use inflight_updates=false)"
+        )
+    if cfg.model.lora.rank and kind != "engine":
+        raise ValueError(
+            f"model.lora with rollout_backend.kind={kind}: only the in-process engine runs "
+            f"the base weights with unmerged adapters; use rollout_backend.kind=engine"
+        )
+
+
+def _algorithm(cfg: RunConfig):
+    """(loss, corrections or None) of `algorithm`, every name and argument checked now: the advantage
+    estimator by a dry run on one group of two zero rewards, with the checks and message of the first
+    training step (rollout/groups.py to_train_batch)."""
+    a = cfg.algorithm
+    loss_fn = build_loss(a.loss, **a.loss_kwargs)
+    corrections = build_corrections(a.corrections) if a.corrections else None
+    weighing = [c.key for c in corrections.corrections if c.weighs] if corrections else []
+    if a.bypass and weighing:  # the bypass ratio π_θ/μ already is ρ: a weight ρ on top would square it
+        raise ValueError(
+            f"algorithm.bypass takes the loss ratio against μ, which already weighs each token by "
+            f"π_old/μ: the corrections {weighing} would apply that ratio twice; use them without "
+            f"bypass, or keep only masking corrections (token_mask_is, geometric_rejection, ...)"
+        )
+    try:
+        compute_advantages(a.advantage, torch.zeros(1, 2), **a.advantage_kwargs)
+    except ValueError as e:
+        raise ValueError(f"algorithm.advantage_kwargs: {e}") if a.advantage_kwargs else e from None
+    return loss_fn, corrections
+
+
 def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
     """Everything that bad input can make fail is checked or loaded before the warm start (~90 s) and
     before the run directory is created, so a failed start costs little and leaves no empty run behind.
 
     `ranks`: a data-parallel run's (exactrl/distributed); rank 0 picks the run dir, builds the default
     model if needed, creates the dir and logs."""
-    if cfg.rollout_backend.kind != "engine" and cfg.async_.enabled and cfg.async_.inflight_updates:
-        raise ValueError(
-            f"async.inflight_updates needs rollout_backend.kind=engine: "
-            f"{'an external server' if cfg.rollout_backend.kind == 'openai' else 'a Ray engine'} has "
-            f"no hook between its steps to take new weights (use inflight_updates=false)"
-        )
+    _check_backend_options(cfg)
     check_ranks(cfg, ranks)
-    if cfg.model.lora.rank and cfg.rollout_backend.kind != "engine":
-        raise ValueError(
-            f"model.lora with rollout_backend.kind={cfg.rollout_backend.kind}: only the in-process engine runs "
-            f"the base weights with unmerged adapters; use rollout_backend.kind=engine"
-        )
     resolve_device(cfg.model.device, cfg.model.backend)  # a missing GPU or triton named before the warm start
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -213,22 +240,7 @@ def build(cfg: RunConfig, log=print, ranks: Ranks = Ranks()) -> Run:
         check_trackers(cfg.logging)
     task = build_task(cfg.task)
     task_sha = task_sha256(cfg.task)  # as imported: an edit during the run is not this run's task
-    a = cfg.algorithm
-    loss_fn = build_loss(a.loss, **a.loss_kwargs)
-    corrections = build_corrections(a.corrections) if a.corrections else None
-    weighing = [c.key for c in corrections.corrections if c.weighs] if corrections else []
-    if a.bypass and weighing:  # the bypass ratio π_θ/μ already is ρ: a weight ρ on top would square it
-        raise ValueError(
-            f"algorithm.bypass takes the loss ratio against μ, which already weighs each token by "
-            f"π_old/μ: the corrections {weighing} would apply that ratio twice; use them without "
-            f"bypass, or keep only masking corrections (token_mask_is, geometric_rejection, ...)"
-        )
-    # a dry run on one group of two zero rewards: a bad estimator name or argument fails now, with the
-    # checks and message of the first training step (rollout/groups.py to_train_batch)
-    try:
-        compute_advantages(a.advantage, torch.zeros(1, 2), **a.advantage_kwargs)
-    except ValueError as e:
-        raise ValueError(f"algorithm.advantage_kwargs: {e}") if a.advantage_kwargs else e from None
+    loss_fn, corrections = _algorithm(cfg)
     prompts, eval_problems = _datasets(cfg, task)
     model_dir = _model_dir(cfg, log, ranks)
     model = load_model(
