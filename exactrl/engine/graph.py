@@ -112,15 +112,8 @@ class DecodeGraphs:
     def supported(model) -> bool:
         """Exact fp32 kernels only: every op of their forward is native (bf16's linear is oneDNN's, `fast`'s
         ops are torch's). A mixture of experts records each layer's routed experts as one native call
-        (`Kernels.experts`), which routes the step's rows itself. Not OLMoE's clip_qkv (its clamps are torch
-        ops)."""
-        cfg = model.config
-        return (
-            model.kernels.backend == "native"
-            and model.kernels.exact
-            and model.dtype == torch.float32
-            and cfg.clip_qkv is None
-        )
+        (`Kernels.experts`), which routes the step's rows itself."""
+        return model.kernels.backend == "native" and model.kernels.exact and model.dtype == torch.float32
 
     def applies(self) -> bool:
         """Whether a decode step can be recorded or replayed now: every MoE layer runs its experts in one call

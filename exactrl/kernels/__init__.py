@@ -132,6 +132,13 @@ class Kernels:
             return _SoftCap.apply(z, cap)
         return native.softcap(z, cap)
 
+    def clip(self, x, c: float):
+        """x clamped to [-c, c] (OLMoE's clip_qkv). Elementwise, so invariant either way; exact fp32 inference
+        runs it in C (torch.clamp's bits, tested), so a decode graph records it."""
+        if self.exact and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
+            return native.clamp(x, -c, c)
+        return x.clamp(-c, c)
+
     def sigmoid_gate(self, g_N1, y_ND):
         """sigmoid(g) · y with one gate per row (Qwen2-MoE's shared expert); exact fp32 in C with the kernels'
         exp, so a decode graph records it; differentiable."""

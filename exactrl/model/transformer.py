@@ -104,7 +104,7 @@ class Attention(nn.Module):
         if c.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.clip_qkv is not None:  # elementwise: invariant
-            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+            q, k, v = (self.kernels.clip(t, c.clip_qkv) for t in (q, k, v))
         q = q.view(n, c.num_attention_heads, c.head_dim)
         k, v = k.view(n, c.num_key_value_heads, c.head_dim), v.view(n, c.num_key_value_heads, c.head_dim)
         if c.qk_norm and not c.qk_norm_full:

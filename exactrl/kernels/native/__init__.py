@@ -339,6 +339,15 @@ def softcap(x: torch.Tensor, cap: float, build: str = "") -> torch.Tensor:
     return out
 
 
+def clamp(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """x clamped to [lo, hi], float32, torch.clamp's bits (pointwise.c): a recorded graph's OLMoE clip_qkv."""
+    (x,) = _f32(x)
+    out = torch.empty_like(x)
+    if x.numel():
+        library().exactrl_clamp(x.data_ptr(), x.numel(), float(lo), float(hi), out.data_ptr())
+    return out
+
+
 def sigmoid_gate(g_R: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
     """y · sigmoid(g) with a gate per row, sigmoid(g) = 1 / (1 + exp(-g)) with the kernels' exp, float32
     (pointwise.c): g [R] or [R, 1], y [R, D]."""

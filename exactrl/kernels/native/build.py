@@ -165,6 +165,7 @@ def _library(build: str) -> ctypes.CDLL:
         ("exactrl_add", [ptr, ptr, i64, i64, ptr]),
         ("exactrl_scale", [ptr, i64, f32, ptr]),
         ("exactrl_sigmoid_gate", [ptr, ptr, i64, i64, ptr]),
+        ("exactrl_clamp", [ptr, i64, f32, f32, ptr]),
         ("exactrl_head_grad", [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int]),
     ]:
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None

@@ -16,7 +16,8 @@ typedef struct {
 /* The kernels a graph can hold, in the order of `kind` (graph.py reads this list). */
 static const char KERNELS[] =
     "exactrl_linear,exactrl_linear_multi,exactrl_rms_norm,exactrl_rotary,exactrl_write_rows,exactrl_attention,"
-    "exactrl_swiglu,exactrl_add,exactrl_scale,exactrl_geglu,exactrl_softcap,exactrl_moe,exactrl_sigmoid_gate";
+    "exactrl_swiglu,exactrl_add,exactrl_scale,exactrl_geglu,exactrl_softcap,exactrl_moe,exactrl_sigmoid_gate,"
+    "exactrl_clamp";
 const char *exactrl_graph_kernels(void) { return KERNELS; }
 
 void exactrl_linear(const float *, const float *, int64_t, int64_t, int64_t, float *, int);
@@ -32,6 +33,7 @@ void exactrl_add(const float *, const float *, int64_t, int64_t, float *);
 void exactrl_scale(const float *, int64_t, float, float *);
 void exactrl_geglu(const float *, const float *, int64_t, float *, int);
 void exactrl_softcap(const float *, int64_t, float, float *, int);
+void exactrl_clamp(const float *, int64_t, float, float, float *);
 void exactrl_sigmoid_gate(const float *, const float *, int64_t, int64_t, float *);
 int exactrl_moe(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int, const int64_t *,
                 const int64_t *, float *, int64_t *, float *, int);
@@ -63,6 +65,7 @@ int64_t exactrl_graph_run(const exactrl_op *ops, int64_t n) {
                 return i + 1;
             break;
         case 12: exactrl_sigmoid_gate(P(0), P(1), a[2], a[3], P(4)); break;
+        case 13: exactrl_clamp(P(0), a[1], (float)f[0], (float)f[1], P(4)); break;
         default: return i + 1;
         }
     }

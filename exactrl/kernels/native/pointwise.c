@@ -107,6 +107,12 @@ void exactrl_softcap(const float *x, int64_t n, float cap, float *out, int threa
     }
 }
 
+/* out = x clamped to [lo, hi], elementwise over n floats (OLMoE's clip_qkv): torch.clamp's bits (NaN stays NaN,
+ * -0.0 stays -0.0). */
+void exactrl_clamp(const float *x, int64_t n, float lo, float hi, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] < lo ? lo : (x[i] > hi ? hi : x[i]);
+}
+
 /* A gate per row (Qwen2-MoE's shared expert): out[r, d] = y[r, d] * s_r, s_r = 1 / (1 + exp(-g_r)), for rows
  * g [R], y [R, D]. */
 void exactrl_sigmoid_gate(const float *g, const float *y, int64_t R, int64_t D, float *out) {

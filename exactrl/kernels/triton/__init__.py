@@ -159,6 +159,9 @@ class TritonKernels(Kernels):
             return torch.tanh(z / cap) * cap
         return _SoftCap.apply(z, cap)
 
+    def clip(self, x, c: float):
+        return x.clamp(-c, c)
+
     def sigmoid_gate(self, g_N1, y_ND):
         return torch.sigmoid(g_N1) * y_ND  # elementwise with one gate per row: CUDA's bits are a row's own
 

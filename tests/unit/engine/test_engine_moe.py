@@ -56,10 +56,10 @@ def _generate_with(model, **config):
 @pytest.mark.parametrize("config", [{}, dict(max_num_batched_tokens=16), dict(decode_graphs=False)])
 def test_moe_engine_equals_trainer(moe_dirs, arch, config):
     """Decode graphs (the default) replay the routed experts as one recorded call (and Qwen2-MoE's shared
-    expert through its native gate); OLMoE's clip_qkv decodes eagerly."""
+    expert through its native gate, OLMoE's clip_qkv through the native clamp)."""
     model = exactrl.load_model(moe_dirs[arch], block_size=8)
     engine, items = _generate_with(model, **config)
-    graphs = config.get("decode_graphs", True) and arch != "olmoe"
+    graphs = config.get("decode_graphs", True)
     assert (engine._graphs is not None and engine._graphs.num_replays > 0) == graphs
     assert not mismatches(model, items)
     assert all(len(c.experts) == len(c.token_ids) and len(c.experts[0]) == 2 for _, c, _ in items)

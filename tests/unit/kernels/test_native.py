@@ -656,3 +656,13 @@ def test_sigmoid_gate_is_its_formula_and_differentiates_like_torch():
     ref = torch.autograd.grad((torch.sigmoid(a) * b * w).sum(), (a, b))
     for x, r in zip(got, ref):
         assert torch.allclose(x, r, rtol=1e-5, atol=1e-6) and x.abs().sum() > 0
+
+
+def test_native_clamp_has_torchs_bits():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1031, generator=g) * 4
+    x[:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
+    for c in (0.5, 2.0, 1e-30):
+        got, want = native.clamp(x, -c, c), x.clamp(-c, c)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[4:], want[4:])
+        assert torch.equal(torch.signbit(got[1:2]), torch.signbit(want[1:2]))
