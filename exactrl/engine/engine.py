@@ -36,7 +36,7 @@ from exactrl.engine.scheduler import Request, Scheduler, SchedulerOutput, Sequen
 from exactrl.kernels import TokenLayout
 from exactrl.kernels.linear import PackedWeights, using_packed
 from exactrl.model.lora import adapter_weights
-from exactrl.model.moe import selected_experts
+from exactrl.model.moe import moe_layers, selected_experts
 
 
 class Engine:
@@ -57,6 +57,7 @@ class Engine:
     ):
         model.kernels.ensure_built()  # what stepping needs in either kernel mode: a missing compiler is named now
         self.model = model
+        self._moe = moe_layers(model)  # its MoE layers, whose selections each step reports (empty if dense)
         cfg = model.config
         self.vocab_size = cfg.vocab_size
         for name, v in (
@@ -313,7 +314,7 @@ class Engine:
             else:
                 hidden_ND = self.model(batch.tokens_N, batch.layout, self.pool.kv)
                 logits_RV = self.model.logits(hidden_ND[batch.rows_R]) if batch.targets else None
-            picked = selected_experts(self.model)  # [N, L, K] of a MoE model, else None
+            picked = selected_experts(self.model, self._moe)  # [N, L, K] of a MoE model, else None
             experts = None if picked is None or not batch.targets else picked[batch.rows_R].tolist()
             if batch.targets:
                 rows = self._sample_rows(batch.targets)

@@ -135,9 +135,10 @@ def moe_layers(model) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
-def selected_experts(model) -> torch.Tensor | None:
-    """[N, L, K] experts every MoE layer selected for each token of the model's last forward (None if dense)."""
-    layers = moe_layers(model)
+def selected_experts(model, layers: list[SparseMoE] | None = None) -> torch.Tensor | None:
+    """[N, L, K] experts every MoE layer selected for each token of the model's last forward (None if dense);
+    `layers`: the model's `moe_layers`, where the caller keeps them (a walk over every module otherwise)."""
+    layers = moe_layers(model) if layers is None else layers
     if not layers:
         return None
     return torch.stack([m.last_experts for m in layers], dim=1)
