@@ -27,6 +27,7 @@ EXEC = (
 )
 
 
+@pytest.mark.slow  # about 27 s: `make test-slow` (CI)
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_the_program_runs_itself_again_with_huge_pages_keeping_its_arguments_and_the_users_tunables():
     from exactrl.runtime import HUGE_PAGES_TUNABLE, huge_pages_env

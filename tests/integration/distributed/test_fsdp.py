@@ -72,6 +72,7 @@ def runs(model_dir, tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.slow  # two 2-rank runs (about 50 s): `make test-slow` (CI)
 def test_fsdp_samples_on_policy_and_trains_as_ddp_up_to_rounding(runs):
     (ddp_dir, _), (fsdp_dir, out) = runs["ddp"], runs["fsdp"]
     mine, total = (
@@ -101,6 +102,7 @@ def test_fsdp_samples_on_policy_and_trains_as_ddp_up_to_rounding(runs):
     assert [s["exp_avg"].shape for s in state["state"].values()] == [t.shape for t in b.parameters()]
 
 
+@pytest.mark.slow  # the twin of the test above, with it in `make test-slow`
 def test_with_fast_kernels_the_fsdp_diff_is_not_zero(model_dir, tmp_path):
     """The inverse of the 0.0 above: plain torch kernels are not batch-invariant, so the engine's decode and
     the trainer's batched forward differ, gathered weights or not (the check can fail)."""
