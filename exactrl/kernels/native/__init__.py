@@ -9,7 +9,8 @@ each one pass over memory where torch takes several. `moe.c`: a
 mixture-of-experts layer's routing and experts in one inference call. `fpmode.h`: every thread of a
 parallel region computes in its caller's flush-to-zero / denormal mode.
 `exp_f.h`: the kernels' own float32 exp (vectorisable, the same bits on every CPU).
-`gemm.py` is the Python side of `gemm.c` (its packed weights and calls).
+`gemm.py` is the Python side of `gemm.c` (its packed weights and calls), `elementwise.py` of pointwise.c's
+elementwise kernels, `moe.py` of `moe.c`; this package re-exports their functions.
 `graph.c` (with `graph.py`): replays recorded kernel calls in one C loop (the engine's decode graphs).
 
 Why C: the exact attention computes each query row on its own with a fixed
@@ -22,8 +23,6 @@ How the library is compiled, cached and loaded: build.py.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 
@@ -257,121 +256,6 @@ def _f32(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.is_contiguous() else t.contiguous() for t in ts]
 
 
-def exp(x: torch.Tensor, build: str = "") -> torch.Tensor:
-    """pointwise.c's float32 exp (the one its kernels use), elementwise: the exact router probabilities
-    (`rowwise.softmax`), whose bits moe.c computes again."""
-    (x,) = _f32(x)
-    out = torch.empty_like(x)
-    library(build).exactrl_exp(x.data_ptr(), x.numel(), out.data_ptr())
-    return out
-
-
-def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b, float32, b of a's shape or of its last dimensions (broadcast over the rest): torch's bits
-    (pointwise.c). What a recorded graph runs for a residual add or a bias."""
-    assert b.dim() <= a.dim() and a.shape[a.dim() - b.dim() :] == b.shape, (a.shape, b.shape)
-    a, b = _f32(a, b)
-    out = torch.empty_like(a)
-    if b.numel():
-        library().exactrl_add(a.data_ptr(), b.data_ptr(), a.numel(), b.numel(), out.data_ptr())
-    return out
-
-
-def scale(x: torch.Tensor, s: float) -> torch.Tensor:
-    """x * s, float32, s a number: torch's bits (pointwise.c). What a recorded graph runs for LoRA's α/r."""
-    (x,) = _f32(x)
-    out = torch.empty_like(x)
-    if x.numel():
-        library().exactrl_scale(x.data_ptr(), x.numel(), s, out.data_ptr())
-    return out
-
-
-def swiglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
-    """silu(g) * u, elementwise, float32 (pointwise.c)."""
-    assert g.shape == u.shape, (g.shape, u.shape)
-    g, u = _f32(g, u)
-    out = torch.empty_like(g)
-    library(build).exactrl_swiglu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def swiglu_backward(
-    g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dg, du) of out = silu(g) * u for the output gradient dy (pointwise.c)."""
-    assert g.shape == u.shape == dy.shape, (g.shape, u.shape, dy.shape)
-    g, u, dy = _f32(g, u, dy)
-    dg, du = torch.empty_like(g), torch.empty_like(g)
-    library(build).exactrl_swiglu_backward(
-        g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(), torch.get_num_threads()
-    )
-    return dg, du
-
-
-def geglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
-    """gelu(g) * u (gelu's tanh approximation), elementwise, float32 (pointwise.c)."""
-    assert g.shape == u.shape, (g.shape, u.shape)
-    g, u = _f32(g, u)
-    out = torch.empty_like(g)
-    library(build).exactrl_geglu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def geglu_backward(
-    g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dg, du) of out = gelu(g) * u for the output gradient dy (pointwise.c)."""
-    assert g.shape == u.shape == dy.shape, (g.shape, u.shape, dy.shape)
-    g, u, dy = _f32(g, u, dy)
-    dg, du = torch.empty_like(g), torch.empty_like(g)
-    library(build).exactrl_geglu_backward(
-        g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(), torch.get_num_threads()
-    )
-    return dg, du
-
-
-def softcap(x: torch.Tensor, cap: float, build: str = "") -> torch.Tensor:
-    """cap * tanh(x / cap), elementwise, float32 (pointwise.c)."""
-    (x,) = _f32(x)
-    out = torch.empty_like(x)
-    if x.numel():
-        library(build).exactrl_softcap(x.data_ptr(), x.numel(), float(cap), out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def clamp(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """x clamped to [lo, hi], float32, torch.clamp's bits (pointwise.c): a recorded graph's OLMoE clip_qkv."""
-    (x,) = _f32(x)
-    out = torch.empty_like(x)
-    if x.numel():
-        library().exactrl_clamp(x.data_ptr(), x.numel(), float(lo), float(hi), out.data_ptr())
-    return out
-
-
-def sigmoid_gate(g_R: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
-    """y · sigmoid(g) with a gate per row, sigmoid(g) = 1 / (1 + exp(-g)) with the kernels' exp, float32
-    (pointwise.c): g [R] or [R, 1], y [R, D]."""
-    R, D = y_RD.shape
-    assert g_R.numel() == R, (g_R.shape, y_RD.shape)
-    g, y = _f32(g_R.reshape(R), y_RD)
-    out = torch.empty_like(y)
-    if R:
-        library().exactrl_sigmoid_gate(g.data_ptr(), y.data_ptr(), R, D, out.data_ptr())
-    return out
-
-
-def softcap_backward(x: torch.Tensor, dy: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
-    """dx = dy (1 - tanh(x / cap)^2), the gradient of `softcap` at x; with `inplace`, written over dy."""
-    assert x.shape == dy.shape, (x.shape, dy.shape)
-    x, dy = _f32(x, dy)
-    dx = dy if inplace else torch.empty_like(dy)
-    if x.numel():
-        library().exactrl_softcap_backward(
-            x.data_ptr(), dy.data_ptr(), x.numel(), float(cap), dx.data_ptr(), torch.get_num_threads()
-        )
-    return dx
-
-
 def log_softmax(z_RV: torch.Tensor, build: str = "") -> torch.Tensor:
     """log_softmax of each row, float32, one fixed order per row whatever the other rows (pointwise.c)."""
     R, V = z_RV.shape
@@ -495,38 +379,14 @@ def head_grad(
     return gz
 
 
-def moe(
-    x_ND: torch.Tensor, z_NE: torch.Tensor, gate_up: list, down: list, k: int, normalise: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [N, D], experts [N, k] int64, weights [N, k]) of a mixture-of-experts layer's routed experts for
-    rows x with router logits z, by moe.c's rule, float32: `gate_up[e]` expert e's gate and up weights packed
-    together (`PackedLinearWeight([gate, up])`), `down[e]` its down weight packed."""
-    (N, D), E, F = x_ND.shape, z_NE.shape[1], gate_up[0].Ns[0]
-    assert z_NE.shape[0] == N and len(gate_up) == len(down) == E and 0 < k <= E, (x_ND.shape, z_NE.shape, k)
-    assert all(g.Ns == (F, F) and g.K == D for g in gate_up) and all(d.Ns == (D,) and d.K == F for d in down)
-    x, z = _f32(x_ND, z_NE)
-    out = torch.empty(N, D, dtype=torch.float32)
-    experts, weights = torch.empty(N, k, dtype=torch.int64), torch.empty(N, k, dtype=torch.float32)
-    if N:
-        addrs = [(ctypes.c_int64 * E)(*(w.panels.data_ptr() for w in ws)) for ws in (gate_up, down)]
-        if library().exactrl_moe(
-            x.data_ptr(),
-            z.data_ptr(),
-            N,
-            D,
-            E,
-            k,
-            F,
-            int(normalise),
-            *addrs,
-            out.data_ptr(),
-            experts.data_ptr(),
-            weights.data_ptr(),
-            torch.get_num_threads(),
-        ):
-            raise MemoryError(f"moe: could not allocate the scratch memory of {N} rows")
-    return out, experts, weights
-
-
-# the Python side of gemm.c (it needs `library` and `_library` above)
+# the Python sides of gemm.c, of pointwise.c's elementwise kernels and of moe.c (they need `library`, `_library`
+# and `_f32` above)
+from exactrl.kernels.native import elementwise as _e  # noqa: E402
 from exactrl.kernels.native.gemm import PackedLinearWeight, linear, linears, packed_transpose  # noqa: E402,F401
+from exactrl.kernels.native.moe import moe  # noqa: E402,F401
+
+# the elementwise kernels as the package's own names (assigned, not imported: `scale` and `softcap` are also
+# parameter names of `attention` above)
+exp, add, scale, clamp, sigmoid_gate = _e.exp, _e.add, _e.scale, _e.clamp, _e.sigmoid_gate
+swiglu, swiglu_backward, geglu, geglu_backward = _e.swiglu, _e.swiglu_backward, _e.geglu, _e.geglu_backward
+softcap, softcap_backward = _e.softcap, _e.softcap_backward
