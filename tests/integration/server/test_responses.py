@@ -213,7 +213,8 @@ def test_bad_input_is_a_400_naming_the_field(fields, param, needle):
     assert err["param"] == param and needle in err["message"], err
     # the server keeps serving
     ok = s.client().responses.create(model=s.model, input="hi", max_output_tokens=2)
-    assert ok.output[0].type == "message"
+    # the random model may sample its <think> token first, which the server returns as a reasoning item
+    assert ok.output and ok.output[0].type in ("message", "reasoning")
 
 
 def test_session_route_and_unknown_session_items():
