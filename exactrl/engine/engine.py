@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from exactrl.engine.cache import PagePool
+from exactrl.engine.cuda_graph import TritonDecodeGraphs
 from exactrl.engine.graph import DecodeGraphs
 from exactrl.engine.outputs import Completion, NonFiniteLogitsError, RequestOutput, _Batch, completion_of  # noqa: F401 (re-exported)
 from exactrl.engine.sampling import SampleRows, SamplingParams, params_per_prompt, sample_uniform
@@ -87,16 +88,18 @@ class Engine:
         # packed copies of the weights (fp32 for the native linear, bf16 for oneDNN: kernels/linear.py),
         # packed again by update_weights
         self._packed = PackedWeights()
-        # decode_graphs: replay recorded decode steps (engine/graph.py; exact fp32 kernels), else run every
-        # step's forward eagerly. The same bits either way.
+        # decode_graphs: replay recorded decode steps (engine/graph.py: exact fp32 native kernels; engine/
+        # cuda_graph.py: exact triton kernels of a dense model), else run every step's forward eagerly. The
+        # same bits either way.
+        graphs = next((g for g in (DecodeGraphs, TritonDecodeGraphs) if g.supported(model)), None)
         self._graphs = (
-            DecodeGraphs(
+            graphs(
                 model,
                 self.pool.kv,
                 self.pool.scratch_page,
                 min(-(-self.max_model_len // model.block_size), self.pool.num_pages),
             )
-            if decode_graphs and DecodeGraphs.supported(model)
+            if decode_graphs and graphs is not None
             else None
         )
         model.kernels.prepare(model.linear_weights())  # at start, so that no request waits for them

@@ -12,7 +12,9 @@ How: the first decode step of a bucket of rows runs the model's own
 `native.graph.recording` notes each kernel call. Later steps of that bucket
 write their inputs into the same buffers and replay the calls. The same
 kernels with the same arguments: the same bits as the eager forward (tested).
-Steps with prefill chunks, and any other kernels or dtype, run eagerly.
+Steps with prefill chunks, and any other kernels or dtype, run eagerly. The
+triton backend records its steps as CUDA graphs (engine/cuda_graph.py) on the
+same buffers and padding.
 
 - Rows are padded up to a bucket (1, 2, 4, 8, then multiples of 8), so few
   graphs serve every batch. Padding rows read and write only the pool's
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -76,9 +79,16 @@ class GraphCaptureError(RuntimeError):
     allocation or an add; a forward hook)."""
 
 
+class Replay(Protocol):
+    """A recorded decode step: `Graph` (native calls), a CUDA graph or the interpreter's tape
+    (engine/cuda_graph.py)."""
+
+    def run(self) -> None: ...
+
+
 @dataclass
 class _Captured:
-    graph: Graph
+    graph: Replay  # run() repeats the recorded step
     x_ND: torch.Tensor  # the inputs, written before each replay ([Nb, ...]; rows past N are padding)
     cos_ND: torch.Tensor
     sin_ND: torch.Tensor
@@ -189,15 +199,17 @@ class DecodeGraphs:
         """A bucket's input buffers, every row padding."""
         c, m = self.model.config, self.model
         Hk = c.num_key_value_heads
+        dev = m.device
         g = _Captured(
             None,
-            torch.zeros(Nb, c.hidden_size, dtype=m.dtype),
-            torch.empty(Nb, m.rope_cos.shape[1]),  # Dh, or 2 Dh: Gemma 3's [global | local] tables
-            torch.empty(Nb, m.rope_sin.shape[1]),
-            torch.arange(Nb),
-            torch.empty(Nb, dtype=torch.int64),
-            torch.empty(Nb, self.max_blocks, dtype=torch.int64),
-            torch.empty(Nb * Hk, dtype=torch.int64),
+            torch.zeros(Nb, c.hidden_size, dtype=m.dtype, device=dev),
+            # Dh, or 2 Dh: Gemma 3's [global | local] tables
+            torch.empty(Nb, m.rope_cos.shape[1], dtype=m.rope_cos.dtype, device=dev),
+            torch.empty(Nb, m.rope_sin.shape[1], dtype=m.rope_sin.dtype, device=dev),
+            torch.arange(Nb, device=dev),
+            torch.empty(Nb, dtype=torch.int64, device=dev),
+            torch.empty(Nb, self.max_blocks, dtype=torch.int64, device=dev),
+            torch.empty(Nb * Hk, dtype=torch.int64, device=dev),
             None,
             [],
             [],
@@ -214,21 +226,34 @@ class DecodeGraphs:
         g.pos_N[start:end] = 0
         g.table_NJ[start:end] = -1
         g.table_NJ[start:end, 0] = self.scratch_page
-        g.kv_rows_x[start * Hk : end * Hk] = ((self.scratch_page * Hk + torch.arange(Hk)) * B).repeat(end - start)
+        rows_x = ((self.scratch_page * Hk + torch.arange(Hk, device=m.device)) * B).repeat(end - start)
+        g.kv_rows_x[start * Hk : end * Hk] = rows_x
 
     def _capture(self, g: _Captured) -> None:
-        """Runs the step eagerly on g's buffers while recording its kernel calls."""
+        """Records the step on g's buffers; g's logits hold its result after."""
         m = self.model
         P, Hk, B, _ = self.kv[0][0].shape
         # validated by `logits` (the step's rows) and built so (the padding rows)
         layout = TokenLayout(g.seq_N, g.pos_N, g.table_NJ, _kv_rows={(Hk, B): (g.kv_rows_x, P * Hk * B - 1)})
-        plan = ExactPlan(layout, B, P - 1)
-        calls: list = []
-        with recording(calls), _NativeOnly() as mode:
-            g.logits_NV = m.logits(m.run_layers(g.x_ND, g.cos_ND, g.sin_ND, layout, plan, self.kv))
-        g.graph, g.kept = Graph(calls), mode.kept
+        plan = self._plan(g, layout)
+        g.graph, g.logits_NV, g.kept = self._record(
+            lambda: m.logits(m.run_layers(g.x_ND, g.cos_ND, g.sin_ND, layout, plan, self.kv))
+        )
+        g.kept += [layout, plan]
         g.moe = [(layer, layer.last_experts, layer.last_router_logits) for layer in moe_layers(m)]
         self.num_captures += 1
+
+    def _plan(self, g: _Captured, layout: TokenLayout):
+        """The attention plan of g's buffers, valid for every replay (pages up to the store's last)."""
+        return ExactPlan(layout, self.kv[0][0].shape[2], self.kv[0][0].shape[0] - 1)
+
+    def _record(self, step) -> tuple:
+        """(a graph whose `run()` repeats `step`, the step's output, what the graph points at): `step` runs
+        eagerly while its kernel calls are noted."""
+        calls: list = []
+        with recording(calls), _NativeOnly() as mode:
+            out = step()
+        return Graph(calls), out, mode.kept
 
 
 class _NativeOnly(TorchFunctionMode):

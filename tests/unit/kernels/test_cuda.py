@@ -88,6 +88,29 @@ def test_fast_engine_differs_from_its_trainer():
     assert (got - want).abs().max().item() > 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_graphs_replay_the_eager_engine(dtype):
+    """Decode steps replayed as CUDA graphs (engine/cuda_graph.py) give the eager engine's tokens and logprobs
+    bit for bit, through shrinking buckets and after update_weights, which copies in place and keeps the
+    graphs."""
+    prompts = [[(11 * i + j) % 4096 for j in range(3 + 29 * i)] for i in range(5)]
+    params = [exactrl.SamplingParams(max_tokens=4 + 9 * i, n=2, seed=i, top_k=50, ignore_eos=True) for i in range(5)]
+    new = {k: v.detach() for k, v in build_model(tiny_cfg(), dtype=dtype, device="cuda", seed=1).state_dict().items()}
+    runs = []
+    for graphs in (True, False):
+        model = build_model(tiny_cfg(), dtype=dtype, kernels="exact", device="cuda")
+        eng = exactrl.Engine(model, kv_budget_tokens=8192, max_num_seqs=16, decode_graphs=graphs)
+        first = eng.generate(prompts, params)
+        captured = eng._graphs.num_captures if graphs else 0
+        eng.update_weights(new)
+        second = eng.generate(prompts, params)
+        if graphs:
+            g = eng._graphs
+            assert g.num_captures == captured >= 3 and g.num_replays > 10 * g.num_captures
+        runs.append([[(c.token_ids, c.logprobs) for c in o] for o in first + second])
+    assert runs[0] == runs[1]
+
+
 def test_update_weights_copies_on_the_device():
     model = build_model(tiny_cfg(), dtype="bfloat16", kernels="exact", device="cuda")
     eng = exactrl.Engine(build_model(tiny_cfg(), dtype="bfloat16", kernels="exact", device="cuda", seed=1))

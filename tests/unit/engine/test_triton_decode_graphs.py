@@ -1,0 +1,105 @@
+"""Decode graphs of the triton backend (engine/cuda_graph.py), under Triton's interpreter, where a step is
+recorded on a tape that replays kernel launches and torch ops as a CUDA graph does (tests/unit/kernels/
+test_cuda.py runs the CUDA graphs themselves on a GPU).
+
+Replays equal the eager engine and the trainer bit for bit, padding rows write only the scratch page, a
+forward that reads a tensor on the host is refused, and a replay does not re-run the model's Python.
+Kept small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, on first use
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("TRITON_INTERPRET is set to something else", allow_module_level=True)
+
+from conftest import make_hf_model  # noqa: E402
+from engine_helpers import all_pages_free, mismatches  # noqa: E402
+
+import exactrl  # noqa: E402
+from exactrl import Engine, SamplingParams  # noqa: E402
+from exactrl.engine.cuda_graph import TritonDecodeGraphs  # noqa: E402
+from exactrl.engine.graph import GraphCaptureError  # noqa: E402
+
+# numpy's inf - inf in masked lanes; the interpreter's int() of one-element arrays
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+V = 211
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_dir):
+    return exactrl.load_model(qwen3_dir, kernels="exact", backend="triton")
+
+
+def _run(model, graphs: bool):
+    """Batches that shrink through buckets 8, 4, 2 and 1 (padding rows after real ones), forks (n = 2)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(V) for _ in range(rng.choice([2, 9, 17]))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=2 + 2 * i, n=2, seed=i, temperature=0.8, ignore_eos=True) for i in range(4)]
+    engine = Engine(model, kv_budget_tokens=16 * 16, max_num_seqs=8, decode_graphs=graphs)
+    outs = engine.generate(prompts, params)
+    items = [(p, c, sp) for p, sp, o in zip(prompts, params, outs) for c in o]
+    store = [t[: engine.pool.num_pages].clone() for layer in engine.pool.kv for t in layer]
+    return engine, items, store
+
+
+def test_replays_equal_the_eager_engine_the_trainer_and_its_kv_store(model):
+    engine, items, store = _run(model, graphs=True)
+    g = engine._graphs
+    assert isinstance(g, TritonDecodeGraphs) and g.num_captures >= 3 and g.num_replays >= 3
+    _, eager_items, eager_store = _run(model, graphs=False)
+    assert [c.logprobs for _, c, _ in items] == [c.logprobs for _, c, _ in eager_items]
+    assert [c.token_ids for _, c, _ in items] == [c.token_ids for _, c, _ in eager_items]
+    assert not mismatches(model, items)
+    assert all(torch.equal(a, b) for a, b in zip(store, eager_store))  # every page but the scratch page
+    assert all_pages_free(engine)
+
+
+def test_a_host_read_in_the_forward_is_refused(model, monkeypatch):
+    """CUDA refuses a sync inside a capture: the tape raises where a GPU would."""
+    norm = model.model.norm
+    monkeypatch.setattr(norm, "forward", lambda x: x * float(x[0, 0]))
+    with pytest.raises(GraphCaptureError, match="__float__"):
+        Engine(model, kv_budget_tokens=256).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+
+
+def test_a_replay_does_not_rerun_the_models_python(model, monkeypatch):
+    """What a CUDA graph holds is what the recording launched: a Python value the forward computes anew at each
+    step stays as recorded in a replay (the eager engine sees it change)."""
+    calls = []
+    forward = model.model.norm.forward
+
+    def counted(x):
+        calls.append(1)
+        return forward(x) * float(len(calls))  # a host number, different at every call
+
+    monkeypatch.setattr(model.model.norm, "forward", counted)
+    runs = []
+    for graphs in (True, False):
+        calls.clear()
+        out = Engine(model, kv_budget_tokens=256, decode_graphs=graphs).generate(
+            [[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0)
+        )
+        runs.append((len(calls), out[0][0].logprobs))
+    (graph_calls, graph_lp), (eager_calls, eager_lp) = runs
+    assert graph_calls == 2 and eager_calls == 4  # prefill + the recording; prefill + 3 decode steps
+    assert graph_lp[:2] == eager_lp[:2] and graph_lp[2:] != eager_lp[2:]
+
+
+def test_only_exact_dense_triton_engines_record(model, qwen3_dir, tmp_path):
+    assert TritonDecodeGraphs.supported(model)
+    assert not TritonDecodeGraphs.supported(exactrl.load_model(qwen3_dir, kernels="fast", backend="triton"))
+    assert not TritonDecodeGraphs.supported(exactrl.load_model(qwen3_dir))  # native: engine/graph.py's
+    make_hf_model(tmp_path, "qwen3_moe")
+    moe = exactrl.load_model(tmp_path, kernels="exact", backend="triton")
+    assert not TritonDecodeGraphs.supported(moe) and Engine(moe)._graphs is None
