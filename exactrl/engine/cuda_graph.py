@@ -9,6 +9,8 @@ The buffers, buckets, padding rows and checks are engine/graph.py's
   captured, and is replayed once (a capture records the work without doing
   it). The graph replays the same kernels with the same arguments on the same
   buffers: the bits of the eager forward. Each graph has its own memory pool.
+- A graph reads the parameters where they are, so it survives any write in
+  place (`update_weights`, an optimizer step on a shared model).
 - On CPU, under Triton's interpreter, a `_Tape`: the interpreter's stand-in
   for a CUDA graph, so that the tests run this path without a GPU. It notes
   each kernel launch and each torch op that computes, and replays them
@@ -45,6 +47,11 @@ class TritonDecodeGraphs(DecodeGraphs):
         """Exact triton kernels of a dense model, on CUDA or (the tape) under the interpreter."""
         k = model.kernels
         return k.backend == "triton" and k.exact and not moe_layers(model)
+
+    def _weights(self) -> list[tuple[int, int]]:
+        """The graphs read the parameters themselves (no packed copies): a write in place (an optimizer step of a
+        trainer sharing the model) is seen by the next replay, and only a moved storage drops them."""
+        return [(p.data_ptr(), 0) for p in self._params]
 
     def _plan(self, g: _Captured, layout: TokenLayout):
         from exactrl.kernels.triton import TritonPlan
@@ -84,7 +91,8 @@ class _CudaGraph:
             step()  # compiles each kernel and settles the allocator outside the capture
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: another thread's CUDA work (a trainer beside the engine) may go on during the capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = step()
         self.run()
 

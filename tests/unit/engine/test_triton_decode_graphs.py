@@ -3,7 +3,8 @@ recorded on a tape that replays kernel launches and torch ops as a CUDA graph do
 test_cuda.py runs the CUDA graphs themselves on a GPU).
 
 Replays equal the eager engine and the trainer bit for bit, padding rows write only the scratch page, a
-forward that reads a tensor on the host is refused, and a replay does not re-run the model's Python.
+forward that reads a tensor on the host is refused, a replay does not re-run the model's Python, and it
+reads weights written in place.
 Kept small: the interpreter is slow.
 """
 
@@ -94,6 +95,21 @@ def test_a_replay_does_not_rerun_the_models_python(model, monkeypatch):
     (graph_calls, graph_lp), (eager_calls, eager_lp) = runs
     assert graph_calls == 2 and eager_calls == 4  # prefill + the recording; prefill + 3 decode steps
     assert graph_lp[:2] == eager_lp[:2] and graph_lp[2:] != eager_lp[2:]
+
+
+def test_a_write_in_place_keeps_the_graphs_and_replays_see_it(qwen3_dir):
+    """The graphs read the parameters themselves: after an optimizer-like write in place they are kept, and the
+    replays compute with the new weights, as an eager engine does."""
+    m = exactrl.load_model(qwen3_dir, kernels="exact", backend="triton")
+    engine, sp = Engine(m, kv_budget_tokens=256), SamplingParams(max_tokens=4, temperature=0.0)
+    before = engine.generate([[1, 2, 3]], sp)[0][0].logprobs
+    captures = engine._graphs.num_captures
+    with torch.no_grad():
+        m.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    got = engine.generate([[1, 2, 3]], sp)[0][0].logprobs
+    assert engine._graphs.num_captures == captures and engine._graphs.num_replays >= 3
+    assert got == Engine(m, kv_budget_tokens=256, decode_graphs=False).generate([[1, 2, 3]], sp)[0][0].logprobs
+    assert got[1:] != before[1:]
 
 
 def test_only_exact_dense_triton_engines_record(model, qwen3_dir, tmp_path):
