@@ -4,7 +4,7 @@ Run on a machine with one GPU through `benchmarks/cuda_check.sh` (which installs
 Every section runs even when an earlier one fails; the last thing printed is one summary table, and the
 figures go to $OUT/cuda_check.json when OUT is set. Random-weight models only: nothing is downloaded.
 
-Sections: env, pytest -m cuda, parity (Qwen3-0.6B, Qwen2.5-1.5B, Llama-3.2-1B shapes, bf16, exact and fast),
+Sections: env, decode graphs (replays == eager), pytest -m cuda, parity (Qwen3-0.6B, Qwen2.5-1.5B, Llama-3.2-1B shapes, bf16, exact and fast),
 engine vs trainer over 256 sequences, a 20-step GRPO run (exact and fast), linear vs cuBLAS, attention vs
 SDPA, engine decode vs transformers `generate`, a GRPO step exact vs fast.
 """
@@ -138,6 +138,32 @@ def env():
             f"{FIGURES['gpu']}, {p.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
         )
     )
+
+
+@section("decode graphs")
+def graphs():
+    """CUDA-graph replays == the eager engine, bit for bit, through shrinking buckets. Should they fail, the
+    sections after run with graphs off, so that one run still measures everything else."""
+    model = model_of("qwen3-0.6b", "exact", seed=2)
+    prompts = prompts_of(12, 5, 200, model.config.vocab_size, 4)
+    params = [exactrl.SamplingParams(max_tokens=8 + 4 * i, n=2, seed=i, ignore_eos=True) for i in range(12)]
+    runs, ok = [], False
+    try:
+        for on in (True, False):
+            eng = exactrl.Engine(model, kv_budget_tokens=16384, max_num_seqs=32, decode_graphs=on)
+            outs = eng.generate(prompts, params)
+            runs.append([(c.token_ids, c.logprobs) for o in outs for c in o])
+            if on:
+                g = eng._graphs
+                counts = f"{g.num_captures} captures, {g.num_replays} replays"
+        ok = runs[0] == runs[1]
+        ROWS.append(("decode graphs == eager", "ok" if ok else "FAIL", f"24 seqs, {counts}"))
+    finally:
+        if not ok:
+            from exactrl.engine import engine
+
+            engine.TritonDecodeGraphs.supported = staticmethod(lambda model: False)
+            ROWS.append(("decode graphs", "info", "off for the sections below"))
 
 
 CUDA_TESTS = "tests/unit/kernels/test_cuda.py"
@@ -412,6 +438,7 @@ def main():
     t0 = time.time()
     sections = dict(
         env=env,
+        graphs=graphs,
         tests=cuda_tests,
         parity=parity,
         many=many,
