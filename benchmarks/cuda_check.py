@@ -4,9 +4,10 @@ Run on a machine with one GPU through `benchmarks/cuda_check.sh` (which installs
 Every section runs even when an earlier one fails; the last thing printed is one summary table, and the
 figures go to $OUT/cuda_check.json when OUT is set. Random-weight models only: nothing is downloaded.
 
-Sections: env, decode graphs (replays == eager), pytest -m cuda, parity (Qwen3-0.6B, Qwen2.5-1.5B, Llama-3.2-1B shapes, bf16, exact and fast),
-engine vs trainer over 256 sequences, a 20-step GRPO run (exact and fast), linear vs cuBLAS, attention vs
-SDPA, engine decode vs transformers `generate`, a GRPO step exact vs fast.
+Sections: env, decode graphs (replays == eager), pytest -m cuda, parity (Qwen3-0.6B, Qwen2.5-1.5B,
+Llama-3.2-1B shapes, bf16, exact and fast), engine vs trainer over 256 sequences, a 20-step GRPO run (exact
+and fast), linear vs cuBLAS, attention vs SDPA, engine decode vs transformers `generate`, a GRPO step exact
+vs fast.
 """
 
 from __future__ import annotations
