@@ -88,11 +88,12 @@ class _CudaGraph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()  # compiles each kernel and settles the allocator outside the capture
+            step()  # compiles each kernel outside the capture
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA work (a trainer beside the engine) may go on during the capture
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        # the warm-up's stream, so that what a library sets up per stream is set up before the capture;
+        # thread_local: another thread's CUDA work (a trainer beside the engine) may go on during it
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             self.out = step()
         self.run()
 

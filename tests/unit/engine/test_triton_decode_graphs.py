@@ -98,14 +98,18 @@ def test_a_replay_does_not_rerun_the_models_python(model, monkeypatch):
 
 
 def test_a_write_in_place_keeps_the_graphs_and_replays_see_it(qwen3_dir):
-    """The graphs read the parameters themselves: after an optimizer-like write in place they are kept, and the
-    replays compute with the new weights, as an eager engine does."""
-    m = exactrl.load_model(qwen3_dir, kernels="exact", backend="triton")
+    """The graphs read the parameters themselves: after a LoRA trainer's optimizer-like write in place to the
+    adapters they are kept, and the replays compute with the new weights, as an eager engine does."""
+    from exactrl.model.lora import add_lora, adapter_weights
+
+    m = add_lora(exactrl.load_model(qwen3_dir, kernels="exact", backend="triton"), 2, 4.0)
     engine, sp = Engine(m, kv_budget_tokens=256), SamplingParams(max_tokens=4, temperature=0.0)
     before = engine.generate([[1, 2, 3]], sp)[0][0].logprobs
     captures = engine._graphs.num_captures
     with torch.no_grad():
-        m.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+        for name, w in adapter_weights(m).items():
+            if "lora_B" in name:  # zero at the start: the adapters then change the model
+                w.add_(0.05)
     got = engine.generate([[1, 2, 3]], sp)[0][0].logprobs
     assert engine._graphs.num_captures == captures and engine._graphs.num_replays >= 3
     assert got == Engine(m, kv_budget_tokens=256, decode_graphs=False).generate([[1, 2, 3]], sp)[0][0].logprobs
