@@ -100,7 +100,7 @@ def test_a_replay_does_not_rerun_the_models_python(model, monkeypatch):
 def test_a_write_in_place_keeps_the_graphs_and_replays_see_it(qwen3_dir):
     """The graphs read the parameters themselves: after a LoRA trainer's optimizer-like write in place to the
     adapters they are kept, and the replays compute with the new weights, as an eager engine does."""
-    from exactrl.model.lora import add_lora, adapter_weights
+    from exactrl.model.lora import adapter_weights, add_lora
 
     m = add_lora(exactrl.load_model(qwen3_dir, kernels="exact", backend="triton"), 2, 4.0)
     engine, sp = Engine(m, kv_budget_tokens=256), SamplingParams(max_tokens=4, temperature=0.0)
