@@ -10,16 +10,13 @@ Kept small: the interpreter is slow.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from interpreter import MARKS, use_interpreter
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, on first use
-pytest.importorskip("triton")
-if os.environ["TRITON_INTERPRET"] != "1":
-    pytest.skip("TRITON_INTERPRET is set to something else", allow_module_level=True)
+use_interpreter()
 
 from conftest import make_hf_model  # noqa: E402
 from engine_helpers import all_pages_free, mismatches  # noqa: E402
@@ -29,11 +26,7 @@ from exactrl import Engine, SamplingParams  # noqa: E402
 from exactrl.engine.cuda_graph import TritonDecodeGraphs  # noqa: E402
 from exactrl.engine.graph import GraphCaptureError  # noqa: E402
 
-# numpy's inf - inf in masked lanes; the interpreter's int() of one-element arrays
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
+pytestmark = MARKS
 V = 211
 
 

@@ -11,16 +11,13 @@ instructions themselves are checked on a GPU. Kept small: the interpreter is slo
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import pytest
 import torch
+from interpreter import MARKS, use_interpreter
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, on first use
-pytest.importorskip("triton")
-if os.environ["TRITON_INTERPRET"] != "1":
-    pytest.skip("TRITON_INTERPRET is set to something else", allow_module_level=True)
+use_interpreter()
 
 from conftest import make_hf_model  # noqa: E402
 
@@ -29,11 +26,7 @@ from exactrl.kernels.triton import attention as tattn  # noqa: E402
 from exactrl.kernels.triton import ops  # noqa: E402
 from exactrl.model.checkpoint import resolve_device  # noqa: E402
 
-# numpy's inf - inf in masked lanes; the interpreter's int() of one-element arrays
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
+pytestmark = MARKS
 
 
 def rel(a, ref):
