@@ -36,6 +36,8 @@ from exactrl.kernels import TokenLayout
 from exactrl.model.moe import moe_layers
 
 _METADATA = {"__get__", "size", "stride", "storage_offset", "data_ptr", "untyped_storage", "dim", "numel"}
+# a tensor's value read on the host: a sync, which a CUDA capture refuses
+_HOST_READS = (_READS - {"__setitem__"}) | {"equal", "allclose", "is_nonzero"}
 _ALLOCATES = {"empty", "empty_like", "new_empty"}  # the tape keeps what they return: a replay need not repeat them
 
 
@@ -140,14 +142,14 @@ class _Tape(TorchFunctionMode):
         name = getattr(func, "__name__", repr(func))
         if self._launching or name in _METADATA:
             return func(*args, **kwargs)
-        if name in _READS:
+        if name in _HOST_READS:
             raise GraphCaptureError(
                 f"a CUDA graph cannot record {name!r}: it reads a tensor's value on the host "
                 f"(Engine(decode_graphs=False) runs the step eagerly)"
             )
         out = func(*args, **kwargs)
         made = _tensors(out)
-        if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or "out" in kwargs:
+        if _in_place(name) or "out" in kwargs:
             self.ops.append(("again", func, args, kwargs, None))
         elif made and name not in _ALLOCATES:
             inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
@@ -164,3 +166,8 @@ class _Tape(TorchFunctionMode):
             else:
                 for dst, src in zip(_tensors(out), _tensors(fn(*args, **kwargs))):
                     dst.copy_(src)
+
+
+def _in_place(name: str) -> bool:
+    """Whether a torch op of this name writes its first argument (`add_`, `__iadd__`, `__setitem__`)."""
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"

@@ -23,7 +23,7 @@ from engine_helpers import all_pages_free, mismatches  # noqa: E402
 
 import exactrl  # noqa: E402
 from exactrl import Engine, SamplingParams  # noqa: E402
-from exactrl.engine.cuda_graph import TritonDecodeGraphs  # noqa: E402
+from exactrl.engine.cuda_graph import TritonDecodeGraphs, _Tape  # noqa: E402
 from exactrl.engine.graph import GraphCaptureError  # noqa: E402
 
 pytestmark = MARKS
@@ -57,6 +57,25 @@ def test_replays_equal_the_eager_engine_the_trainer_and_its_kv_store(model):
     assert not mismatches(model, items)
     assert all(torch.equal(a, b) for a, b in zip(store, eager_store))  # every page but the scratch page
     assert all_pages_free(engine)
+
+
+def test_the_tape_replays_torch_ops_on_the_same_tensors():
+    """New tensors are recomputed into themselves, in-place ops (an index write, index_copy_) run again, views
+    stay views; a value read on the host raises."""
+    a, b, buf, idx = torch.randn(4), torch.randn(4), torch.zeros(6), torch.tensor([1, 3])
+    with _Tape() as tape:
+        y = (a + b) * 2.0
+        buf[idx] = y[:2]
+        buf.index_copy_(0, idx + 2, y[2:])
+    a.copy_(torch.randn(4))
+    idx.copy_(torch.tensor([0, 1]))
+    want_y, want = (a + b) * 2.0, buf.clone()
+    want[idx] = want_y[:2]
+    want.index_copy_(0, idx + 2, want_y[2:])
+    tape.run()
+    assert torch.equal(y, want_y) and torch.equal(buf, want)
+    with pytest.raises(GraphCaptureError, match="equal"), _Tape():
+        torch.equal(a, b)
 
 
 def test_a_host_read_in_the_forward_is_refused(model, monkeypatch):
