@@ -1,8 +1,22 @@
 """Triton attention of the exact mode over the paged KV cache (the rule of ops.py: the reduction order of an
 output row depends only on the head dim and page size, never on the batch).
 
-`attention_tiles` cuts the tokens into tiles of ATTN_BLOCK_M query rows that never straddle a sequence;
-`_attention_kernel` documents the order a row's keys are visited in.
+`attention_tiles` cuts the tokens into tiles of ATTN_BLOCK_M query rows that never straddle a sequence.
+
+The order a row's keys are visited in (`_attention_kernel`): a tile walks its sequence's pages j = 0, 1, ...
+up to the page of its last row's position, in ascending order, with an online softmax in fp32 (running max
+m, sum l, accumulator acc). For a row, a page wholly past its own position is fully masked: scores -inf,
+p = 0, alpha = exp(m - m) = 1, so l and acc are unchanged bit for bit. Every row therefore gets the bits of
+the pages 0..pos//B alone, whatever tile it lands in, which tokens share it, and whether the call is a
+whole-sequence forward, a prefill chunk or a decode step. Each score and each P·V sum is one tl.dot of a
+fixed shape.
+
+A sliding window (WINDOW > 0) masks keys t <= pos - WINDOW too, and the walk starts at the page of the
+tile's lowest window start. A page wholly before a row's window start is a no-op for that row as well: while
+its m is still -inf, alpha and p are taken against 0 instead of m_new (exp(-inf - -inf) would be NaN), so
+alpha = p = 0 and l and acc stay +0 bit for bit; the row's first page in its window then starts the sums as
+it would had the walk begun there. WINDOW is a compile-time constant (one kernel per window). SOFTCAP > 0
+(Gemma 2) caps each score to SOFTCAP·tanh(s / SOFTCAP) before the mask: elementwise.
 """
 
 from __future__ import annotations
@@ -42,23 +56,8 @@ def _attention_kernel(
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """One tile = up to TOK consecutive tokens of one sequence x the G query heads of one kv head.
-
-    Row r of the tile is (token first + r // G, head kvh·G + r % G). The tile walks its sequence's
-    pages j = 0, 1, ... up to the page of its last row's position, in ascending order, with an online
-    softmax in fp32 (running max m, sum l, accumulator acc). For a row, a page wholly past its own
-    position is fully masked: scores -inf, p = 0, alpha = exp(m - m) = 1, so l and acc are unchanged
-    bit for bit. Every row therefore gets the bits of the pages 0..pos//B alone, whatever tile it lands
-    in, which tokens share it, and whether the call is a whole-sequence forward, a prefill chunk or a
-    decode step. Each score and each P·V sum is one tl.dot of a fixed shape.
-
-    A sliding window (WINDOW > 0) masks keys t <= pos - WINDOW too, and the walk starts at the page of the
-    tile's lowest window start. A page wholly before a row's window start is a no-op for that row as well:
-    while its m is still -inf, alpha and p are taken against 0 instead of m_new (exp(-inf - -inf) would be
-    NaN), so alpha = p = 0 and l and acc stay +0 bit for bit; the row's first page in its window then starts
-    the sums as it would had the walk begun there. WINDOW is a compile-time constant (one kernel per window).
-    SOFTCAP > 0 (Gemma 2) caps each score to SOFTCAP·tanh(s / SOFTCAP) before the mask: elementwise.
-    """
+    """One tile = up to TOK consecutive tokens of one sequence x the G query heads of one kv head; row r is
+    (token first + r // G, head kvh·G + r % G). The order of its sums: the module docstring."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     first = tl.load(tile_first_ptr + tile).to(tl.int64)
