@@ -68,8 +68,9 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = Field(4096, ge=1)
     """Per-step token budget shared by prefill chunks and decodes."""
     decode_graphs: bool = True
-    """Replay recorded decode steps (exact fp32 kernels; the same bits, less Python per step); false runs
-    every step eagerly, as a model changed with ops a replay cannot repeat needs."""
+    """Replay recorded decode steps (exact fp32 native kernels; exact triton kernels of a dense model, as CUDA
+    graphs; the same bits, less Python per step); false runs every step eagerly, as a model changed with ops a
+    replay cannot repeat needs."""
 
 
 class KLSettings(BaseModel):
