@@ -36,10 +36,11 @@ def model(qwen3_dir):
 
 
 def _run(model, graphs: bool):
-    """Batches that shrink through buckets 8, 4, 2 and 1 (padding rows after real ones), forks (n = 2)."""
+    """Decode steps of 8 rows, then 6 in the same bucket of 8 (padding rows where real rows were), then 2 in a
+    bucket of their own; forks (n = 2)."""
     rng = random.Random(5)
     prompts = [[rng.randrange(V) for _ in range(rng.choice([2, 9, 17]))] for _ in range(4)]
-    params = [SamplingParams(max_tokens=2 + 2 * i, n=2, seed=i, temperature=0.8, ignore_eos=True) for i in range(4)]
+    params = [SamplingParams(max_tokens=m, n=2, seed=m, temperature=0.8, ignore_eos=True) for m in (2, 3, 3, 6)]
     engine = Engine(model, kv_budget_tokens=16 * 16, max_num_seqs=8, decode_graphs=graphs)
     outs = engine.generate(prompts, params)
     items = [(p, c, sp) for p, sp, o in zip(prompts, params, outs) for c in o]
@@ -50,7 +51,7 @@ def _run(model, graphs: bool):
 def test_replays_equal_the_eager_engine_the_trainer_and_its_kv_store(model):
     engine, items, store = _run(model, graphs=True)
     g = engine._graphs
-    assert isinstance(g, TritonDecodeGraphs) and g.num_captures >= 3 and g.num_replays >= 3
+    assert isinstance(g, TritonDecodeGraphs) and g.num_captures == 2 and g.num_replays == 3
     _, eager_items, eager_store = _run(model, graphs=False)
     assert [c.logprobs for _, c, _ in items] == [c.logprobs for _, c, _ in eager_items]
     assert [c.token_ids for _, c, _ in items] == [c.token_ids for _, c, _ in eager_items]
@@ -115,7 +116,7 @@ def test_a_write_in_place_keeps_the_graphs_and_replays_see_it(qwen3_dir):
     from exactrl.model.lora import adapter_weights, add_lora
 
     m = add_lora(exactrl.load_model(qwen3_dir, kernels="exact", backend="triton"), 2, 4.0)
-    engine, sp = Engine(m, kv_budget_tokens=256), SamplingParams(max_tokens=4, temperature=0.0)
+    engine, sp = Engine(m, kv_budget_tokens=256), SamplingParams(max_tokens=3, temperature=0.0)
     before = engine.generate([[1, 2, 3]], sp)[0][0].logprobs
     captures = engine._graphs.num_captures
     with torch.no_grad():
@@ -123,7 +124,7 @@ def test_a_write_in_place_keeps_the_graphs_and_replays_see_it(qwen3_dir):
             if "lora_B" in name:  # zero at the start: the adapters then change the model
                 w.add_(0.05)
     got = engine.generate([[1, 2, 3]], sp)[0][0].logprobs
-    assert engine._graphs.num_captures == captures and engine._graphs.num_replays >= 3
+    assert engine._graphs.num_captures == captures and engine._graphs.num_replays >= 2
     assert got == Engine(m, kv_budget_tokens=256, decode_graphs=False).generate([[1, 2, 3]], sp)[0][0].logprobs
     assert got[1:] != before[1:]
 
