@@ -75,7 +75,14 @@ class TritonDecodeGraphs(DecodeGraphs):
 
     def _record(self, step) -> tuple:
         if self.model.device.type == "cuda":
-            graph = _CudaGraph(step)
+            try:
+                graph = _CudaGraph(step)
+            except torch.OutOfMemoryError as e:
+                raise RuntimeError(
+                    f"recording a decode graph ran out of GPU memory ({str(e).splitlines()[0]}): each bucket's "
+                    f"graph keeps its activations and logits; lower kv_budget_tokens or max_num_seqs, or set "
+                    f"decode_graphs off"
+                ) from e
             return graph, graph.out, []
         tape = _Tape()
         with tape:
