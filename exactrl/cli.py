@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from exactrl.console import stderr_line
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         from exactrl.train.run import stopped_by  # Ctrl-C, or SIGTERM to a one-process `train`
 
         how, code = stopped_by(e)
-        print(f"\nexactrl {args.command}: {how}", file=sys.stderr)
+        stderr_line(f"\nexactrl {args.command}: {how}")
     if argv is None and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         _exit_rank(code)
     return code
@@ -455,7 +457,7 @@ def _fail(command: str, e: Exception) -> int:
     import os
 
     rank = f" (rank {os.environ.get('RANK', '?')})" if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
-    print(f"exactrl {command}{rank}: error: {e}", file=sys.stderr)
+    stderr_line(f"exactrl {command}{rank}: error: {e}")
     return 2
 
 

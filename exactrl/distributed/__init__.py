@@ -59,6 +59,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from exactrl.console import stderr_line
+
 TIMEOUT_S = 1800  # a collective waits this long for a slow or dead rank before the run fails
 # after a rank fails, the launcher lets the others end on their own (a collective with a dead peer fails at
 # once) before it stops them: rank 0 may be writing the checkpoint of a step every rank finished
@@ -269,10 +271,9 @@ def launch(argv: list[str], nproc: int) -> int:
     cores = len(os.sched_getaffinity(0))
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
     if nproc > cores:  # correct, but the ranks take turns on the cores and every collective waits for the last
-        print(
+        stderr_line(
             f"exactrl train: warning: --nproc {nproc} on {cores} core{'s' * (cores > 1)}: the ranks take turns "
-            f"on the cores, so the run is slower than with at most {cores} rank{'s' * (cores > 1)}",
-            file=sys.stderr,
+            f"on the cores, so the run is slower than with at most {cores} rank{'s' * (cores > 1)}"
         )
     signals: list[int] = []  # the signals the launcher was sent, in order: set by the handler, read by the loop
 
@@ -325,14 +326,13 @@ def _wait_for_ranks(procs: list[subprocess.Popen], signals: list[int]) -> int:
             how = f"exited with code {rc}" if rc > 0 else f"was killed by signal {-rc}"
             if code == 0:  # the first to fail: the others follow (the order is a race: each is named)
                 code = rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
-                print(
+                stderr_line(
                     f"exactrl train: rank {procs.index(p)} {how}; the other ranks stop at their next "
-                    f"collective (or in {FAILED_RANK_GRACE_S} s)",
-                    file=sys.stderr,
+                    f"collective (or in {FAILED_RANK_GRACE_S} s)"
                 )
                 term_at = time.monotonic() + FAILED_RANK_GRACE_S
             else:
-                print(f"exactrl train: rank {procs.index(p)} {how}", file=sys.stderr)
+                stderr_line(f"exactrl train: rank {procs.index(p)} {how}")
         now = time.monotonic()
         if len(signals) > seen:
             if seen == 0:

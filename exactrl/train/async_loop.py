@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import copy
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
+from exactrl.console import stderr_line
 from exactrl.distributed import Ranks
 from exactrl.engine import Engine
 from exactrl.envs.prompts import prompt_ids
@@ -129,11 +129,9 @@ class RolloutWorker:
             return
         self._thread.join(STOP_WAIT_S if self._in_process else 5.0)
         if self._in_process and self._thread.is_alive():
-            print(
+            stderr_line(
                 f"exactrl: the rollout thread did not stop within {STOP_WAIT_S:g} s (a task's reward that does "
-                f"not return?); the run stops without it",
-                file=sys.stderr,
-                flush=True,
+                f"not return?); the run stops without it"
             )
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:

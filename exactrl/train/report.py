@@ -8,10 +8,10 @@ each is named in a note (stderr), so a plot never silently misses a point.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from exactrl.console import stderr_line
 from exactrl.train.logger import read_metrics
 
 PANELS = [
@@ -25,7 +25,7 @@ PLOTTABLE = 1e300  # beyond it matplotlib overflows computing an axis' margins (
 
 
 def _note(text: str) -> None:
-    print(f"report: {text}", file=sys.stderr)
+    stderr_line(f"report: {text}")
 
 
 def write_report(run_dir: str | Path, warn: Callable[[str], None] = _note) -> list[Path]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
 
+from exactrl.console import stderr_line
 from exactrl.train import signals
 from exactrl.train.config import dotted, ignored_settings, load_config
 from exactrl.train.signals import Terminated
@@ -148,18 +148,14 @@ def _train(cfg, ranks, say) -> int:
         how, stop_code = stopped_by(e) if interrupted else ("", 0)
         removed = ranks.main and _remove_if_empty(c)  # an error's own message follows on one line (cli.py)
         if removed and interrupted:
-            print(
-                f"\n{how} before the first step: the new run dir {c.run_dir} held nothing and was removed",
-                file=sys.stderr,
-            )
+            stderr_line(f"\n{how} before the first step: the new run dir {c.run_dir} held nothing and was removed")
         elif interrupted and ranks.main:  # Ctrl-C: what is saved stays; say how to go on
             ckpt = latest_checkpoint(c.run_dir)
             where = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
             nproc = f" --nproc {ranks.world}" if ranks.world > 1 else ""
-            print(
+            stderr_line(
                 f"\n{how}: run {c.run_dir} is kept and {where}; continue it with "
-                f"exactrl train{nproc} --set run_dir={c.run_dir} --set resume=true (and the same settings)",
-                file=sys.stderr,
+                f"exactrl train{nproc} --set run_dir={c.run_dir} --set resume=true (and the same settings)"
             )
         if interrupted:
             return stop_code

@@ -14,7 +14,6 @@ import json
 import random
 import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import IO
 import numpy as np
 import torch
 
+from exactrl.console import stderr_line
 from exactrl.distributed import Ranks
 from exactrl.model import load_model
 from exactrl.model.checkpoint import resolve_device
@@ -269,7 +269,7 @@ def _stopped(run: SFTRun, e: BaseException, config_path: str | None) -> int:
         shutil.rmtree(run.run_dir, ignore_errors=True)  # a failed start leaves nothing behind
         if isinstance(e, KeyboardInterrupt):
             how, code = stopped_by(e)
-            print(f"\n{how} before the first step: the new run dir {run.run_dir} was removed", file=sys.stderr)
+            stderr_line(f"\n{how} before the first step: the new run dir {run.run_dir} was removed")
             return code
         raise e
     go_on = (
@@ -281,7 +281,7 @@ def _stopped(run: SFTRun, e: BaseException, config_path: str | None) -> int:
     )
     if isinstance(e, KeyboardInterrupt):
         how, code = stopped_by(e)
-        print(f"\n{how}: {kept}; continue it with {go_on}", file=sys.stderr)
+        stderr_line(f"\n{how}: {kept}; continue it with {go_on}")
         return code
     if isinstance(e, OSError):
         raise OSError(f"{e}; {kept}: fix that and continue it with {go_on}") from e

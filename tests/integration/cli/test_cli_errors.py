@@ -562,3 +562,26 @@ def test_version_is_the_installed_packages(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"exactrl {version('exactrl')}"
+
+
+def test_a_message_and_its_newline_are_one_write(monkeypatch):
+    """The ranks of a run and their launcher share one stderr: with PYTHONUNBUFFERED, `print` writes a message and
+    its newline apart, and another process's line can land between them; `stderr_line` writes them together."""
+    import sys
+
+    from exactrl.console import stderr_line
+
+    writes = []
+
+    class Recorder:
+        def write(self, s):
+            writes.append(s)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    stderr_line("exactrl train (rank 0): error: another rank left the run")
+    print("the same with print", file=sys.stderr)
+    assert writes[0] == "exactrl train (rank 0): error: another rank left the run\n"
+    assert writes[1:] == ["the same with print", "\n"]  # what the rule guards against
