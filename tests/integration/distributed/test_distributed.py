@@ -492,6 +492,7 @@ def test_more_ranks_than_cores_is_run_with_a_warning(tmp_path, monkeypatch, caps
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # multi-rank runs: `make test-slow` (CI)
 def test_a_rank_that_dies_mid_run_leaves_one_line_on_the_others_not_a_gloo_traceback(model_dir, tmp_path):
     """Rank 1 is killed at step 2 (a sitecustomize hook in the ranks' path): the launcher names it, and rank
     0, whose next collective fails, says in one line that a rank left, what is kept and how to resume
