@@ -183,7 +183,7 @@ def _fsdp_rank_step(rank: int, port: int, model_path: str, name: str, budget: in
 # the step reference's 12 sequences: rank 0 holds 11, 13, 7, 10, 8, 10 tokens, rank 1 7, 3, 11, 12, 9, 7
 # (its 3 an empty completion). A budget of 12 gives rank 0 six micro-batches and rank 1 five (it runs one
 # of zero weight); 9 gives each six, rank 1's second one without a completion token (no forward of its own)
-@pytest.mark.parametrize("budget", [12, 9])
+@pytest.mark.parametrize("budget", [12, pytest.param(9, marks=pytest.mark.slow)])  # 9: `make test-slow` (CI)
 def test_an_fsdp_step_gives_the_reference_gradient_with_unequal_micro_batches(models, qwen3_dir, budget):
     import torch.multiprocessing as mp
 

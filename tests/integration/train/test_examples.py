@@ -57,6 +57,7 @@ def test_the_distill_example_runs_every_arm_exactly(tmp_path, monkeypatch):
     assert (out / "distill.png").stat().st_size > 0 and (out / "summary.md").read_text().count("\n") == 5
 
 
+@pytest.mark.slow  # a whole example run (~30 s): `make test-slow` (CI)
 def test_the_real_model_example_runs_on_a_gguf_file(tmp_path, capsys):
     """The recipe of examples/real_model.py on a tiny generated GGUF file (the real one is a package install
     away: docs/gguf.md): convert, check, parity, serve + openai chat, decode speed, GRPO with |Δlogp| = 0."""

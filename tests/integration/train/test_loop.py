@@ -547,6 +547,7 @@ def test_async_ctrl_c_drops_the_batch_in_flight(model_dir, tmp_path, capsys, mon
     """A Ctrl-C while the rollout thread samples the next batch: the run stops at the engine's next step
     instead of finishing the batch first, and says how to resume."""
     import threading
+    import time
 
     import exactrl.train.async_loop as async_mod
 
@@ -560,6 +561,11 @@ def test_async_ctrl_c_drops_the_batch_in_flight(model_dir, tmp_path, capsys, mon
             def hook():
                 started.set()
                 if on_step is not None:
+                    # the batch is held here until the Ctrl-C has reached the worker: else, on a busy machine,
+                    # the thread may finish the batch before the main thread gets to stop it
+                    worker, t0 = on_step.__self__, time.monotonic()
+                    while not worker._stopping and time.monotonic() - t0 < 60:
+                        time.sleep(0.01)
                     on_step()
 
             try:

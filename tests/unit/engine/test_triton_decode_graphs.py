@@ -87,6 +87,7 @@ def test_a_host_read_in_the_forward_is_refused(model, monkeypatch):
         Engine(model, kv_budget_tokens=256).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
 
 
+@pytest.mark.slow  # the interpreter: `make test-slow` (CI)
 def test_a_replay_does_not_rerun_the_models_python(model, monkeypatch):
     """What a CUDA graph holds is what the recording launched: a Python value the forward computes anew at each
     step stays as recorded in a replay (the eager engine sees it change)."""
@@ -110,6 +111,7 @@ def test_a_replay_does_not_rerun_the_models_python(model, monkeypatch):
     assert graph_lp[:2] == eager_lp[:2] and graph_lp[2:] != eager_lp[2:]
 
 
+@pytest.mark.slow  # the interpreter: `make test-slow` (CI)
 def test_a_write_in_place_keeps_the_graphs_and_replays_see_it(qwen3_dir):
     """The graphs read the parameters themselves: after a LoRA trainer's optimizer-like write in place to the
     adapters they are kept, and the replays compute with the new weights, as an eager engine does."""
