@@ -40,43 +40,45 @@ def scale(x: torch.Tensor, s: float) -> torch.Tensor:
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
     """silu(g) * u, elementwise, float32 (pointwise.c)."""
-    assert g.shape == u.shape, (g.shape, u.shape)
-    g, u = _f32(g, u)
-    out = torch.empty_like(g)
-    library(build).exactrl_swiglu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), torch.get_num_threads())
-    return out
+    return _gated("exactrl_swiglu", g, u, build)
 
 
 def swiglu_backward(
     g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dg, du) of out = silu(g) * u for the output gradient dy (pointwise.c)."""
-    assert g.shape == u.shape == dy.shape, (g.shape, u.shape, dy.shape)
-    g, u, dy = _f32(g, u, dy)
-    dg, du = torch.empty_like(g), torch.empty_like(g)
-    library(build).exactrl_swiglu_backward(
-        g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(), torch.get_num_threads()
-    )
-    return dg, du
+    return _gated_backward("exactrl_swiglu_backward", g, u, dy, build)
 
 
 def geglu(g: torch.Tensor, u: torch.Tensor, build: str = "") -> torch.Tensor:
     """gelu(g) * u (gelu's tanh approximation), elementwise, float32 (pointwise.c)."""
-    assert g.shape == u.shape, (g.shape, u.shape)
-    g, u = _f32(g, u)
-    out = torch.empty_like(g)
-    library(build).exactrl_geglu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), torch.get_num_threads())
-    return out
+    return _gated("exactrl_geglu", g, u, build)
 
 
 def geglu_backward(
     g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dg, du) of out = gelu(g) * u for the output gradient dy (pointwise.c)."""
+    return _gated_backward("exactrl_geglu_backward", g, u, dy, build)
+
+
+def _gated(fn: str, g: torch.Tensor, u: torch.Tensor, build: str) -> torch.Tensor:
+    """act(g) * u through the C function `fn` (pointwise.c's gated activations share one signature)."""
+    assert g.shape == u.shape, (g.shape, u.shape)
+    g, u = _f32(g, u)
+    out = torch.empty_like(g)
+    getattr(library(build), fn)(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _gated_backward(
+    fn: str, g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, build: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of a gated activation through the C function `fn`."""
     assert g.shape == u.shape == dy.shape, (g.shape, u.shape, dy.shape)
     g, u, dy = _f32(g, u, dy)
     dg, du = torch.empty_like(g), torch.empty_like(g)
-    library(build).exactrl_geglu_backward(
+    getattr(library(build), fn)(
         g.data_ptr(), u.data_ptr(), dy.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(), torch.get_num_threads()
     )
     return dg, du
